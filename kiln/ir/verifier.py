@@ -1,0 +1,94 @@
+"""The verifier: a graph is well formed, or `KilnVerifierError` says where it is not.
+
+Checks: every op is registered and its attributes are valid; every operand is
+defined before use in its region or an enclosing one (SSA scoping); every node's
+result types are exactly what its type rule gives; region counts and signatures
+match; shape variables are declared; constants have data of the declared type.
+"""
+
+from __future__ import annotations
+
+from kiln.errors import KilnError, KilnVerifierError
+from kiln.ir import dtypes as dt
+from kiln.ir import registry
+from kiln.ir.graph import Graph, Node, Region, Value
+from kiln.ir.types import TensorType
+
+
+def verify(graph: Graph) -> Graph:
+    """Raise KilnVerifierError on the first problem; return the graph if it is sound."""
+    visible: set[int] = set()
+    for value in graph.inputs:
+        _check_type(graph, value.type, f"input %{value.name}")
+        visible.add(id(value))
+    _verify_region(graph, graph.body, visible, "graph")
+    return graph
+
+
+def _check_type(graph: Graph, t: TensorType, where: str) -> None:
+    missing = t.symbols() - set(graph.shape_vars)
+    if missing:
+        raise KilnVerifierError(f"{where}: type {t} uses undeclared shape variable(s) "
+                                f"{', '.join(sorted(missing))}")
+
+
+def _verify_region(graph: Graph, region: Region, visible: set[int], where: str) -> None:
+    defined = set(visible)
+    for param in region.params:
+        defined.add(id(param))
+    for index, node in enumerate(region.nodes):
+        _verify_node(graph, node, defined, f"{where}, node {index} ({node.op})")
+        for result in node.results:
+            if id(result) in defined:
+                raise KilnVerifierError(f"{where}: {node.op} redefines a value")
+            defined.add(id(result))
+    for value in region.results:
+        if id(value) not in defined:
+            raise KilnVerifierError(f"{where}: yields a value that is not defined in scope")
+
+
+def _verify_node(graph: Graph, node: Node, defined: set[int], where: str) -> None:
+    try:
+        opdef = registry.get(node.op)
+    except KilnError as exc:
+        raise KilnVerifierError(f"{where}: {exc.message}") from None
+    for i, operand in enumerate(node.operands):
+        if not isinstance(operand, Value) or id(operand) not in defined:
+            raise KilnVerifierError(f"{where}: operand {i} is not defined before its use")
+    expected_regions = opdef.num_regions
+    if expected_regions is None:
+        if not node.regions:
+            raise KilnVerifierError(f"{where}: {node.op} needs at least one region")
+    elif len(node.regions) != expected_regions:
+        raise KilnVerifierError(f"{where}: {node.op} takes {expected_regions} region(s), "
+                                f"has {len(node.regions)}")
+    try:
+        attrs = opdef.normalize_attrs(node.attrs)
+        if node.regions or opdef.num_regions is None:
+            types = opdef.infer([v.type for v in node.operands], dict(attrs, regions=node.regions))
+        else:
+            types = opdef.infer([v.type for v in node.operands], attrs)
+    except KilnError as exc:
+        raise KilnVerifierError(f"{where}: {exc.message}") from None
+    actual = [r.type for r in node.results]
+    if types != actual:
+        raise KilnVerifierError(
+            f"{where}: results are typed {', '.join(map(str, actual)) or '()'} but the type rule "
+            f"of {node.op} gives {', '.join(map(str, types)) or '()'}")
+    for t in actual:
+        _check_type(graph, t, where)
+    if node.op == "constant":
+        _verify_constant(graph, node, where)
+    for k, region in enumerate(node.regions):
+        _verify_region(graph, region, defined, f"{where}, region {k}")
+
+
+def _verify_constant(graph: Graph, node: Node, where: str) -> None:
+    name = node.attrs["name"]
+    if name not in graph.constants:
+        raise KilnVerifierError(f"{where}: constant '{name}' has no data in the graph")
+    data = graph.constants[name]
+    t = node.results[0].type
+    if dt.from_numpy(data.dtype) != t.dtype or tuple(data.shape) != tuple(t.shape):
+        raise KilnVerifierError(f"{where}: constant '{name}' holds {data.dtype}{list(data.shape)} "
+                                f"but is typed {t}")
