@@ -1,9 +1,32 @@
-"""kiln: a compiler-first tensor framework."""
+"""kiln: a compiler-first tensor framework.
+
+>>> import kiln as kn
+>>> x = kn.randn(2, 3, seed=0)
+>>> kn.trace(lambda x: kn.gelu(x) * 2, x)
+"""
 
 __version__ = "0.1.0"
 
-from kiln.errors import KilnError  # noqa: F401
+from kiln.errors import (  # noqa: F401
+    KilnError, KilnShapeError, KilnDTypeError, KilnArgumentError, KilnIndexError, KilnFormatError,
+    KilnFormatVersionError, KilnParseError, KilnVerifierError, KilnTraceError,
+    KilnConcretizationError, KilnShapeSpecError, KilnUnknownOpError,
+)
 from kiln.ir.dtypes import (  # noqa: F401
     DType, bool_, uint8, uint32, int8, int16, int32, int64, float8_e4m3fn, float8_e5m2,
     bfloat16, float16, float32, float64, complex64, promote_types, finfo, iinfo,
 )
+from kiln.ir.dtypes import bool_ as bool  # noqa: F401,A001  (kn.bool, as torch.bool)
+from kiln.ir.graph import Graph  # noqa: F401
+from kiln.ir.shapes import ShapeVar  # noqa: F401
+from kiln.frontend.tensor import Tensor  # noqa: F401
+from kiln.frontend import methods as _methods  # noqa: F401  (binds Tensor operators)
+from kiln.frontend.functional import *  # noqa: F401,F403
+from kiln.frontend.functional import abs, all, any, max, min, pow, round, sum  # noqa: F401,A004
+from kiln.frontend.shape_ops import *  # noqa: F401,F403
+from kiln.frontend.indexing import getitem as _getitem  # noqa: F401
+from kiln.frontend.factories import *  # noqa: F401,F403
+from kiln.frontend.specs import STATIC, TensorSpec, dynamic_spec  # noqa: F401
+from kiln.frontend.tracing import trace  # noqa: F401
+from kiln.frontend.export import ExportedProgram, export, load  # noqa: F401
+from kiln.frontend import linalg  # noqa: F401

@@ -185,11 +185,11 @@ sub = _binary("sub", NUMERIC, _int_or_float(np.subtract))
 mul = _binary("mul", NUMERIC, _int_or_float(np.multiply))
 div = _binary("div", NUMERIC, _int_or_float(_trunc_div),
               doc="True division for floats; integers truncate toward zero (x / 0 is 0).")
-rem = _binary("rem", NUMERIC, _int_or_float(_trunc_rem),
+rem = _binary("rem", REAL, _int_or_float(_trunc_rem),
               doc="Remainder with the dividend's sign (C fmod); integer x % 0 is 0.")
 pow_ = _binary("pow", NUMERIC, _int_or_float(_pow))
-max_ = _binary("max", ANY, _int_or_float(np.maximum), doc="Elementwise maximum; NaN propagates.")
-min_ = _binary("min", ANY, _int_or_float(np.minimum), doc="Elementwise minimum; NaN propagates.")
+max_ = _binary("max", REAL, _int_or_float(np.maximum), doc="Elementwise maximum; NaN propagates.")
+min_ = _binary("min", REAL, _int_or_float(np.minimum), doc="Elementwise minimum; NaN propagates.")
 atan2 = _binary("atan2", FLOATING, via_f32(np.arctan2))
 and_ = _binary("and", INTEGRAL, lambda a, b: np.bitwise_and(a, b), differentiable=False)
 or_ = _binary("or", INTEGRAL, lambda a, b: np.bitwise_or(a, b), differentiable=False)

@@ -37,6 +37,7 @@ def _reduce(name: str, allowed: str, fn, differentiable=True, doc=""):
         check_dtype(op, x, allowed)
         return _reduced(op, x, axes)
 
+    doc = doc or f"{name[len('reduce_'):].capitalize()} over `axes`, which leave the shape."
     cls = type(name, (), {"type": type_rule, "reference": _accumulating(fn), "__doc__": doc})
     return defop(name, family="reduction", kind=PRIMITIVE, num_operands=1,
                  attrs={"axes": REQUIRED}, differentiable=differentiable)(cls)

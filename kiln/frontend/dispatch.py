@@ -1,0 +1,116 @@
+"""Where an op runs: eagerly on numpy arrays, or into the graph being traced.
+
+Every frontend function funnels through `apply`: it looks for a traced operand (or
+an active trace), turns the rest into that representation (numpy data becomes a
+graph constant, Python scalars stay weak) and calls the emitter. This is the only
+place that knows the two modes apart.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import KilnDTypeError, KilnTraceError
+from kiln.ir import dtypes as dt
+from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
+
+_state = threading.local()
+
+
+def trace_stack() -> list[GraphBuilder]:
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
+
+
+def current_builder() -> GraphBuilder | None:
+    stack = trace_stack()
+    return stack[-1] if stack else None
+
+
+def emitter_for(*args) -> Emitter:
+    """The builder of the traced operands, else the active trace's, else eager."""
+    from kiln.frontend.tensor import Tensor
+
+    found = None
+    for a in args:
+        if isinstance(a, Tensor) and a._builder is not None:
+            if found is not None and a._builder is not found:
+                raise KilnTraceError("an operation mixes tensors from two different traces",
+                                     hint="a traced tensor escaped its function (a global or a "
+                                          "closure kept it); pass it as an argument instead")
+            found = a._builder
+    if found is not None:
+        if found not in trace_stack():
+            raise KilnTraceError("a traced tensor was used after its trace ended",
+                                 hint="return it from the traced function instead of storing it")
+        return found
+    return EAGER
+
+
+def to_array(value) -> np.ndarray:
+    """numpy data of anything array-like kiln accepts as a tensor."""
+    from kiln.frontend.tensor import Tensor
+
+    if isinstance(value, Tensor):
+        return value.numpy()
+    if isinstance(value, np.ndarray):
+        array = value
+    elif hasattr(value, "__dlpack__") and not isinstance(value, (list, tuple)):
+        array = np.from_dlpack(value)
+    else:
+        array = np.asarray(value)
+        if array.dtype == np.float64 and not isinstance(value, np.generic) and _all_python_floats(value):
+            array = array.astype(np.float32)  # Python float lists default to float32, as torch
+    if array.dtype.kind in "OUSMm" or (array.dtype.kind == "V" and array.dtype.names):
+        raise KilnDTypeError(f"cannot make a tensor from numpy dtype {array.dtype}")
+    dt.from_numpy(array.dtype)  # raises with the list of kiln dtypes
+    return array
+
+
+def _all_python_floats(value) -> bool:
+    return isinstance(value, (list, tuple, float))
+
+
+def raw(em: Emitter, value) -> Any:
+    """`value` in `em`'s representation: a numpy array or a graph Value; scalars stay."""
+    from kiln.frontend.tensor import Tensor
+
+    if is_python_scalar(value) and not isinstance(value, np.ndarray):
+        return value.item() if isinstance(value, np.generic) else value
+    if isinstance(value, Tensor):
+        if value._builder is not None:
+            return value._x
+        return em.constant(value._x) if em is not EAGER else value._x
+    array = to_array(value)
+    return em.constant(array) if em is not EAGER else array
+
+
+def wrap(em: Emitter, result):
+    from kiln.frontend.tensor import Tensor
+
+    builder = em if isinstance(em, GraphBuilder) else None
+    if isinstance(result, tuple):
+        return tuple(Tensor._make(r, builder) for r in result)
+    return Tensor._make(result, builder)
+
+
+def apply(op: str, *args, **attrs):
+    """Run registered op `op` on tensors/arrays/scalars in the right mode."""
+    em = emitter_for(*args)
+    return wrap(em, em.call(op, *(raw(em, a) for a in args), **attrs))
+
+
+def binary(op: str, x, y, dtype: dt.DType | None = None):
+    """A binary primitive with numpy promotion, weak scalars and explicit broadcasting."""
+    em = emitter_for(x, y)
+    return wrap(em, em.binary(op, raw(em, x), raw(em, y), dtype=dtype))
+
+
+def creation_emitter() -> Emitter:
+    """Factories build into the active trace (so sizes may be symbolic), else eagerly."""
+    return current_builder() or EAGER

@@ -1,0 +1,69 @@
+"""Operators and methods of `Tensor`, bound to the frontend functions.
+
+Kept apart from tensor.py so the class stays small and the method table reads as
+one list: every method is exactly its function with the tensor first."""
+
+from __future__ import annotations
+
+from kiln.ir import dtypes as dt
+from kiln.frontend import functional as F
+from kiln.frontend import shape_ops as S
+from kiln.frontend.indexing import getitem
+from kiln.frontend.tensor import Tensor
+
+
+def _swap(fn):
+    return lambda self, other: fn(other, self)
+
+
+_OPERATORS = {
+    "__add__": F.add, "__radd__": _swap(F.add), "__sub__": F.sub, "__rsub__": _swap(F.sub),
+    "__mul__": F.mul, "__rmul__": _swap(F.mul), "__truediv__": F.div, "__rtruediv__": _swap(F.div),
+    "__floordiv__": F.floor_divide, "__rfloordiv__": _swap(F.floor_divide),
+    "__mod__": F.remainder, "__rmod__": _swap(F.remainder),
+    "__pow__": F.pow, "__rpow__": _swap(F.pow),
+    "__matmul__": F.matmul, "__rmatmul__": _swap(F.matmul),
+    "__and__": F.bitwise_and, "__rand__": _swap(F.bitwise_and),
+    "__or__": F.bitwise_or, "__ror__": _swap(F.bitwise_or),
+    "__xor__": F.bitwise_xor, "__rxor__": _swap(F.bitwise_xor),
+    "__eq__": F.eq, "__ne__": F.ne, "__lt__": F.lt, "__le__": F.le, "__gt__": F.gt, "__ge__": F.ge,
+    "__neg__": F.neg, "__abs__": F.abs, "__invert__": F.bitwise_not, "__getitem__": getitem,
+}
+
+_METHODS = {name: getattr(F, name) for name in (
+    "exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
+    "tanh", "sqrt", "rsqrt", "erf", "sigmoid", "relu", "abs", "neg", "sign", "floor", "ceil",
+    "round", "trunc", "isnan", "isinf", "isfinite", "logical_not", "bitwise_not",
+    "add", "sub", "mul", "div", "floor_divide", "remainder", "fmod", "pow", "maximum", "minimum",
+    "atan2", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge",
+    "clamp", "clip", "sum", "prod", "mean", "var", "std", "logsumexp", "all", "any", "max", "min",
+    "amax", "amin", "argmax", "argmin", "cumsum", "cumprod", "sort", "argsort", "softmax",
+    "log_softmax", "matmul", "to")}
+_METHODS.update({name: getattr(S, name) for name in (
+    "reshape", "view", "flatten", "permute", "transpose", "movedim", "expand", "squeeze",
+    "unsqueeze", "narrow", "split", "chunk", "gather", "scatter_add", "scatter", "index_select",
+    "flip")})
+_METHODS["where"] = lambda self, condition, other: F.where(condition, self, other)
+_METHODS["expand_as"] = lambda self, other: S.expand(self, *other.shape)
+_METHODS["reshape_as"] = lambda self, other: S.reshape(self, *other.shape)
+_METHODS["type_as"] = lambda self, other: F.to(self, other.dtype)
+
+for _name, _dtype in (("float", dt.float32), ("double", dt.float64), ("half", dt.float16),
+                      ("bfloat16", dt.bfloat16), ("int", dt.int32), ("long", dt.int64),
+                      ("bool", dt.bool_)):
+    _METHODS[_name] = (lambda d: lambda self: F.to(self, d))(_dtype)
+
+
+def _T(self):
+    return S.permute(self, tuple(reversed(range(self.ndim))))
+
+
+def _mT(self):
+    return S.transpose(self, -2, -1)
+
+
+for _name, _fn in {**_OPERATORS, **_METHODS}.items():
+    setattr(Tensor, _name, _fn)
+Tensor.T = property(_T)
+Tensor.mT = property(_mT)
+Tensor.__hash__ = object.__hash__  # __eq__ is elementwise

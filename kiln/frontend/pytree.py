@@ -1,0 +1,68 @@
+"""Nested containers of tensors (tuples, lists, dicts, None) flattened to leaves and
+rebuilt, with a JSON-able description of the structure for exported programs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kiln.errors import KilnArgumentError
+
+
+def flatten(tree, is_leaf: Callable[[Any], bool]) -> tuple[list, Any]:
+    """Leaves in order and a `spec` describing the nesting (JSON-able)."""
+    leaves: list = []
+
+    def walk(node):
+        if is_leaf(node):
+            leaves.append(node)
+            return "*"
+        if node is None:
+            return None
+        if isinstance(node, tuple):
+            return {"tuple": [walk(x) for x in node]}
+        if isinstance(node, list):
+            return {"list": [walk(x) for x in node]}
+        if isinstance(node, dict):
+            keys = list(node)
+            if not all(isinstance(k, str) for k in keys):
+                raise KilnArgumentError("pytree: dict keys must be strings")
+            return {"dict": [[k, walk(node[k])] for k in keys]}
+        raise KilnArgumentError(f"pytree: {type(node).__name__} is not a tensor, tuple, list or dict")
+
+    return leaves, walk(tree)
+
+
+def unflatten(spec, leaves: list):
+    """Rebuild the structure `spec` from `leaves`."""
+    it = iter(leaves)
+
+    def build(node):
+        if node == "*":
+            return next(it)
+        if node is None:
+            return None
+        if isinstance(node, dict) and len(node) == 1:
+            (kind, items), = node.items()
+            if kind == "tuple":
+                return tuple(build(x) for x in items)
+            if kind == "list":
+                return [build(x) for x in items]
+            if kind == "dict":
+                return {k: build(v) for k, v in items}
+        raise KilnArgumentError(f"pytree: malformed structure spec {node!r}")
+
+    return build(spec)
+
+
+def count_leaves(spec) -> int:
+    if spec == "*":
+        return 1
+    if spec is None:
+        return 0
+    if isinstance(spec, dict) and len(spec) == 1:
+        (kind, items), = spec.items()
+        if kind == "dict":
+            return sum(count_leaves(v) for _, v in items)
+        if kind in ("tuple", "list"):
+            return sum(count_leaves(x) for x in items)
+    raise KilnArgumentError(f"pytree: malformed structure spec {spec!r}")

@@ -1,0 +1,189 @@
+"""The user-facing `Tensor`: numpy-backed in eager mode, a graph value while tracing.
+
+One class serves both modes, so user code runs unchanged under `kn.trace`,
+`kn.export` and `kn.compile`. Operators and methods delegate to the functions of
+`kiln.frontend.functional` and `kiln.frontend.shape_ops`; reading a traced tensor's
+value from Python (`bool(t)`, `t.item()`, `t.numpy()`) raises a numbered error that
+points at the user's line and names the control-flow op that replaces it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.errors import KilnConcretizationError, user_location
+from kiln.ir import dtypes as dt
+from kiln.ir.emitter import GraphBuilder
+from kiln.ir.graph import Value
+
+_FIX = ("use kn.cond(pred, true_fn, false_fn, *operands) or kn.switch(index, branches, "
+        "*operands) for branches, and kn.while_loop(cond_fn, body_fn, carried) for loops")
+
+
+class Device(str):
+    """The device a tensor lives on; eager tensors are on "cpu"."""
+
+    @property
+    def type(self) -> str:
+        return str(self)
+
+
+CPU = Device("cpu")
+
+
+class Tensor:
+    """A multi-dimensional array of one kiln dtype.
+
+    >>> x = kn.tensor([[1.0, 2.0], [3.0, 4.0]])
+    >>> (x * 2 + 1).sum(dim=-1).numpy()
+    array([ 7., 15.], dtype=float32)
+    """
+
+    __slots__ = ("_x", "_builder", "__weakref__")
+    __array_priority__ = 1000  # numpy defers `ndarray op Tensor` to us
+
+    def __init__(self, data, dtype=None):
+        from kiln.frontend.dispatch import to_array
+
+        array = np.array(to_array(data), copy=True)
+        if dtype is not None:
+            array = _convert_array(array, dt.dtype(dtype))
+        self._x = array
+        self._builder = None
+
+    @classmethod
+    def _make(cls, x, builder: GraphBuilder | None = None) -> "Tensor":
+        t = object.__new__(cls)
+        t._x = x
+        t._builder = builder
+        return t
+
+    # -- metadata ----------------------------------------------------------------
+
+    @property
+    def is_traced(self) -> bool:
+        return self._builder is not None
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self._x.shape) if self._builder is None else self._x.type.shape
+
+    @property
+    def dtype(self) -> dt.DType:
+        return dt.from_numpy(self._x.dtype) if self._builder is None else self._x.type.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def device(self) -> Device:
+        return CPU
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self):
+        from kiln.ir.shapes import numel
+
+        return numel(self.shape)
+
+    @property
+    def value(self) -> Value:
+        """The graph value of a traced tensor."""
+        return self._x
+
+    # -- leaving kiln --------------------------------------------------------------
+
+    def _concrete(self, what: str) -> np.ndarray:
+        if self._builder is not None:
+            raise KilnConcretizationError(
+                f"{what} needs the value of a traced tensor ({self._x.type}), which is not known "
+                "while kiln traces the function", where=user_location(), hint=_FIX)
+        return self._x
+
+    def numpy(self) -> np.ndarray:
+        """The data as a numpy array (shared, not copied)."""
+        return self._concrete("Tensor.numpy()")
+
+    def __array__(self, dtype=None, copy=None):
+        array = self._concrete("converting a tensor to a numpy array")
+        if dtype is not None:
+            array = array.astype(dtype)
+        return array.copy() if copy else array
+
+    def item(self):
+        array = self._concrete("Tensor.item()")
+        if array.size != 1:
+            from kiln.errors import KilnShapeError
+
+            raise KilnShapeError(f"item: only a tensor with one element has an item, got shape "
+                                 f"{list(array.shape)}")
+        value = array.reshape(()).item()
+        return float(value) if array.dtype.kind == "V" or self.dtype.bits < 32 and self.dtype.is_floating else value
+
+    def tolist(self):
+        array = self._concrete("Tensor.tolist()")
+        return array.astype(np.float32).tolist() if self.dtype.is_floating and self.dtype.bits < 32 \
+            else array.tolist()
+
+    def __bool__(self) -> bool:
+        return bool(self._single("bool(tensor) (an `if` or `while` on a tensor)"))
+
+    def __float__(self) -> float:
+        return float(self._single("float(tensor)"))
+
+    def __int__(self) -> int:
+        return int(self._single("int(tensor)"))
+
+    def __index__(self) -> int:
+        if not (self.dtype.is_integer or self.dtype.is_bool):
+            raise TypeError(f"only integer tensors can be used as an index, not {self.dtype}")
+        return int(self._single("using a tensor as a Python index"))
+
+    def _single(self, what: str):
+        array = self._concrete(what)
+        if array.size != 1:
+            from kiln.errors import KilnShapeError
+
+            raise KilnShapeError(f"{what}: the truth or value of a tensor with {array.size} "
+                                 "elements is ambiguous; reduce it first (.any(), .all(), .sum())")
+        value = array.reshape(())
+        return value.astype(np.float32) if self.dtype.is_floating and self.dtype.bits < 32 else value
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        first = self.shape[0]
+        if not isinstance(first, int):
+            raise KilnConcretizationError(f"len() of a tensor whose first dim is symbolic ({first})",
+                                          where=user_location(), hint="use x.shape[0]")
+        return first
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._concrete("DLPack export").__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._concrete("DLPack export").__dlpack_device__()
+
+    def __repr__(self) -> str:
+        if self._builder is not None:
+            return f"Tensor(traced {self._x.type})"
+        data = self._x.astype(np.float32) if self.dtype.is_floating and self.dtype.bits < 32 else self._x
+        body = np.array2string(data, separator=", ", prefix="tensor(")
+        return f"tensor({body}, dtype={self.dtype!r})"
+
+    __hash__ = object.__hash__  # == is elementwise, so hash by identity as torch does
+
+
+def _convert_array(array: np.ndarray, target: dt.DType) -> np.ndarray:
+    from kiln.ir.emitter import EAGER
+
+    return EAGER.convert(array, target)

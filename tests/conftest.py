@@ -1,0 +1,22 @@
+"""Test-wide setup: every cache kiln, Triton or PoCL might write goes to a temporary
+folder, and hypothesis runs with a profile sized for a 2-core CI machine."""
+
+import os
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_CACHE_ROOT = tempfile.mkdtemp(prefix="kiln-test-cache-")
+for _var in ("KILN_CACHE_DIR", "TRITON_CACHE_DIR", "POCL_CACHE_DIR", "KILN_FR_DIR"):
+    os.environ[_var] = os.path.join(_CACHE_ROOT, _var.lower())
+
+settings.register_profile("kiln", deadline=None, max_examples=40,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kiln")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
+    yield
