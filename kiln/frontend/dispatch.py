@@ -68,8 +68,8 @@ def to_array(value) -> np.ndarray:
             array = array.astype(np.float32)  # Python float lists default to float32, as torch
     if array.dtype.kind in "OUSMm" or (array.dtype.kind == "V" and array.dtype.names):
         raise KilnDTypeError(f"cannot make a tensor from numpy dtype {array.dtype}")
-    dt.from_numpy(array.dtype)  # raises with the list of kiln dtypes
-    return array
+    target = dt.from_numpy(array.dtype).np_dtype  # raises with the list of kiln dtypes
+    return array if array.dtype == target else array.astype(target)
 
 
 def _all_python_floats(value) -> bool:

@@ -56,7 +56,7 @@ def from_dlpack(obj):
 
     try:
         array = np.from_dlpack(obj)
-    except (TypeError, BufferError, RuntimeError) as exc:
+    except (TypeError, AttributeError, BufferError, RuntimeError) as exc:
         raise KilnDTypeError(f"from_dlpack: cannot import {type(obj).__name__}: {exc}") from None
     dt.from_numpy(array.dtype)
     return Tensor._make(array)

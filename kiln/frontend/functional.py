@@ -302,7 +302,10 @@ def _axes(op: str, x, dim) -> tuple[int, ...]:
     if dim is None:
         return tuple(range(rank))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    return tuple(sorted({normalize_axis(op, d, rank, "dim") for d in dims}))
+    axes = [normalize_axis(op, d, rank, "dim") for d in dims]
+    if len(set(axes)) != len(axes):
+        raise KilnArgumentError(f"{op}: dim {dim} repeats a dim of a tensor of rank {rank}")
+    return tuple(sorted(axes)) if rank else ()  # dim 0 / -1 of a scalar: nothing to reduce
 
 
 def _keep(x, result, axes, keepdim):
@@ -358,8 +361,11 @@ def var(x, dim=None, keepdim: bool = False, correction: int = 1, unbiased: bool 
     return _keep(x, apply("var", x, axes=axes, correction=correction), axes, keepdim)
 
 
-def std(x, dim=None, keepdim: bool = False, correction: int = 1):
-    return sqrt(var(x, dim, keepdim, correction))
+def std(x, dim=None, keepdim: bool = False, correction: int = 1, unbiased: bool | None = None):
+    x = _tensor(x)
+    if not x.dtype.is_floating:
+        raise KilnDTypeError(f"std: input dtype {x.dtype} is not floating; convert it first")
+    return sqrt(var(x, dim, keepdim, correction, unbiased))
 
 
 def logsumexp(x, dim=None, keepdim: bool = False):

@@ -1,7 +1,11 @@
-"""`tensor[index]` with numpy's rules: ints, slices (any step), None, Ellipsis,
-integer arrays/tensors (advanced indexing, broadcast together) and, in eager mode,
-boolean masks. Basic indexing becomes slice/reverse/reshape; advanced indexing
-becomes one `take` on a flattened view of the indexed dims."""
+"""`tensor[index]`: ints, slices (any step), None, Ellipsis, integer arrays/tensors
+(advanced indexing, broadcast together) and, in eager mode, boolean masks.
+
+Placement of advanced-index dims follows PyTorch, which agrees with numpy except
+when an int stands beside index arrays (`x[0, :, [0, 1]]`): PyTorch treats the int as
+a basic index, numpy as one more index array. Basic indexing becomes
+slice/reverse/reshape; advanced indexing becomes one `take` on a flattened view of
+the indexed dims."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import sympy
 
 from kiln.errors import KilnIndexError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
+from kiln.ir.ops.rules import contiguous
 from kiln.ir.shapes import dim as as_dim
+from kiln.ir.shapes import numel
 from kiln.frontend.dispatch import apply, to_array
 from kiln.frontend.functional import _tensor, add, lt, mul, to, where
 from kiln.frontend.shape_ops import permute, reshape
@@ -140,16 +146,27 @@ def _slice_bounds(size, it: slice, axis):
     return start, stop, step, False
 
 
-def _index_tensor(it, size):
-    t = _tensor(it if not isinstance(it, list) else np.asarray(it))
+def _index_tensor(it, size, axis, check: bool):
+    if isinstance(it, list):
+        it = np.asarray(it)
+        it = it.astype(np.int64) if it.size == 0 else it  # [] is an empty index, as numpy
+    t = _tensor(it)
     if not (t.dtype.is_integer):
         raise KilnIndexError(f"tensors used as indices must be integer or bool, got {t.dtype}")
+    if check and not t.is_traced and isinstance(size, int):
+        # several indices are combined into one linear index (checked by take), where an
+        # out-of-range index could land on another element: check each one against its dim
+        values = t.numpy()
+        bad = (values < -size) | (values >= size)
+        if bad.any():
+            raise KilnIndexError(f"index {int(values[bad].flat[0])} is out of range for dim "
+                                 f"{axis} of size {size}")
     return to(t, dt.int64)
 
 
 def _advanced(y, advanced):
     positions = [p for p, _ in advanced]
-    indices = [_index_tensor(it, y.shape[p]) for p, it in advanced]
+    indices = [_index_tensor(it, y.shape[p], p, len(advanced) > 1) for p, it in advanced]
     if len(advanced) == 1:
         (p, _), (idx,) = advanced[0], indices
         return apply("take", y, idx, axis=p)
@@ -158,7 +175,7 @@ def _advanced(y, advanced):
     rest = [i for i in range(y.ndim) if i not in positions]
     moved = permute(y, positions + rest)
     sizes = [y.shape[p] for p in positions]
-    flat = reshape(moved, (-1,) + tuple(y.shape[i] for i in rest))
+    flat = reshape(moved, (numel(sizes),) + tuple(y.shape[i] for i in rest))
     linear = None
     for k, idx in enumerate(indices):
         stride = 1
@@ -192,4 +209,4 @@ def _mask_index(x, items):
         result = array[index]
     except IndexError as exc:
         raise KilnIndexError(f"boolean mask index: {exc}") from None
-    return Tensor._make(np.ascontiguousarray(result))
+    return Tensor._make(contiguous(result))

@@ -114,7 +114,7 @@ def squeeze(x, dim=None):
     else:
         dims = (dim,) if isinstance(dim, int) else tuple(dim)
         axes = [normalize_axis("squeeze", d, x.ndim, "dim") for d in dims]
-        axes = [a for a in axes if isinstance(x.shape[a], int) and x.shape[a] == 1]
+        axes = [a for a in axes if a < x.ndim and isinstance(x.shape[a], int) and x.shape[a] == 1]
     return reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
 
 

@@ -95,8 +95,10 @@ _BY_NAME = {d.name: d for d in ALL_DTYPES}
 _BY_NAME.update({"bool_": bool_, "float": float32, "double": float64, "half": float16,
                  "int": int32, "long": int64})
 _BY_NP = {d.np_dtype: d for d in ALL_DTYPES}
-_BY_NP[np.dtype(np.uint16)] = int32  # promoted on the way in: kiln has no uint16
+# numpy types kiln has no exact match for are converted on the way in
+_BY_NP[np.dtype(np.uint16)] = int32
 _BY_NP[np.dtype(np.uint64)] = int64
+_BY_NP[np.dtype(np.complex128)] = complex64
 
 
 def from_short(short: str) -> DType:
@@ -156,7 +158,7 @@ def _promote_ints(a: DType, b: DType) -> DType:
     unsigned, signed = (a, b) if a.category == UINT else (b, a)
     if signed.bits > unsigned.bits:
         return signed
-    # a signed type that holds every value of both (kiln has no int16 for u8+i8 -> i16... it does)
+    # the narrowest signed type that holds every value of both
     for candidate in (int16, int32, int64):
         if candidate.bits > unsigned.bits and candidate.bits >= signed.bits:
             return candidate
@@ -164,14 +166,9 @@ def _promote_ints(a: DType, b: DType) -> DType:
 
 
 def _promote_floats(a: DType, b: DType) -> DType:
-    if a == b:
-        return a
-    if a.bits == b.bits:  # f16 vs bf16, e4m3 vs e5m2: neither contains the other
+    if a.bits == b.bits:  # f16 vs bf16, e4m3 vs e5m2: neither holds the other
         return float32 if a.bits <= 16 else float64
-    wide, narrow = (a, b) if a.bits > b.bits else (b, a)
-    if wide.bits <= 16 and narrow.bits == 8:
-        return wide
-    return wide
+    return a if a.bits > b.bits else b
 
 
 def promote_types(a: DType, b: DType) -> DType:

@@ -32,8 +32,59 @@ _TOKEN = re.compile(r"""
 
 MAX_TEXT = 64 * 1024 * 1024
 MAX_NESTING = 64
+# Bounds on one size expression, so that a hostile text cannot make the type checks
+# (which expand sizes with sympy) or shape evaluation take unbounded time or memory.
+MAX_SIZE_BITS = 128  # magnitude of any integer in a size
+MAX_SIZE_DEGREE = 64  # largest exponent, after sympy combines (B**8)**8 into B**64
+MAX_SIZE_TERMS = 4096  # bound on the terms a size expands into
+MAX_FUNC_ARGS = 8
 _FUNCS = {"floor": sympy.floor, "ceiling": sympy.ceiling, "Mod": sympy.Mod,
           "Max": sympy.Max, "Min": sympy.Min}
+
+
+class _SizeTooLarge(Exception):
+    pass
+
+
+def _check_int(value: int) -> None:
+    if abs(value).bit_length() > MAX_SIZE_BITS:
+        raise _SizeTooLarge(f"an integer of {abs(value).bit_length()} bits")
+
+
+def _size_terms(value) -> int:
+    """An upper bound on the number of terms `value` expands into (raises if too large)."""
+    if isinstance(value, (int, float)):
+        if isinstance(value, int):
+            _check_int(value)
+        return 1
+    if not isinstance(value, sympy.Basic):
+        return 1
+    if value.is_Rational:
+        _check_int(int(value.p))
+        _check_int(int(value.q))
+        return 1
+    if value.is_Atom:
+        return 1
+    if value.is_Pow:
+        exponent = value.exp
+        if not exponent.is_Integer or abs(int(exponent)) > MAX_SIZE_DEGREE:
+            raise _SizeTooLarge(f"an exponent of {exponent}")
+        base = _size_terms(value.base)
+        k = abs(int(exponent))
+        if base > 1 and k * (base.bit_length() - 1) >= MAX_SIZE_TERMS.bit_length():
+            raise _SizeTooLarge(f"{value} expands into too many terms")
+        total = base ** k
+    elif value.is_Mul:
+        total = 1
+        for arg in value.args:
+            total *= _size_terms(arg)
+            if total > MAX_SIZE_TERMS:
+                break
+    else:  # Add, and floor/ceiling/Mod/Max/Min whose arguments expand separately
+        total = sum(_size_terms(arg) for arg in value.args) + (0 if value.is_Add else 1)
+    if total > MAX_SIZE_TERMS:
+        raise _SizeTooLarge(f"{value} expands into more than {MAX_SIZE_TERMS} terms")
+    return total
 
 
 def _tokenize(line: str, lineno: int) -> list[tuple[str, str]]:
@@ -96,6 +147,14 @@ class _Line:
         if self.depth > MAX_NESTING:
             raise self.error("expression nested too deeply")
 
+    def bounded(self, value):
+        """`value`, checked after each operation so no size grows past the limits."""
+        try:
+            _size_terms(value)
+        except _SizeTooLarge as exc:
+            raise self.error(f"size expression out of range ({exc})") from None
+        return value
+
     # -- sizes -----------------------------------------------------------------
 
     def expr(self, first=None):
@@ -103,7 +162,7 @@ class _Line:
         while self.peek()[1] in ("+", "-"):
             op = self.next()[1]
             right = self.term()
-            left = left + right if op == "+" else left - right
+            left = self.bounded(left + right if op == "+" else left - right)
         return left
 
     def term(self, first=None):
@@ -121,19 +180,26 @@ class _Line:
                 if right == 0:
                     raise self.error("division by zero in a size")
                 left = sympy.floor(sympy.sympify(left) / right)
+            left = self.bounded(left)
         return left
 
     def unary(self, first=None):
         if first is None and self.peek()[1] == "-":
             self.next()
-            return -self.unary()
+            self.nest()
+            value = -self.unary()
+            self.depth -= 1
+            return value
         base = first if first is not None else self.atom()
         if self.peek()[1] == "**":
             self.next()
             exponent = self.unary()
             if not isinstance(exponent, (int, sympy.Integer)) or not 0 <= int(exponent) <= 64:
                 raise self.error("a size exponent must be an integer in [0, 64]")
-            return sympy.sympify(base) ** int(exponent)
+            if isinstance(base, (int, sympy.Integer)) and \
+                    abs(int(base)).bit_length() * int(exponent) > 2 * MAX_SIZE_BITS:
+                raise self.error("size expression out of range (an integer too large)")
+            return self.bounded(sympy.sympify(base) ** int(exponent))
         return base
 
     def atom(self):
@@ -149,11 +215,13 @@ class _Line:
                 args = [self.expr()]
                 while self.accept(","):
                     args.append(self.expr())
+                    if len(args) > MAX_FUNC_ARGS:
+                        raise self.error(f"{text} takes at most {MAX_FUNC_ARGS} arguments here")
                 self.expect(")")
                 self.depth -= 1
                 try:
-                    return _FUNCS[text](*[sympy.sympify(a) for a in args])
-                except (TypeError, ValueError) as exc:
+                    return self.bounded(_FUNCS[text](*[sympy.sympify(a) for a in args]))
+                except (TypeError, ValueError, ArithmeticError) as exc:
                     raise self.error(f"bad arguments to {text}: {exc}") from None
             return self.parser.symbol(text, self)
         if text == "(":
@@ -165,11 +233,14 @@ class _Line:
         raise self.error(f"expected a size, found {text!r}")
 
     def size(self):
-        value = self.expr()
+        value = self.bounded(self.expr())
         try:
-            return dim(value)
+            value = dim(value)
         except KilnError:
             raise self.error(f"{value} is not a valid size") from None
+        if (value < 0) if isinstance(value, int) else value.is_negative:
+            raise self.error(f"a size cannot be negative, found {value}")
+        return value
 
     # -- types and attributes ------------------------------------------------------
 

@@ -99,6 +99,24 @@ def _types(values) -> str:
 
 
 def print_graph(graph: Graph) -> str:
+    """The canonical text of `graph` (what `str(graph)` gives).
+
+    >>> print(print_graph(graph))   # graph @main(%x: f32[4]) -> f32[4] ...
+    """
+    return _render(graph)[0]
+
+
+def value_names(graph: Graph) -> dict[int, str]:
+    """`id(value) -> name` (without `%`) exactly as `print_graph` names every value.
+
+    Renderings (JSON, DOT) use it so their names match the text IR.
+
+    >>> names = value_names(graph); names[id(graph.inputs[0])]   # 'x'
+    """
+    return dict(_render(graph)[1].names)
+
+
+def _render(graph: Graph) -> tuple[str, "_Namer"]:
     namer = _Namer()
     params = ", ".join(f"%{namer.named(v, v.name or f'arg{i}')}: {v.type}"
                        for i, v in enumerate(graph.inputs))
@@ -109,7 +127,7 @@ def print_graph(graph: Graph) -> str:
         lines.append(f"  where {graph.shape_vars[name].describe()}")
     _print_nodes(graph.body.nodes, namer, lines, "  ")
     lines.append("  return" + _value_list(graph.outputs, namer))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", namer
 
 
 def _print_nodes(nodes: list[Node], namer: _Namer, lines: list[str], indent: str) -> None:

@@ -15,6 +15,10 @@ from kiln.ir.graph import Graph, Node, Region, Value
 from kiln.ir.types import TensorType
 
 
+_RULE_FAILURES = (TypeError, ValueError, ArithmeticError, IndexError, KeyError, AttributeError,
+                  RecursionError)
+
+
 def verify(graph: Graph) -> Graph:
     """Raise KilnVerifierError on the first problem; return the graph if it is sound."""
     visible: set[int] = set()
@@ -70,6 +74,11 @@ def _verify_node(graph: Graph, node: Node, defined: set[int], where: str) -> Non
             types = opdef.infer([v.type for v in node.operands], attrs)
     except KilnError as exc:
         raise KilnVerifierError(f"{where}: {exc.message}") from None
+    except _RULE_FAILURES as exc:
+        # a graph parsed from an untrusted file can hand a type rule operands or
+        # attributes it never expects (wrong arity, a tuple for an int): still a bad graph
+        raise KilnVerifierError(f"{where}: operands or attributes {node.op} cannot take "
+                                f"({type(exc).__name__}: {exc})") from None
     actual = [r.type for r in node.results]
     if types != actual:
         raise KilnVerifierError(
@@ -89,6 +98,10 @@ def _verify_constant(graph: Graph, node: Node, where: str) -> None:
         raise KilnVerifierError(f"{where}: constant '{name}' has no data in the graph")
     data = graph.constants[name]
     t = node.results[0].type
-    if dt.from_numpy(data.dtype) != t.dtype or tuple(data.shape) != tuple(t.shape):
+    try:
+        data_dtype = dt.from_numpy(data.dtype)
+    except (KilnError, AttributeError):
+        raise KilnVerifierError(f"{where}: constant '{name}' holds data of no kiln dtype") from None
+    if data_dtype != t.dtype or tuple(data.shape) != tuple(t.shape):
         raise KilnVerifierError(f"{where}: constant '{name}' holds {data.dtype}{list(data.shape)} "
                                 f"but is typed {t}")

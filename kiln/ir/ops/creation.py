@@ -11,7 +11,7 @@ import numpy as np
 
 from kiln.errors import KilnArgumentError, KilnDTypeError
 from kiln.ir import dtypes as dt
-from kiln.ir.ops.rules import check_rank
+from kiln.ir.ops.rules import contiguous, check_rank
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import dim, normalize_axis
 from kiln.ir.types import TensorType
@@ -32,11 +32,14 @@ def _check_shape_attr(op, shape):
 @defop("full", family="creation", kind=PRIMITIVE, num_operands=0,
        attrs={"value": REQUIRED, "dtype": REQUIRED, "shape": ()}, differentiable=False)
 class full:
-    """A tensor of `shape` filled with the scalar `value`."""
+    """A tensor of `shape` filled with the scalar `value` (an int wraps into an integer
+    dtype, as a C cast and torch's weak scalars do)."""
 
     def type(op, *, value, dtype, shape):
         if not isinstance(value, _SCALARS):
             raise KilnArgumentError(f"full: value must be a bool, int or float, got {value!r}")
+        if isinstance(value, int) and not -2**63 <= value < 2**64:
+            raise KilnArgumentError(f"full: integer value {value} does not fit in 64 bits")
         dtype = dt.dtype(dtype)
         if dtype.is_complex:
             raise KilnDTypeError("full: complex fills are made from two float32 fills "
@@ -44,7 +47,11 @@ class full:
         return TensorType(dtype, _check_shape_attr(op, shape))
 
     def reference(*, value, dtype, shape):
-        return np.full(shape, value, dtype=dt.dtype(dtype).np_dtype)
+        np_dtype = dt.dtype(dtype).np_dtype
+        if np_dtype.kind in "iu" and isinstance(value, int) and not isinstance(value, bool):
+            low, high = int(np.iinfo(np_dtype).min), int(np.iinfo(np_dtype).max)
+            value = (value - low) % (high - low + 1) + low  # wraps, as a C cast (and torch)
+        return np.full(shape, value, dtype=np_dtype)
 
 
 @defop("iota", family="creation", kind=PRIMITIVE, num_operands=0,
@@ -68,7 +75,7 @@ class iota:
             return line.reshape(())
         view = [1] * rank
         view[axis] = shape[axis]
-        return np.ascontiguousarray(np.broadcast_to(line.reshape(view), shape))
+        return contiguous(np.broadcast_to(line.reshape(view), shape))
 
 
 @defop("constant", family="creation", kind=PRIMITIVE, num_operands=0,

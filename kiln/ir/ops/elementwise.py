@@ -15,6 +15,7 @@ import numpy as np
 from kiln.errors import KilnArgumentError, KilnDTypeError
 from kiln.ir import dtypes as dt
 from kiln.ir.ops.rules import (
+    contiguous,
     ANY, FLOATING, INEXACT, INTEGER, INTEGRAL, LOW_PRECISION, NUMERIC, REAL, check_dtype, check_same,
     via_f32,
 )
@@ -46,7 +47,7 @@ def _binary(name: str, allowed: str, reference, *, result_dtype=None, differenti
 
 def _erf(x):
     # numpy has no erf; math.erf is correctly rounded in float64
-    return np.frompyfunc(math.erf, 1, 1)(x.astype(np.float64)).astype(np.float64)
+    return np.asarray(np.frompyfunc(math.erf, 1, 1)(x.astype(np.float64))).astype(np.float64)
 
 
 def _round_half_even(x):
@@ -108,7 +109,7 @@ class real:
         return x.with_dtype(dt.float32)
 
     def reference(x):
-        return np.ascontiguousarray(x.real).astype(np.float32)
+        return contiguous(x.real).astype(np.float32)
 
 
 @defop("imag", family="elementwise", kind=ELEMENTWISE, num_operands=1)
@@ -121,7 +122,7 @@ class imag:
         return x.with_dtype(dt.float32)
 
     def reference(x):
-        return np.ascontiguousarray(x.imag).astype(np.float32)
+        return contiguous(x.imag).astype(np.float32)
 
 
 @defop("complex", family="elementwise", kind=ELEMENTWISE, num_operands=2)
@@ -326,5 +327,5 @@ class bitcast_convert:
         return x.with_dtype(target)
 
     def reference(x, *, dtype):
-        return np.ascontiguousarray(x).view(dt.dtype(dtype).np_dtype)
+        return contiguous(x).view(dt.dtype(dtype).np_dtype)
 

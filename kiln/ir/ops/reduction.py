@@ -10,6 +10,7 @@ import numpy as np
 
 from kiln.ir import dtypes as dt
 from kiln.ir.ops.rules import (
+    contiguous,
     INTEGRAL, NUMERIC, REAL, LOW_PRECISION, check_axes, check_dtype,
 )
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
@@ -23,7 +24,7 @@ def _reduced(op, x, axes):
 
 def _accumulating(fn):
     def reference(x, *, axes):
-        axes = tuple(a % max(x.ndim, 1) for a in axes)
+        axes = tuple(a % x.ndim for a in axes) if x.ndim else ()  # dim 0 of a scalar is itself
         if x.dtype in LOW_PRECISION:
             return fn(x.astype(np.float32), axis=axes).astype(x.dtype)
         with np.errstate(all="ignore"):
@@ -79,6 +80,8 @@ def _scan(name, allowed, fn):
         return x
 
     def reference(x, *, axis, reverse):
+        if x.ndim == 0:  # the scan of a scalar is the scalar
+            return x.copy()
         a = axis % max(x.ndim, 1)
         data = x.astype(np.float32) if x.dtype in LOW_PRECISION else x
         if reverse:
@@ -87,7 +90,7 @@ def _scan(name, allowed, fn):
             out = fn(data, axis=a)
         if reverse:
             out = np.flip(out, a)
-        return np.ascontiguousarray(out).astype(x.dtype)
+        return contiguous(out).astype(x.dtype)
 
     cls = type(name, (), {"type": type_rule, "reference": reference,
                           "__doc__": f"Inclusive {name[3:]} scan along axis (from the end if reverse)."})
@@ -104,7 +107,8 @@ cummin = _scan("cummin", REAL, np.minimum.accumulate)
 @defop("sort", family="reduction", kind=PRIMITIVE, num_operands=1,
        attrs={"axis": -1, "descending": False})
 class sort:
-    """Stable sort along axis: (values, int64 indices). NaNs sort last ascending."""
+    """Stable sort along axis: (values, int64 indices). NaN sorts as the largest value
+    (last ascending, first descending), as torch."""
 
     def type(op, x, *, axis, descending):
         check_dtype(op, x, REAL)
@@ -119,7 +123,7 @@ class sort:
         if descending:
             # stable descending: sort the negated keys (bools and unsigned via int64)
             key = -data.astype(np.float64) if data.dtype.kind != "f" else -data
-            idx = np.argsort(key, axis=a, kind="stable")
+            idx = np.lexsort((key, ~np.isnan(key)), axis=a)  # stable; NaN first
         else:
             idx = np.argsort(data, axis=a, kind="stable")
         return np.take_along_axis(x, idx, axis=a), idx.astype(np.int64)

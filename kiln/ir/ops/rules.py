@@ -97,3 +97,8 @@ def via_f32(fn):
 
     reference.__name__ = getattr(fn, "__name__", "reference")
     return reference
+
+
+def contiguous(x) -> np.ndarray:
+    """A C-contiguous array with x's shape (np.ascontiguousarray makes 0-d arrays 1-d)."""
+    return np.require(x, requirements="C")

@@ -12,7 +12,7 @@ import sympy
 
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnIndexError, KilnShapeError
 from kiln.ir.ops.creation import _check_shape_attr
-from kiln.ir.ops.rules import INTEGER, check_axes, check_dtype, check_int_tuple
+from kiln.ir.ops.rules import contiguous, INTEGER, check_axes, check_dtype, check_int_tuple
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import dim, dims_equal, format_shape, normalize_axis, numel
 
@@ -57,7 +57,7 @@ class broadcast_in_dim:
         view = [1] * len(shape)
         for i, m in enumerate(broadcast_dimensions):
             view[m] = x.shape[i]
-        return np.ascontiguousarray(np.broadcast_to(x.reshape(view), shape))
+        return contiguous(np.broadcast_to(x.reshape(view), shape))
 
 
 @defop("transpose", family="shape", kind=PRIMITIVE, num_operands=1,
@@ -73,7 +73,7 @@ class transpose:
         return x.with_shape(tuple(x.shape[p] for p in perm))
 
     def reference(x, *, permutation):
-        return np.ascontiguousarray(np.transpose(x, permutation))
+        return contiguous(np.transpose(x, permutation))
 
 
 def _slice_size(start, limit, stride):
@@ -106,7 +106,7 @@ class slice_:
 
     def reference(x, *, start, limit, stride):
         stride = stride or (1,) * x.ndim
-        return np.ascontiguousarray(x[tuple(slice(s, l, st) for s, l, st in zip(start, limit, stride))])
+        return contiguous(x[tuple(slice(s, l, st) for s, l, st in zip(start, limit, stride))])
 
 
 @defop("pad", family="shape", kind=PRIMITIVE, num_operands=2,
@@ -177,7 +177,7 @@ class reverse:
         return x
 
     def reference(x, *, dims):
-        return np.ascontiguousarray(np.flip(x, axis=tuple(dims))) if dims else x.copy()
+        return contiguous(np.flip(x, axis=tuple(dims))) if dims else x.copy()
 
 
 def _check_start_indices(op, x, starts):
@@ -209,7 +209,7 @@ class dynamic_slice:
 
     def reference(x, *starts, sizes):
         begin = _clamped_starts(x.shape, sizes, starts)
-        return np.ascontiguousarray(x[tuple(slice(b, b + n) for b, n in zip(begin, sizes))])
+        return contiguous(x[tuple(slice(b, b + n) for b, n in zip(begin, sizes))])
 
 
 @defop("dynamic_update_slice", family="shape", kind=PRIMITIVE)
@@ -268,6 +268,8 @@ def _along_index(op, x, indices, axis):
 
 def _check_along(op, x, indices, axis):
     check_dtype(op, indices, INTEGER, "indices")
+    if x.rank == 0:
+        raise KilnShapeError(f"{op}: cannot index a scalar {x} along a dim")
     if indices.rank != x.rank:
         raise KilnShapeError(f"{op}: indices {indices} must have the rank of {x}")
     a = normalize_axis(op, axis, x.rank, "axis")
@@ -286,7 +288,7 @@ class take_along:
         return x.with_shape(indices.shape)
 
     def reference(x, indices, *, axis):
-        return np.ascontiguousarray(x[_along_index("take_along", x, indices, axis)])
+        return contiguous(x[_along_index("take_along", x, indices, axis)])
 
 
 @defop("scatter_along", family="shape", kind=PRIMITIVE, num_operands=3,

@@ -1,0 +1,47 @@
+"""Backend lookup: the object that turns Kernel IR into callables for a target.
+
+Each backend has `supports(target)` and `compile_many(kernels) -> {name: fn}` where
+`fn(arrays, sizes)` runs one kernel in place. "cpu" is the LLVM backend; "reference"
+runs Kernel IR with numpy (the oracle, and a way to test lowering without LLVM).
+GPU backends are imported only when asked for, so `import kiln` stays fast.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from kiln.errors import KilnArgumentError
+
+
+class ReferenceBackend:
+    """Kernel IR evaluated by numpy (kiln.codegen.kernel_eval)."""
+
+    name = "reference"
+
+    @staticmethod
+    def supports(target: str) -> bool:
+        return target == "reference"
+
+    def compile_many(self, kernels: dict) -> dict:
+        from kiln.codegen.kernel_eval import run_kernel
+
+        def make(kernel):
+            return lambda arrays, sizes: run_kernel(kernel, arrays, sizes)
+
+        return {name: make(k) for name, k in kernels.items()}
+
+
+TARGETS = ("cpu", "reference")
+
+
+@lru_cache(maxsize=None)
+def get_backend(target: str):
+    """The backend object for `target` (created once per process)."""
+    if target == "reference":
+        return ReferenceBackend()
+    if target == "cpu":
+        from kiln.codegen.cpu.backend import CpuBackend
+
+        return CpuBackend()
+    raise KilnArgumentError(f"compile: unknown backend {target!r}; kiln compiles for "
+                            f"{', '.join(TARGETS)} here")

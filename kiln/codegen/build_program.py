@@ -1,0 +1,68 @@
+"""From a fused graph to a runtime `Program`: one step per top-level node.
+
+`fused` nodes become kernel launches (Kernel IR by `lower`), reshapes become views,
+constants become constant steps, control flow becomes steps that own sub-programs,
+and every other op runs as an extern call of its reference implementation (sort,
+gather, scatter, LAPACK, random bits, ...), so every graph kiln can trace also runs
+compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kiln.codegen.lower import lower_fused
+from kiln.ir.graph import Graph, Region, Value
+from kiln.runtime.memory_plan import plan_memory
+from kiln.runtime.program import BufferSpec, Constant, Control, Extern, Launch, Program, View
+
+
+def build_program(graph: Graph, optimize_region: Callable[[Graph], Graph] | None = None,
+                  prefix: str = "") -> Program:
+    """Lower `graph` (already through the graph passes and fusion)."""
+    slots: dict[int, int] = {}
+    buffers: dict[int, BufferSpec] = {}
+    kernels: dict = {}
+    steps: list = []
+
+    def slot(v: Value) -> int:
+        if id(v) not in slots:
+            slots[id(v)] = len(slots)
+            buffers[slots[id(v)]] = BufferSpec(v.type.dtype, v.type.shape)
+        return slots[id(v)]
+
+    inputs = [slot(v) for v in graph.inputs]
+    for index, node in enumerate(graph.body.nodes):
+        ins = tuple(slot(v) for v in node.operands)
+        outs = tuple(slot(v) for v in node.results)
+        if node.op == "fused":
+            name = f"{prefix}{graph.name}_{node.attrs['kind']}_{len(kernels)}"
+            kernels[name] = lower_fused(node, name)
+            steps.append(Launch(name, ins + outs))
+        elif node.op == "reshape":
+            steps.append(View(ins[0], outs[0]))
+        elif node.op == "constant":
+            steps.append(Constant(outs[0], node.attrs["name"]))
+        elif node.op in ("cond", "while_loop"):
+            bodies = []
+            for k, region in enumerate(node.regions):
+                sub = region_graph(region, f"{graph.name}_{node.op}{index}_{k}", graph)
+                if optimize_region is not None:
+                    sub = optimize_region(sub)
+                body = build_program(sub, optimize_region, prefix=f"{prefix}{sub.name}_")
+                kernels.update(body.kernels)
+                bodies.append(body)
+            steps.append(Control(node.op, ins, outs, tuple(bodies)))
+        else:
+            steps.append(Extern(node.op, dict(node.attrs), ins, outs))
+    outputs = [slot(v) for v in graph.outputs]
+    program = Program(graph.name, inputs, outputs, buffers, steps, kernels,
+                      constants=dict(graph.constants), shape_vars=dict(graph.shape_vars))
+    return plan_memory(program)
+
+
+def region_graph(region: Region, name: str, parent: Graph) -> Graph:
+    """A region as a standalone graph (its parameters are the inputs). Regions are
+    self-contained: the tracer turns captured values into explicit operands."""
+    graph = Graph(name, region, shape_vars=parent.shape_vars, constants=parent.constants)
+    return graph

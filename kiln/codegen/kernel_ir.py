@@ -1,0 +1,252 @@
+"""Kernel IR: one backend-neutral object per fused group.
+
+A `Kernel` computes, for every point of its `outer` (parallel) loops, a sequence of
+stages: a `Reduce` folds a scalar expression over inner loops into a named value; a
+`Store` writes a scalar expression to a buffer over its own inner loops. Buffers are
+contiguous row-major arrays addressed by flat element indices, which are sympy
+expressions affine in the loop variables (strides may be symbolic sizes). Sizes are
+runtime arguments, so one kernel serves every size of a symbolic dim.
+
+    kernel softmax_0(in x: f32[B, 1024], out y: f32[B, 1024]) sizes(B)
+      parallel i0 in [0, B)
+        m = reduce max r0 in [0, 1024): load x[1024*i0 + r0]
+        s = reduce sum r0 in [0, 1024): exp(load x[1024*i0 + r0] - m)
+        loop r0 in [0, 1024): store y[1024*i0 + r0] = exp(load x[1024*i0 + r0] - m) / s
+
+A `GemmKernel` is the template for what is not a loop nest: a (batched) matrix product
+whose `epilogue` expression (over the accumulator `Acc` and loads indexed by the output
+position) is fused into it. Scalar ops are the names of elementwise primitives in the
+op registry (add, exp, select, convert, ...), so backends implement each scalar op once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+import sympy
+
+from kiln.ir.dtypes import DType
+from kiln.ir.shapes import Dim, format_shape, symbol
+
+IN, OUT = "in", "out"
+
+
+def loop_var(name: str) -> sympy.Symbol:
+    """Loop variables are integer symbols, distinct from shape variables by a prefix."""
+    return symbol(name)
+
+
+@dataclass(frozen=True)
+class BufferParam:
+    name: str
+    dtype: DType
+    shape: tuple[Dim, ...]
+    role: str  # IN or OUT
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.name}: {self.dtype.short}{format_shape(self.shape)}"
+
+
+# -- scalar expressions ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Const:
+    value: Union[bool, int, float]
+    dtype: DType
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True)
+class Load:
+    buffer: str
+    index: sympy.Expr  # flat element index
+    dtype: DType
+
+    def __str__(self) -> str:
+        return f"load {self.buffer}[{self.index}]"
+
+
+@dataclass(frozen=True)
+class IndexValue:
+    """An integer computed from loop variables and sizes (iota, bounds checks)."""
+
+    expr: sympy.Expr
+    dtype: DType
+
+    def __str__(self) -> str:
+        return f"({self.expr})"
+
+
+@dataclass(frozen=True)
+class Op:
+    op: str  # an elementwise primitive of the registry; `convert` casts to `dtype`
+    args: tuple
+    dtype: DType
+
+    def __str__(self) -> str:
+        return f"{self.op}({', '.join(map(str, self.args))})"
+
+
+@dataclass(frozen=True)
+class ReduceRef:
+    """The value of an earlier Reduce stage at the current outer point."""
+
+    name: str
+    dtype: DType
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Acc:
+    """The GEMM accumulator at the current output position (epilogues only)."""
+
+    dtype: DType
+
+    def __str__(self) -> str:
+        return "acc"
+
+
+Expr = Union[Const, Load, IndexValue, Op, ReduceRef, Acc]
+
+
+def children(e: Expr) -> tuple:
+    return e.args if isinstance(e, Op) else ()
+
+
+def walk(e: Expr):
+    """Every sub-expression once, children before parents."""
+    seen: set = set()
+    order = []
+
+    def visit(x):
+        if x in seen:
+            return
+        seen.add(x)
+        for c in children(x):
+            visit(c)
+        order.append(x)
+
+    visit(e)
+    return order
+
+
+# -- stages and kernels -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loop:
+    var: str
+    extent: Dim
+
+    def __str__(self) -> str:
+        return f"{self.var} in [0, {self.extent})"
+
+
+REDUCE_OPS = ("sum", "prod", "max", "min", "and", "or")
+
+
+@dataclass(frozen=True)
+class Reduce:
+    name: str
+    op: str  # one of REDUCE_OPS
+    loops: tuple[Loop, ...]
+    value: Expr
+    dtype: DType  # the accumulator's dtype (float32 for low-precision inputs)
+
+
+@dataclass(frozen=True)
+class Store:
+    buffer: str
+    index: sympy.Expr
+    value: Expr
+    loops: tuple[Loop, ...] = ()
+
+
+Stage = Union[Reduce, Store]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    buffers: tuple[BufferParam, ...]
+    sizes: tuple[str, ...]  # shape variables passed at run time
+    outer: tuple[Loop, ...]
+    stages: tuple[Stage, ...]
+
+    @property
+    def inputs(self) -> tuple[BufferParam, ...]:
+        return tuple(b for b in self.buffers if b.role == IN)
+
+    @property
+    def outputs(self) -> tuple[BufferParam, ...]:
+        return tuple(b for b in self.buffers if b.role == OUT)
+
+
+@dataclass(frozen=True)
+class GemmKernel:
+    """out[b, i, j] = epilogue(sum_k a[b, i, k] * b[b, k, j]) for batch b in `batch`.
+
+    `a` and `b` are buffer names with their logical layouts given by strides (so a
+    transposed operand needs no copy); the epilogue may load other buffers at index
+    expressions in the variables `gb`, `gi`, `gj` (batch, row, column)."""
+
+    name: str
+    buffers: tuple[BufferParam, ...]
+    sizes: tuple[str, ...]
+    a: str
+    b: str
+    out: str
+    batch: Dim
+    m: Dim
+    n: Dim
+    k: Dim
+    a_strides: tuple  # (batch, row, k) element strides
+    b_strides: tuple  # (batch, k, col)
+    epilogue: Expr  # over Acc and loads; Acc alone when there is none
+    acc_dtype: DType = field(default=None)
+
+    @property
+    def inputs(self) -> tuple[BufferParam, ...]:
+        return tuple(b for b in self.buffers if b.role == IN)
+
+    @property
+    def outputs(self) -> tuple[BufferParam, ...]:
+        return tuple(b for b in self.buffers if b.role == OUT)
+
+
+GEMM_VARS = ("gb", "gi", "gj")
+
+AnyKernel = Union[Kernel, GemmKernel]
+
+
+# -- printing ----------------------------------------------------------------------------
+
+
+def format_kernel(k: AnyKernel) -> str:
+    params = ", ".join(str(b) for b in k.buffers)
+    sizes = f" sizes({', '.join(k.sizes)})" if k.sizes else ""
+    lines = [f"kernel {k.name}({params}){sizes}"]
+    if isinstance(k, GemmKernel):
+        lines.append(f"  gemm [{k.batch}] x [{k.m}, {k.k}] @ [{k.k}, {k.n}]: "
+                     f"a={k.a} strides{k.a_strides}, b={k.b} strides{k.b_strides}")
+        lines.append(f"    store {k.out}[gb, gi, gj] = {k.epilogue}")
+        return "\n".join(lines)
+    indent = "  "
+    if k.outer:
+        lines.append(f"  parallel {', '.join(map(str, k.outer))}")
+        indent = "    "
+    for stage in k.stages:
+        loops = ", ".join(map(str, stage.loops))
+        if isinstance(stage, Reduce):
+            lines.append(f"{indent}{stage.name} = reduce {stage.op}:{stage.dtype.short} {loops}: "
+                         f"{stage.value}")
+        else:
+            head = f"loop {loops}: " if loops else ""
+            lines.append(f"{indent}{head}store {stage.buffer}[{stage.index}] = {stage.value}")
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""Lowering: a `fused` node's region becomes one Kernel IR kernel.
+
+Values are generated as scalar expressions at an index (a tuple of sympy exprs in the
+loop variables): elementwise ops compose, structural ops (broadcast, transpose,
+slice, reverse, unit reshapes, iota, full) only remap the index, region parameters
+become loads from their buffers, in-group reductions become `ReduceRef`s, and a
+gemm's own result becomes the accumulator `Acc` of its epilogue.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.passes.gemm_layout import gemm_layout, row_major_strides
+from kiln.codegen.kernel_ir import (
+    IN, OUT, Acc, BufferParam, Const, GemmKernel, IndexValue, Kernel, Load, Loop, Op, Reduce,
+    ReduceRef, Store, loop_var,
+)
+from kiln.errors import KilnError
+from kiln.ir import dtypes as dt
+from kiln.ir import registry
+from kiln.ir.graph import Node, Region, Value
+from kiln.ir.ops.rules import LOW_PRECISION
+from kiln.ir.registry import ELEMENTWISE
+from kiln.ir.shapes import dims_equal, free_symbol_names, numel
+from kiln.passes.fusion import REDUCTIONS, is_unit_reshape
+
+
+class LoweringError(KilnError):
+    code = "K160"
+    title = "internal: a fusion group could not be lowered"
+
+
+def flat_index(index, shape) -> sympy.Expr:
+    strides = row_major_strides(shape)
+    return sympy.expand(sum((sympy.sympify(i) * s for i, s in zip(index, strides)), sympy.Integer(0)))
+
+
+def unflatten(var, shape) -> tuple:
+    """Multi-dim index of flat position `var` in `shape`, written so that
+    flat_index(unflatten(x, s), s) expands back to exactly x."""
+    if len(shape) == 1:
+        return (var,)
+    strides = row_major_strides(shape)
+    out = []
+    for j, (d, p) in enumerate(zip(shape, strides)):
+        term = sympy.floor(var / p) if p != 1 else sympy.sympify(var)
+        if j > 0:
+            term = term - d * (sympy.floor(var / (d * p)) if (d * p) != 1 else var)
+        out.append(term)
+    return tuple(out)
+
+
+def accumulator_dtype(dtype: dt.DType) -> dt.DType:
+    return dt.float32 if dtype.np_dtype in LOW_PRECISION else dtype
+
+
+class _Gen:
+    def __init__(self, region: Region, buffer_of: dict[int, str]):
+        self.region = region
+        self.buffer_of = buffer_of  # region param id -> kernel buffer name
+        self.producer = {id(r): n for n in region.nodes for r in n.results}
+        self.memo: dict = {}
+        self.reduce_refs: dict[int, tuple[str, tuple, dt.DType]] = {}  # value id -> (name, outer index, acc)
+        self.acc: tuple[int, tuple] | None = None  # gemm result value id, its index
+
+    def __call__(self, value: Value, index: tuple):
+        key = (id(value), tuple(sympy.srepr(i) for i in index))
+        if key not in self.memo:
+            self.memo[key] = self._gen(value, tuple(index))
+        return self.memo[key]
+
+    def _gen(self, value: Value, index: tuple):
+        t = value.type
+        if id(value) in self.buffer_of:
+            return Load(self.buffer_of[id(value)], flat_index(index, t.shape), t.dtype)
+        if self.acc is not None and id(value) == self.acc[0]:
+            self._same_index(index, self.acc[1], "gemm result")
+            return Acc(t.dtype)
+        if id(value) in self.reduce_refs:
+            name, outer, acc = self.reduce_refs[id(value)]
+            self._same_index(index, outer, "reduction")
+            ref = ReduceRef(name, acc)
+            return ref if acc == t.dtype else Op("convert", (ref,), t.dtype)
+        node = self.producer[id(value)]
+        op, a = node.op, node.attrs
+        operand_shape = node.operands[0].shape if node.operands else ()
+        if op == "full":
+            return Const(a["value"], t.dtype)
+        if op == "iota":
+            position = IndexValue(sympy.sympify(index[a["dimension"]]), dt.int64)
+            return position if t.dtype == dt.int64 else Op("convert", (position,), t.dtype)
+        if op == "broadcast_in_dim":
+            mapped = tuple(0 if (isinstance(d, int) and d == 1 and not (isinstance(t.shape[m], int) and t.shape[m] == 1))
+                           else index[m] for d, m in zip(operand_shape, a["broadcast_dimensions"]))
+            return self(node.operands[0], mapped)
+        if op == "transpose":
+            mapped = [None] * len(index)
+            for i, p in enumerate(a["permutation"]):
+                mapped[p] = index[i]
+            return self(node.operands[0], tuple(mapped))
+        if op == "slice":
+            stride = a["stride"] or (1,) * len(index)
+            return self(node.operands[0], tuple(s + st * i for s, st, i in zip(a["start"], stride, index)))
+        if op == "reverse":
+            mapped = tuple(operand_shape[d] - 1 - i if d in a["dims"] else i for d, i in enumerate(index))
+            return self(node.operands[0], mapped)
+        if op == "reshape" and is_unit_reshape(node):
+            kept = [i for i, d in zip(index, t.shape) if not (isinstance(d, int) and d == 1)]
+            mapped = []
+            for d in operand_shape:
+                mapped.append(0 if isinstance(d, int) and d == 1 else kept.pop(0))
+            return self(node.operands[0], tuple(mapped))
+        if registry.get(op).kind == ELEMENTWISE:
+            args = tuple(self(o, index) for o in node.operands)
+            return Op(op, args, t.dtype)
+        raise LoweringError(f"{op} cannot be generated inside a fused kernel")
+
+    @staticmethod
+    def _same_index(index, expected, what):
+        if len(index) != len(expected) or any(
+                sympy.expand(sympy.sympify(x) - sympy.sympify(y)) != 0 for x, y in zip(index, expected)):
+            raise LoweringError(f"a {what} is read at index {index}, not at its own position {expected}")
+
+
+def _size_names(*shapes) -> tuple[str, ...]:
+    names: set[str] = set()
+    for shape in shapes:
+        for d in shape:
+            names |= free_symbol_names(d)
+    return tuple(sorted(names))
+
+
+def lower_fused(node: Node, name: str):
+    """Kernel IR for one `fused` node."""
+    (region,) = node.regions
+    buffer_of = {id(p): f"in{i}" for i, p in enumerate(region.params)}
+    buffers = [BufferParam(f"in{i}", p.type.dtype, p.type.shape, IN) for i, p in enumerate(region.params)]
+    buffers += [BufferParam(f"out{i}", v.type.dtype, v.type.shape, OUT) for i, v in enumerate(region.results)]
+    sizes = _size_names(*[b.shape for b in buffers])
+    gen = _Gen(region, buffer_of)
+    kind = node.attrs["kind"]
+    if kind == "gemm":
+        return _lower_gemm(name, region, gen, buffers, sizes)
+    if kind == "reduction":
+        return _lower_reduction(name, region, gen, buffers, sizes)
+    return _lower_loop(name, region, gen, buffers, sizes)
+
+
+def _lower_loop(name, region, gen, buffers, sizes):
+    shape = region.results[0].type.shape
+    if not all(len(v.shape) == len(shape) and all(dims_equal(a, b) for a, b in zip(v.shape, shape))
+               for v in region.results):
+        raise LoweringError("a loop group's outputs must share one shape")
+    loops = tuple(Loop(f"i{k}", d) for k, d in enumerate(shape))
+    index = tuple(loop_var(l.var) for l in loops)
+    stores = tuple(Store(f"out{i}", flat_index(index, shape), gen(v, index))
+                   for i, v in enumerate(region.results))
+    return _collapse_contiguous(Kernel(name, tuple(buffers), sizes, loops, stores), shape)
+
+
+def _collapse_contiguous(kernel: Kernel, shape) -> Kernel:
+    """When every access is at the output's own position, one flat loop suffices
+    (the backend then vectorizes a single long loop)."""
+    if len(shape) <= 1:
+        return kernel
+    from kiln.codegen.kernel_ir import walk
+
+    flat = kernel.stages[0].index
+    for stage in kernel.stages:
+        if stage.index != flat:
+            return kernel
+        for e in walk(stage.value):
+            if isinstance(e, IndexValue) or (isinstance(e, Load) and e.index != flat):
+                return kernel
+    v = loop_var("i0")
+
+    def rewrite(e):
+        if isinstance(e, Load):
+            return Load(e.buffer, v, e.dtype)
+        if isinstance(e, Op):
+            return Op(e.op, tuple(rewrite(a) for a in e.args), e.dtype)
+        return e
+
+    stores = tuple(Store(s.buffer, v, rewrite(s.value)) for s in kernel.stages)
+    return Kernel(kernel.name, kernel.buffers, kernel.sizes, (Loop("i0", numel(shape)),), stores)
+
+
+def _lower_reduction(name, region, gen, buffers, sizes):
+    reduces = [n for n in region.nodes if n.op in REDUCTIONS]
+    domain = reduces[0].operands[0].shape
+    axes = tuple(sorted(reduces[0].attrs["axes"]))
+    kept = [i for i in range(len(domain)) if i not in axes]
+    outer = tuple(Loop(f"o{k}", domain[i]) for k, i in enumerate(kept))
+    inner = tuple(Loop(f"r{k}", domain[i]) for k, i in enumerate(axes))
+    full = [None] * len(domain)
+    for l, i in zip(outer, kept):
+        full[i] = loop_var(l.var)
+    for l, i in zip(inner, axes):
+        full[i] = loop_var(l.var)
+    full = tuple(full)
+    row = tuple(loop_var(l.var) for l in outer)
+    row_shape = tuple(domain[i] for i in kept)
+    stages = []
+    for k, node in enumerate(reduces):
+        acc = accumulator_dtype(node.results[0].type.dtype)
+        value = gen(node.operands[0], full)
+        if value.dtype != acc:
+            value = Op("convert", (value,), acc)
+        stages.append(Reduce(f"acc{k}", node.op[len("reduce_"):], inner, value, acc))
+        gen.reduce_refs[id(node.results[0])] = (f"acc{k}", row, acc)
+    for i, v in enumerate(region.results):
+        if len(v.shape) == len(domain) and all(dims_equal(a, b) for a, b in zip(v.shape, domain)):
+            stages.append(Store(f"out{i}", flat_index(full, domain), gen(v, full), inner))
+        else:
+            stages.append(Store(f"out{i}", flat_index(row, row_shape), gen(v, row)))
+    return Kernel(name, tuple(buffers), sizes, outer, tuple(stages))
+
+
+def _lower_gemm(name, region, gen, buffers, sizes):
+    gemm_nodes = [n for n in region.nodes if n.op in ("matmul", "dot_general")]
+    if len(gemm_nodes) != 1 or len(region.results) != 1:
+        raise LoweringError("a gemm group holds one product and one output")
+    (node,) = gemm_nodes
+    layout = gemm_layout(node)
+    a, b = node.operands
+    if id(a) not in gen.buffer_of or id(b) not in gen.buffer_of:
+        raise LoweringError("gemm operands must be buffers")
+    out = region.results[0]
+    gb, gi, gj = (loop_var(v) for v in ("gb", "gi", "gj"))
+    result_shape = node.results[0].type.shape
+    nb, nr, nc = layout.out_groups
+    index = (unflatten(gb, result_shape[:nb]) + unflatten(gi, result_shape[nb:nb + nr])
+             + ((gj,) if nc else ()))
+    gen.acc = (id(node.results[0]), index)
+    epilogue = gen(out, index)
+    acc = accumulator_dtype(node.results[0].type.dtype)
+    return GemmKernel(name, tuple(buffers), sizes, gen.buffer_of[id(a)], gen.buffer_of[id(b)],
+                      f"out0", layout.batch, layout.m, layout.n, layout.k,
+                      tuple(layout.a_strides), tuple(layout.b_strides), epilogue, acc)

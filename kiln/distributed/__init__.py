@@ -1,0 +1,34 @@
+"""kiln.distributed: process groups, collectives, the store, the Flight Recorder.
+
+    import kiln.distributed as dist
+    pg = dist.init_process_group()          # under `kiln launch --nproc N script.py`
+    pg.all_reduce(x, op="sum").wait()       # in place, nonblocking until wait()
+    sub = pg.split([0, 1])
+
+See docs/distributed.md for the guide and docs/errors-distributed.md for the errors.
+"""
+
+from kiln.distributed.backend import Backend, CallContext
+from kiln.distributed.buffers import REDUCE_OPS
+from kiln.distributed.errors import (
+    CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
+    FlightRecorderError, GroupAborted, LaunchError, PeerFailure, RendezvousError, StoreAuthError,
+    StoreError, StoreTimeout,
+)
+from kiln.distributed.flight_recorder import FlightRecorder, recorder
+from kiln.distributed.process_group import ProcessGroup
+from kiln.distributed.rendezvous import (
+    destroy_process_group, get_world, init_process_group, is_initialized,
+)
+from kiln.distributed.store import Store, StoreServer
+from kiln.distributed.tcp_backend import TcpBackend
+from kiln.distributed.work import Work
+
+__all__ = [
+    "Backend", "CallContext", "CollectiveArgumentError", "CollectiveMismatch",
+    "CollectiveTimeout", "DistributedError", "FlightRecorder", "FlightRecorderError",
+    "GroupAborted", "LaunchError", "PeerFailure", "ProcessGroup", "REDUCE_OPS",
+    "RendezvousError", "Store", "StoreAuthError", "StoreError", "StoreServer", "StoreTimeout",
+    "TcpBackend", "Work", "destroy_process_group", "get_world", "init_process_group",
+    "is_initialized", "recorder",
+]

@@ -1,0 +1,129 @@
+"""The distributed subcommands of `kiln`: `launch`, `store` and `fr`.
+
+`kiln.cli` calls `register(subparsers)`; each handler takes the parsed args and
+returns the exit code. Also runnable alone: `python -m kiln.distributed fr DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+from kiln.distributed.errors import DistributedError
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from kiln.distributed.launcher import LaunchConfig, launch
+
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    cfg = LaunchConfig(script=args.script, script_args=script_args, nproc=args.nproc,
+                       nnodes=args.nnodes, node_rank=args.node_rank, rdzv=args.rdzv,
+                       fr_dir=args.fr_dir, grace=args.grace, rdzv_timeout=args.rdzv_timeout)
+    try:
+        return launch(cfg)
+    except DistributedError as err:
+        print("kiln launch: %s" % err, file=sys.stderr)
+        return 2
+
+
+def _store(args: argparse.Namespace) -> int:
+    from kiln.distributed.store import StoreServer
+
+    token = os.environ.get("KILN_TOKEN")
+    if not token:
+        print("kiln store: set KILN_TOKEN to the job's secret (the same on every client)",
+              file=sys.stderr)
+        return 2
+    try:
+        server = StoreServer(args.host, args.port, token)
+    except OSError as err:
+        print("kiln store: cannot listen on %s:%d: %s" % (args.host, args.port, err),
+              file=sys.stderr)
+        return 2
+    print("kiln store: serving on %s" % server.address, flush=True)
+    stop = lambda signum, frame: server.close()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.close()
+    return 0
+
+
+def _fr(args: argparse.Namespace) -> int:
+    from kiln.distributed.fr_analysis import analyze, format_report, has_problems, load_dumps
+
+    try:
+        report = analyze(load_dumps(args.dir))
+    except DistributedError as err:
+        print("kiln fr: %s" % err, file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report))
+    return 1 if has_problems(report) else 0
+
+
+def register(subparsers) -> None:
+    """Add `launch`, `store` and `fr` to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "launch", help="run a distributed job: N worker processes per node",
+        description="Start --nproc workers of SCRIPT on this node, host the job's store "
+        "(node 0), give each worker KILN_RANK, KILN_WORLD_SIZE, KILN_LOCAL_RANK, KILN_STORE "
+        "and KILN_TOKEN (so kiln.distributed.init_process_group() needs no arguments), "
+        "forward SIGINT/SIGTERM, and when a worker fails report which one and how, then "
+        "stop the others.",
+        epilog="examples:\n  kiln launch --nproc 4 train.py --lr 0.1\n"
+        "  KILN_TOKEN=s3cret kiln launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 "
+        "--nproc 8 train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, dest="nproc",
+                   help="worker processes on this node (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
+    p.add_argument("--rdzv", metavar="HOST:PORT",
+                   help="store address; node 0 listens there (needed with --nnodes > 1)")
+    p.add_argument("--fr-dir", metavar="DIR",
+                   help="Flight Recorder dump directory for the workers (sets KILN_FR_DIR)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping workers")
+    p.add_argument("--rdzv-timeout", type=float, default=60.0,
+                   help="seconds to reach the store and for all nodes to finish")
+    p.add_argument("script", help="the Python script each worker runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(handler=_launch)
+
+    p = subparsers.add_parser(
+        "store", help="run a standalone kiln store (rendezvous key-value server)",
+        description="Serve a kiln store until SIGINT/SIGTERM. Clients authenticate with "
+        "the job token from KILN_TOKEN; point workers at it with KILN_STORE=HOST:PORT.")
+    p.add_argument("--port", type=int, required=True, help="TCP port (0: pick a free one)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    p.set_defaults(handler=_store)
+
+    p = subparsers.add_parser(
+        "fr", help="analyze Flight Recorder dumps of a distributed job",
+        description="Read every rank's kiln_fr_rank<R>.json in DIR and report missing dumps, "
+        "group membership disagreements, collectives whose op, sizes or dtypes differ across "
+        "ranks, and ranks that never joined a collective (the usual cause of a hang), with "
+        "the call sites. Exit code: 0 nothing found, 1 problems reported, 2 no readable dumps.")
+    p.add_argument("dir", help="the dump directory (the job's KILN_FR_DIR)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON, for tools")
+    p.set_defaults(handler=_fr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kiln.distributed COMMAND ...` (the same as `kiln COMMAND ...`)."""
+    parser = argparse.ArgumentParser(prog="python -m kiln.distributed")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    register(sub)
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)

@@ -1,0 +1,154 @@
+"""Errors of kiln's distributed layer (codes K201..K2xx).
+
+Each class names what went wrong in the user's terms (the collective, the rank, the
+key) and how to fix it; `docs/errors-distributed.md` lists every code with its fix.
+A failed `Work` raises one of these from `wait()`; errors raised across a process
+boundary (a peer's abort notice) are rebuilt by `error_from_wire`.
+"""
+
+from __future__ import annotations
+
+from kiln.errors import KilnError
+
+
+class DistributedError(KilnError):
+    """Base class of distributed failures (also raised for a group that was aborted)."""
+
+    code = "K201"
+    title = "distributed runtime error"
+
+
+class PeerFailure(DistributedError):
+    """A peer process died or closed its connection while this rank needed it.
+
+    `rank` is the failed peer's rank in the group that saw it (`group_name`).
+    """
+
+    code = "K202"
+    title = "a peer rank failed"
+
+    def __init__(self, rank: int, message: str, *, group: str = "", hint: str | None = None):
+        self.rank = rank
+        self.group_name = group
+        super().__init__(
+            message,
+            hint=hint or "look at rank %d's own log or exit status (kiln launch reports it); "
+            "the Flight Recorder dumps (KILN_FR_DIR, `kiln fr DIR`) show what every rank "
+            "was doing" % rank,
+        )
+
+
+class CollectiveTimeout(DistributedError, TimeoutError):
+    """A collective did not finish within its deadline (a peer is slow or stuck)."""
+
+    code = "K203"
+    title = "collective timed out"
+
+    def __init__(self, message: str, *, rank: int | None = None, hint: str | None = None):
+        self.rank = rank  # the peer this rank was waiting for, when known
+        super().__init__(
+            message,
+            hint=hint or "run `kiln fr $KILN_FR_DIR` to see which rank never joined; raise "
+            "`timeout=` if the collective is merely slow",
+        )
+
+
+class CollectiveMismatch(DistributedError):
+    """Ranks called different collectives (op, size, dtype or reduce op) at one step."""
+
+    code = "K204"
+    title = "ranks disagree about a collective"
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        self.rank = rank
+        super().__init__(
+            message,
+            hint="every rank of a group must issue the same collectives, in the same order, "
+            "with the same element count, dtype and reduce op",
+        )
+
+
+class CollectiveArgumentError(DistributedError, ValueError):
+    """Bad input to a collective, found before anything was sent."""
+
+    code = "K205"
+    title = "invalid argument to a collective"
+
+
+class GroupAborted(DistributedError):
+    """The group was aborted (after a failure or by `pg.abort()`); it cannot run work."""
+
+    code = "K206"
+    title = "process group aborted"
+
+
+class StoreError(DistributedError):
+    """The store could not be reached or answered with a protocol error."""
+
+    code = "K207"
+    title = "store unreachable or protocol error"
+
+
+class StoreAuthError(StoreError):
+    """A store or data-socket peer did not prove it knows the job token."""
+
+    code = "K208"
+    title = "authentication with the job token failed"
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A store operation (get, wait, connect) passed its deadline."""
+
+    code = "K209"
+    title = "store operation timed out"
+
+
+class RendezvousError(DistributedError, ValueError):
+    """init_process_group could not form the group (configuration or membership)."""
+
+    code = "K210"
+    title = "cannot form the process group"
+
+
+class FlightRecorderError(DistributedError, ValueError):
+    """A Flight Recorder dump directory is missing, empty or holds an unreadable dump."""
+
+    code = "K211"
+    title = "unreadable Flight Recorder dumps"
+
+
+class LaunchError(DistributedError, ValueError):
+    """`kiln launch` was given an impossible configuration."""
+
+    code = "K212"
+    title = "invalid launch configuration"
+
+
+_WIRE_CLASSES = {
+    cls.__name__: cls
+    for cls in (DistributedError, CollectiveTimeout, CollectiveMismatch, GroupAborted)
+}
+
+
+def error_to_wire(err: BaseException) -> dict:
+    """A JSON-able description of `err`, sent to peers in an abort notice."""
+    info = {"type": type(err).__name__, "message": getattr(err, "message", str(err))}
+    rank = getattr(err, "rank", None)
+    if rank is not None:
+        info["rank"] = int(rank)
+    return info
+
+
+def error_from_wire(info: dict, *, reporter: int, group: str) -> DistributedError:
+    """Rebuild a peer's abort reason as a local error that names the rank at fault."""
+    kind = str(info.get("type", "DistributedError"))
+    message = "%s (reported by rank %d of group '%s')" % (info.get("message", "peer aborted"),
+                                                           reporter, group)
+    rank = info.get("rank")
+    if kind == "PeerFailure" and isinstance(rank, int):
+        return PeerFailure(rank, message, group=group)
+    if kind == "CollectiveTimeout":
+        return CollectiveTimeout(message, rank=rank if isinstance(rank, int) else None)
+    if kind == "CollectiveMismatch":
+        return CollectiveMismatch(message, rank=rank if isinstance(rank, int) else None)
+    return GroupAborted(message)

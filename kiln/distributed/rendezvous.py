@@ -1,0 +1,175 @@
+"""`init_process_group`: from environment or arguments to a connected world group.
+
+Under `kiln launch` no argument is needed: rank, world size, store address and job
+token come from KILN_RANK, KILN_WORLD_SIZE, KILN_STORE and KILN_TOKEN, and the
+launcher hosts the store (KILN_STORE_HOSTED=1). Otherwise rank 0 hosts the store
+in-process on a thread, at the address given.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+
+from kiln.distributed.errors import DistributedError, RendezvousError
+from kiln.distributed.flight_recorder import install_signal_handler, recorder
+from kiln.distributed.process_group import ProcessGroup
+from kiln.distributed.protocol import parse_address
+from kiln.distributed.store import Store, StoreServer
+from kiln.distributed.tcp_backend import TcpBackend
+
+BACKENDS = {"tcp": TcpBackend}
+_WORLD: ProcessGroup | None = None
+_SERVER: StoreServer | None = None
+_WATCHER: "DumpWatcher | None" = None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise RendezvousError("%s=%r is not an integer" % (name, value)) from None
+
+
+def init_process_group(backend: str = "tcp", *, rank: int | None = None,
+                       world_size: int | None = None, store: str | Store | None = None,
+                       token: str | None = None, timeout: float = 10.0,
+                       fault_tolerant: bool = False, host_store: bool | None = None,
+                       fr_dir: str | None = None) -> ProcessGroup:
+    """Join the world group; every rank calls it once. Returns the group.
+
+        >>> pg = init_process_group()                       # under `kiln launch`
+        >>> pg = init_process_group(rank=0, world_size=2, store="127.0.0.1:29500",
+        ...                         token="secret")         # rank 0 hosts the store
+
+    `store` is "host:port" or a connected `Store`; `host_store` overrides who hosts it
+    (default: rank 0, unless launched by `kiln launch`). `timeout` is the default
+    deadline of every collective and of the rendezvous. Flight Recorder dumps go to
+    `fr_dir` or KILN_FR_DIR.
+    """
+    global _WORLD, _SERVER, _WATCHER
+    if _WORLD is not None and not _WORLD.is_aborted:
+        raise RendezvousError("init_process_group was already called in this process",
+                              hint="use the group it returned, or destroy_process_group() first")
+    if fault_tolerant:
+        raise RendezvousError(
+            "fault_tolerant=True (shrink/grow on failure) is not available in this kiln "
+            "version; a failure aborts the group and every Work raises PeerFailure",
+            hint="call init_process_group(..., fault_tolerant=False) and restart the job "
+            "on failure")
+    if backend not in BACKENDS:
+        raise RendezvousError("unknown backend %r; available: %s" % (backend, ", ".join(BACKENDS)))
+    rank = _env_int("KILN_RANK") if rank is None else rank
+    world_size = _env_int("KILN_WORLD_SIZE") if world_size is None else world_size
+    store = store if store is not None else os.environ.get("KILN_STORE")
+    token = token if token is not None else os.environ.get("KILN_TOKEN")
+    missing = [n for n, v in (("rank/KILN_RANK", rank), ("world_size/KILN_WORLD_SIZE", world_size),
+                              ("store/KILN_STORE", store), ("token/KILN_TOKEN", token)) if v is None]
+    if missing:
+        raise RendezvousError("init_process_group needs %s" % ", ".join(missing),
+                              hint="start the script with `kiln launch --nproc N script.py`, "
+                              "or pass rank=, world_size=, store=, token=")
+    if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not (
+            0 <= rank < world_size):
+        raise RendezvousError("rank=%r must be in [0, world_size=%r)" % (rank, world_size))
+    rec = recorder()
+    rec.rank, rec.world_size = rank, world_size
+    if fr_dir:
+        rec.dump_dir = fr_dir
+    if isinstance(store, str):
+        if host_store is None:
+            host_store = rank == 0 and os.environ.get("KILN_STORE_HOSTED") != "1"
+        if host_store:
+            host, port = parse_address(store)
+            try:
+                _SERVER = StoreServer(host, port, token)
+            except OSError as err:
+                raise RendezvousError("rank %d cannot host the store at %s: %s"
+                                      % (rank, store, err)) from None
+            store = _SERVER.address if port == 0 else store
+        store = Store(store, token, timeout=max(timeout, 1.0))
+    backend_cls = BACKENDS[backend]
+    be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, timeout, 0)
+    _WORLD = ProcessGroup(be, name="world", rank=rank, world_size=world_size,
+                          global_ranks=range(world_size), store=store, token=token,
+                          timeout=timeout, backend_factory=backend_cls)
+    install_signal_handler()
+    if rec.dump_dir:
+        _WATCHER = DumpWatcher(store)
+    return _WORLD
+
+
+def get_world() -> ProcessGroup:
+    """The world group of this process (after init_process_group)."""
+    if _WORLD is None:
+        raise RendezvousError("no process group: call kiln.distributed.init_process_group() first")
+    return _WORLD
+
+
+def is_initialized() -> bool:
+    return _WORLD is not None
+
+
+def destroy_process_group() -> None:
+    """Leave the world group and its sub-groups cleanly; stop the hosted store."""
+    global _WORLD, _SERVER, _WATCHER
+    if _WATCHER is not None:
+        _WATCHER.stop()
+        _WATCHER = None
+    if _WORLD is not None:
+        _WORLD.destroy()
+        if _WORLD.store is not None:
+            _WORLD.store.close()
+        _WORLD = None
+    if _SERVER is not None:
+        _SERVER.close()
+        _SERVER = None
+
+
+class DumpWatcher:
+    """Waits on the store for dump requests (`fr/dump/<n>`) posted by a failing rank."""
+
+    def __init__(self, store: Store):
+        self._store = store.clone()
+        self._stop = threading.Event()
+        self._next = 1
+        self._thread = threading.Thread(target=self._loop, name="kiln-fr-watch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            key = "fr/dump/%d" % self._next
+            try:
+                self._store.wait([key], timeout=1.0)
+                info = json.loads(self._store.get(key, timeout=1.0))
+            except DistributedError:
+                if self._stop.wait(0.2):
+                    return
+                continue
+            except ValueError:
+                info = {}
+            self._next += 1
+            if info.get("rank") != recorder().rank:
+                recorder().dump(reason="requested by rank %s: %s" % (info.get("rank"),
+                                                                    info.get("reason")))
+
+    def stop(self) -> None:
+        # no close here: the thread may hold the connection in a wait for up to 1 s,
+        # and it is a daemon; the flag ends it at its next turn
+        self._stop.set()
+
+
+def _at_exit() -> None:
+    # a clean exit says goodbye, so peers report "left the group" rather than a crash
+    try:
+        destroy_process_group()
+    except DistributedError:
+        pass
+
+
+atexit.register(_at_exit)

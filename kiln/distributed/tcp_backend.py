@@ -1,0 +1,199 @@
+"""`TcpBackend`: the built-in CPU backend over plain TCP sockets (works across machines).
+
+Rendezvous: every rank listens on an ephemeral port of the interface it reaches the
+store from (or KILN_BIND_ADDR), publishes `host:port` under the group's prefix, then
+connects to every lower rank and accepts every higher one. Each data connection is
+authenticated with the job token (the same HMAC handshake as the store) and names
+its group and epoch, so a stray or hostile connection is refused.
+
+Algorithm choice by size (bytes per rank; tuned with benchmarks/bench_allreduce.py):
+KILN_TCP_RING_BYTES (default 256 KiB) switches all_reduce, reduce_scatter,
+all_gather, broadcast and reduce from latency-optimal to bandwidth-optimal
+algorithms; KILN_TCP_SEGMENT_BYTES (default 1 MiB) is the pipelining grain.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+
+from kiln.distributed import tcp_algorithms as alg
+from kiln.distributed.backend import OP_CODES, OP_NAMES, Backend, CallContext
+from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, Reducer
+from kiln.distributed.errors import RendezvousError, StoreError
+from kiln.distributed.protocol import client_handshake, parse_address, server_handshake
+from kiln.distributed.tcp_transport import P2P, Transport
+
+DATA_ROLE = "kiln-data"
+_DTYPE_NAMES = {code: short for short, code in DTYPE_CODES.items()}
+_REDUCE_NAMES = {code: name for name, code in REDUCE_CODES.items()}
+
+
+def _describe_sig(sig: tuple) -> str:
+    op, dt, rop, count = sig
+    text = "%s(%s" % (OP_NAMES[op - 1] if 0 < op <= len(OP_NAMES) else "op%d" % op,
+                      _DTYPE_NAMES.get(dt, "?"))
+    if rop:
+        text += ", %s" % _REDUCE_NAMES.get(rop, "?")
+    if count >= 0:
+        text += ", count=%d" % count
+    return text + ")"
+
+
+def _tune(socks: dict[int, socket.socket]) -> None:
+    # fixed buffers beat Linux autotuning on loopback by 2-3x (measured); 0 keeps autotuning
+    size = int(os.environ.get("KILN_TCP_SOCKET_BUFFER", 256 << 10))
+    for sock in socks.values():
+        sock.settimeout(None)  # link threads block; deadlines are kept by the waiters
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            if size:
+                sock.setsockopt(socket.SOL_SOCKET, opt, size)
+
+
+class TcpBackend(Backend):
+    """Full mesh of authenticated TCP sockets among the ranks of one group.
+
+        >>> backend = TcpBackend.rendezvous(store, "pg/world/e0", rank, world_size, token, 10.0)
+    """
+
+    name = "tcp"
+
+    def __init__(self, group: str, rank: int, world_size: int, socks: dict[int, socket.socket]):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.ring_bytes = int(os.environ.get("KILN_TCP_RING_BYTES", 256 << 10))
+        self.segment_bytes = int(os.environ.get("KILN_TCP_SEGMENT_BYTES", 1 << 20))
+        self._failure_handler = None
+        self._pool = alg.ScratchPool()
+        self.transport = Transport(group, rank, world_size, socks, describe_sig=_describe_sig)
+        self.transport.on_failure = self._on_failure
+
+    @classmethod
+    def rendezvous(cls, store, prefix: str, rank: int, world_size: int, token: str,
+                   timeout: float, epoch: int = 0) -> "TcpBackend":
+        deadline = time.monotonic() + timeout
+        host = os.environ.get("KILN_BIND_ADDR") or store.local_address()
+        listener = socket.create_server((host, 0), backlog=max(world_size, 8))
+        socks: dict[int, socket.socket] = {}
+        hello = {"group": prefix, "rank": rank, "epoch": epoch}
+        try:
+            store.set("%s/addr/%d" % (prefix, rank), "%s:%d" % listener.getsockname()[:2])
+            keys = ["%s/addr/%d" % (prefix, r) for r in range(world_size)]
+            store.wait(keys, timeout=max(deadline - time.monotonic(), 0.01))
+            for peer in range(rank):
+                peer_host, port = parse_address(store.get(keys[peer]).decode())
+                sock = socket.create_connection((peer_host, port),
+                                                timeout=max(deadline - time.monotonic(), 0.01))
+                socks[peer] = sock
+                client_handshake(sock, token, DATA_ROLE, max(deadline - time.monotonic(), 0.01),
+                                 hello=hello)
+            while len(socks) < world_size - 1:
+                listener.settimeout(max(deadline - time.monotonic(), 0.01))
+                sock, _ = listener.accept()
+                try:
+                    theirs = server_handshake(sock, token, DATA_ROLE,
+                                              max(deadline - time.monotonic(), 0.01))
+                except StoreError:
+                    sock.close()  # a stranger: refuse and keep waiting for the real peers
+                    continue
+                peer = theirs.get("rank")
+                if (theirs.get("group"), theirs.get("epoch")) != (prefix, epoch) or not (
+                        isinstance(peer, int) and rank < peer < world_size) or peer in socks:
+                    sock.close()
+                    raise RendezvousError("group '%s': unexpected connection %r" % (prefix, theirs))
+                socks[peer] = sock
+        except (OSError, StoreError) as err:
+            for sock in socks.values():
+                sock.close()
+            raise RendezvousError(
+                "rank %d could not join group '%s' of %d ranks within %.1f s: %s"
+                % (rank, prefix, world_size, timeout, getattr(err, "message", err)),
+                hint="check that all %d ranks started and use the same store and KILN_TOKEN"
+                % world_size) from None
+        finally:
+            listener.close()
+        _tune(socks)
+        return cls(prefix, rank, world_size, socks)
+
+    def _on_failure(self, error: BaseException) -> None:
+        if self._failure_handler is not None:
+            self._failure_handler(error)
+
+    def _call(self, ctx: CallContext) -> alg.Call:
+        return alg.Call(self.transport, ctx, self.segment_bytes, self._pool)
+
+    # -- collectives -----------------------------------------------------------------
+    def all_reduce(self, ctx: CallContext, buf: np.ndarray, reducer: Reducer) -> None:
+        if self.world_size == 1:
+            return reducer.finish(buf, 1)
+        if buf.nbytes <= self.ring_bytes or buf.size < self.world_size:
+            alg.allreduce_recursive_doubling(self._call(ctx), buf, reducer)
+        else:
+            alg.allreduce_ring(self._call(ctx), buf, reducer)
+
+    def broadcast(self, ctx: CallContext, buf: np.ndarray, src: int) -> None:
+        if self.world_size == 1:
+            return
+        if buf.nbytes <= self.ring_bytes:
+            alg.broadcast_tree(self._call(ctx), buf, src)
+        else:
+            alg.broadcast_chain(self._call(ctx), buf, src)
+
+    def reduce(self, ctx: CallContext, buf: np.ndarray, dst: int, reducer: Reducer) -> None:
+        if self.world_size == 1:
+            return reducer.finish(buf, 1)
+        if buf.nbytes <= self.ring_bytes or buf.size < self.world_size:
+            alg.reduce_tree(self._call(ctx), buf, dst, reducer)
+        else:
+            alg.reduce_ring(self._call(ctx), buf, dst, reducer)
+
+    def all_gather(self, ctx: CallContext, out: np.ndarray, inp: np.ndarray) -> None:
+        if out.nbytes <= self.ring_bytes or self.world_size == 1:
+            alg.all_gather_direct(self._call(ctx), out, inp)
+        else:
+            alg.all_gather_ring(self._call(ctx), out, inp)
+
+    def gather(self, ctx: CallContext, out: np.ndarray | None, inp: np.ndarray,
+               dst: int) -> None:
+        alg.gather_direct(self._call(ctx), out, inp, dst)
+
+    def scatter(self, ctx: CallContext, out: np.ndarray, inp: np.ndarray | None,
+                src: int) -> None:
+        alg.scatter_direct(self._call(ctx), out, inp, src)
+
+    def reduce_scatter(self, ctx: CallContext, out: np.ndarray, inp: np.ndarray,
+                       reducer: Reducer) -> None:
+        if inp.nbytes <= self.ring_bytes or self.world_size == 1:
+            alg.reduce_scatter_direct(self._call(ctx), out, inp, reducer)
+        else:
+            alg.reduce_scatter_ring(self._call(ctx), out, inp, reducer)
+
+    def all_to_all(self, ctx: CallContext, out: np.ndarray, inp: np.ndarray,
+                   out_counts: list[int], in_counts: list[int]) -> None:
+        alg.all_to_all_direct(self._call(ctx), out, inp, out_counts, in_counts)
+
+    def barrier(self, ctx: CallContext) -> None:
+        if self.world_size > 1:
+            alg.barrier_dissemination(self._call(ctx))
+
+    # -- point to point --------------------------------------------------------------
+    def _p2p_sig(self, ctx: CallContext) -> tuple:
+        return (OP_CODES["p2p"], ctx.dtype_code, 0, ctx.count)
+
+    def send(self, ctx: CallContext, buf: np.ndarray, dst: int, tag: int, done) -> None:
+        self.transport.isend(dst, P2P, self._p2p_sig(ctx), tag, 0, 0, alg.byte_view(buf),
+                             callback=done)
+
+    def recv(self, ctx: CallContext, buf: np.ndarray, src: int, tag: int, done) -> None:
+        self.transport.irecv(src, P2P, self._p2p_sig(ctx), tag, 0, 0, alg.byte_view(buf),
+                             callback=done)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def abort(self, error: BaseException) -> None:
+        self.transport.fail(error)
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,277 @@
+"""`kn.compile`: trace once per specialization, optimize, generate code, run fast.
+
+A compiled function keeps a cache of specializations keyed by guards: the argument
+structure, every tensor's dtype, its static dims (dims declared dynamic by a
+ShapeVar are wildcards, checked against their constraints instead) and the Python
+values baked in. `stats()` reports compiles, cache hits and each recompile's reason.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import sympy
+
+from kiln.errors import KilnError, KilnShapeSpecError, KilnTraceError
+from kiln.ir.graph import Graph
+from kiln.frontend import pytree
+from kiln.frontend.dispatch import to_array
+from kiln.frontend.tracing import _leaf, is_tensor_like, trace_function
+
+
+class KilnRecompileLimitError(KilnError):
+    code = "K180"
+    title = "too many recompiles"
+
+
+@dataclass
+class CompiledGraph:
+    """A graph compiled for a backend: run it with `run(arrays)`."""
+
+    graph: Graph
+    optimized: Graph
+    program: Any
+    executable: Any
+    binder: Callable
+    stages: dict = field(default_factory=dict)
+
+    def run(self, arrays: list) -> list:
+        return self.executable.run(arrays, self.binder(arrays))
+
+
+def make_binder(graph: Graph) -> Callable[[list], dict]:
+    """A fast function from input arrays to shape-variable values (checks constraints)."""
+    plain, derived = [], []
+    for i, value in enumerate(graph.inputs):
+        for axis, d in enumerate(value.type.shape):
+            if isinstance(d, sympy.Symbol):
+                plain.append((i, axis, d.name, graph.shape_vars[d.name]))
+            elif not isinstance(d, int):
+                derived.append((i, axis, d))
+    if not plain and not derived:
+        return lambda arrays: {}
+
+    def bind(arrays):
+        sizes: dict[str, int] = {}
+        for i, axis, name, var in plain:
+            n = arrays[i].shape[axis]
+            if n < var.min or (var.max is not None and n > var.max) or n % var.multiple_of:
+                raise KilnShapeSpecError(
+                    f"@{graph.name} input {i} (%{graph.inputs[i].name}): dim {axis} ({name}) is {n}, "
+                    f"which breaks {var.describe()}", hint=f"the spec requires {var.check(n)}")
+            if sizes.setdefault(name, n) != n:
+                raise KilnShapeSpecError(f"@{graph.name} input {i}: dim {axis} is {n} but {name} "
+                                         f"is {sizes[name]} elsewhere")
+        for i, axis, d in derived:
+            from kiln.ir.shapes import evaluate
+
+            if evaluate(d, sizes) != arrays[i].shape[axis]:
+                raise KilnShapeSpecError(f"@{graph.name} input {i}: dim {axis} must be {d} = "
+                                         f"{evaluate(d, sizes)}, got {arrays[i].shape[axis]}")
+        return sizes
+
+    return bind
+
+
+def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default") -> CompiledGraph:
+    """Optimize, fuse, lower and build `graph` for `backend`."""
+    from kiln.codegen.backends import get_backend
+    from kiln.codegen.build_program import build_program
+    from kiln.passes.fusion import fuse
+    from kiln.passes.pipeline import default_pipeline
+    from kiln.runtime.executor import Executable
+
+    if mode not in ("default", "max-autotune"):
+        raise KilnError(f"compile: mode must be 'default' or 'max-autotune', got {mode!r}")
+    pipeline = default_pipeline(extra=[("fuse", fuse)])
+    stages: dict = {}
+    optimized = pipeline.run(graph, dump=stages)
+    program = build_program(optimized, optimize_region=pipeline.run)
+    target = get_backend(backend)
+    kernels = target.compile_many(program.kernels, measure=(mode == "max-autotune")) \
+        if _accepts_measure(target) else target.compile_many(program.kernels)
+    executable = Executable(program, kernels)
+    return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages)
+
+
+def _accepts_measure(target) -> bool:
+    import inspect
+
+    try:
+        return "measure" in inspect.signature(target.compile_many).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass
+class _Entry:
+    compiled: CompiledGraph
+    out_spec: Any
+    static_positions: tuple
+
+
+class CompiledFunction:
+    """The callable `kn.compile` returns. `stats()` says what the cache did."""
+
+    def __init__(self, fn: Callable, backend: str = "cpu", mode: str = "default",
+                 fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8):
+        self.fn = fn
+        self.backend = backend
+        self.mode = mode
+        self.fullgraph = fullgraph
+        self.dynamic_shapes = dynamic_shapes
+        self.recompile_limit = recompile_limit
+        self._cache: dict = {}
+        self._dynamic: dict[int, frozenset] | None = None
+        self._compiles = 0
+        self._hits = 0
+        self._eager_calls = 0
+        self._recompiles: list[dict] = []
+        functools.update_wrapper(self, fn)
+
+    # -- the call path: keep it lean ------------------------------------------------------
+
+    def __call__(self, *args):
+        from kiln.frontend.tensor import Tensor
+
+        if all(type(a) is Tensor or type(a) is np.ndarray for a in args):
+            leaves, spec = args, None
+        else:
+            leaves, spec = pytree.flatten(tuple(args), _leaf)
+        key = self._key(leaves, spec)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(args, key)
+            if entry is None:  # fell back to eager (fullgraph=False)
+                self._eager_calls += 1
+                return self.fn(*args)
+        else:
+            self._hits += 1
+        statics = entry.static_positions
+        arrays = [leaf._x if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
+                  for i, leaf in enumerate(leaves) if i not in statics]
+        outputs = entry.compiled.run(arrays)
+        made = [Tensor._make(o) for o in outputs]
+        if entry.out_spec == "*":
+            return made[0]
+        return pytree.unflatten(entry.out_spec, made)
+
+    def _key(self, leaves, spec):
+        dynamic = self._dynamic or {}
+        parts = []
+        for i, leaf in enumerate(leaves):
+            if type(leaf) is np.ndarray or is_tensor_like(leaf):
+                array = leaf if type(leaf) is np.ndarray else leaf._x
+                if getattr(leaf, "_builder", None) is not None:
+                    raise KilnTraceError("a compiled function was called with a traced tensor; "
+                                         "call it outside kn.trace or trace the inner function")
+                wild = dynamic.get(i)
+                shape = array.shape if not wild else tuple(
+                    None if a in wild else n for a, n in enumerate(array.shape))
+                parts.append((array.dtype, shape))
+            else:
+                parts.append(("static", type(leaf).__name__, leaf))
+        return spec, tuple(parts)
+
+    # -- compiling ----------------------------------------------------------------------
+
+    def _compile(self, args, key):
+        if len(self._cache) >= self.recompile_limit:
+            reason = self._reason(key)
+            if self.fullgraph:
+                raise KilnRecompileLimitError(
+                    f"{getattr(self.fn, '__name__', 'function')}: {len(self._cache)} specializations "
+                    f"reached recompile_limit={self.recompile_limit}; the latest because {reason}",
+                    hint="declare the changing dims dynamic with ShapeVar (dynamic_shapes=) or "
+                         "raise recompile_limit")
+            return None
+        try:
+            traced = trace_function(self.fn, tuple(args), self.dynamic_shapes)
+        except KilnTraceError:
+            if self.fullgraph:
+                raise
+            self._recompiles.append({"reason": "the function could not be traced; it runs eagerly"})
+            return None
+        if self._dynamic is None:
+            self._dynamic = _dynamic_positions(traced.graph, traced.static_args)
+            key = self._key(*_leaves_and_spec(args))
+        if self._cache:
+            self._recompiles.append({"reason": self._reason(key)})
+        compiled = compile_graph(traced.graph, self.backend, self.mode)
+        self._compiles += 1
+        out_spec = traced.out_spec
+        entry = _Entry(compiled, out_spec, tuple(i for i, _ in traced.static_args))
+        self._cache[key] = entry
+        return entry
+
+    def _reason(self, key) -> str:
+        spec, parts = key
+        for old_spec, old_parts in self._cache:
+            if old_spec != spec:
+                return "the argument structure changed"
+            for i, (new, old) in enumerate(zip(parts, old_parts)):
+                if new != old:
+                    if new[0] == "static" or old[0] == "static":
+                        return f"argument leaf {i} changed from {old[-1]!r} to {new[-1]!r}"
+                    if new[0] != old[0]:
+                        return f"argument leaf {i} dtype changed from {old[0]} to {new[0]}"
+                    for axis, (a, b) in enumerate(zip(new[1], old[1])):
+                        if a != b:
+                            return (f"argument leaf {i} dim {axis} changed from {b} to {a} "
+                                    "(not declared dynamic)")
+                    return f"argument leaf {i} rank changed from {len(old[1])} to {len(new[1])}"
+        return "a new specialization was needed"
+
+    def stats(self) -> dict:
+        """Compiles, cache hits, eager fallbacks and recompiles with their reasons."""
+        return {"compiles": self._compiles, "hits": self._hits, "eager_calls": self._eager_calls,
+                "recompiles": list(self._recompiles), "specializations": len(self._cache)}
+
+    def compiled_graphs(self) -> list[CompiledGraph]:
+        return [e.compiled for e in self._cache.values()]
+
+
+def _leaves_and_spec(args):
+    from kiln.frontend.tensor import Tensor
+
+    if all(type(a) is Tensor or type(a) is np.ndarray for a in args):
+        return args, None
+    return pytree.flatten(tuple(args), _leaf)
+
+
+def _dynamic_positions(graph: Graph, static_args) -> dict[int, frozenset]:
+    """Leaf position -> dims that are symbolic in the traced graph."""
+    statics = {i for i, _ in static_args}
+    positions, k = {}, 0
+    total = len(graph.inputs) + len(statics)
+    for leaf in range(total):
+        if leaf in statics:
+            continue
+        value = graph.inputs[k]
+        k += 1
+        dims = frozenset(a for a, d in enumerate(value.type.shape) if not isinstance(d, int))
+        if dims:
+            positions[leaf] = dims
+    return positions
+
+
+def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "default",
+            fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8):
+    """Compile `fn` (tensors in, tensors out) into fused native kernels.
+
+    >>> @kn.compile
+    ... def f(x, w, b):
+    ...     return kn.gelu(x @ w + b)
+    >>> f(x, w, b); f.stats()["compiles"]
+    1
+    """
+    if fn is None:
+        return lambda f: compile(f, backend=backend, mode=mode, fullgraph=fullgraph,
+                                 dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit)
+    if hasattr(fn, "parameters") and hasattr(fn, "forward") and callable(fn):
+        fn = fn.__call__  # a kn.nn.Module compiles through its forward pass
+    return CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
+

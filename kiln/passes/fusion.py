@@ -1,0 +1,365 @@
+"""Fusion: partition a graph's nodes into groups that one kernel each computes.
+
+Decisions, in order (TorchInductor's and XLA's rules, simplified):
+
+1. *Materialize* a value (give it a buffer) when the graph returns it, a non-fusible
+   node (gemm operand, sort, gather, control flow, ...) reads it, or several
+   consumers read it and recomputing it is not trivially cheap. Everything else that
+   is pointwise is inlined into its consumers (recomputed where needed).
+2. A *reduction group* holds the reductions over one domain (same input shape, same
+   axes) with their pointwise producers and the materialized pointwise consumers that
+   read the reduced values only as whole rows (broadcast back over the reduced axes):
+   softmax and layer_norm become one kernel.
+3. A *gemm group* takes the pointwise epilogue (bias, activation, scale, residual,
+   cast) that follows a matmul into the GEMM template.
+4. Remaining materialized pointwise values form *loop groups*; values of one shape
+   that read common inputs share a kernel (one pass over the inputs).
+
+Every merge is checked on the group dependency graph (networkx): a merge that would
+make a cycle is not made. The result is the same graph with each group replaced by a
+`fused` node whose region holds the group's nodes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import networkx as nx
+
+from kiln.ir import registry
+from kiln.ir.emitter import GraphBuilder
+from kiln.ir.graph import Graph, Node, Region, Value
+from kiln.ir.registry import ELEMENTWISE
+from kiln.ir.shapes import shapes_equal
+
+STRUCTURAL = {"full", "iota", "broadcast_in_dim", "transpose", "slice", "reverse"}
+CHEAP = STRUCTURAL | {"convert", "reshape"}
+REDUCTIONS = {"reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "reduce_and", "reduce_or"}
+GEMMS = {"matmul", "dot_general"}
+
+
+def is_unit_reshape(node: Node) -> bool:
+    """A reshape that only inserts or removes size-1 dims is an index remap."""
+    if node.op != "reshape":
+        return False
+    before = [d for d in node.operands[0].shape if not (isinstance(d, int) and d == 1)]
+    after = [d for d in node.results[0].shape if not (isinstance(d, int) and d == 1)]
+    return shapes_equal(tuple(before), tuple(after))
+
+
+def is_pointwise(node: Node) -> bool:
+    if any(v.type.dtype.is_complex for v in node.results + node.operands):
+        return False  # backends compute complex64 through its real and imaginary parts
+    if node.op in STRUCTURAL or is_unit_reshape(node):
+        return True
+    return registry.get(node.op).kind == ELEMENTWISE
+
+
+def is_reduction(node: Node) -> bool:
+    return node.op in REDUCTIONS and not node.results[0].type.dtype.is_complex
+
+
+def is_gemm(node: Node) -> bool:
+    if node.op not in GEMMS or node.results[0].type.dtype.is_complex:
+        return False
+    from kiln.passes.gemm_layout import gemm_layout
+
+    return gemm_layout(node) is not None
+
+
+class _Analysis:
+    def __init__(self, region: Region):
+        self.region = region
+        self.consumers: dict[int, list[Node]] = defaultdict(list)
+        self.producer: dict[int, Node] = {}
+        self.position = {id(n): i for i, n in enumerate(region.nodes)}
+        for node in region.nodes:
+            for v in node.operands:
+                self.consumers[id(v)].append(node)
+            for r in node.results:
+                self.producer[id(r)] = node
+        self.outputs = {id(v) for v in region.results}
+
+    def fusible(self, node: Node) -> bool:
+        return is_pointwise(node) or is_reduction(node)
+
+    def boundary(self) -> set[int]:
+        """Values that need a buffer whatever the grouping: outputs, and the operands
+        and results of nodes no kernel template takes (gemm results may be fused)."""
+        mat = set(self.outputs)
+        for node in self.region.nodes:
+            if not self.fusible(node):
+                mat.update(id(v) for v in node.operands)
+                if not is_gemm(node):
+                    mat.update(id(r) for r in node.results)
+        return mat
+
+
+def _cone(value: Value, analysis: _Analysis, stop: set[int]) -> list[Node]:
+    """Pointwise and reduce nodes computing `value`, stopping at ids in `stop`."""
+    out, seen = [], set()
+
+    def visit(v: Value):
+        node = analysis.producer.get(id(v))
+        if node is None or id(node) in seen or not analysis.fusible(node):
+            return
+        seen.add(id(node))
+        for operand in node.operands:
+            if id(operand) not in stop:
+                visit(operand)
+        out.append(node)
+
+    visit(value)
+    return out
+
+
+def _reads_reduction_as_rows(reduce_node: Node, cone: list[Node], analysis: _Analysis) -> bool:
+    """Does every use of the reduction inside `cone` see it as a whole row?"""
+    r = reduce_node.results[0]
+    axes = reduce_node.attrs["axes"]
+    in_shape = reduce_node.operands[0].shape
+    kept = tuple(i for i in range(len(in_shape)) if i not in axes)
+    members = {id(n) for n in cone}
+    for user in analysis.consumers[id(r)]:
+        if id(user) not in members:
+            continue
+        if user.op == "broadcast_in_dim":
+            if not (tuple(user.attrs["broadcast_dimensions"]) == kept
+                    and shapes_equal(user.results[0].shape, in_shape)):
+                return False
+        elif not (is_pointwise(user) and user.op not in STRUCTURAL and not is_unit_reshape(user)):
+            return False
+    return True
+
+
+def _domain_key(node: Node) -> str:
+    return f"{node.operands[0].shape}|{tuple(sorted(node.attrs['axes']))}"
+
+
+class _Group:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.values: list[Value] = []  # what the group materializes, in order
+        self.reduces: list[Node] = []
+        self.root: Value | None = None  # a gemm's own result
+
+    def nodes(self, analysis: _Analysis, mat: set[int]) -> list[Node]:
+        """Every node the group's kernel computes, in program order."""
+        stop = mat - {id(v) for v in self.values}
+        found: dict[int, Node] = {}
+        starts = list(self.values) + [r.results[0] for r in self.reduces]
+        for v in starts:
+            for n in _cone(v, analysis, stop):
+                found[id(n)] = n
+        if self.root is not None:
+            found[id(self.root.producer)] = self.root.producer
+            for v in self.values:
+                for n in _cone(v, analysis, stop | {id(self.root)}):
+                    found[id(n)] = n
+        return sorted(found.values(), key=lambda n: analysis.position[id(n)])
+
+
+def _assign(analysis: _Analysis, mat: set[int]) -> list[_Group]:
+    """Groups for a given set of materialized values (steps 2-4 of the module doc)."""
+    groups: list[_Group] = []
+    by_key: dict[str, _Group] = {}
+    reduce_group: dict[int, _Group] = {}
+    for node in analysis.region.nodes:
+        if is_reduction(node):
+            key = _domain_key(node)
+            if key not in by_key:
+                by_key[key] = _Group("reduction")
+                groups.append(by_key[key])
+            group = by_key[key]
+            group.reduces.append(node)
+            reduce_group[id(node.results[0])] = group
+            if id(node.results[0]) in mat:
+                group.values.append(node.results[0])
+        elif is_gemm(node):
+            group = _Group("gemm")
+            group.root = node.results[0]
+            group.values.append(node.results[0])
+            groups.append(group)
+    taken = {id(v) for g in groups for v in g.values}
+    for node in analysis.region.nodes:
+        v = node.results[0] if node.results else None
+        if v is None or not is_pointwise(node) or id(v) not in mat or id(v) in taken:
+            continue
+        cone = _cone(v, analysis, mat - {id(v)})
+        read = {id(reduce_group[id(n.results[0])]): reduce_group[id(n.results[0])]
+                for n in cone if id(n.results[0]) in reduce_group}
+        if len(read) == 1:
+            (group,) = read.values()
+            first = group.reduces[0]
+            domain = first.operands[0].shape
+            row = tuple(d for i, d in enumerate(domain) if i not in first.attrs["axes"])
+            if (shapes_equal(v.shape, domain) or shapes_equal(v.shape, row)) and all(
+                    _reads_reduction_as_rows(n, cone, analysis) for n in cone if is_reduction(n)):
+                group.values.append(v)
+                continue
+        loop = _Group("loop")
+        loop.values.append(v)
+        groups.append(loop)
+    _absorb_epilogues(groups, analysis, mat)
+    return groups
+
+
+def _absorb_epilogues(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> None:
+    """A gemm whose result only one loop kernel reads, elementwise at its own position,
+    with no reduction and no other gemm in that kernel, takes the kernel as its
+    epilogue. (A gemm that takes none gets a buffer in `plan_groups`.)"""
+    for gemm in [g for g in groups if g.root is not None]:
+        root = gemm.root
+        users = analysis.consumers[id(root)]
+        if id(root) in analysis.outputs or not users:
+            continue
+        readers = [g for g in groups if g is not gemm
+                   and any(o is root for n in g.nodes(analysis, mat) for o in n.operands)]
+        if len(readers) != 1 or readers[0].kind != "loop" or len(readers[0].values) != 1:
+            continue
+        loop = readers[0]
+        nodes = loop.nodes(analysis, mat)
+        members = {id(n) for n in nodes}
+        other_gemms = [o for n in nodes for o in n.operands
+                       if o is not root and id(o) not in mat and o.producer is not None
+                       and is_gemm(o.producer)]
+        if (shapes_equal(loop.values[0].shape, root.shape) and not other_gemms
+                and all(id(u) in members and is_pointwise(u) and u.op not in STRUCTURAL
+                        and not is_unit_reshape(u) for u in users)):
+            gemm.values = list(loop.values)
+            groups.remove(loop)
+
+
+def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
+    """Groups in dependence order, and the ids of materialized values."""
+    analysis = _Analysis(region)
+    mat = analysis.boundary()
+    while True:
+        groups = _assign(analysis, mat)
+        grown = set()
+        owners: dict[int, set] = defaultdict(set)
+        for k, g in enumerate(groups):
+            for n in g.nodes(analysis, mat):
+                owners[id(n)].add(k)
+        for node in region.nodes:
+            if not analysis.fusible(node) or len(owners[id(node)]) < 2:
+                continue
+            r = node.results[0]
+            if id(r) in mat:
+                continue
+            # computed by several kernels: a reduction must then be stored, and an
+            # expensive pointwise value is stored rather than recomputed
+            if is_reduction(node) or node.op not in CHEAP:
+                grown.add(id(r))
+        if not grown:
+            break
+        mat |= grown
+    for g in groups:  # a gemm that took no epilogue writes its result to a buffer
+        if g.root is not None and g.values[0] is g.root:
+            mat.add(id(g.root))
+    _prune(groups, analysis, mat)
+    return _order([g for g in groups if g.values], analysis, mat), mat
+
+
+def _prune(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> None:
+    """A value only its own kernel reads needs no buffer (it is recomputed inline)."""
+    for g in groups:
+        members = {id(n) for n in g.nodes(analysis, mat)}
+        keep = []
+        for v in g.values:
+            outside = [u for u in analysis.consumers[id(v)] if id(u) not in members]
+            if id(v) in analysis.outputs or outside or (g.kind == "gemm"):
+                keep.append(v)
+            else:
+                mat.discard(id(v))
+        if g.kind == "reduction" and not keep and g.values:
+            keep = g.values[:1]
+        g.values = keep
+
+
+def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Group]:
+    """Groups in dependence order; merges that would make a cycle are undone."""
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(groups)))
+    owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
+    for k, g in enumerate(groups):
+        for n in g.nodes(analysis, mat):
+            for operand in n.operands:
+                j = owner.get(id(operand))
+                if j is not None and j != k and id(operand) in mat:
+                    dag.add_edge(j, k)
+    if nx.is_directed_acyclic_graph(dag):
+        return [groups[k] for k in nx.lexicographical_topological_sort(dag)]
+    # a cycle through a merged reduction group: give each of its values its own group
+    split: list[_Group] = []
+    cyclic = {k for comp in nx.strongly_connected_components(dag) if len(comp) > 1 for k in comp}
+    for k, g in enumerate(groups):
+        if k in cyclic and g.kind == "reduction" and len(g.values) > 1:
+            for v in g.values:
+                single = _Group("reduction")
+                single.values = [v]
+                single.reduces = [r for r in g.reduces
+                                  if any(r is n for n in _cone(v, analysis, mat - {id(v)}))]
+                split.append(single)
+        else:
+            split.append(g)
+    return split
+
+
+def fuse(graph: Graph) -> Graph:
+    """The graph with each fusion group replaced by a `fused` node (see module doc)."""
+    groups, mat = plan_groups(graph.body)
+    analysis = _Analysis(graph.body)
+    builder = GraphBuilder(Graph(graph.name, shape_vars=graph.shape_vars, constants=graph.constants))
+    env: dict[int, Value] = {}
+    for old in graph.inputs:
+        env[id(old)] = builder.add_input(old.type, old.name)
+    group_of = {id(v): k for k, g in enumerate(groups) for v in g.values}
+    emitted: set[int] = set()
+
+    def emit_group(k: int):
+        if k in emitted:
+            return
+        emitted.add(k)
+        g = groups[k]
+        nodes = g.nodes(analysis, mat)
+        inside = {id(r) for n in nodes for r in n.results}
+        external: list[Value] = []
+        for n in nodes:
+            for operand in n.operands:
+                if id(operand) not in inside and all(operand is not e for e in external):
+                    external.append(operand)
+        operands = [resolve(e) for e in external]
+        region = Region([Value(e.type) for e in external])
+        local = {id(e): p for e, p in zip(external, region.params)}
+        for n in nodes:
+            copy = Node(n.op, [local[id(o)] for o in n.operands], n.attrs,
+                        [r.type for r in n.results], n.regions)
+            region.nodes.append(copy)
+            for old_r, new_r in zip(n.results, copy.results):
+                local[id(old_r)] = new_r
+        region.results = [local[id(v)] for v in g.values]
+        kind = "gemm" if g.root is not None else (
+            "reduction" if any(is_reduction(n) for n in nodes) else "loop")
+        results = builder.apply("fused", operands, {"kind": kind}, regions=[region])
+        for v, r in zip(g.values, results):
+            env[id(v)] = r
+
+    def resolve(v: Value) -> Value:
+        if id(v) in env:
+            return env[id(v)]
+        if id(v) in group_of:
+            emit_group(group_of[id(v)])
+            return env[id(v)]
+        node = analysis.producer[id(v)]
+        copy = Node(node.op, [resolve(o) for o in node.operands], node.attrs,
+                    [r.type for r in node.results], node.regions)
+        builder.append(copy)
+        for old_r, new_r in zip(node.results, copy.results):
+            env[id(old_r)] = new_r
+        return env[id(v)]
+
+    for k in range(len(groups)):
+        emit_group(k)
+    builder.graph.body.results = [resolve(v) for v in graph.outputs]
+    return builder.graph

@@ -1,0 +1,69 @@
+"""The default CPU graph pipeline, as a list of named stages (STYLE §2).
+
+    decompose       every composite to primitives, except `matmul` (CPU_KEEP), which
+                    the CPU backend turns into a GEMM template call with an epilogue
+    canonicalize    algebraic simplification (x * 1, transpose of transpose, ...)
+    fold_constants  constant subexpressions evaluated at compile time
+    cse             repeated computations merged
+    dce             unused nodes and constants removed
+
+The list *is* the documentation: `kiln dump --stage NAME` prints the graph after any
+stage, by these names.
+
+Extension point: later stages (fusion, memory planning, ...) are appended by the
+modules that own them, without editing this file's list:
+
+    >>> pipeline = default_pipeline(extra=[("fuse", fuse), ("plan_memory", plan_memory)])
+    >>> pipeline.names()[-2:]      # ['fuse', 'plan_memory']
+
+`DEFAULT_PASSES` is the tuple the pipeline starts from; `default_pipeline` copies it,
+so appending to one pipeline never changes another.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from kiln.ir.graph import Graph
+from kiln.passes.canonicalize import canonicalize
+from kiln.passes.cse import cse
+from kiln.passes.dce import dce
+from kiln.passes.decompose import decompose
+from kiln.passes.fold_constants import fold_constants
+from kiln.passes.manager import PassFn, Pipeline
+
+# composites the CPU backend matches as a whole: matmul becomes a GEMM template call
+# (with its epilogue fused in); every other composite is lowered through primitives,
+# which the fusion pass then groups into loop nests
+CPU_KEEP = frozenset({"matmul"})
+
+
+def decompose_for_cpu(graph: Graph) -> Graph:
+    """`decompose` with the CPU backend's keep set (`CPU_KEEP`: matmul stays whole)."""
+    return decompose(graph, keep=CPU_KEEP)
+
+
+DEFAULT_PASSES: tuple[tuple[str, PassFn], ...] = (
+    ("decompose", decompose_for_cpu),
+    ("canonicalize", canonicalize),
+    ("fold_constants", fold_constants),
+    ("cse", cse),
+    ("dce", dce),
+)
+
+
+def default_pipeline(extra: Iterable[tuple[str, PassFn]] = (), *, debug: bool = False) -> Pipeline:
+    """The CPU graph pipeline (`DEFAULT_PASSES`) followed by the `extra` stages.
+
+    >>> default_pipeline().run(graph)                       # all stages
+    >>> default_pipeline(debug=True).run(graph, until="cse")  # verified, stops after cse
+    """
+    return Pipeline(list(DEFAULT_PASSES), debug=debug).extend(extra)
+
+
+def optimize(graph: Graph, *, debug: bool = False) -> Graph:
+    """`graph` through the default pipeline.
+
+    >>> optimize(kn.trace(f, x))
+    """
+    return default_pipeline(debug=debug).run(graph)

@@ -1,0 +1,73 @@
+"""Bad input, sub-groups, timeouts, dead peers, mismatches and rank-0-hosted stores."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from harness import check_all_ok, run_scenario
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_input_splits_and_sigusr1_dump(tmp_path, world):
+    data = check_all_ok(run_scenario("basic", world, tmp_path))
+    errors = data[0]["errors"]
+    # each message names the op, the operand and the rule
+    assert "all_reduce" in errors["dtype"] and "<U2" in errors["dtype"]
+    assert "not C-contiguous" in errors["noncontig"] and "float32[4]" in errors["noncontig"]
+    assert "read-only" in errors["readonly"]
+    assert "src=%d is not a rank" % world in errors["rank"]
+    assert "avg" in errors["avg_int"] and "int32" in errors["avg_int"]
+    assert "complex64" in errors["min_complex"]
+    assert "'mean'" in errors["bad_op"]
+    assert "world_size * input.size" in errors["gather_size"]
+    assert "float64" in errors["gather_dtype"] and "float32" in errors["gather_dtype"]
+    assert "reduce_scatter" in errors["rs_size"]
+    assert "sum to 8" in errors["a2a_split"] or "sum to" in errors["a2a_split"]
+    assert "cannot send itself" in errors["send_self"]
+    assert "tag=-1" in errors["tag"]
+    assert "distinct" in errors["split"]
+    for d in data:
+        assert d["dump_reason"] == "SIGUSR1"
+        assert "world" in d["groups"] and any(g.startswith("world.s") for g in d["groups"])
+        assert "all_reduce" in d["ops"] and "all_gather" in d["ops"]  # split's exchange
+
+
+@pytest.mark.timeout(60)
+def test_silent_peer_times_out_and_everyone_dumps(tmp_path):
+    results = run_scenario("hang", 3, tmp_path, args={"timeout": 1.5})
+    data = check_all_ok(results)
+    assert data[1]["dumped"], "the stuck rank did not dump on the store's request"
+    for rank in (0, 2):
+        assert data[rank]["error"] == "CollectiveTimeout"
+        assert data[rank]["elapsed"] < 1.5 + 1.5, data[rank]
+        assert "K203" in data[rank]["message"]
+    for rank in range(3):
+        assert (tmp_path / "fr" / ("kiln_fr_rank%d.json" % rank)).exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [1000, 3_000_000])
+def test_dead_peer_fails_work_with_peer_failure_naming_it(tmp_path, size):
+    results = run_scenario("death", 4, tmp_path, args={"victim": 2, "size": size})
+    assert results[2]["returncode"] == 3
+    for rank in (0, 1, 3):
+        data = check_all_ok([results[rank]])[0]
+        first = data["errors"][0]
+        assert first is not None, "the collective succeeded without rank 2"
+        assert first["type"] == "PeerFailure" and first["rank"] == 2, first
+        assert "rank 2" in first["message"]
+        # later calls fail at once too: the group is aborted, nothing hangs
+        assert all(e is not None for e in data["errors"])
+        assert data["elapsed"] < 10
+
+
+@pytest.mark.timeout(60)
+def test_rank0_hosts_the_store(tmp_path):
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    check_all_ok(run_scenario("rank0_store", 2, tmp_path,
+                              args={"address": "127.0.0.1:%d" % port}))

@@ -1,0 +1,89 @@
+"""`kiln launch`: environment, success, and a failing worker reported and cleaned up."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import REPO, worker_env
+
+EXAMPLE = REPO / "examples" / "distributed_allreduce.py"
+
+
+def launch(tmp_path: Path, *args: str, timeout: float = 50) -> subprocess.CompletedProcess:
+    env = worker_env(tmp_path, "unused")
+    env.pop("KILN_TOKEN")  # the launcher makes one
+    return subprocess.run([sys.executable, "-m", "kiln.distributed", "launch", *args],
+                          env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_run_and_agree(tmp_path):
+    proc = launch(tmp_path, "--nproc", "2", str(EXAMPLE))
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0: all_reduce -> [1.0, 1.0, 1.0, 1.0]" in proc.stdout
+    assert "[[0, 0], [1, 10]]" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_environment_given_to_workers(tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text("import os, sys\n"
+                      "keys = ['KILN_RANK', 'KILN_WORLD_SIZE', 'KILN_LOCAL_RANK', 'KILN_STORE_HOSTED']\n"
+                      "print('ENV', *[os.environ[k] for k in keys], len(os.environ['KILN_TOKEN']),"
+                      " os.environ['KILN_STORE'].startswith('127.0.0.1:'), *sys.argv[1:])\n")
+    proc = launch(tmp_path, "--nproc", "3", str(script), "a", "--b")
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("ENV"))
+    assert lines == ["ENV %d 3 %d 1 64 True a --b" % (r, r) for r in range(3)]
+
+
+@pytest.mark.timeout(60)
+def test_failing_worker_is_reported_and_the_rest_stopped(tmp_path):
+    proc = launch(tmp_path, "--nproc", "2", "--grace", "2", str(EXAMPLE), "--fail-rank", "1")
+    assert proc.returncode == 7, (proc.stdout, proc.stderr)
+    assert "worker rank 1 (local rank 1, pid" in proc.stderr
+    assert "failed: exit code 7" in proc.stderr
+    assert "terminated the other workers" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_by_signal(tmp_path):
+    script = tmp_path / "die.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['KILN_RANK'] == '0':\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(30)\n")
+    proc = launch(tmp_path, "--nproc", "2", "--grace", "1", str(script))
+    assert proc.returncode == 128 + 9
+    assert "worker rank 0" in proc.stderr and "killed by signal SIGKILL" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_on_one_machine(tmp_path):
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    env = worker_env(tmp_path, "shared-secret")
+    cmd = [sys.executable, "-m", "kiln.distributed", "launch", "--nnodes", "2", "--nproc", "1",
+           "--rdzv", "127.0.0.1:%d" % port]
+    nodes = [subprocess.Popen(cmd[:4] + cmd[4:] + ["--node-rank", str(i), str(EXAMPLE)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [n.communicate(timeout=50) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert "rank 0: all_reduce -> [1.0, 1.0, 1.0, 1.0]" in outs[0][0]
+
+
+def test_bad_configurations(tmp_path):
+    proc = launch(tmp_path, "--nnodes", "2", "--nproc", "1", "x.py")
+    assert proc.returncode == 2 and "--rdzv" in proc.stderr
+    proc = launch(tmp_path, "--nnodes", "2", "--rdzv", "127.0.0.1:1", "x.py")
+    assert proc.returncode == 2 and "KILN_TOKEN" in proc.stderr
+    help_text = subprocess.run([sys.executable, "-m", "kiln.distributed", "launch", "--help"],
+                               capture_output=True, text=True).stdout
+    assert "--nproc" in help_text and "KILN_RANK" in help_text

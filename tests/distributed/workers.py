@@ -1,0 +1,383 @@
+"""Scenarios run by each rank of a multiprocess test (see harness.py).
+
+    python workers.py SCENARIO RANK WORLD STORE_ADDR RESULT_JSON ARGS_JSON
+
+Each scenario checks its results against numpy on the rank itself (every rank can
+rebuild every rank's input from the seed) and returns JSON-able data for the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+import ml_dtypes
+import numpy as np
+
+import kiln.distributed as dist
+from kiln.ir import dtypes as kd
+
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def join(rank, world, addr, timeout=20.0, **kw):
+    return dist.init_process_group(rank=rank, world_size=world, store=addr,
+                                   token=os.environ["KILN_TOKEN"], timeout=timeout,
+                                   host_store=kw.pop("host_store", False), **kw)
+
+
+# -- inputs and references ---------------------------------------------------------------
+LOWP = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float16"}
+
+
+def make(dt: kd.DType, shape, seed: int, op: str = "sum") -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    size = int(np.prod(shape))
+    if dt.is_bool:
+        vals = rng.integers(0, 2, size).astype(bool)
+    elif dt.is_integer:
+        info = np.iinfo(dt.np_dtype)
+        vals = rng.integers(info.min, info.max, size, endpoint=True, dtype=dt.np_dtype)
+    elif dt.name in LOWP:  # small integers: every partial sum/product is exact
+        choices = [-1.0, 1.0, 2.0] if op == "prod" else [-1.0, 0.0, 1.0]
+        vals = rng.choice(choices, size)
+    elif dt.is_complex:
+        vals = rng.standard_normal(size) + 1j * rng.standard_normal(size)
+    else:
+        vals = rng.standard_normal(size)
+    return np.asarray(vals).astype(dt.np_dtype).reshape(shape)
+
+
+def ref_reduce(arrays, op: str, dt: kd.DType) -> np.ndarray:
+    """Sequential reduction in rank order (integers wrap exactly as numpy does)."""
+    if dt.is_bool:
+        fn = {"sum": np.logical_or, "max": np.logical_or, "prod": np.logical_and,
+              "min": np.logical_and}[op]
+        acc = arrays[0].copy()
+        for a in arrays[1:]:
+            fn(acc, a, out=acc)
+        return acc
+    if dt.is_integer:
+        fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+        acc = arrays[0].copy()
+        for a in arrays[1:]:
+            fn(acc, a, out=acc)
+        return acc
+    wide = np.complex128 if dt.is_complex else np.float64
+    stack = np.stack([a.astype(wide) for a in arrays])
+    out = {"sum": stack.sum(0), "avg": stack.mean(0), "prod": stack.prod(0),
+           "min": stack.min(0) if not dt.is_complex else None,
+           "max": stack.max(0) if not dt.is_complex else None}[op]
+    return out
+
+
+def check(got: np.ndarray, want: np.ndarray, dt: kd.DType, what: str) -> None:
+    assert got.dtype == dt.np_dtype, (what, got.dtype)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if dt.is_bool or dt.is_integer:
+        if not np.array_equal(got, want):
+            raise AssertionError("%s: got %s want %s" % (what, got.ravel()[:8], want.ravel()[:8]))
+        return
+    wide = np.complex128 if dt.is_complex else np.float64
+    eps = {"float32": 1e-5, "float64": 1e-12, "complex64": 1e-5}.get(dt.name)
+    if eps is None:  # low precision: exact inputs; avg may round once
+        eps = float(ml_dtypes.finfo(dt.np_dtype).eps)
+    g, w = got.astype(wide), np.asarray(want).astype(wide)
+    if not np.allclose(g, w, rtol=2 * eps, atol=2 * eps):
+        raise AssertionError("%s: got %s want %s" % (what, g.ravel()[:8], w.ravel()[:8]))
+
+
+def ops_for(dt: kd.DType) -> list[str]:
+    ops = ["sum", "prod", "min", "max"]
+    if dt.is_complex:
+        ops = ["sum", "prod"]
+    if dt.is_inexact:
+        ops.append("avg")
+    return ops
+
+
+# -- scenarios ---------------------------------------------------------------------------
+def run_collectives(pg, dts, sizes, seed, tag=""):
+    """Every collective and reduce op, all outstanding at once, then checked."""
+    n, r = pg.world_size, pg.rank
+    checks, works = [], []
+    for di, dt in enumerate(dts):
+        for size in sizes:
+            shape = (size,) if size != 21 else (3, 7)
+            base = seed * 1000 + di * 10 + sizes.index(size)
+            what = "%s%s size %d" % (tag, dt.name, size)
+            for op in ops_for(dt):
+                x = make(dt, shape, base * 31 + r, op)
+                want = ref_reduce([make(dt, shape, base * 31 + q, op) for q in range(n)], op, dt)
+                works.append(pg.all_reduce(x, op=op))
+                checks.append((x, want, "all_reduce %s %s" % (op, what)))
+            b = make(dt, shape, base + r)
+            works.append(pg.broadcast(b, src=n - 1))
+            checks.append((b, make(dt, shape, base + n - 1), "broadcast " + what))
+            dst = 1 % n
+            x = make(dt, shape, base + 7 + r)
+            works.append(pg.reduce(x, dst=dst, op="max" if not dt.is_complex else "sum"))
+            inputs = [make(dt, shape, base + 7 + q) for q in range(n)]
+            want = ref_reduce(inputs, "max" if not dt.is_complex else "sum", dt) if r == dst \
+                else inputs[r]
+            checks.append((x, want, "reduce " + what))
+            inputs = [make(dt, shape, base + 11 + q) for q in range(n)]
+            out = np.empty((n,) + shape, dt.np_dtype)
+            works.append(pg.all_gather(out, inputs[r]))
+            checks.append((out, np.stack(inputs), "all_gather " + what))
+            outs = [np.empty(shape, dt.np_dtype) for _ in range(n)]
+            works.append(pg.all_gather(outs, inputs[r]))
+            for q in range(n):
+                checks.append((outs[q], inputs[q], "all_gather(list) %s slot %d" % (what, q)))
+            gout = np.empty((n,) + shape, dt.np_dtype) if r == 0 else None
+            works.append(pg.gather(inputs[r], gout, dst=0))
+            if r == 0:
+                checks.append((gout, np.stack(inputs), "gather " + what))
+            chunks = make(dt, (n,) + shape, base + 13)
+            sout = np.empty(shape, dt.np_dtype)
+            works.append(pg.scatter(sout, chunks if r == n - 1 else None, src=n - 1))
+            checks.append((sout, chunks[r], "scatter " + what))
+            rs_op = "avg" if dt.is_inexact else "sum"
+            big = [make(dt, (n,) + shape, base * 17 + q, rs_op) for q in range(n)]
+            rout = np.empty(shape, dt.np_dtype)
+            works.append(pg.reduce_scatter(rout, big[r], op=rs_op))
+            checks.append((rout, ref_reduce([b[r] for b in big], rs_op, dt),
+                           "reduce_scatter %s %s" % (rs_op, what)))
+            rows = lambda src, dst: (src + dst + size) % 3  # noqa: E731 uneven, some empty
+            a2a_in = [make(dt, (sum(rows(q, j) for j in range(n)), 2), base + 19 + q)
+                      for q in range(n)]
+            a2a_out = np.empty((sum(rows(i, r) for i in range(n)), 2), dt.np_dtype)
+            works.append(pg.all_to_all(a2a_out, a2a_in[r], [rows(i, r) for i in range(n)],
+                                       [rows(r, j) for j in range(n)]))
+            pieces = []
+            for i in range(n):
+                start = sum(rows(i, j) for j in range(r))
+                pieces.append(a2a_in[i][start:start + rows(i, r)])
+            checks.append((a2a_out, np.concatenate(pieces), "all_to_all " + what))
+            p2p_in = make(dt, shape, base + 23 + r)
+            p2p_out = np.empty(shape, dt.np_dtype)
+            works.append(pg.send(p2p_in, dst=(r + 1) % n, tag=di))
+            works.append(pg.recv(p2p_out, src=(r - 1) % n, tag=di))
+            checks.append((p2p_out, make(dt, shape, base + 23 + (r - 1) % n), "send/recv " + what))
+        works.append(pg.barrier())
+    for w in works:
+        w.wait(timeout=30)
+    for got, want, what in checks:
+        check(got, want, kd.from_numpy(got.dtype), what)
+    return len(works)
+
+
+@scenario
+def collectives(rank, world, addr, args):
+    pg = join(rank, world, addr)
+    dts = [kd.dtype(n) for n in args.get("dtypes", [d.name for d in kd.ALL_DTYPES])]
+    count = 0
+    for mode, (ring, seg) in enumerate([(256 << 10, 1 << 20), (64, 40)]):
+        # mode 1 forces the ring/chain algorithms with many small pipeline segments
+        pg.backend.ring_bytes, pg.backend.segment_bytes = ring, seg
+        count += run_collectives(pg, dts, args.get("sizes", [0, 1, 21, 1003]), mode,
+                                 tag="mode%d " % mode)
+    return {"works": count}
+
+
+@scenario
+def large(rank, world, addr, args):
+    """Sizes past the default thresholds (ring, chain, pipelined segments)."""
+    pg = join(rank, world, addr)
+    n = pg.world_size
+    x = np.arange(3_000_017, dtype=np.float32) * (rank + 1)
+    pg.all_reduce(x).wait()
+    check(x, np.arange(3_000_017, dtype=np.float64) * n * (n + 1) / 2, kd.float32, "ring")
+    y = np.full(1_000_003, rank, np.float64)
+    pg.broadcast(y, src=n - 1).wait()
+    assert np.all(y == n - 1)
+    z = np.full(500_001, rank + 1, np.int64)
+    pg.reduce(z, dst=0, op="prod").wait()
+    want = np.prod(np.arange(1, n + 1)) if rank == 0 else rank + 1
+    assert np.all(z == want)
+    inp = np.arange(n * 400_000, dtype=np.float32) + rank
+    out = np.empty(400_000, np.float32)
+    pg.reduce_scatter(out, inp).wait()
+    seg = np.arange(rank * 400_000, (rank + 1) * 400_000, dtype=np.float64)
+    check(out, seg * n + n * (n - 1) / 2, kd.float32, "reduce_scatter ring")
+    gat = np.empty((n, 300_000), np.float32)
+    pg.all_gather(gat, np.full(300_000, rank, np.float32)).wait()
+    assert all(np.all(gat[q] == q) for q in range(n))
+    return {}
+
+
+@scenario
+def basic(rank, world, addr, args):
+    """Bad input, splits, the SIGUSR1 dump and sequence numbers on 2..4 ranks."""
+    pg = join(rank, world, addr)
+    errors = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+        except dist.CollectiveArgumentError as err:
+            errors[name] = str(err)
+        else:
+            raise AssertionError("%s: no error" % name)
+
+    f32 = np.zeros(8, np.float32)
+    records_before = len(dist.recorder().snapshot("x")["records"])
+    expect("dtype", lambda: pg.all_reduce(np.zeros(3, "U2")))
+    expect("noncontig", lambda: pg.all_reduce(np.zeros((4, 4), np.float32)[:, 1]))
+    expect("readonly", lambda: pg.broadcast(np.frombuffer(b"\0" * 16, np.float32)))
+    expect("rank", lambda: pg.broadcast(f32, src=world))
+    expect("avg_int", lambda: pg.all_reduce(np.zeros(3, np.int32), op="avg"))
+    expect("min_complex", lambda: pg.all_reduce(np.zeros(3, np.complex64), op="min"))
+    expect("bad_op", lambda: pg.all_reduce(f32, op="mean"))
+    expect("gather_size", lambda: pg.all_gather(np.zeros(3, np.float32), f32))
+    expect("gather_dtype", lambda: pg.all_gather(np.zeros(8 * world, np.float64), f32))
+    expect("rs_size", lambda: pg.reduce_scatter(f32, np.zeros(5, np.float32)))
+    expect("a2a_split", lambda: pg.all_to_all(f32, f32, [8] + [0] * (world - 1), [1] * world))
+    expect("send_self", lambda: pg.send(f32, dst=rank))
+    expect("tag", lambda: pg.send(f32, dst=(rank + 1) % world, tag=-1))
+    expect("split", lambda: pg.split([0, 0]))
+    assert len(dist.recorder().snapshot("x")["records"]) == records_before, "a bad call recorded"
+    # nothing was sent: the first real collective still lines up (seq 0 on every rank)
+    x = np.full(5, rank + 1.0, np.float32)
+    w = pg.all_reduce(x)
+    assert w.seq == 0, w.seq
+    w.wait(timeout=10)
+    assert np.all(x == world * (world + 1) / 2), x
+    # splits: explicit ranks, color/key (reversed order), and nesting
+    evens = pg.split(list(range(0, world, 2)))
+    assert (evens is None) == (rank % 2 == 1)
+    by_color = pg.split(color=rank % 2, key=-rank)
+    assert by_color.world_size == len(range(rank % 2, world, 2))
+    assert by_color.global_ranks == sorted(range(rank % 2, world, 2), reverse=True)
+    works = []
+    if evens is not None:
+        y = np.array([rank], np.int64)
+        works.append((evens.all_reduce(y), y, sum(range(0, world, 2))))
+        solo = evens.split(color=0 if evens.rank == 0 else None)
+        if solo is not None:
+            z = np.array([7], np.int64)
+            works.append((solo.all_reduce(z), z, 7))
+    c = np.array([rank + 10], np.int64)
+    works.append((by_color.all_reduce(c, op="max"), c, max(range(rank % 2, world, 2)) + 10))
+    w2 = np.array([1], np.int64)
+    works.append((pg.all_reduce(w2), w2, world))
+    for work, buf, want in works:
+        work.wait(timeout=10)
+        assert buf[0] == want, (buf, want)
+    # a SIGUSR1 dump
+    os.kill(os.getpid(), signal.SIGUSR1)
+    path = os.path.join(os.environ["KILN_FR_DIR"], "kiln_fr_rank%d.json" % rank)
+    deadline = time.monotonic() + 5
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    dump = json.load(open(path))
+    pg.barrier().wait(timeout=10)
+    return {"errors": errors, "dump_reason": dump["reason"], "groups": sorted(dump["groups"]),
+            "ops": [r["op"] for r in dump["records"]]}
+
+
+@scenario
+def hang(rank, world, addr, args):
+    """Rank 1 never calls the third all_reduce: the others time out, all ranks dump."""
+    pg = join(rank, world, addr, timeout=args.get("timeout", 1.5))
+    x = np.ones(4, np.float32)
+    for _ in range(2):
+        pg.all_reduce(x).wait(timeout=10)
+    if rank == 1:
+        path = os.path.join(os.environ["KILN_FR_DIR"], "kiln_fr_rank1.json")
+        deadline = time.monotonic() + 15
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)  # stuck in "user code"; the dump comes from the watcher
+        return {"dumped": os.path.exists(path)}
+    start = time.monotonic()
+    work = pg.all_reduce(x)
+    try:
+        work.wait(timeout=20)
+    except dist.CollectiveTimeout as err:
+        return {"error": "CollectiveTimeout", "elapsed": time.monotonic() - start,
+                "message": str(err)}
+    raise AssertionError("no timeout")
+
+
+@scenario
+def death(rank, world, addr, args):
+    """Rank `victim` dies mid-job; the others' Works fail with PeerFailure naming it."""
+    victim = args.get("victim", world - 1)
+    pg = join(rank, world, addr, timeout=15.0)
+    x = np.ones(1000, np.float32)
+    pg.all_reduce(x).wait(timeout=10)
+    if rank == victim:
+        time.sleep(0.2)
+        os._exit(3)
+    start = time.monotonic()
+    works = [pg.all_reduce(np.ones(args.get("size", 1000), np.float32)) for _ in range(3)]
+    result = []
+    for w in works:
+        try:
+            w.wait(timeout=20)
+            result.append(None)
+        except dist.DistributedError as err:
+            result.append({"type": type(err).__name__, "rank": getattr(err, "rank", None),
+                           "message": str(err)})
+    return {"errors": result, "elapsed": time.monotonic() - start}
+
+
+@scenario
+def mismatch(rank, world, addr, args):
+    """Three sub-groups; in each, rank 1 gets one collective wrong (size, dtype, op)."""
+    pg = join(rank, world, addr, timeout=10.0)
+    outcomes = {}
+    for kind in ("size", "dtype", "op"):
+        sub = pg.split(color=0, timeout=5)
+        size = 1004 if (kind == "size" and rank == 1) else 1000
+        dtype = np.int32 if (kind == "dtype" and rank == 1) else np.float32
+        sub.all_reduce(np.ones(8, np.float32), timeout=3).wait(timeout=10)  # a good one first
+        if kind == "op" and rank == 1:
+            work = sub.broadcast(np.ones(size, dtype), src=0, timeout=3)
+        else:
+            work = sub.all_reduce(np.ones(size, dtype), timeout=3)
+        try:
+            work.wait(timeout=15)
+            outcomes[kind] = None
+        except dist.DistributedError as err:
+            outcomes[kind] = type(err).__name__
+        pg.barrier().wait(timeout=15)
+    pg.dump_flight_recorder()
+    pg.barrier().wait(timeout=15)
+    return outcomes
+
+
+@scenario
+def rank0_store(rank, world, addr, args):
+    """Rank 0 hosts the store itself at the address every rank was given."""
+    pg = join(rank, world, args["address"], host_store=None)
+    x = np.full(3, rank, np.int64)
+    pg.all_reduce(x).wait(timeout=10)
+    assert np.all(x == sum(range(world)))
+    pg.barrier().wait(timeout=10)
+    return {}
+
+
+def main() -> None:
+    name, rank, world, addr, out, args = sys.argv[1:7]
+    try:
+        data = SCENARIOS[name](int(rank), int(world), addr, json.loads(args))
+        result = {"ok": True, "data": data}
+    except BaseException as err:  # reported to the test, which fails with it
+        result = {"ok": False, "type": type(err).__name__, "error": traceback.format_exc()}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
