@@ -1,7 +1,7 @@
 """Backend lookup: the object that turns Kernel IR into callables for a target.
 
-Each backend has `supports(target)` and `compile_many(kernels) -> {name: fn}` where
-`fn(arrays, sizes)` runs one kernel in place. "cpu" is the LLVM backend; "reference"
+Each backend has `supports(target)` and `compile_many(kernels) -> [fn, ...]` (one per
+kernel, in order) where `fn(arrays, sizes)` runs the kernel in place. "cpu" is the LLVM backend; "reference"
 runs Kernel IR with numpy (the oracle, and a way to test lowering without LLVM).
 GPU backends are imported only when asked for, so `import kiln` stays fast.
 """
@@ -22,13 +22,18 @@ class ReferenceBackend:
     def supports(target: str) -> bool:
         return target == "reference"
 
-    def compile_many(self, kernels: dict) -> dict:
+    def compile_many(self, kernels) -> list:
         from kiln.codegen.kernel_eval import run_kernel
 
         def make(kernel):
             return lambda arrays, sizes: run_kernel(kernel, arrays, sizes)
 
-        return {name: make(k) for name, k in kernels.items()}
+        return [make(k) for k in kernels]
+
+    def stage_text(self, kernel, stage: str) -> str:
+        from kiln.codegen.kernel_ir import format_kernel
+
+        return format_kernel(kernel)
 
 
 TARGETS = ("cpu", "reference")

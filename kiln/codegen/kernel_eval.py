@@ -8,6 +8,7 @@ graph ops mean.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -61,10 +62,9 @@ def _int_eval(e, values):
         return -np.floor_divide(-_int_eval(num, values), _int_eval(den, values))
     if isinstance(e, sympy.Mod):
         return np.mod(_int_eval(e.args[0], values), _int_eval(e.args[1], values))
-    if isinstance(e, sympy.Min):
-        return np.minimum.reduce([_int_eval(a, values) for a in e.args])
-    if isinstance(e, sympy.Max):
-        return np.maximum.reduce([_int_eval(a, values) for a in e.args])
+    if isinstance(e, (sympy.Min, sympy.Max)):
+        combine = np.minimum if isinstance(e, sympy.Min) else np.maximum
+        return functools.reduce(combine, [_int_eval(a, values) for a in e.args])
     raise ValueError(f"unsupported index expression {e}")
 
 

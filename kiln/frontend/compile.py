@@ -91,19 +91,10 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default") -> 
     optimized = pipeline.run(graph, dump=stages)
     program = build_program(optimized, optimize_region=pipeline.run)
     target = get_backend(backend)
-    kernels = target.compile_many(program.kernels, measure=(mode == "max-autotune")) \
-        if _accepts_measure(target) else target.compile_many(program.kernels)
-    executable = Executable(program, kernels)
+    names = list(program.kernels)
+    compiled = target.compile_many([program.kernels[n] for n in names])
+    executable = Executable(program, dict(zip(names, compiled)))
     return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages)
-
-
-def _accepts_measure(target) -> bool:
-    import inspect
-
-    try:
-        return "measure" in inspect.signature(target.compile_many).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 @dataclass

@@ -1,0 +1,189 @@
+"""The CPU backend: Kernel IR -> LLVM IR -> optimized IR -> machine code, via llvmlite.
+
+Stages, in order, each dumpable by name with `stage_text(kernel, name)`:
+
+    llvm       the generated LLVM IR text (llvm_emit.py, gemm.py, mathlib.py)
+    optimized  after the O3 new-pass-manager pipeline (loop + SLP vectorization)
+    asm        the host assembly
+
+    backend = CpuBackend()
+    compiled = backend.compile(kernel)          # CompiledKernel
+    compiled([x, y], {"B": 5})                  # runs in place on numpy arrays
+
+`compile_many` puts many kernels in one module (one optimize, one JIT), and
+`object_code` / `load_object_code` let the runtime cache machine code on disk by
+content hash: the key should include `options` (a frozen, hashable dataclass).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kiln.codegen.kernel_ir import AnyKernel, GemmKernel, Kernel
+from kiln.errors import KilnArgumentError
+
+from kiln.codegen.cpu import jit
+from kiln.codegen.cpu.autotune import choose_gemm, gemm_outer_extents, measure_gemm
+from kiln.codegen.cpu.jit import require_blas
+from kiln.codegen.cpu.compiled import CompiledKernel
+from kiln.codegen.cpu.gemm import check_strides, emit_gemm, gemm_as_kernel
+from kiln.codegen.cpu.ir_builder import Module
+from kiln.codegen.cpu.llvm_emit import emit_kernel
+from kiln.codegen.cpu.compiled import default_threads
+
+STAGES = ("llvm", "optimized", "asm")
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """Compile options; the hash is part of every cache key.
+
+    opt_level: LLVM optimization level (0-3). threads: total threads a kernel may use
+    (caller + workers). parallel_threshold: estimated element-operations above which a
+    call is split over threads. vector_width: 0 lets LLVM choose (256-bit on this host);
+    otherwise forces the vectorizer's width. mode: "default" (analytical autotuning) or
+    "max-autotune" (also measures GEMM variants)."""
+
+    opt_level: int = 3
+    threads: int = field(default_factory=default_threads)
+    parallel_threshold: int = 1 << 17
+    vector_width: int = 0
+    mode: str = "default"
+
+    def __post_init__(self):
+        if self.mode not in ("default", "max-autotune"):
+            raise KilnArgumentError(f"CpuOptions: mode must be 'default' or 'max-autotune', got {self.mode!r}")
+        if not 0 <= self.opt_level <= 3 or self.threads < 1:
+            raise KilnArgumentError("CpuOptions: opt_level must be 0-3 and threads >= 1")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one kernel is emitted: its exported symbol, outer extents and GEMM choice."""
+
+    kernel: AnyKernel
+    symbol: str
+    outer_extents: tuple
+    blas: bool = False
+    panel_rows: int = 0
+
+
+def _symbol(name: str, taken: set) -> str:
+    base = "kiln_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+    symbol, i = base, 1
+    while symbol in taken:
+        symbol, i = f"{base}_{i}", i + 1
+    taken.add(symbol)
+    return symbol
+
+
+class CpuBackend:
+    """LLVM backend for target "cpu". See the module docstring for the stages."""
+
+    name = "cpu"
+    stages = STAGES
+
+    def __init__(self, options: CpuOptions | None = None):
+        self.options = options or CpuOptions()
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def supports(target: str) -> bool:
+        return target == "cpu"
+
+    # -- planning and emission --------------------------------------------------------
+    def _plan(self, k: AnyKernel, taken: set, use_blas: bool | None = None) -> _Plan:
+        symbol = _symbol(k.name, taken)
+        if isinstance(k, Kernel):
+            return _Plan(k, symbol, tuple(l.extent for l in k.outer))
+        if not isinstance(k, GemmKernel):
+            raise KilnArgumentError(f"cpu backend: cannot compile {type(k).__name__}")
+        check_strides(k)
+        choice = choose_gemm(k)
+        blas = choice.use_blas if use_blas is None else use_blas
+        if blas:
+            require_blas()
+            return _Plan(k, symbol, gemm_outer_extents(k, True, choice.panel_rows), True, choice.panel_rows)
+        loop = gemm_as_kernel(k)
+        return _Plan(loop, symbol, tuple(l.extent for l in loop.outer))
+
+    def _module_text(self, plans: Sequence[_Plan]) -> str:
+        module = Module()
+        for p in plans:
+            if p.blas:
+                emit_gemm(module, p.kernel, p.symbol, p.panel_rows)
+            else:
+                emit_kernel(module, p.kernel, p.symbol)
+        text = module.text()
+        if self.options.vector_width:
+            text = text.replace('!"llvm.loop.vectorize.enable", i1 true}',
+                                f'!"llvm.loop.vectorize.enable", i1 true, !"llvm.loop.vectorize.width", '
+                                f'i32 {self.options.vector_width}}}')
+        return text
+
+    def _optimized(self, text: str):
+        mod = jit.parse(text)
+        jit.optimize(mod, self.options.opt_level)
+        return mod
+
+    def stage_text(self, kernel: AnyKernel, stage: str) -> str:
+        """The text of one named stage ("llvm", "optimized" or "asm") for `kernel`."""
+        if stage not in STAGES:
+            raise KilnArgumentError(f"cpu backend: unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+        text = self._module_text([self._plan(kernel, set())])
+        if stage == "llvm":
+            return text
+        mod = self._optimized(text)
+        return str(mod) if stage == "optimized" else jit.assembly(mod, self.options.opt_level)
+
+    # -- compilation ------------------------------------------------------------------
+    def _wrap(self, plans, owner) -> list[CompiledKernel]:
+        o = self.options
+        return [CompiledKernel(p.kernel, owner.address(p.symbol), owner,
+                               object_address=owner.address(p.symbol + ".np"),
+                               threads=1 if p.blas else o.threads, threshold=o.parallel_threshold,
+                               outer_extents=p.outer_extents, serial=p.blas) for p in plans]
+
+    def compile(self, kernel: AnyKernel, measure: bool | None = None) -> CompiledKernel:
+        """Compile one kernel. `measure` (default: options.mode == "max-autotune") times
+        the GEMM variants instead of trusting the analytical model."""
+        measure = self.options.mode == "max-autotune" if measure is None else measure
+        key = (kernel, measure)
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        if measure and isinstance(kernel, GemmKernel):
+            choice = measure_gemm(kernel, choose_gemm(kernel),
+                                  lambda blas: self._compile_plans([self._plan(kernel, set(), blas)])[0])
+            compiled = self._compile_plans([self._plan(kernel, set(), choice.use_blas)])[0]
+        else:
+            compiled = self.compile_many([kernel])[0]
+        with self._lock:
+            self._cache[key] = compiled
+        return compiled
+
+    def _compile_plans(self, plans) -> list[CompiledKernel]:
+        mod = self._optimized(self._module_text(plans))
+        return self._wrap(plans, jit.Jitted(mod, opt_level=self.options.opt_level))
+
+    def compile_many(self, kernels: Sequence[AnyKernel]) -> list[CompiledKernel]:
+        """Compile kernels into ONE LLVM module: one optimize and one JIT for all."""
+        taken: set = set()
+        return self._compile_plans([self._plan(k, taken) for k in kernels])
+
+    # -- object code cache hooks ------------------------------------------------------
+    def object_code(self, kernels: Sequence[AnyKernel]) -> bytes:
+        """Relocatable machine code of `kernels` compiled together (cache by content)."""
+        taken: set = set()
+        plans = [self._plan(k, taken) for k in kernels]
+        return jit.object_code(self._optimized(self._module_text(plans)), self.options.opt_level)
+
+    def load_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list[CompiledKernel]:
+        """CompiledKernels from bytes made by `object_code(kernels)` with these options."""
+        taken: set = set()
+        plans = [self._plan(k, taken) for k in kernels]
+        return self._wrap(plans, jit.Jitted(objects=(blob,), opt_level=self.options.opt_level))

@@ -1,0 +1,244 @@
+"""A small LLVM IR *text* builder: typed SSA values, instructions, loops, module parts.
+
+We emit text rather than llvmlite.ir objects because building IR objects in Python is
+the slowest part of a cold compile; formatting strings is ~10x cheaper, and LLVM's
+parser checks everything anyway. A value is a `V(ref, ty)`: `ref` is an SSA name or a
+literal (`1`, `0x3FF0000000000000`) and `ty` its LLVM type.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class V:
+    ref: str
+    ty: str
+
+    def __str__(self) -> str:
+        return f"{self.ty} {self.ref}"
+
+
+FLOAT_TYPES = ("half", "float", "double")
+
+
+def float_literal(value: float, ty: str) -> str:
+    """LLVM accepts a float constant only if exactly representable in its type: print the
+    hex of the double holding the value already rounded to `ty` (see NOTES.md)."""
+    if ty == "float":
+        value = float(np.float32(value))
+    elif ty == "half":
+        value = float(np.float16(value))
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", value))[0]
+
+
+def const(ty: str, value) -> V:
+    if ty in FLOAT_TYPES:
+        return V(float_literal(float(value), ty), ty)
+    if ty == "i1":
+        return V("true" if value else "false", ty)
+    return V(str(int(value)), ty)
+
+
+def int_bits(ty: str) -> int:
+    return int(ty[1:])
+
+
+class Module:
+    """Collects function definitions, declarations and loop metadata of one module."""
+
+    def __init__(self):
+        self.functions: list[str] = []
+        self.declarations: dict[str, str] = {}
+        self.metadata: list[str] = []
+        self.helpers: set[str] = set()  # names of helper functions already defined
+
+    def declare(self, name: str, signature: str) -> None:
+        """`signature` is the full `declare ...` line."""
+        self.declarations.setdefault(name, signature)
+
+    def intrinsic(self, base: str, ty: str, nargs: int) -> str:
+        """Name of an overloaded float intrinsic (llvm.sqrt.f32, ...), declared once."""
+        suffix = {"float": "f32", "double": "f64", "half": "f16"}.get(ty, ty)
+        name = f"llvm.{base}.{suffix}"
+        self.declare(name, f"declare {ty} @{name}({', '.join([ty] * nargs)})")
+        return name
+
+    def loop_metadata(self, vectorize: bool = True) -> str:
+        """A fresh `!llvm.loop` node asking the vectorizer to vectorize this loop."""
+        base = len(self.metadata)
+        self_id, hint_id = base, base + 1
+        hint = "true" if vectorize else "false"
+        self.metadata.append(f"!{self_id} = distinct !{{!{self_id}, !{hint_id}}}")
+        self.metadata.append(f'!{hint_id} = !{{!"llvm.loop.vectorize.enable", i1 {hint}}}')
+        return f"!{self_id}"
+
+    def text(self) -> str:
+        parts = list(self.declarations.values()) + self.functions + self.metadata
+        return "\n".join(parts) + "\n"
+
+
+class Fn:
+    """Builds one function body. Instructions go to the current block."""
+
+    def __init__(self, module: Module, prefix: str = "v"):
+        self.module = module
+        self.lines: list[str] = ["entry:"]
+        self.counter = 0
+        self.prefix = prefix
+        self.block = "entry"
+        # loops and non-vectorizable calls seen so far: a loop asks for vectorization only
+        # if it is innermost and calls nothing scalar (else LLVM warns it could not)
+        self.loops_started = 0
+        self.scalar_calls = 0
+
+    # -- names and blocks -------------------------------------------------------------
+    def fresh(self, hint: str = "") -> str:
+        self.counter += 1
+        return f"%{self.prefix}{self.counter}{hint}"
+
+    def new_label(self, hint: str) -> str:
+        self.counter += 1
+        return f"{hint}{self.counter}"
+
+    def start_block(self, label: str) -> None:
+        self.lines.append(f"{label}:")
+        self.block = label
+
+    def emit(self, text: str, ty: str, hint: str = "") -> V:
+        name = self.fresh(hint)
+        self.lines.append(f"  {name} = {text}")
+        return V(name, ty)
+
+    def stmt(self, text: str) -> None:
+        self.lines.append(f"  {text}")
+
+    def br(self, label: str, meta: str = "") -> None:
+        self.stmt(f"br label %{label}" + (f", !llvm.loop {meta}" if meta else ""))
+
+    def cbr(self, cond: V, then: str, other: str) -> None:
+        self.stmt(f"br i1 {cond.ref}, label %{then}, label %{other}")
+
+    # -- arithmetic -------------------------------------------------------------------
+    def bin(self, op: str, a: V, b: V, flags: str = "") -> V:
+        flags = f" {flags}" if flags else ""
+        return self.emit(f"{op}{flags} {a.ty} {a.ref}, {b.ref}", a.ty)
+
+    def fadd(self, a, b, flags=""):
+        return self.bin("fadd", a, b, flags)
+
+    def fsub(self, a, b, flags=""):
+        return self.bin("fsub", a, b, flags)
+
+    def fmul(self, a, b, flags=""):
+        return self.bin("fmul", a, b, flags)
+
+    def fdiv(self, a, b):
+        return self.bin("fdiv", a, b)
+
+    def fneg(self, a: V) -> V:
+        return self.emit(f"fneg {a.ty} {a.ref}", a.ty)
+
+    def fma(self, a: V, b: V, c: V) -> V:
+        return self.call(self.module.intrinsic("fma", a.ty, 3), a.ty, [a, b, c])
+
+    def unary_intrinsic(self, base: str, a: V) -> V:
+        return self.call(self.module.intrinsic(base, a.ty, 1), a.ty, [a])
+
+    def binary_intrinsic(self, base: str, a: V, b: V) -> V:
+        return self.call(self.module.intrinsic(base, a.ty, 2), a.ty, [a, b])
+
+    def fcmp(self, pred: str, a: V, b: V) -> V:
+        return self.emit(f"fcmp {pred} {a.ty} {a.ref}, {b.ref}", "i1")
+
+    def icmp(self, pred: str, a: V, b: V) -> V:
+        return self.emit(f"icmp {pred} {a.ty} {a.ref}, {b.ref}", "i1")
+
+    def select(self, c: V, a: V, b: V) -> V:
+        return self.emit(f"select i1 {c.ref}, {a.ty} {a.ref}, {b.ty} {b.ref}", a.ty)
+
+    def cast(self, op: str, a: V, ty: str) -> V:
+        if a.ty == ty and op in ("bitcast", "zext", "sext", "trunc", "fpext", "fptrunc"):
+            return a
+        return self.emit(f"{op} {a.ty} {a.ref} to {ty}", ty)
+
+    def freeze(self, a: V) -> V:
+        return self.emit(f"freeze {a.ty} {a.ref}", a.ty)
+
+    def call(self, name: str, ret: str, args: list[V]) -> V:
+        text = f"call {ret} @{name}({', '.join(map(str, args))})"
+        if ret == "void":
+            self.stmt(text)
+            return V("", "void")
+        return self.emit(text, ret)
+
+    # -- memory -----------------------------------------------------------------------
+    def gep(self, elem_ty: str, ptr: V, index: V) -> V:
+        return self.emit(f"getelementptr inbounds {elem_ty}, ptr {ptr.ref}, i64 {index.ref}", "ptr")
+
+    def load(self, ty: str, ptr: V, align: int) -> V:
+        return self.emit(f"load {ty}, ptr {ptr.ref}, align {align}", ty)
+
+    def store(self, value: V, ptr: V, align: int) -> None:
+        self.stmt(f"store {value.ty} {value.ref}, ptr {ptr.ref}, align {align}")
+
+    # -- shorthands for typed constants --------------------------------------------------
+    @staticmethod
+    def c(ty: str, value) -> V:
+        return const(ty, value)
+
+    def define(self, header: str) -> str:
+        """The complete function text: `header` is `define ... {` without the brace."""
+        return header + " {\n" + "\n".join(self.lines) + "\n}\n"
+
+
+class CountedLoop:
+    """`for i in [start, stop)`, with loop-carried values as phis.
+
+        loop = CountedLoop(fn, start, stop, carried=[acc0])
+        i, (acc,) = loop.begin()
+        ... emit body, computing acc_next ...
+        (acc_out,) = loop.end([acc_next])
+
+    The loop gets `llvm.loop.vectorize.enable` metadata unless vectorize=False.
+    """
+
+    def __init__(self, fn: Fn, start: V, stop: V, carried: list[V] = (), vectorize: bool = True):
+        self.fn, self.start, self.stop, self.carried = fn, start, stop, list(carried)
+        self.vectorize = vectorize
+
+    def begin(self):
+        fn = self.fn
+        fn.loops_started += 1
+        self.marks = (fn.loops_started, fn.scalar_calls)
+        self.pre = fn.block
+        self.head, self.body, self.exit = (fn.new_label(h) for h in ("head", "body", "exit"))
+        fn.br(self.head)
+        fn.start_block(self.head)
+        self.i = V(fn.fresh("i"), "i64")
+        self.phis = [V(fn.fresh("acc"), c.ty) for c in self.carried]
+        # the phi lines are patched in end(), once the latch values are known
+        self.phi_at = len(fn.lines)
+        fn.lines.append("")
+        cond = fn.icmp("slt", self.i, self.stop)
+        fn.cbr(cond, self.body, self.exit)
+        fn.start_block(self.body)
+        return self.i, self.phis
+
+    def end(self, next_values: list[V] = ()):
+        fn = self.fn
+        latch = fn.block
+        nxt = fn.bin("add", self.i, const("i64", 1), "nuw nsw")
+        innermost_simple = self.marks == (fn.loops_started, fn.scalar_calls)
+        meta = fn.module.loop_metadata(self.vectorize and innermost_simple)
+        fn.br(self.head, meta)
+        phis = [f"  {self.i.ref} = phi i64 [ {self.start.ref}, %{self.pre} ], [ {nxt.ref}, %{latch} ]"]
+        for p, init, new in zip(self.phis, self.carried, next_values):
+            phis.append(f"  {p.ref} = phi {p.ty} [ {init.ref}, %{self.pre} ], [ {new.ref}, %{latch} ]")
+        fn.lines[self.phi_at] = "\n".join(phis)
+        fn.start_block(self.exit)
+        return self.phis

@@ -1,0 +1,143 @@
+"""LLVM plumbing: the host target machine, the O3 pipeline, MCJIT, and object code.
+
+Follows the recipe verified in design/NOTES.md: initialize only the native target and
+asm printer, optimize with the new pass manager (loop + SLP vectorization on), JIT with
+MCJIT. Object code can be emitted and loaded back (`load_object`), which is the hook the
+runtime uses to cache compiled kernels on disk by content hash.
+
+External code the JIT'd functions call lives here too: numpy's wheels ship
+`numpy.libs/libscipy_openblas64_*.so` exporting CBLAS with 64-bit integers under a
+suffix (`scipy_cblas_sgemm64_`); loading it permanently into LLVM's symbol space lets
+generated GEMMs call it directly (no Python in the GEMM path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from functools import lru_cache
+
+import llvmlite.binding as llvm
+import numpy as np
+
+from kiln.errors import KilnDeviceError
+
+
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=None)
+def _init() -> None:
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    llvm.initialize_native_asmparser()
+
+
+@lru_cache(maxsize=None)
+def target_machine(opt_level: int = 3, features: str = ""):
+    """The host's target machine (CPU name and features detected by LLVM), shared for
+    optimizing and emitting; never hand it to an engine (see `_new_target_machine`)."""
+    return _new_target_machine(opt_level, features)
+
+
+def _new_target_machine(opt_level: int = 3, features: str = ""):
+    """A fresh target machine: an MCJIT engine takes ownership of (and frees) its own."""
+    _init()
+    target = llvm.Target.from_triple(llvm.get_process_triple())
+    feats = features or llvm.get_host_cpu_features().flatten()
+    return target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=feats,
+                                        opt=opt_level, reloc="pic", codemodel="jitdefault", jit=True)
+
+
+def parse(text: str):
+    """LLVM IR text -> verified module."""
+    _init()
+    mod = llvm.parse_assembly(text)
+    mod.verify()
+    return mod
+
+
+def optimize(mod, opt_level: int = 3) -> None:
+    """Run the new-pass-manager O-level pipeline with loop and SLP vectorization."""
+    tm = target_machine(opt_level)
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    pto = llvm.create_pipeline_tuning_options(speed_level=min(opt_level, 3))
+    pto.loop_vectorization = opt_level >= 2
+    pto.slp_vectorization = opt_level >= 2
+    pto.loop_unrolling = opt_level >= 2
+    pb = llvm.create_pass_builder(tm, pto)
+    pm = pb.getModulePassManager()
+    pm.run(mod, pb)
+
+
+def assembly(mod, opt_level: int = 3) -> str:
+    return target_machine(opt_level).emit_assembly(mod)
+
+
+def object_code(mod, opt_level: int = 3) -> bytes:
+    return target_machine(opt_level).emit_object(mod)
+
+
+class Jitted:
+    """An MCJIT engine holding compiled code; `address(name)` of an exported function.
+    Engines stay alive as long as this object (the compiled functions point into it)."""
+
+    def __init__(self, mod=None, objects: tuple[bytes, ...] = (), opt_level: int = 3):
+        _init()
+        ensure_blas_loaded()
+        with _lock:  # MCJIT creation/finalization is not re-entrant across threads
+            base = mod if mod is not None else llvm.parse_assembly("")
+            if mod is None:
+                base.triple = target_machine(opt_level).triple
+            self.engine = llvm.create_mcjit_compiler(base, _new_target_machine(opt_level))
+            for blob in objects:
+                self.engine.add_object_file(llvm.ObjectFileRef.from_data(blob))
+            self.engine.finalize_object()
+
+    def address(self, name: str) -> int:
+        addr = self.engine.get_function_address(name)
+        if not addr:
+            raise KeyError(f"cpu backend: no compiled function named {name}")
+        return addr
+
+
+# -- numpy's bundled OpenBLAS ------------------------------------------------------
+
+SGEMM = "scipy_cblas_sgemm64_"
+DGEMM = "scipy_cblas_dgemm64_"
+CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 101, 111, 112
+
+
+def find_openblas() -> str | None:
+    """Path of numpy's bundled OpenBLAS, or None (e.g. a numpy built against MKL)."""
+    root = os.path.dirname(os.path.abspath(np.__file__))
+    patterns = [os.path.join(root, "..", "numpy.libs", "libscipy_openblas*.so*"),
+                os.path.join(root, ".libs", "libscipy_openblas*.so*"),
+                os.path.join(root, ".dylibs", "libscipy_openblas*.dylib")]
+    for pattern in patterns:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return os.path.realpath(hits[0])
+    return None
+
+
+@lru_cache(maxsize=None)
+def ensure_blas_loaded() -> bool:
+    """Load OpenBLAS into the process and LLVM's symbol table; False if absent."""
+    path = find_openblas()
+    if path is None:
+        return False
+    lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    llvm.load_library_permanently(path)
+    return hasattr(lib, SGEMM) and hasattr(lib, DGEMM)
+
+
+def require_blas() -> None:
+    if not ensure_blas_loaded():
+        raise KilnDeviceError("cpu backend: GEMM needs numpy's bundled OpenBLAS "
+                              "(libscipy_openblas64_), which was not found",
+                              hint="install numpy from its official wheels, or let the "
+                                   "autotuner pick the generated GEMM (small sizes)")
