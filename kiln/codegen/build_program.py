@@ -2,19 +2,23 @@
 
 `fused` nodes become kernel launches (Kernel IR by `lower`), reshapes become views,
 constants become constant steps, control flow becomes steps that own sub-programs,
-and every other op runs as an extern call of its reference implementation (sort,
-gather, scatter, LAPACK, random bits, ...), so every graph kiln can trace also runs
-compiled.
+collectives become collective steps (run through the process group), and every
+other op runs as an extern call of its reference implementation (sort, gather,
+scatter, LAPACK, random bits, ...), so every graph kiln can trace also runs compiled.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from kiln.codegen.lower import lower_fused
+from kiln.codegen.lower import SplitReduction, lower_fused
+from kiln.ir import registry
 from kiln.ir.graph import Graph, Region, Value
+from kiln.ir.registry import COLLECTIVE
 from kiln.runtime.memory_plan import plan_memory
-from kiln.runtime.program import BufferSpec, Constant, Control, Extern, Launch, Program, View
+from kiln.runtime.program import (
+    BufferSpec, Collective, Constant, Control, Extern, Launch, Program, View,
+)
 
 
 def build_program(graph: Graph, optimize_region: Callable[[Graph], Graph] | None = None,
@@ -25,10 +29,13 @@ def build_program(graph: Graph, optimize_region: Callable[[Graph], Graph] | None
     kernels: dict = {}
     steps: list = []
 
+    def new_slot(spec: BufferSpec) -> int:
+        buffers[len(buffers)] = spec
+        return len(buffers) - 1
+
     def slot(v: Value) -> int:
         if id(v) not in slots:
-            slots[id(v)] = len(slots)
-            buffers[slots[id(v)]] = BufferSpec(v.type.dtype, v.type.shape)
+            slots[id(v)] = new_slot(BufferSpec(v.type.dtype, v.type.shape))
         return slots[id(v)]
 
     inputs = [slot(v) for v in graph.inputs]
@@ -37,8 +44,16 @@ def build_program(graph: Graph, optimize_region: Callable[[Graph], Graph] | None
         outs = tuple(slot(v) for v in node.results)
         if node.op == "fused":
             name = f"{prefix}{graph.name}_{node.attrs['kind']}_{len(kernels)}"
-            kernels[name] = lower_fused(node, name)
-            steps.append(Launch(name, ins + outs))
+            lowered = lower_fused(node, name)
+            if isinstance(lowered, SplitReduction):
+                scratch = tuple(new_slot(BufferSpec(b.dtype, b.shape)) for b in lowered.scratch)
+                kernels[lowered.partial.name] = lowered.partial
+                kernels[lowered.combine.name] = lowered.combine
+                steps.append(Launch(lowered.partial.name, ins + scratch))
+                steps.append(Launch(lowered.combine.name, scratch + outs))
+            else:
+                kernels[name] = lowered
+                steps.append(Launch(name, ins + outs))
         elif node.op == "reshape":
             steps.append(View(ins[0], outs[0]))
         elif node.op == "constant":
@@ -49,10 +64,12 @@ def build_program(graph: Graph, optimize_region: Callable[[Graph], Graph] | None
                 sub = region_graph(region, f"{graph.name}_{node.op}{index}_{k}", graph)
                 if optimize_region is not None:
                     sub = optimize_region(sub)
-                body = build_program(sub, optimize_region, prefix=f"{prefix}{sub.name}_")
+                body = build_program(sub, optimize_region, prefix=prefix)  # sub.name is unique
                 kernels.update(body.kernels)
                 bodies.append(body)
             steps.append(Control(node.op, ins, outs, tuple(bodies)))
+        elif registry.get(node.op).kind == COLLECTIVE:
+            steps.append(Collective(node.op, dict(node.attrs), ins, outs))
         else:
             steps.append(Extern(node.op, dict(node.attrs), ins, outs))
     outputs = [slot(v) for v in graph.outputs]

@@ -89,7 +89,8 @@ class _Evaluator:
         elif isinstance(e, Op):
             args = [self(a) for a in e.args]
             shape = np.broadcast_shapes(*[np.shape(a) for a in args]) if args else ()
-            args = [np.ascontiguousarray(np.broadcast_to(a, shape)) for a in args]
+            # reshape: ascontiguousarray turns a 0-d array into a 1-d one
+            args = [np.ascontiguousarray(np.broadcast_to(a, shape)).reshape(shape) for a in args]
             attrs = {"dtype": e.dtype} if "dtype" in registry.get(e.op).attrs else {}
             (value,) = EAGER.apply(e.op, args, attrs)
         else:

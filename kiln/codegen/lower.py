@@ -9,6 +9,8 @@ gemm's own result becomes the accumulator `Acc` of its epilogue.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy
 
 from kiln.passes.gemm_layout import gemm_layout, row_major_strides
@@ -119,7 +121,8 @@ class _Gen:
     @staticmethod
     def _same_index(index, expected, what):
         if len(index) != len(expected) or any(
-                sympy.expand(sympy.sympify(x) - sympy.sympify(y)) != 0 for x, y in zip(index, expected)):
+                x != y and sympy.expand(sympy.sympify(x) - sympy.sympify(y)) != 0
+                for x, y in zip(index, expected)):
             raise LoweringError(f"a {what} is read at index {index}, not at its own position {expected}")
 
 
@@ -199,6 +202,9 @@ def _lower_reduction(name, region, gen, buffers, sizes):
     for l, i in zip(inner, axes):
         full[i] = loop_var(l.var)
     full = tuple(full)
+    parts = _partitions(domain, axes, reduces, region)
+    if parts:
+        return _lower_split_reduction(name, region, gen, buffers, sizes, domain, axes, reduces, parts)
     row = tuple(loop_var(l.var) for l in outer)
     row_shape = tuple(domain[i] for i in kept)
     stages = []
@@ -213,8 +219,87 @@ def _lower_reduction(name, region, gen, buffers, sizes):
         if len(v.shape) == len(domain) and all(dims_equal(a, b) for a, b in zip(v.shape, domain)):
             stages.append(Store(f"out{i}", flat_index(full, domain), gen(v, full), inner))
         else:
-            stages.append(Store(f"out{i}", flat_index(row, row_shape), gen(v, row)))
+            index = _row_index(v.shape, row, row_shape)
+            stages.append(Store(f"out{i}", flat_index(index, v.shape), gen(v, index)))
     return Kernel(name, tuple(buffers), sizes, outer, tuple(stages))
+
+
+def _row_index(shape, row, row_shape) -> tuple:
+    """The index of a row-shaped value at the current row: the row itself, with zeros at
+    the size-1 dims that keepdim=True leaves (fusion's `row_shaped`)."""
+    if len(shape) == len(row_shape):
+        return row
+    rest = iter(row)
+    return tuple(sympy.Integer(0) if isinstance(d, int) and d == 1 else next(rest) for d in shape)
+
+
+SPLIT_MIN_ELEMENTS = 1 << 18  # below this a full reduction runs on one thread anyway
+
+
+def _partitions(domain, axes, reduces, region) -> int:
+    """How many partial results a large full reduction computes in parallel (0: none).
+
+    A reduction over every dim has a single outer point, which one thread computes.
+    When it is large, static and its reductions are independent, it becomes P
+    partial reductions (parallel over P) and a tiny combining kernel."""
+    if len(axes) != len(domain) or not all(isinstance(d, int) for d in domain):
+        return 0
+    total = numel(domain)
+    if total < SPLIT_MIN_ELEMENTS:
+        return 0
+    reduce_ids = {id(n.results[0]) for n in reduces}
+    for n in reduces:  # a reduction reading another (var after mean) needs the full first one
+        from kiln.passes.fusion import _Analysis, _cone
+
+        if any(id(m.results[0]) in reduce_ids and m is not n
+               for m in _cone(n.operands[0], _Analysis(region), set())):
+            return 0
+    for p in (64, 48, 32, 16, 8):
+        if total % p == 0:
+            return p
+    return 0
+
+
+def _lower_split_reduction(name, region, gen, buffers, sizes, domain, axes, reduces, parts):
+    """Two kernels: P partial reductions into scratch buffers, then their combination."""
+    chunk = numel(domain) // parts
+    p, r = loop_var("p0"), loop_var("r0")
+    full = unflatten(p * chunk + r, domain)
+    partial_stages, scratch = [], []
+    for k, node in enumerate(reduces):
+        acc = accumulator_dtype(node.results[0].type.dtype)
+        value = gen(node.operands[0], full)
+        if value.dtype != acc:
+            value = Op("convert", (value,), acc)
+        op = node.op[len("reduce_"):]
+        partial_stages.append(Reduce(f"acc{k}", op, (Loop("r0", chunk),), value, acc))
+        partial_stages.append(Store(f"part{k}", p, ReduceRef(f"acc{k}", acc)))
+        scratch.append(BufferParam(f"part{k}", acc, (parts,), OUT))
+    inputs = tuple(b for b in buffers if b.role == IN)
+    first = Kernel(f"{name}_partial", inputs + tuple(scratch), sizes, (Loop("p0", parts),),
+                   tuple(partial_stages))
+    q = loop_var("q0")
+    combine, refs = [], {}
+    for k, node in enumerate(reduces):
+        acc = scratch[k].dtype
+        combine.append(Reduce(f"acc{k}", node.op[len("reduce_"):], (Loop("q0", parts),),
+                              Load(f"part{k}", q, acc), acc))
+        gen.reduce_refs[id(node.results[0])] = (f"acc{k}", (), acc)
+    for i, v in enumerate(region.results):
+        combine.append(Store(f"out{i}", sympy.Integer(0), gen(v, ())))
+    scratch_in = tuple(BufferParam(b.name, b.dtype, b.shape, IN) for b in scratch)
+    second = Kernel(f"{name}_combine", scratch_in + tuple(b for b in buffers if b.role == OUT),
+                    sizes, (), tuple(combine))
+    return SplitReduction(first, second, scratch)
+
+
+@dataclass(frozen=True)
+class SplitReduction:
+    """A full reduction lowered to two kernels with scratch buffers between them."""
+
+    partial: Kernel
+    combine: Kernel
+    scratch: tuple
 
 
 def _lower_gemm(name, region, gen, buffers, sizes):

@@ -9,6 +9,7 @@ values baked in. `stats()` reports compiles, cache hits and each recompile's rea
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from kiln.errors import KilnError, KilnShapeSpecError, KilnTraceError
 from kiln.ir.graph import Graph
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import to_array
+from kiln.frontend.tensor import Tensor
 from kiln.frontend.tracing import _leaf, is_tensor_like, trace_function
 
 
@@ -39,6 +41,14 @@ class CompiledGraph:
     stages: dict = field(default_factory=dict)
 
     def run(self, arrays: list) -> list:
+        """Run on arrays from anywhere: dtypes, ranks and static dims are checked."""
+        from kiln.ir.interpret import bind_shapes
+
+        return self.executable.run(arrays, bind_shapes(self.graph, arrays))
+
+    def run_trusted(self, arrays: list) -> list:
+        """Run on arrays a guard already matched (kn.compile's cache key): only the
+        symbolic dims are bound and checked against their constraints."""
         return self.executable.run(arrays, self.binder(arrays))
 
 
@@ -82,19 +92,53 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default") -> 
     from kiln.codegen.build_program import build_program
     from kiln.passes.fusion import fuse
     from kiln.passes.pipeline import default_pipeline
+    from kiln.passes.schedule_collectives import schedule_collectives
     from kiln.runtime.executor import Executable
 
     if mode not in ("default", "max-autotune"):
         raise KilnError(f"compile: mode must be 'default' or 'max-autotune', got {mode!r}")
-    pipeline = default_pipeline(extra=[("fuse", fuse)])
+    pipeline = default_pipeline(extra=[("fuse", fuse),
+                                       ("schedule_collectives", schedule_collectives)])
     stages: dict = {}
     optimized = pipeline.run(graph, dump=stages)
     program = build_program(optimized, optimize_region=pipeline.run)
     target = get_backend(backend)
     names = list(program.kernels)
-    compiled = target.compile_many([program.kernels[n] for n in names])
+    compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
     executable = Executable(program, dict(zip(names, compiled)))
     return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages)
+
+
+def compile_kernels(target, kernels: list, mode: str = "default") -> list:
+    """Callables for `kernels`, from the on-disk artifact cache when it has them.
+
+    max-autotune measures GEMM variants on this machine, so its choices are not cached."""
+    if mode == "max-autotune" and hasattr(target, "compile"):
+        return [target.compile(k, measure=True) for k in kernels]
+    if not kernels or not (hasattr(target, "object_code") and hasattr(target, "load_object_code")):
+        return target.compile_many(kernels)
+    from kiln import __version__
+    from kiln.codegen import artifact_cache
+
+    key = artifact_cache.content_key(__version__, target.name, repr(getattr(target, "options", "")),
+                                     _host_cpu(), *[repr(k) for k in kernels])
+    blob = artifact_cache.load(key)
+    if blob is not None:
+        try:
+            return target.load_object_code(kernels, blob)
+        except (KilnError, OSError, RuntimeError, ValueError):
+            pass  # an entry from an incompatible build: rebuild it below
+    blob = target.object_code(kernels)
+    artifact_cache.store(key, blob)
+    return target.load_object_code(kernels, blob)
+
+
+@functools.lru_cache(maxsize=1)
+def _host_cpu() -> str:
+    from llvmlite import binding
+
+    return f"{binding.get_process_triple()}|{binding.get_host_cpu_name()}|" \
+           f"{binding.get_host_cpu_features().flatten()}"
 
 
 @dataclass
@@ -126,8 +170,6 @@ class CompiledFunction:
     # -- the call path: keep it lean ------------------------------------------------------
 
     def __call__(self, *args):
-        from kiln.frontend.tensor import Tensor
-
         if all(type(a) is Tensor or type(a) is np.ndarray for a in args):
             leaves, spec = args, None
         else:
@@ -144,28 +186,35 @@ class CompiledFunction:
         statics = entry.static_positions
         arrays = [leaf._x if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
                   for i, leaf in enumerate(leaves) if i not in statics]
-        outputs = entry.compiled.run(arrays)
+        outputs = entry.compiled.run_trusted(arrays)
         made = [Tensor._make(o) for o in outputs]
         if entry.out_spec == "*":
             return made[0]
         return pytree.unflatten(entry.out_spec, made)
 
     def _key(self, leaves, spec):
-        dynamic = self._dynamic or {}
+        dynamic = self._dynamic
         parts = []
         for i, leaf in enumerate(leaves):
-            if type(leaf) is np.ndarray or is_tensor_like(leaf):
-                array = leaf if type(leaf) is np.ndarray else leaf._x
-                if getattr(leaf, "_builder", None) is not None:
+            cls = leaf.__class__
+            if cls is Tensor:
+                if leaf._builder is not None:
                     raise KilnTraceError("a compiled function was called with a traced tensor; "
                                          "call it outside kn.trace or trace the inner function")
-                wild = dynamic.get(i)
-                shape = array.shape if not wild else tuple(
-                    None if a in wild else n for a, n in enumerate(array.shape))
-                parts.append((array.dtype, shape))
+                array = leaf._x
+            elif cls is np.ndarray:
+                array = leaf
+            elif is_tensor_like(leaf):
+                array = to_array(leaf)
             else:
-                parts.append(("static", type(leaf).__name__, leaf))
-        return spec, tuple(parts)
+                parts.append(("static", cls.__name__, leaf))
+                continue
+            wild = dynamic.get(i) if dynamic else None
+            shape = array.shape if not wild else tuple(
+                None if a in wild else n for a, n in enumerate(array.shape))
+            parts.append((array.dtype, shape))
+        # a pytree spec is nested lists and dicts: its JSON text is the hashable key
+        return (None if spec is None else json.dumps(spec)), tuple(parts)
 
     # -- compiling ----------------------------------------------------------------------
 

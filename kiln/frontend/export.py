@@ -1,8 +1,9 @@
 """`kn.export` / `kn.load`: a traced program that can be saved, loaded and run.
 
-Until a compiled backend takes over, an ExportedProgram runs through the reference
-interpreter. The argument and result structures travel in the .kir metadata as
-plain JSON, validated on load like everything else in the file.
+An ExportedProgram runs compiled code (the graph is compiled for the CPU on its first
+call; `backend="reference"` runs the reference interpreter instead). The argument
+and result structures travel in the .kir metadata as plain JSON, validated on load
+like everything else in the file.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ class ExportedProgram:
     >>> prog.save("f.kir"); kn.load("f.kir")(x, w)
     """
 
-    def __init__(self, graph: Graph, in_spec: Any, out_spec: Any, static_args: list | None = None):
+    def __init__(self, graph: Graph, in_spec: Any, out_spec: Any, static_args: list | None = None,
+                 backend: str = "cpu"):
         self.graph = graph
         self.in_spec = in_spec
         self.out_spec = out_spec
         self.static_args = list(static_args or [])
+        self.backend = backend
+        self._compiled = None
 
     def __call__(self, *args):
         from kiln.frontend.tensor import Tensor
@@ -49,7 +53,15 @@ class ExportedProgram:
                 arrays.append(to_array(leaf))
             else:
                 raise KilnArgumentError(f"@{self.graph.name}: argument leaf {i} ({leaf!r}) is not a tensor")
-        outputs = [Tensor._make(a) for a in run_graph(self.graph, *arrays)]
+        if self.backend == "reference":
+            results = run_graph(self.graph, *arrays)
+        else:
+            if self._compiled is None:
+                from kiln.frontend.compile import compile_graph
+
+                self._compiled = compile_graph(self.graph, self.backend)
+            results = self._compiled.run(arrays)
+        outputs = [Tensor._make(a) for a in results]
         return pytree.unflatten(self.out_spec, outputs)
 
     def metadata(self) -> dict:
@@ -65,15 +77,15 @@ class ExportedProgram:
         return f"ExportedProgram(@{self.graph.name}, {len(self.graph.inputs)} inputs)"
 
 
-def export(fn: Callable, args: tuple, dynamic_shapes=None) -> ExportedProgram:
+def export(fn: Callable, args: tuple, dynamic_shapes=None, backend: str = "cpu") -> ExportedProgram:
     """Trace `fn` on example `args` into a program that saves to a .kir file."""
     if not isinstance(args, tuple):
         args = (args,)
     traced = trace_function(fn, args, dynamic_shapes)
-    return ExportedProgram(traced.graph, traced.in_spec, traced.out_spec, traced.static_args)
+    return ExportedProgram(traced.graph, traced.in_spec, traced.out_spec, traced.static_args, backend)
 
 
-def load(path: str | os.PathLike) -> ExportedProgram:
+def load(path: str | os.PathLike, backend: str = "cpu") -> ExportedProgram:
     """Load a .kir file; a malformed or hostile file raises KilnFormatError."""
     from kiln.ir.archive import load_graph
 
@@ -93,4 +105,4 @@ def load(path: str | os.PathLike) -> ExportedProgram:
         raise KilnFormatError(f"{os.fspath(path)}: bad metadata: {exc.message}") from None
     except (KilnError, AttributeError, TypeError, ValueError) as exc:
         raise KilnFormatError(f"{os.fspath(path)}: bad metadata: {exc}") from None
-    return ExportedProgram(graph, in_spec, out_spec, [tuple(s) for s in statics])
+    return ExportedProgram(graph, in_spec, out_spec, [tuple(s) for s in statics], backend)

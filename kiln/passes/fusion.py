@@ -15,8 +15,8 @@ Decisions, in order (TorchInductor's and XLA's rules, simplified):
 4. Remaining materialized pointwise values form *loop groups*; values of one shape
    that read common inputs share a kernel (one pass over the inputs).
 
-Every merge is checked on the group dependency graph (networkx): a merge that would
-make a cycle is not made. The result is the same graph with each group replaced by a
+Every merge is checked on the group dependency graph (graphlib): a merge that would
+make a cycle is undone. The result is the same graph with each group replaced by a
 `fused` node whose region holds the group's nodes.
 """
 
@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import networkx as nx
+import graphlib
 
+from kiln.errors import KilnError
 from kiln.ir import registry
 from kiln.ir.emitter import GraphBuilder
 from kiln.ir.graph import Graph, Node, Region, Value
@@ -36,6 +37,7 @@ STRUCTURAL = {"full", "iota", "broadcast_in_dim", "transpose", "slice", "reverse
 CHEAP = STRUCTURAL | {"convert", "reshape"}
 REDUCTIONS = {"reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "reduce_and", "reduce_or"}
 GEMMS = {"matmul", "dot_general"}
+CONTROL_FLOW = {"cond", "while_loop"}  # their regions are fused recursively
 
 
 def is_unit_reshape(node: Node) -> bool:
@@ -132,6 +134,17 @@ def _reads_reduction_as_rows(reduce_node: Node, cone: list[Node], analysis: _Ana
     return True
 
 
+def _drop_units(shape) -> tuple:
+    return tuple(d for d in shape if not (isinstance(d, int) and d == 1))
+
+
+def row_shaped(shape, row) -> bool:
+    """Is `shape` a reduction's row, possibly with the size-1 dims keepdim=True leaves?"""
+    if shapes_equal(shape, row):
+        return True
+    return len(_drop_units(row)) == len(row) and shapes_equal(_drop_units(shape), row)
+
+
 def _domain_key(node: Node) -> str:
     return f"{node.operands[0].shape}|{tuple(sorted(node.attrs['axes']))}"
 
@@ -193,7 +206,7 @@ def _assign(analysis: _Analysis, mat: set[int]) -> list[_Group]:
             first = group.reduces[0]
             domain = first.operands[0].shape
             row = tuple(d for i, d in enumerate(domain) if i not in first.attrs["axes"])
-            if (shapes_equal(v.shape, domain) or shapes_equal(v.shape, row)) and all(
+            if (shapes_equal(v.shape, domain) or row_shaped(v.shape, row)) and all(
                     _reads_reduction_as_rows(n, cone, analysis) for n in cone if is_reduction(n)):
                 group.values.append(v)
                 continue
@@ -278,42 +291,73 @@ def _prune(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> None:
 
 
 def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Group]:
-    """Groups in dependence order; merges that would make a cycle are undone."""
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(len(groups)))
-    owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
-    for k, g in enumerate(groups):
-        for n in g.nodes(analysis, mat):
-            for operand in n.operands:
-                j = owner.get(id(operand))
-                if j is not None and j != k and id(operand) in mat:
-                    dag.add_edge(j, k)
-    if nx.is_directed_acyclic_graph(dag):
-        return [groups[k] for k in nx.lexicographical_topological_sort(dag)]
-    # a cycle through a merged reduction group: give each of its values its own group
-    split: list[_Group] = []
-    cyclic = {k for comp in nx.strongly_connected_components(dag) if len(comp) > 1 for k in comp}
-    for k, g in enumerate(groups):
-        if k in cyclic and g.kind == "reduction" and len(g.values) > 1:
-            for v in g.values:
-                single = _Group("reduction")
-                single.values = [v]
-                single.reduces = [r for r in g.reduces
-                                  if any(r is n for n in _cone(v, analysis, mat - {id(v)}))]
-                split.append(single)
-        else:
-            split.append(g)
-    return split
+    """Groups in dependence order; merges that would make a cycle are undone.
+
+    The group dependency graph is small; the standard library's graphlib sorts it and
+    reports a cycle (networkx would do the same at 250 ms of import time). It reports
+    one cycle at a time, so splitting repeats until none is left."""
+    while True:
+        deps: dict[int, set[int]] = {k: set() for k in range(len(groups))}
+        owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
+        for k, g in enumerate(groups):
+            for n in g.nodes(analysis, mat):
+                for operand in n.operands:
+                    j = owner.get(id(operand))
+                    if j is not None and j != k and id(operand) in mat:
+                        deps[k].add(j)
+        try:
+            order = list(graphlib.TopologicalSorter(deps).static_order())
+            return [groups[k] for k in order]
+        except graphlib.CycleError as exc:
+            cyclic = set(exc.args[1])
+        # a cycle through a merged reduction group: give each of its values its own group
+        split: list[_Group] = []
+        for k, g in enumerate(groups):
+            if k in cyclic and g.kind == "reduction" and len(g.values) > 1:
+                for v in g.values:
+                    single = _Group("reduction")
+                    single.values = [v]
+                    single.reduces = [r for r in g.reduces
+                                      if any(r is n for n in _cone(v, analysis, mat - {id(v)}))]
+                    split.append(single)
+            else:
+                split.append(g)
+        if len(split) == len(groups):
+            raise KilnError("internal: fusion groups depend on each other in a cycle")
+        groups = split
 
 
 def fuse(graph: Graph) -> Graph:
-    """The graph with each fusion group replaced by a `fused` node (see module doc)."""
-    groups, mat = plan_groups(graph.body)
-    analysis = _Analysis(graph.body)
+    """The graph with each fusion group replaced by a `fused` node (see module doc),
+    inside the branches and loop bodies of control flow too.
+
+    >>> fuse(g)   # exp(x) * 2 + 1 becomes one `fused` node of kind "loop"
+    """
     builder = GraphBuilder(Graph(graph.name, shape_vars=graph.shape_vars, constants=graph.constants))
     env: dict[int, Value] = {}
     for old in graph.inputs:
         env[id(old)] = builder.add_input(old.type, old.name)
+    builder.graph.body.results = _fuse_region(graph.body, builder, env)
+    return builder.graph
+
+
+def _fuse_nested(region: Region, builder: GraphBuilder, env: dict[int, Value]) -> Region:
+    """A branch or loop body fused on its own: each trip runs the region's kernels."""
+    new = Region([Value(p.type, p.name) for p in region.params])
+    inner = dict(env)  # a region may read values of the regions around it
+    inner.update({id(old): p for old, p in zip(region.params, new.params)})
+    builder.regions.append(new)
+    try:
+        new.results = _fuse_region(region, builder, inner)
+    finally:
+        builder.regions.pop()
+    return new
+
+
+def _fuse_region(region: Region, builder: GraphBuilder, env: dict[int, Value]) -> list[Value]:
+    """Emit `region`'s nodes, grouped, into the builder's current region; its results."""
+    groups, mat = plan_groups(region)
+    analysis = _Analysis(region)
     group_of = {id(v): k for k, g in enumerate(groups) for v in g.values}
     emitted: set[int] = set()
 
@@ -351,9 +395,13 @@ def fuse(graph: Graph) -> Graph:
         if id(v) in group_of:
             emit_group(group_of[id(v)])
             return env[id(v)]
-        node = analysis.producer[id(v)]
+        node = analysis.producer.get(id(v))
+        if node is None:  # defined in an enclosing region
+            return v
+        regions = [_fuse_nested(r, builder, env) for r in node.regions] \
+            if node.op in CONTROL_FLOW else node.regions
         copy = Node(node.op, [resolve(o) for o in node.operands], node.attrs,
-                    [r.type for r in node.results], node.regions)
+                    [r.type for r in node.results], regions)
         builder.append(copy)
         for old_r, new_r in zip(node.results, copy.results):
             env[id(old_r)] = new_r
@@ -361,5 +409,4 @@ def fuse(graph: Graph) -> Graph:
 
     for k in range(len(groups)):
         emit_group(k)
-    builder.graph.body.results = [resolve(v) for v in graph.outputs]
-    return builder.graph
+    return [resolve(v) for v in region.results]

@@ -1,11 +1,16 @@
 """The CPU allocator: hands out numpy buffers, enforces a memory fraction, and tracks
-the process's current and peak bytes (`kiln.runtime.memory_stats()`)."""
+kiln's working memory (`kiln.runtime.memory_stats()`).
+
+Arena buffers (intermediates the memory plan reuses) stay allocated while their
+compiled program lives, and count until then; outputs count while the call that
+makes them runs, after which they belong to the caller. `peak_bytes` is the most
+kiln held at once. Tracking costs a counter update, not a finalizer per array.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
-import weakref
 
 import numpy as np
 
@@ -25,11 +30,12 @@ def _physical_memory() -> int:
 
 
 class Allocator:
-    """Counts bytes of buffers it allocated while they are alive (weakly tracked)."""
+    """Counts the bytes kiln's runtime holds; refuses to go past the memory fraction."""
 
     def __init__(self, memory_fraction: float = 1.0):
         self._lock = threading.Lock()
-        self.current = 0
+        self.persistent = 0  # arena bytes
+        self.transient = 0  # outputs of calls in flight
         self.peak = 0
         self.allocations = 0
         self.set_memory_fraction(memory_fraction)
@@ -41,36 +47,39 @@ class Allocator:
         self.limit = int(_physical_memory() * fraction)
 
     def empty(self, shape, dtype, persistent: bool = False) -> np.ndarray:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        with self._lock:
-            if self.current + nbytes > self.limit:
-                raise KilnMemoryError(
-                    f"allocating {nbytes} bytes would use {self.current + nbytes} bytes, over the "
-                    f"limit of {self.limit} ({self.fraction:.0%} of physical memory)",
-                    hint="lower the batch size or raise kiln.runtime.set_memory_fraction()")
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-            self.allocations += 1
         array = np.empty(shape, dtype)
-        _release_on_collect(array, nbytes, self)
+        nbytes = array.nbytes
+        with self._lock:
+            current = self.persistent + self.transient + nbytes
+            if current > self.limit:
+                raise KilnMemoryError(
+                    f"allocating {nbytes} bytes would hold {current} bytes, over the limit of "
+                    f"{self.limit} ({self.fraction:.0%} of physical memory)",
+                    hint="lower the batch size or raise kiln.runtime.set_memory_fraction()")
+            if persistent:
+                self.persistent += nbytes
+            else:
+                self.transient += nbytes
+            self.peak = max(self.peak, current)
+            self.allocations += 1
         return array
 
-    def _free(self, nbytes: int) -> None:
+    def end_call(self, nbytes: int) -> None:
+        """Outputs of a finished call are the caller's now."""
         with self._lock:
-            self.current -= nbytes
+            self.transient = max(0, self.transient - nbytes)
+
+    def release_persistent(self, nbytes: int) -> None:
+        with self._lock:
+            self.persistent = max(0, self.persistent - nbytes)
 
     def stats(self) -> dict:
-        return {"current_bytes": self.current, "peak_bytes": self.peak,
-                "allocations": self.allocations, "limit_bytes": self.limit}
+        return {"current_bytes": self.persistent + self.transient, "arena_bytes": self.persistent,
+                "peak_bytes": self.peak, "allocations": self.allocations, "limit_bytes": self.limit}
 
     def reset_peak(self) -> None:
         with self._lock:
-            self.peak = self.current
-
-
-def _release_on_collect(array: np.ndarray, nbytes: int, allocator: Allocator) -> None:
-    # numpy arrays carry no attributes: a finalizer gives the bytes back when numpy frees them
-    weakref.finalize(array, allocator._free, nbytes)
+            self.peak = self.persistent + self.transient
 
 
 _DEFAULT = Allocator()
@@ -81,7 +90,7 @@ def default_allocator() -> Allocator:
 
 
 def memory_stats() -> dict:
-    """Current and peak bytes of buffers kiln's runtime allocated in this process."""
+    """Bytes of kiln's runtime buffers in this process: current, arena, peak."""
     return _DEFAULT.stats()
 
 

@@ -1,9 +1,10 @@
 """Running a `Program`: bind sizes, hand out buffers, execute the steps.
 
-Intermediate buffers come from an arena cached per size binding (the memory plan says
-which buffers share storage), so a repeated call allocates only its outputs. Each step
-is turned into a small closure once, which keeps the per-call overhead to a few
-microseconds.
+Each step is turned into a small closure once, when the Executable is built, so a
+call does no interpretation beyond a loop over closures: a small compiled function
+costs a few microseconds on top of its kernels. Intermediate buffers come from an
+arena cached per size binding (the memory plan says which buffers share storage),
+so a repeated call allocates only its outputs.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from kiln.ir.emitter import EAGER
 from kiln.ir.interpret import concrete_attrs
 from kiln.ir.shapes import evaluate
 from kiln.runtime.allocator import Allocator, default_allocator
-from kiln.runtime.program import Constant, Control, Extern, Launch, Program, View
+from kiln.runtime.program import Collective, Constant, Control, Extern, Launch, Program, View
 
 KernelFn = Callable[[list, dict], None]
 
 
 class Executable:
-    """A Program with its compiled kernels; call it with arrays bound to its inputs."""
+    """A Program with its compiled kernels; `run(arrays, sizes)` returns the outputs."""
 
     def __init__(self, program: Program, kernels: dict[str, KernelFn],
                  allocator: Allocator | None = None):
@@ -33,17 +34,151 @@ class Executable:
         self.allocator = allocator or default_allocator()
         self._arenas: dict[tuple, list] = {}
         self._lock = threading.Lock()
-        self._static_shapes = {s: spec.shape for s, spec in program.buffers.items()
-                               if all(isinstance(d, int) for d in spec.shape)}
-        self._outputs = frozenset(program.outputs)
-        self._bodies = {id(b): Executable(b, kernels, self.allocator)
-                        for step in program.steps if isinstance(step, Control) for b in step.bodies}
+        self._nslots = max(program.buffers, default=-1) + 1
+        self._static = {s: spec.shape for s, spec in program.buffers.items()
+                        if all(isinstance(d, int) for d in spec.shape)}
+        self._borrowed_constants = {id(c) for c in program.constants.values()}
+        self._transient: list[int] = []  # slots allocated fresh on every call (outputs)
+        self._steps = [self._compile_step(i, step) for i, step in enumerate(program.steps)]
+        self._uses_arena = bool(program.storage)
 
-    def _shape(self, slot: int, sizes: dict) -> tuple:
-        shape = self._static_shapes.get(slot)
-        if shape is None:
-            shape = tuple(evaluate(d, sizes) for d in self.program.buffers[slot].shape)
-        return shape
+    # -- building the closures ----------------------------------------------------------
+
+    def _shape_fn(self, slot: int):
+        static = self._static.get(slot)
+        if static is not None:
+            return lambda sizes: static
+        dims = self.program.buffers[slot].shape
+        return lambda sizes: tuple(evaluate(d, sizes) for d in dims)
+
+    def _allocator_for(self, slot: int):
+        """A function giving a fresh buffer for `slot` (outputs) or its arena storage."""
+        dtype = self.program.buffers[slot].dtype.np_dtype
+        shape_of = self._shape_fn(slot)
+        storage = self.program.storage.get(slot)
+        allocator = self.allocator
+        if storage is None:
+            self._transient.append(slot)
+            return lambda sizes, arena: allocator.empty(shape_of(sizes), dtype)
+
+        def from_arena(sizes, arena):
+            shape = shape_of(sizes)
+            array = arena.get(storage)
+            if array is None:
+                array = arena[storage] = allocator.empty(shape, dtype, persistent=True)
+            return array.reshape(shape)
+
+        return from_arena
+
+    def _compile_step(self, index: int, step):
+        if isinstance(step, Launch):
+            kernel = self.kernels[step.kernel]
+            args = step.args
+            fresh = [(position, slot, self._allocator_for(slot))
+                     for position, slot in enumerate(args) if self._first_write(slot, index)]
+
+            def launch(env, sizes, arena):
+                for _, slot, make in fresh:
+                    env[slot] = make(sizes, arena)
+                kernel([env[s] for s in args], sizes)
+
+            return launch
+        if isinstance(step, View):
+            shape_of, source, target = self._shape_fn(step.target), step.source, step.target
+
+            def view(env, sizes, arena):
+                env[target] = env[source].reshape(shape_of(sizes))
+
+            return view
+        if isinstance(step, Collective):  # before Extern, its base class
+            run_step, op, attrs = _collective_runner(), step.op, step.attrs
+            inputs, outputs = step.inputs, step.outputs
+
+            def collective(env, sizes, arena):
+                results = run_step(op, [env[s] for s in inputs], concrete_attrs(attrs, sizes))
+                for s, r in zip(outputs, results):
+                    env[s] = r
+
+            return collective
+        if isinstance(step, Extern):
+            op, attrs, inputs, outputs = step.op, step.attrs, step.inputs, step.outputs
+
+            def extern(env, sizes, arena):
+                results = EAGER.apply(op, [env[s] for s in inputs], concrete_attrs(attrs, sizes))
+                for s, r in zip(outputs, results):
+                    env[s] = r
+
+            return extern
+        if isinstance(step, Constant):
+            data, target = self.program.constants[step.name], step.target
+
+            def constant(env, sizes, arena):
+                env[target] = data
+
+            return constant
+        if isinstance(step, Control):
+            bodies = [Executable(b, self.kernels, self.allocator) for b in step.bodies]
+            inputs, outputs, op = step.inputs, step.outputs, step.op
+
+            def control(env, sizes, arena):
+                results = _run_control(op, bodies, [env[s] for s in inputs], sizes)
+                for s, r in zip(outputs, results):
+                    env[s] = r
+
+            return control
+        raise KilnError(f"internal: unknown program step {type(step).__name__}")
+
+    def _first_write(self, slot: int, index: int) -> bool:
+        """Does step `index` produce `slot` (rather than read it)?"""
+        if slot in self.program.inputs:
+            return False
+        for step in self.program.steps[:index]:
+            written = (step.args if isinstance(step, Launch) else
+                       getattr(step, "outputs", ()) or ((step.target,) if hasattr(step, "target") else ()))
+            if slot in written:
+                return False
+        return True
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self, arrays: Sequence[np.ndarray], sizes: dict[str, int]) -> list[np.ndarray]:
+        program = self.program
+        env = [None] * self._nslots
+        for slot, array in zip(program.inputs, arrays):
+            env[slot] = array
+        if self._uses_arena:
+            key = tuple(sorted(sizes.items()))
+            arena = self._take_arena(key)
+            try:
+                for step in self._steps:
+                    step(env, sizes, arena)
+            finally:
+                self._return_arena(key, arena)
+        else:
+            for step in self._steps:
+                step(env, sizes, None)
+        if self._transient:
+            self.allocator.end_call(sum(env[s].nbytes for s in self._transient if env[s] is not None))
+        result = []
+        borrowed = None
+        for slot in program.outputs:
+            array = env[slot]
+            # an output must be the caller's own: never an input, a constant, or a view
+            # into memory the next call reuses
+            if not array.flags.owndata:
+                array = array.copy()
+            else:
+                if borrowed is None:
+                    borrowed = {id(a) for a in arrays} | self._borrowed_constants
+                if id(array) in borrowed:
+                    array = array.copy()
+            result.append(array)
+        return result
+
+    def __del__(self):
+        held = sum(a.nbytes for pool in self._arenas.values() for arena in pool for a in arena.values())
+        if held:
+            self.allocator.release_persistent(held)
 
     def _take_arena(self, key):
         with self._lock:
@@ -54,71 +189,23 @@ class Executable:
         with self._lock:
             self._arenas[key].append(arena)
 
-    def run(self, arrays: Sequence[np.ndarray], sizes: dict[str, int]) -> list[np.ndarray]:
-        program = self.program
-        env: dict[int, np.ndarray] = dict(zip(program.inputs, arrays))
-        key = tuple(sorted(sizes.items()))
-        arena = self._take_arena(key)
-        outputs = self._outputs
-        try:
-            for step in program.steps:
-                if isinstance(step, Launch):
-                    args = []
-                    for s in step.args:
-                        array = env.get(s)
-                        if array is None:
-                            array = self._buffer(s, sizes, arena, s in outputs)
-                            env[s] = array
-                        args.append(array)
-                    self.kernels[step.kernel](args, sizes)
-                elif isinstance(step, View):
-                    env[step.target] = env[step.source].reshape(self._shape(step.target, sizes))
-                elif isinstance(step, Extern):
-                    attrs = concrete_attrs(step.attrs, sizes)
-                    results = EAGER.apply(step.op, [env[s] for s in step.inputs], attrs)
-                    for s, r in zip(step.outputs, results):
-                        env[s] = r
-                elif isinstance(step, Constant):
-                    env[step.target] = program.constants[step.name]
-                elif isinstance(step, Control):
-                    results = self._control(step, [env[s] for s in step.inputs], sizes)
-                    for s, r in zip(step.outputs, results):
-                        env[s] = r
-        finally:
-            self._return_arena(key, arena)
-        result = []
-        borrowed = {id(a) for a in arrays} | {id(c) for c in program.constants.values()}
-        for s in program.outputs:
-            array = env[s]
-            # an output must be the caller's own: never an input, a constant, or a view
-            # into memory the next call reuses
-            if not array.flags.owndata or id(array) in borrowed:
-                array = array.copy()
-            result.append(array)
-        return result
 
-    def _buffer(self, slot: int, sizes: dict, arena: dict, is_output: bool) -> np.ndarray:
-        spec = self.program.buffers[slot]
-        shape = self._shape(slot, sizes)
-        storage = self.program.storage.get(slot)
-        if storage is None or is_output:
-            return self.allocator.empty(shape, spec.dtype.np_dtype)
-        array = arena.get(storage)
-        if array is None:
-            array = self.allocator.empty(shape, spec.dtype.np_dtype, persistent=True)
-            arena[storage] = array
-        return array.reshape(shape)
+def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict) -> list:
+    if op == "cond":
+        index, *rest = operands
+        k = min(max(int(index), 0), len(bodies) - 1)
+        return bodies[k].run(rest, sizes)
+    if op == "while_loop":
+        cond_body, loop_body = bodies
+        carried = list(operands)
+        while bool(cond_body.run(carried, sizes)[0]):
+            carried = loop_body.run(carried, sizes)
+        return carried
+    raise KilnError(f"internal: unknown control step {op}")
 
-    def _control(self, step: Control, operands: list, sizes: dict) -> list:
-        bodies = [self._bodies[id(b)] for b in step.bodies]
-        if step.op == "cond":
-            index, *rest = operands
-            k = min(max(int(index), 0), len(bodies) - 1)
-            return bodies[k].run(rest, sizes)
-        if step.op == "while_loop":
-            cond_body, loop_body = bodies
-            carried = list(operands)
-            while bool(cond_body.run(carried, sizes)[0]):
-                carried = loop_body.run(carried, sizes)
-            return carried
-        raise KilnError(f"internal: unknown control step {step.op}")
+
+def _collective_runner() -> Callable:
+    """The process-group bridge, imported only by programs that communicate."""
+    from kiln.distributed.graph_collectives import run_step
+
+    return run_step

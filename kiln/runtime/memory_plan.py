@@ -2,15 +2,14 @@
 
 Liveness comes from one scan over the steps (a view keeps its source alive); two
 intermediates interfere when their lifetimes overlap. Buffers of one dtype and one
-(symbolic) size are colored on their interference graph with networkx, so each
-color is one storage that several buffers reuse in turn.
+(symbolic) size share storages by a linear scan over their lifetime intervals (the
+register allocator's algorithm, optimal for interval graphs), so each storage is
+reused by several buffers in turn.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-
-import networkx as nx
 
 from kiln.runtime.program import Constant, Control, Extern, Launch, Program, View
 from kiln.ir.shapes import numel
@@ -59,16 +58,19 @@ def plan_memory(program: Program) -> Program:
         classes[(spec.dtype.short, str(numel(spec.shape)))].append(s)
     storage, next_id = {}, 0
     for members in classes.values():
-        graph = nx.Graph()
-        graph.add_nodes_from(members)
-        for a_i, a in enumerate(members):
-            for b in members[a_i + 1:]:
-                if not (last[a] < first[b] or last[b] < first[a]):
-                    graph.add_edge(a, b)
-        coloring = nx.greedy_color(graph, strategy="largest_first")
-        for slot, color in coloring.items():
-            storage[slot] = next_id + color
-        next_id += (max(coloring.values()) + 1) if coloring else 0
+        # lifetimes are intervals, so the greedy scan by start time is an optimal coloring
+        free: list[int] = []
+        active: list[tuple[int, int]] = []  # (last use, storage id)
+        for slot in sorted(members, key=lambda s: first[s]):
+            for entry in [a for a in active if a[0] < first[slot]]:
+                active.remove(entry)
+                free.append(entry[1])
+            if free:
+                sid = free.pop()
+            else:
+                sid, next_id = next_id, next_id + 1
+            storage[slot] = sid
+            active.append((last[slot], sid))
     release = defaultdict(list)
     for s in owners:
         release[last[s]].append(s)
