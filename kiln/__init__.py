@@ -29,4 +29,7 @@ from kiln.frontend.factories import *  # noqa: F401,F403
 from kiln.frontend.specs import STATIC, TensorSpec, dynamic_spec  # noqa: F401
 from kiln.frontend.tracing import trace  # noqa: F401
 from kiln.frontend.export import ExportedProgram, export, load  # noqa: F401
+from kiln.frontend.compile import CompiledFunction, compile  # noqa: F401,A004
 from kiln.frontend import linalg  # noqa: F401
+from kiln.frontend import collectives  # noqa: F401  (also registers `kiln dump --stage scheduled`)
+from kiln.frontend.control_flow import cond, nonzero, switch, while_loop  # noqa: F401
