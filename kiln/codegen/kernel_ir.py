@@ -86,9 +86,18 @@ class Op:
     op: str  # an elementwise primitive of the registry; `convert` casts to `dtype`
     args: tuple
     dtype: DType
+    # expressions are DAGs (a 20-step Newton iteration reuses y twice per step): the
+    # hash is computed once, so hashing and memoizing stay linear in the DAG's size
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.op, self.args, self.dtype)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
-        return f"{self.op}({', '.join(map(str, self.args))})"
+        return format_expr(self)
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,44 @@ class Acc:
 
 
 Expr = Union[Const, Load, IndexValue, Op, ReduceRef, Acc]
+
+
+def format_expr(e: Expr, names: dict | None = None) -> str:
+    """Text of an expression; sub-expressions in `names` print as their name."""
+    names = names or {}
+    memo: dict = {}
+
+    def text(x):
+        if x in names:
+            return names[x]
+        if not isinstance(x, Op):
+            return str(x)
+        if x not in memo:
+            inner = ", ".join(text(a) for a in x.args)
+            memo[x] = f"{x.op}:{x.dtype.short}({inner})" if x.op == "convert" else f"{x.op}({inner})"
+        return memo[x]
+
+    return text(e)
+
+
+def shared_subexpressions(exprs) -> list:
+    """Op nodes used more than once across `exprs`, children first (for let-bindings)."""
+    uses: dict = {}
+    order: list = []
+
+    def visit(x):
+        if not isinstance(x, Op):
+            return
+        uses[x] = uses.get(x, 0) + 1
+        if uses[x] > 1:
+            return
+        for a in x.args:
+            visit(a)
+        order.append(x)
+
+    for e in exprs:
+        visit(e)
+    return [x for x in order if uses[x] > 1]
 
 
 def children(e: Expr) -> tuple:
@@ -229,24 +276,48 @@ AnyKernel = Union[Kernel, GemmKernel]
 
 
 def format_kernel(k: AnyKernel) -> str:
+    """Readable, linear-size text: sub-expressions used twice are bound once as `t<n>`."""
     params = ", ".join(str(b) for b in k.buffers)
     sizes = f" sizes({', '.join(k.sizes)})" if k.sizes else ""
     lines = [f"kernel {k.name}({params}){sizes}"]
+    values = [k.epilogue] if isinstance(k, GemmKernel) else [st.value for st in k.stages]
+    names: dict = {}
+    lets = []
+    for x in shared_subexpressions(values):
+        lets.append(f"t{len(names)} = {format_expr(x, names)}")
+        names[x] = f"t{len(names)}"
     if isinstance(k, GemmKernel):
         lines.append(f"  gemm [{k.batch}] x [{k.m}, {k.k}] @ [{k.k}, {k.n}]: "
                      f"a={k.a} strides{k.a_strides}, b={k.b} strides{k.b_strides}")
-        lines.append(f"    store {k.out}[gb, gi, gj] = {k.epilogue}")
+        lines += [f"    let {text}" for text in lets]
+        lines.append(f"    store {k.out}[gb, gi, gj] = {format_expr(k.epilogue, names)}")
         return "\n".join(lines)
     indent = "  "
     if k.outer:
         lines.append(f"  parallel {', '.join(map(str, k.outer))}")
         indent = "    "
+    lines += [f"{indent}let {text}" for text in lets]
     for stage in k.stages:
         loops = ", ".join(map(str, stage.loops))
+        value = format_expr(stage.value, names)
         if isinstance(stage, Reduce):
-            lines.append(f"{indent}{stage.name} = reduce {stage.op}:{stage.dtype.short} {loops}: "
-                         f"{stage.value}")
+            lines.append(f"{indent}{stage.name} = reduce {stage.op}:{stage.dtype.short} {loops}: {value}")
         else:
             head = f"loop {loops}: " if loops else ""
-            lines.append(f"{indent}{head}store {stage.buffer}[{stage.index}] = {stage.value}")
+            lines.append(f"{indent}{head}store {stage.buffer}[{stage.index}] = {value}")
     return "\n".join(lines)
+
+
+def kernel_fingerprint(k: AnyKernel) -> str:
+    """Everything that determines a kernel's code, in linear-size text (a cache key).
+
+    `format_kernel` plus the dtypes it leaves implicit (every Op's result dtype)."""
+    values = [k.epilogue] if isinstance(k, GemmKernel) else [st.value for st in k.stages]
+    typed = []
+    for v in values:
+        for x in walk(v):
+            if isinstance(x, Op):
+                typed.append(x.dtype.short)
+    fields = ("a_strides", "b_strides", "acc_dtype", "batch", "m", "n", "k")
+    extra = [f"{f}={getattr(k, f)}" for f in fields if hasattr(k, f)]
+    return format_kernel(k) + "\n" + " ".join(typed) + "\n" + " ".join(extra) + f"\n{type(k).__name__}"

@@ -119,9 +119,10 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
         return target.compile_many(kernels)
     from kiln import __version__
     from kiln.codegen import artifact_cache
+    from kiln.codegen.kernel_ir import kernel_fingerprint
 
     key = artifact_cache.content_key(__version__, target.name, repr(getattr(target, "options", "")),
-                                     _host_cpu(), *[repr(k) for k in kernels])
+                                     _host_cpu(), *[kernel_fingerprint(k) for k in kernels])
     blob = artifact_cache.load(key)
     if blob is not None:
         try:
@@ -266,12 +267,34 @@ class CompiledFunction:
         return "a new specialization was needed"
 
     def stats(self) -> dict:
-        """Compiles, cache hits, eager fallbacks and recompiles with their reasons."""
+        """Compiles, cache hits, eager fallbacks, recompiles with their reasons, and the
+        guards of each specialization (which dims are static, and why)."""
         return {"compiles": self._compiles, "hits": self._hits, "eager_calls": self._eager_calls,
-                "recompiles": list(self._recompiles), "specializations": len(self._cache)}
+                "recompiles": list(self._recompiles), "specializations": len(self._cache),
+                "guards": [guard_summary(e.compiled.graph) for e in self._cache.values()]}
 
     def compiled_graphs(self) -> list[CompiledGraph]:
         return [e.compiled for e in self._cache.values()]
+
+
+def guard_summary(graph: Graph) -> list[str]:
+    """One line per input: its dtype, and per dim either the ShapeVar that serves every
+    allowed size or the static size it is specialized to, with the reason.
+
+    >>> guard_summary(g)   # ['%x: f32, dim 0 dynamic (B in [0, 64]), dim 1 == 8 (not declared dynamic)']
+    """
+    lines = []
+    for value in graph.inputs:
+        dims = []
+        for axis, d in enumerate(value.type.shape):
+            if isinstance(d, int):
+                dims.append(f"dim {axis} == {d} (not declared dynamic)")
+            elif isinstance(d, sympy.Symbol):
+                dims.append(f"dim {axis} dynamic ({graph.shape_vars[d.name].describe()})")
+            else:
+                dims.append(f"dim {axis} == {d}")
+        lines.append(", ".join([f"%{value.name}: {value.type.dtype.short}"] + dims))
+    return lines
 
 
 def _leaves_and_spec(args):
