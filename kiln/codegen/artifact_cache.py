@@ -18,6 +18,8 @@ import tempfile
 
 MAGIC = b"KILNOBJ1"
 _DIGEST = 32
+# what this process's cache did (tests and `kiln bench` read it)
+STATS = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0}
 
 
 def cache_dir() -> str:
@@ -48,11 +50,14 @@ def load(key: str, kind: str = "objects") -> bytes | None:
         with open(path, "rb") as f:
             blob = f.read()
     except OSError:
+        STATS["misses"] += 1
         return None
     header = len(MAGIC) + _DIGEST
     if (len(blob) >= header and blob[:len(MAGIC)] == MAGIC
             and hashlib.sha256(blob[header:]).digest() == blob[len(MAGIC):header]):
+        STATS["hits"] += 1
         return blob[header:]
+    STATS["corrupt"] += 1
     try:
         os.remove(path)
     except OSError:
@@ -71,6 +76,7 @@ def store(key: str, payload: bytes, kind: str = "objects") -> bool:
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
             os.replace(tmp, path)
+            STATS["writes"] += 1
         except BaseException:
             try:
                 os.remove(tmp)
