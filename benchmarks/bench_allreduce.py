@@ -2,6 +2,7 @@
 
     python benchmarks/bench_allreduce.py                       # 2 and 4 ranks, 1 KB .. 256 MB
     python benchmarks/bench_allreduce.py --ranks 2 --max-mb 16 --out /tmp/r.md
+    python benchmarks/bench_allreduce.py --rounds 3      # alternate kiln/Gloo 3 times
 
 busbw = size * 2 * (n - 1) / n / time (NCCL-tests' definition); time is the median over
 iterations of one synchronized all_reduce of float32 (sum) on loopback. Gloo runs in
@@ -177,6 +178,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-mb", type=float, default=256)
     parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate kiln and Gloo this many times (median of rounds)")
     parser.add_argument("--out", default=str(HERE / "results" / "distributed.md"))
     args = parser.parse_args()
     sizes = [s for s in SIZES if s <= args.max_mb * (1 << 20)]
@@ -193,11 +196,20 @@ def main() -> None:
              "- date: %s" % datetime.date.today().isoformat(),
              "- load average at start: %.2f (other jobs on the box skew small-core "
              "timings)" % os.getloadavg()[0],
-             "- float32 sum, median of 4-200 synchronized iterations per size; "
-             "busbw = size * 2(n-1)/n / time", ""]
+             "- float32 sum, median of 4-200 synchronized iterations per size, median of "
+             "%d alternating kiln/Gloo rounds; busbw = size * 2(n-1)/n / time" % args.rounds,
+             ""]
     for world in args.ranks:
-        kiln = run_job("kiln", world, sizes)
-        gloo = run_job("gloo", world, sizes) if have_gloo else None
+        # kiln and Gloo alternate, round by round, so a load change on a shared box hits
+        # both alike; each size reports the median over rounds of the per-round medians
+        runs = {"kiln": [], "gloo": []}
+        for _ in range(args.rounds):
+            runs["kiln"].append(run_job("kiln", world, sizes))
+            if have_gloo:
+                runs["gloo"].append(run_job("gloo", world, sizes))
+        kiln = {n: statistics.median(r[n] for r in runs["kiln"]) for n in sizes}
+        gloo = {n: statistics.median(r[n] for r in runs["gloo"]) for n in sizes} \
+            if have_gloo else None
         lines += table(world, sizes, kiln, gloo)
         print("\n".join(table(world, sizes, kiln, gloo)), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

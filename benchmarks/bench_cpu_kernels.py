@@ -1,6 +1,7 @@
 """CPU backend benchmarks: hand-built Kernel IR vs numpy (medians of repeated runs).
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_cpu_kernels.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_cpu_kernels.py \
+        [--only chain,small,softmax] [--f32-math native,double]
 
 Prints a markdown table (the format of benchmarks/results/cpu-kernels.md).
 """
@@ -16,6 +17,7 @@ import time
 import numpy as np
 
 from kiln.codegen.cpu import CpuBackend
+from kiln.codegen.cpu.mathlib import float32_math
 from kiln.codegen.kernel_ir import (
     IN, OUT, Acc, BufferParam, Const, GemmKernel, Kernel, Load, Loop, Op, Reduce, ReduceRef, Store, loop_var,
 )
@@ -45,29 +47,72 @@ def median_time(fn, repeats=7):
     return statistics.median(times)
 
 
-def bench_gelu_chain(backend, n=1 << 24):
+def _chain_kernel(form):
+    """gelu(x*a+b) * sigmoid(x); gelu in torch's tanh form or the exact erf form."""
     x = Load("x", i, f32)
     v = op("add", op("mul", x, Load("a", 0, f32)), Load("b", 0, f32))
-    inner = op("mul", c(math.sqrt(2 / math.pi)), op("add", v, op("mul", c(0.044715), op("mul", v, op("mul", v, v)))))
-    gelu = op("mul", op("mul", c(0.5), v), op("add", c(1.0), op("tanh", inner)))
+    if form == "tanh":
+        inner = op("mul", c(math.sqrt(2 / math.pi)),
+                   op("add", v, op("mul", c(0.044715), op("mul", v, op("mul", v, v)))))
+        gelu = op("mul", op("mul", c(0.5), v), op("add", c(1.0), op("tanh", inner)))
+    else:
+        gelu = op("mul", op("mul", c(0.5), v), op("add", c(1.0), op("erf", op("mul", v, c(math.sqrt(0.5))))))
     sig = op("div", c(1.0), op("add", c(1.0), op("exp", op("neg", x))))
-    k = Kernel("gelu_chain", (BufferParam("x", f32, (N,), IN), BufferParam("a", f32, (1,), IN),
-                              BufferParam("b", f32, (1,), IN), BufferParam("y", f32, (N,), OUT)), ("N",),
-               (Loop("i", N),), (Store("y", i, op("mul", gelu, sig)),))
-    ck = backend.compile(k)
+    return Kernel(f"gelu_{form}_chain", (BufferParam("x", f32, (N,), IN), BufferParam("a", f32, (1,), IN),
+                                         BufferParam("b", f32, (1,), IN), BufferParam("y", f32, (N,), OUT)),
+                  ("N",), (Loop("i", N),), (Store("y", i, op("mul", gelu, sig)),))
+
+
+def _numpy_chain(xs, a, b, form):
+    v = xs * a + b
+    if form == "tanh":
+        g = 0.5 * v * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (v + np.float32(0.044715) * v * v * v)))
+    else:
+        erf = np.vectorize(math.erf, otypes=[np.float64])
+        g = (0.5 * v * (1 + erf(v.astype(np.float64) * math.sqrt(0.5)))).astype(np.float32)
+    return g * (1 / (1 + np.exp(-xs)))
+
+
+def bench_gelu_chain(backend, n=1 << 24):
+    rows = []
     xs = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     a, b, y = np.array([1.1], np.float32), np.array([0.1], np.float32), np.empty(n, np.float32)
-    t_k = median_time(lambda: ck([xs, a, b, y], {"N": n}))
+    for form in ("tanh", "erf"):
+        ck = backend.compile(_chain_kernel(form))
+        t_k = median_time(lambda: ck([xs, a, b, y], {"N": n}))
+        if form == "tanh":
+            t_np = median_time(lambda: _numpy_chain(xs, a, b, form), 3)
+            err = float(np.abs(_numpy_chain(xs, a, b, form) - y).max())
+            np_col, speed = f"{t_np * 1e3:.1f} ms", f"{t_np / t_k:.1f}x"
+        else:  # numpy has no vectorized erf: compare against 2^20 elements only
+            sub = slice(0, 1 << 20)
+            err = float(np.abs(_numpy_chain(xs[sub], a, b, form) - y[sub]).max())
+            np_col, speed = "", ""
+        rows.append((f"gelu-{form}(x*a+b)*sigmoid(x), 2^24 f32", f"{t_k * 1e3:.1f} ms", np_col, speed,
+                     f"{2 * n * 4 / t_k / 1e9:.1f} GB/s, max abs diff {err:.1e}"))
+    return rows
 
-    def numpy_chain():
-        v = xs * a + b
-        g = 0.5 * v * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (v + np.float32(0.044715) * v * v * v)))
-        return g * (1 / (1 + np.exp(-xs)))
 
-    t_np = median_time(numpy_chain, 3)
-    err = float(np.abs(numpy_chain() - y).max())
-    return [("gelu(x*a+b)*sigmoid(x), 2^24 f32", f"{t_k * 1e3:.1f} ms", f"{t_np * 1e3:.1f} ms",
-             f"{t_np / t_k:.1f}x", f"{2 * n * 4 / t_k / 1e9:.1f} GB/s, max |diff| {err:.1e}")]
+def bench_small_chain(backend, n=4096):
+    """The chain on 4096 elements on one thread: whole call, and the call minus the
+    same call of a copy kernel (the ~3-5 us validation + ctypes overhead)."""
+    from kiln.codegen.cpu import CpuOptions
+    one = CpuBackend(CpuOptions(threads=1))
+    xs = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    a, b, y = np.array([1.1], np.float32), np.array([0.1], np.float32), np.empty(n, np.float32)
+    copy = one.compile(Kernel("copy4", (BufferParam("x", f32, (N,), IN), BufferParam("a", f32, (1,), IN),
+                                        BufferParam("b", f32, (1,), IN), BufferParam("y", f32, (N,), OUT)),
+                              ("N",), (Loop("i", N),), (Store("y", i, Load("x", i, f32)),)))
+    reps = 2000
+    t_copy = median_time(lambda: [copy([xs, a, b, y], {"N": n}) for _ in range(reps)]) / reps
+    rows = []
+    for form in ("tanh", "erf"):
+        ck = one.compile(_chain_kernel(form))
+        t = median_time(lambda: [ck([xs, a, b, y], {"N": n}) for _ in range(reps)]) / reps
+        rows.append((f"gelu-{form} chain, 4096 f32, 1 thread", f"{t * 1e6:.1f} us", "", "",
+                     f"kernel alone ~{(t - t_copy) * 1e6:.1f} us ({(t - t_copy) / n * 1e9:.2f} ns/element); "
+                     f"copy-kernel call {t_copy * 1e6:.1f} us"))
+    return rows
 
 
 def bench_sum_squares(backend, n=1 << 25):
@@ -143,16 +188,31 @@ def bench_compile(backend):
             ("small call overhead (16 elements)", f"{t_call * 1e6:.1f} us", "", "", "validation + ctypes")]
 
 
+BENCHES = {"chain": bench_gelu_chain, "small": bench_small_chain, "sumsq": bench_sum_squares,
+           "softmax": bench_softmax, "gemm": bench_gemm, "compile": bench_compile}
+
+
 def main():
-    backend = CpuBackend()
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ", ".join(BENCHES))
+    ap.add_argument("--f32-math", default="native",
+                    help="float32 transcendentals: native, double (float64-internal) or native,double "
+                         "(both, rows labelled)")
+    args = ap.parse_args()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     print(f"machine: {os.cpu_count()} cores, {cpu}; numpy {np.__version__}")
     print("| benchmark | kiln cpu | numpy | speed-up | notes |")
     print("|---|---|---|---|---|")
-    for bench in (bench_gelu_chain, bench_sum_squares, bench_softmax, bench_gemm, bench_compile):
-        for row in bench(backend):
-            print("| " + " | ".join(row) + " |", flush=True)
+    modes = args.f32_math.split(",")
+    for name in args.only.split(","):
+        for mode in modes:
+            with float32_math(mode):  # a fresh backend: compiled kernels are cached per backend
+                rows = BENCHES[name](CpuBackend())
+            for row in rows:
+                label = f" [{mode}]" if len(modes) > 1 else ""
+                print("| " + " | ".join((row[0] + label,) + tuple(row[1:])) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -141,3 +141,36 @@ def test_K150_shape_spec():
     B = kn.ShapeVar("B", max=4)
     with raises(kn.KilnShapeSpecError, "dim 0", "B", "5", "B <= 4"):
         kn.trace(lambda x: x, kn.ones(5), dynamic_shapes={"x": kn.TensorSpec([B])})
+
+
+def test_K160_lowering():
+    from kiln.codegen.lower import LoweringError, lower_fused
+
+    # a hand-made loop group holding a reduction: no loop kernel computes that
+    graph = parse_graph("""
+graph @g(%x: f32[4, 8]) -> f32[4]
+  %0 = fused(%x) {kind="loop"} : f32[4]
+    region(%1: f32[4, 8]):
+      %2 = reduce_sum(%1) {axes=(1,)} : f32[4]
+      yield %2
+    end
+  return %0
+""")
+    with raises(LoweringError, "reduce_sum", "fused kernel"):
+        lower_fused(graph.body.nodes[0], "k")
+
+
+def test_K170_memory():
+    from kiln.runtime.allocator import Allocator, KilnMemoryError
+
+    with raises(KilnMemoryError, "over the limit", "set_memory_fraction"):
+        Allocator(memory_fraction=1e-9).empty((1 << 20,), np.float32)
+
+
+def test_K180_recompile_limit():
+    from kiln.frontend.compile import KilnRecompileLimitError
+
+    f = kn.compile(lambda x: x + 1, backend="reference", recompile_limit=1)
+    f(np.ones(2, np.float32))
+    with raises(KilnRecompileLimitError, "recompile_limit=1", "dim 0 changed from 2 to 3", "ShapeVar"):
+        f(np.ones(3, np.float32))

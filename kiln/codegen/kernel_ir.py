@@ -276,35 +276,45 @@ AnyKernel = Union[Kernel, GemmKernel]
 
 
 def format_kernel(k: AnyKernel) -> str:
-    """Readable, linear-size text: sub-expressions used twice are bound once as `t<n>`."""
+    """Readable, linear-size text. A sub-expression a stage uses twice is bound once as
+    `t<n>` in a `where` clause under that stage (so its loop variables are in scope)."""
     params = ", ".join(str(b) for b in k.buffers)
     sizes = f" sizes({', '.join(k.sizes)})" if k.sizes else ""
     lines = [f"kernel {k.name}({params}){sizes}"]
-    values = [k.epilogue] if isinstance(k, GemmKernel) else [st.value for st in k.stages]
     names: dict = {}
-    lets = []
-    for x in shared_subexpressions(values):
-        lets.append(f"t{len(names)} = {format_expr(x, names)}")
-        names[x] = f"t{len(names)}"
+
+    def bind(value, indent: str) -> tuple[str, list[str]]:
+        local = [x for x in shared_subexpressions([value])]
+        where = []
+        for x in local:
+            if x not in names:
+                names[x] = f"t{len(names)}"
+        for x in local:
+            others = {y: n for y, n in names.items() if y is not x}
+            where.append(f"{names[x]} = {format_expr(x, others)}")
+        text = format_expr(value, {x: names[x] for x in local})
+        block = [f"{indent}  {'where' if i == 0 else '     '} {w}" for i, w in enumerate(where)]
+        return text, block
+
     if isinstance(k, GemmKernel):
         lines.append(f"  gemm [{k.batch}] x [{k.m}, {k.k}] @ [{k.k}, {k.n}]: "
                      f"a={k.a} strides{k.a_strides}, b={k.b} strides{k.b_strides}")
-        lines += [f"    let {text}" for text in lets]
-        lines.append(f"    store {k.out}[gb, gi, gj] = {format_expr(k.epilogue, names)}")
-        return "\n".join(lines)
+        text, block = bind(k.epilogue, "    ")
+        lines.append(f"    store {k.out}[gb, gi, gj] = {text}")
+        return "\n".join(lines + block)
     indent = "  "
     if k.outer:
         lines.append(f"  parallel {', '.join(map(str, k.outer))}")
         indent = "    "
-    lines += [f"{indent}let {text}" for text in lets]
     for stage in k.stages:
         loops = ", ".join(map(str, stage.loops))
-        value = format_expr(stage.value, names)
+        text, block = bind(stage.value, indent)
         if isinstance(stage, Reduce):
-            lines.append(f"{indent}{stage.name} = reduce {stage.op}:{stage.dtype.short} {loops}: {value}")
+            lines.append(f"{indent}{stage.name} = reduce {stage.op}:{stage.dtype.short} {loops}: {text}")
         else:
             head = f"loop {loops}: " if loops else ""
-            lines.append(f"{indent}{head}store {stage.buffer}[{stage.index}] = {value}")
+            lines.append(f"{indent}{head}store {stage.buffer}[{stage.index}] = {text}")
+        lines += block
     return "\n".join(lines)
 
 

@@ -140,7 +140,9 @@ def lower_fused(node: Node, name: str):
     buffer_of = {id(p): f"in{i}" for i, p in enumerate(region.params)}
     buffers = [BufferParam(f"in{i}", p.type.dtype, p.type.shape, IN) for i, p in enumerate(region.params)]
     buffers += [BufferParam(f"out{i}", v.type.dtype, v.type.shape, OUT) for i, v in enumerate(region.results)]
-    sizes = _size_names(*[b.shape for b in buffers])
+    # a loop may run over a size no buffer has (the B of full((B,)) reduced to a scalar)
+    sizes = _size_names(*[b.shape for b in buffers],
+                        *[r.type.shape for n in region.nodes for r in n.results])
     gen = _Gen(region, buffer_of)
     kind = node.attrs["kind"]
     if kind == "gemm":

@@ -21,7 +21,7 @@ class Work:
     """The future of one call; created by `ProcessGroup`, finished by its progress thread."""
 
     __slots__ = ("op", "seq", "group", "_event", "_error", "_callbacks", "_lock", "deadline",
-                 "record", "result")
+                 "record", "result", "helper")
 
     def __init__(self, op: str, seq: int, group: str):
         self.op, self.seq, self.group = op, seq, group
@@ -32,6 +32,8 @@ class Work:
         self.deadline: float | None = None  # monotonic; set when the call starts
         self.record: dict | None = None
         self.result = None  # e.g. the list of outputs of all_gather into a list
+        # the group's `_help(work)`: an unbounded wait runs the queued call itself
+        self.helper = None
 
     def is_completed(self) -> bool:
         """True once the call finished, successfully or not."""
@@ -49,7 +51,11 @@ class Work:
 
         `timeout` bounds only this wait: past it, CollectiveTimeout is raised and the
         call keeps running under its own deadline (set by the group's `timeout`).
+        Without a timeout, a call still queued is run on this thread (bounded by its
+        own deadline), which is faster than handing it to the progress thread.
         """
+        if timeout is None and self.helper is not None and not self._event.is_set():
+            self.helper(self)
         if not self._event.wait(timeout):
             raise CollectiveTimeout(
                 "%s (seq %d, group '%s') not finished after waiting %.3g s; it is still "

@@ -181,7 +181,7 @@ class CompiledFunction:
             entry = self._compile(args, key)
             if entry is None:  # fell back to eager (fullgraph=False)
                 self._eager_calls += 1
-                return self.fn(*args)
+                return self.fn(*_as_tensors(args))
         else:
             self._hits += 1
         statics = entry.static_positions
@@ -295,6 +295,14 @@ def guard_summary(graph: Graph) -> list[str]:
                 dims.append(f"dim {axis} == {d}")
         lines.append(", ".join([f"%{value.name}: {value.type.dtype.short}"] + dims))
     return lines
+
+
+def _as_tensors(args: tuple) -> tuple:
+    """`args` with numpy arrays wrapped as kn.Tensors: an eager fallback computes with
+    kiln's semantics and returns kn.Tensors, as the compiled path does."""
+    leaves, spec = pytree.flatten(tuple(args), _leaf)
+    return pytree.unflatten(spec, [Tensor._make(leaf) if type(leaf) is np.ndarray else leaf
+                                   for leaf in leaves])
 
 
 def _leaves_and_spec(args):

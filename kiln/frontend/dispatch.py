@@ -12,8 +12,9 @@ import threading
 from typing import Any
 
 import numpy as np
+import sympy
 
-from kiln.errors import KilnDTypeError, KilnTraceError
+from kiln.errors import KilnDTypeError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
 
@@ -58,6 +59,11 @@ def to_array(value) -> np.ndarray:
 
     if isinstance(value, Tensor):
         return value.numpy()
+    if isinstance(value, sympy.Basic):  # a symbolic size such as x.shape[0] under a dynamic spec
+        raise KilnTraceError(f"the symbolic size {value} was used as a tensor value; its value is "
+                             "only known when the compiled function runs", where=user_location(),
+                             hint="count with tensors instead: kn.ones(x.shape[0]).sum(), or "
+                                  "x.mean(dim) rather than x.sum(dim) / x.shape[dim]")
     if isinstance(value, np.ndarray):
         array = value
     elif hasattr(value, "__dlpack__") and not isinstance(value, (list, tuple)):

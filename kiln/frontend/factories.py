@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import sympy
 
 from kiln.errors import KilnArgumentError, KilnDTypeError
 from kiln.ir import dtypes as dt
@@ -128,7 +129,14 @@ def arange(start, end=None, step=1, dtype=None):
         floating = any(isinstance(v, float) for v in (start, end, step))
         dtype = dt.float32 if floating else dt.int64
     dtype = dt.dtype(dtype)
-    count = max(0, int(np.ceil((end - start) / step)))
+    if any(isinstance(v, sympy.Basic) for v in (start, end, step)):  # a symbolic size (B)
+        if not all(isinstance(v, (int, sympy.Basic)) for v in (start, end)) or not isinstance(step, int):
+            raise KilnArgumentError("arange: with a symbolic bound, start, end and step must be "
+                                    "integers and step a Python int")
+        bias = step - 1 if step > 0 else step + 1  # ceil((end - start) / step) by floor division
+        count = as_dim(sympy.Max(0, sympy.floor((sympy.sympify(end) - start + bias) / step)))
+    else:
+        count = max(0, int(np.ceil((end - start) / step)))
     em = creation_emitter()
     ramp = em.call("iota", dtype=dt.float64 if dtype.is_floating else dt.int64, shape=(count,))
     if step != 1:

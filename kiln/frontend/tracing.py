@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kiln.errors import KilnTraceError, user_location
+from kiln.errors import KilnArgumentError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import GraphBuilder, is_python_scalar
 from kiln.ir.graph import Graph
@@ -52,6 +52,12 @@ def trace_function(fn: Callable, args: tuple, dynamic_shapes=None, name: str | N
     leaf_index = 0
     for position, (arg, spec) in enumerate(zip(args, specs)):
         leaves, structure = pytree.flatten(arg, _leaf)
+        tensors = sum(1 for leaf in leaves if is_tensor_like(leaf))
+        if spec is not None and tensors != 1:  # never drop a declared dim silently
+            raise KilnArgumentError(
+                f"dynamic_shapes: argument {position} ({_param_name(fn, position, 0, 1)}) holds "
+                f"{tensors} tensors, but a TensorSpec describes exactly one tensor",
+                hint="pass each dynamic tensor as its own argument with its own TensorSpec")
         new_leaves = []
         for k, leaf in enumerate(leaves):
             if is_tensor_like(leaf):

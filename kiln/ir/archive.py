@@ -120,7 +120,8 @@ def save_graph(graph: Graph, path_or_file, metadata: dict[str, Any] | None = Non
             raise KilnArgumentError(f"save_graph: constant names must be strings, got {name!r}")
         array = np.asarray(graph.constants[name])
         kdt = dt.from_numpy(array.dtype)
-        array = np.ascontiguousarray(array, dtype=kdt.np_dtype)
+        # reshape: ascontiguousarray turns a 0-d array into a 1-d one
+        array = np.ascontiguousarray(array, dtype=kdt.np_dtype).reshape(array.shape)
         stored = array.view(storage_dtype(kdt)) if kdt.name in _RAW_BITS else \
             array.astype(storage_dtype(kdt), copy=False)
         entry = f"constants/{i}.npy"
@@ -436,7 +437,7 @@ class _Reader:
                               offset=offset)
         array = array.reshape(shape, order="F" if fortran else "C")
         # native byte order and C layout: what in-memory graphs hold
-        return np.ascontiguousarray(array, dtype=storage.newbyteorder("="))
+        return np.ascontiguousarray(array, dtype=storage.newbyteorder("=")).reshape(array.shape)
 
 
 def _field(reader: _Reader, obj: dict, key: str, kind: type, where: str = MANIFEST):

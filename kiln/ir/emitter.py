@@ -197,7 +197,7 @@ class GraphBuilder(Emitter):
         key = id(array)
         if key in self._constant_ids:
             return self._constant_ids[key]
-        array = np.ascontiguousarray(array)
+        array = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes 0-d 1-d
         name = f"c{len(self.graph.constants)}"
         while name in self.graph.constants:
             name += "_"

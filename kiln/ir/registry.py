@@ -30,8 +30,11 @@ PRIMITIVE = "primitive"  # structural primitives (shape, reduce, dot, random, ..
 COMPOSITE = "composite"  # decomposes into other ops; backends may match it as a template
 CONTROL = "control"  # owns regions (cond, while_loop)
 EXTERN = "extern"  # a library call (LAPACK) with a numpy reference
+# communicates with other ranks: never folded at compile time (operands may differ per
+# rank), a fusion boundary, run by the runtime through a process group; needs a sharding rule
+COLLECTIVE = "collective"
 
-KINDS = (ELEMENTWISE, PRIMITIVE, COMPOSITE, CONTROL, EXTERN)
+KINDS = (ELEMENTWISE, PRIMITIVE, COMPOSITE, CONTROL, EXTERN, COLLECTIVE)
 
 
 class _Required:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Union
+from typing import Callable, Iterable, Union
 
 import sympy
 
@@ -161,6 +161,45 @@ def evaluate(d: Dim, bindings: dict[str, int]) -> int:
         missing = sorted(str(s) for s in value.free_symbols)
         raise KilnShapeError(f"size {d} is not determined: no value for {', '.join(missing)}")
     return int(value)
+
+
+def dim_function(d: Dim) -> Callable[[dict], int]:
+    """A closure computing `d` from shape-variable values: what the runtime calls on every
+    run (sympy's `subs` costs ~100 us a dim, the closure about 1 us).
+
+    >>> dim_function(2 * symbol("B") + 1)({"B": 3})
+    7
+    """
+    if isinstance(d, int):
+        return lambda sizes: d
+    e = sympy.sympify(d)
+    if e.is_Integer:
+        value = int(e)
+        return lambda sizes: value
+    if e.is_Symbol:
+        name = e.name
+        return lambda sizes: sizes[name]
+    if isinstance(e, (sympy.floor, sympy.ceiling)):  # floor((B + 1)/2): integer division
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        if den.is_Integer:
+            top, q = dim_function(sympy.expand(num)), int(den)
+            if isinstance(e, sympy.floor):
+                return lambda sizes: top(sizes) // q
+            return lambda sizes: -(-top(sizes) // q)
+    if any(a.is_Rational and not a.is_Integer for a in e.args):
+        return lambda sizes: evaluate(e, sizes)
+    parts = [dim_function(a) for a in e.args]
+    if isinstance(e, sympy.Add):
+        return lambda sizes: sum(p(sizes) for p in parts)
+    if isinstance(e, sympy.Mul):
+        return lambda sizes: math.prod(p(sizes) for p in parts)
+    if isinstance(e, sympy.Mod):
+        a, b = parts
+        return lambda sizes: a(sizes) % b(sizes)
+    if isinstance(e, (sympy.Min, sympy.Max)):
+        pick = min if isinstance(e, sympy.Min) else max
+        return lambda sizes: pick(p(sizes) for p in parts)
+    return lambda sizes: evaluate(e, sizes)  # anything rarer: exact, if slower
 
 
 def free_symbol_names(d: Dim) -> set[str]:

@@ -6,7 +6,7 @@ through its numpy reference (`EAGER.apply`, the same oracle eager mode uses, so 
 folded value is bit-exact) and replaced by a `full` when every element is the same
 bit pattern, else by a new entry of `graph.constants`. An elementwise op of `full`
 operands is computed once on scalars and stays a `full`, at any size and for symbolic
-shapes too. Nodes with regions are never folded, nor is `random_bits` unless its key
+shapes too. Nodes with regions and collectives are never folded, nor is `random_bits` unless its key
 is itself a constant (its bits depend only on the key, so a constant key folds
 exactly). A node whose reference raises (an out-of-range `take` index, ...) is left
 for run time to report.
@@ -26,7 +26,7 @@ from kiln.ir import dtypes as dt
 from kiln.ir import registry
 from kiln.ir.emitter import EAGER
 from kiln.ir.graph import Graph, Node, Value
-from kiln.ir.registry import CONTROL, ELEMENTWISE
+from kiln.ir.registry import COLLECTIVE, CONTROL, ELEMENTWISE
 from kiln.passes.rewrite import RewriteBuilder, producer_op, rebuild
 
 MAX_FOLD_ELEMENTS = 2 ** 16
@@ -49,8 +49,8 @@ def fold_node(b: RewriteBuilder, node: Node):
     """The folded value of `node`'s results, or None when it cannot or should not fold."""
     if node.op in LEAVES or node.regions or not node.operands:
         return None
-    if registry.get(node.op).kind == CONTROL:
-        return None
+    if registry.get(node.op).kind in (CONTROL, COLLECTIVE):
+        return None  # a collective's value depends on the other ranks' operands
     if not all(producer_op(v) in LEAVES for v in node.operands):
         return None
     splats = fold_splats(b, node)

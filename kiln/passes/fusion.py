@@ -271,7 +271,47 @@ def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
         if g.root is not None and g.values[0] is g.root:
             mat.add(id(g.root))
     _prune(groups, analysis, mat)
-    return _order([g for g in groups if g.values], analysis, mat), mat
+    groups = _merge_horizontal([g for g in groups if g.values], analysis, mat)
+    return _order(groups, analysis, mat), mat
+
+
+def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Group]:
+    """Loop groups of one shape that read a common buffer share a kernel (one pass
+    over it), unless one of them depends on the other (the merge would make a cycle)."""
+    reads: dict[int, set[int]] = {}
+    for g in groups:
+        nodes = g.nodes(analysis, mat)
+        made = {id(r) for n in nodes for r in n.results}
+        reads[id(g)] = {id(o) for n in nodes for o in n.operands if id(o) not in made}
+    owner = {id(v): g for g in groups for v in g.values}
+
+    def depends(a: _Group, b: _Group) -> bool:
+        """Does `a` read, directly or through other groups, a value `b` makes?"""
+        stack, seen = [a], {id(a)}
+        while stack:
+            for value in reads[id(stack.pop())]:
+                g = owner.get(value)
+                if g is b:
+                    return True
+                if g is not None and id(g) not in seen:
+                    seen.add(id(g))
+                    stack.append(g)
+        return False
+
+    out: list[_Group] = []
+    for g in groups:
+        host = next((h for h in out if h.kind == "loop" and g.kind == "loop"
+                     and shapes_equal(h.values[0].shape, g.values[0].shape)
+                     and reads[id(h)] & reads[id(g)]
+                     and not depends(g, h) and not depends(h, g)), None)
+        if host is None:
+            out.append(g)
+            continue
+        host.values += g.values
+        reads[id(host)] |= reads[id(g)]
+        for v in g.values:
+            owner[id(v)] = host
+    return out
 
 
 def _prune(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> None:

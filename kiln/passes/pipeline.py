@@ -5,6 +5,7 @@
     canonicalize    algebraic simplification (x * 1, transpose of transpose, ...)
     fold_constants  constant subexpressions evaluated at compile time
     cse             repeated computations merged
+    licm            regions closed; loop-invariant nodes hoisted out of while_loop bodies
     dce             unused nodes and constants removed
 
 The list *is* the documentation: `kiln dump --stage NAME` prints the graph after any
@@ -30,6 +31,7 @@ from kiln.passes.cse import cse
 from kiln.passes.dce import dce
 from kiln.passes.decompose import decompose
 from kiln.passes.fold_constants import fold_constants
+from kiln.passes.licm import licm
 from kiln.passes.manager import PassFn, Pipeline
 
 # composites the CPU backend matches as a whole: matmul becomes a GEMM template call
@@ -48,6 +50,7 @@ DEFAULT_PASSES: tuple[tuple[str, PassFn], ...] = (
     ("canonicalize", canonicalize),
     ("fold_constants", fold_constants),
     ("cse", cse),
+    ("licm", licm),
     ("dce", dce),
 )
 

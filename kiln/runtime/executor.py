@@ -17,7 +17,7 @@ import numpy as np
 from kiln.errors import KilnError
 from kiln.ir.emitter import EAGER
 from kiln.ir.interpret import concrete_attrs
-from kiln.ir.shapes import evaluate
+from kiln.ir.shapes import dim_function
 from kiln.runtime.allocator import Allocator, default_allocator
 from kiln.runtime.program import Collective, Constant, Control, Extern, Launch, Program, View
 
@@ -48,8 +48,8 @@ class Executable:
         static = self._static.get(slot)
         if static is not None:
             return lambda sizes: static
-        dims = self.program.buffers[slot].shape
-        return lambda sizes: tuple(evaluate(d, sizes) for d in dims)
+        dims = [dim_function(d) for d in self.program.buffers[slot].shape]
+        return lambda sizes: tuple(d(sizes) for d in dims)
 
     def _allocator_for(self, slot: int):
         """A function giving a fresh buffer for `slot` (outputs) or its arena storage."""
@@ -141,7 +141,10 @@ class Executable:
 
     # -- running ---------------------------------------------------------------------------
 
-    def run(self, arrays: Sequence[np.ndarray], sizes: dict[str, int]) -> list[np.ndarray]:
+    def run(self, arrays: Sequence[np.ndarray], sizes: dict[str, int],
+            borrow: bool = False) -> list[np.ndarray]:
+        """The outputs; `borrow=True` (sub-programs of control flow) may return an input
+        or a constant itself, since the parent program still checks its own outputs."""
         program = self.program
         env = [None] * self._nslots
         for slot, array in zip(program.inputs, arrays):
@@ -167,7 +170,7 @@ class Executable:
             # into memory the next call reuses
             if not array.flags.owndata:
                 array = array.copy()
-            else:
+            elif not borrow:
                 if borrowed is None:
                     borrowed = {id(a) for a in arrays} | self._borrowed_constants
                 if id(array) in borrowed:
@@ -194,12 +197,13 @@ def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict)
     if op == "cond":
         index, *rest = operands
         k = min(max(int(index), 0), len(bodies) - 1)
-        return bodies[k].run(rest, sizes)
+        return bodies[k].run(rest, sizes, borrow=True)
     if op == "while_loop":
         cond_body, loop_body = bodies
         carried = list(operands)
-        while bool(cond_body.run(carried, sizes)[0]):
-            carried = loop_body.run(carried, sizes)
+        # a value the body passes through unchanged is not copied on every trip
+        while bool(cond_body.run(carried, sizes, borrow=True)[0]):
+            carried = loop_body.run(carried, sizes, borrow=True)
         return carried
     raise KilnError(f"internal: unknown control step {op}")
 

@@ -1,8 +1,8 @@
 """`Program`: the flat list of steps a compiled graph becomes, over numbered buffer slots.
 
 Steps: `Launch` a compiled kernel, `Extern` (an op run by its library reference: sort,
-gather, LAPACK, ...), `View` (a reshape: same memory, new shape), `Constant` (data
-baked into the program) and `Control` (cond / while_loop: a step that owns
+gather, LAPACK, ...), `Collective` (run through a process group), `View` (a reshape:
+same memory, new shape), `Constant` (data baked into the program) and `Control` (cond / while_loop: a step that owns
 sub-programs). The runtime never looks at the graph again.
 """
 
@@ -41,6 +41,13 @@ class Extern:
 
 
 @dataclass(frozen=True)
+class Collective(Extern):
+    """A collective run through the process group its `group` attr names: a whole
+    collective, a nonblocking `<op>_start` (its output slot holds the pending call) or
+    a `collective_wait`. An Extern to the memory plan: reads inputs, writes outputs."""
+
+
+@dataclass(frozen=True)
 class View:
     source: int
     target: int
@@ -60,7 +67,7 @@ class Control:
     bodies: tuple["Program", ...]
 
 
-Step = Union[Launch, Extern, View, Constant, Control]
+Step = Union[Launch, Extern, Collective, View, Constant, Control]
 
 
 @dataclass
@@ -78,14 +85,27 @@ class Program:
     release_after: dict[int, list[int]] = field(default_factory=dict)  # step index -> slots
 
     def format(self) -> str:
-        """Readable listing (the `scheduled` stage of `kiln dump`)."""
-        lines = [f"program @{self.name}(" + ", ".join(f"%{s}: {self.buffers[s]}" for s in self.inputs)
+        """Readable listing (the `program` stage of `kiln dump`): the steps, each buffer's
+        (symbolic) type, the memory plan, and the sub-programs of control-flow steps
+        indented under their step (`cond` branches by index, `while_loop` cond and body).
+
+        >>> print(program.format())   # program @f(%0: f32[B, 4]) -> (%2) ...
+        """
+        return "\n".join(self._lines(""))
+
+    def _lines(self, indent: str) -> list[str]:
+        lines = [f"{indent}program @{self.name}(" + ", ".join(f"%{s}: {self.buffers[s]}" for s in self.inputs)
                  + ") -> (" + ", ".join(f"%{s}" for s in self.outputs) + ")"]
+        inner = indent + "  "
+        if not indent:  # a sub-program shares its parent's shape variables
+            for name in sorted(self.shape_vars):
+                lines.append(f"{inner}where {self.shape_vars[name].describe()}")
         for i, step in enumerate(self.steps):
             if isinstance(step, Launch):
                 text = f"launch {step.kernel}(" + ", ".join(f"%{a}" for a in step.args) + ")"
             elif isinstance(step, Extern):
-                text = (", ".join(f"%{o}" for o in step.outputs) + f" = extern {step.op}("
+                kind = "collective" if isinstance(step, Collective) else "extern"
+                text = (", ".join(f"%{o}" for o in step.outputs) + f" = {kind} {step.op}("
                         + ", ".join(f"%{a}" for a in step.inputs) + ")")
             elif isinstance(step, View):
                 text = f"%{step.target} = view %{step.source} as {self.buffers[step.target]}"
@@ -93,10 +113,20 @@ class Program:
                 text = f"%{step.target} = constant {step.name}"
             else:
                 text = (", ".join(f"%{o}" for o in step.outputs) + f" = {step.op}("
-                        + ", ".join(f"%{a}" for a in step.inputs) + f") with {len(step.bodies)} bodies")
+                        + ", ".join(f"%{a}" for a in step.inputs) + ")")
             freed = self.release_after.get(i)
             if freed:
                 text += "    ; frees " + ", ".join(f"%{s}" for s in freed)
-            lines.append("  " + text)
-        lines.append("  storage: " + ", ".join(f"%{s}->#{k}" for s, k in sorted(self.storage.items())))
-        return "\n".join(lines)
+            lines.append(inner + text)
+            if isinstance(step, Control):
+                labels = (["cond", "body"] if step.op == "while_loop"
+                          else [f"branch {k}" for k in range(len(step.bodies))])
+                for label, body in zip(labels, step.bodies):
+                    lines.append(f"{inner}  {label}:")
+                    lines.extend(body._lines(inner + "    "))
+        internal = [s for s in sorted(self.buffers) if s not in self.inputs]
+        if internal:
+            lines.append(inner + "buffers: " + ", ".join(f"%{s}: {self.buffers[s]}" for s in internal))
+        plan = ", ".join(f"%{s}->#{k}" for s, k in sorted(self.storage.items()))
+        lines.append(inner + "storage: " + (plan or "(none)"))
+        return lines

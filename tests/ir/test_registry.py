@@ -8,7 +8,7 @@ import pytest
 from kiln.ir import dtypes as dt
 from kiln.ir import registry
 from kiln.ir.emitter import EAGER, GraphBuilder
-from kiln.ir.registry import COMPOSITE, CONTROL, ELEMENTWISE, EXTERN, PRIMITIVE
+from kiln.ir.registry import COLLECTIVE, COMPOSITE, CONTROL, ELEMENTWISE, EXTERN, PRIMITIVE
 from kiln.ir.types import TensorType
 
 OPS = registry.all_ops()
@@ -26,7 +26,8 @@ def test_registry_holds_the_primitive_set():
         "concatenate", "reverse", "dynamic_slice", "dynamic_update_slice", "take", "take_along",
         "scatter_along", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "reduce_and",
         "reduce_or", "argmax", "argmin", "cumsum", "cumprod", "sort", "dot_general", "convolution",
-        "cond", "while_loop",
+        "cond", "while_loop", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+        "all_to_all",
     }
     missing = expected - set(OPS)
     assert not missing, f"primitives missing from the registry: {sorted(missing)}"
@@ -44,7 +45,7 @@ def test_user_facing_composites_are_registered():
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_every_op_has_the_rules_its_kind_needs(name):
     op = OPS[name]
-    assert op.kind in (ELEMENTWISE, PRIMITIVE, COMPOSITE, CONTROL, EXTERN)
+    assert op.kind in (ELEMENTWISE, PRIMITIVE, COMPOSITE, CONTROL, EXTERN, COLLECTIVE)
     assert callable(op.type_rule), f"{name}: no type rule"
     assert op.doc or op.kind == ELEMENTWISE, f"{name}: no docstring saying what it computes"
     if name not in GRAPH_BOUND:
@@ -57,6 +58,8 @@ def test_every_op_has_the_rules_its_kind_needs(name):
         assert "regions" in inspect.signature(op.type_rule).parameters
     else:
         assert op.num_regions == 0
+    if op.kind == COLLECTIVE:  # sharding propagation maps layouts through every collective
+        assert callable(op.sharding), f"{name}: collective without a sharding rule"
     for attr, default in op.attrs.items():
         assert attr.isidentifier()
 

@@ -2,13 +2,16 @@
 
 There is no vector math library on this machine: a call to `expf` inside a loop keeps the
 loop scalar. So float32 functions are straight-line arithmetic (selects, no branches)
-that the loop vectorizer widens after inlining. Design choice: float32 functions compute
-in float64 internally, with range reduction plus Taylor/Chebyshev polynomials accurate to
-~1e-11, then round once; results are within 1 ulp (measured by tests/codegen/
-test_cpu_mathlib.py). That halves the vector width versus native float32 minimax code
-but removes a whole class of error analysis (no Cody-Waite tails or compensated steps
-needed for float32 accuracy). sin/cos/tan reduce exactly for every float32 argument
-(Payne-Hanek in float64 pieces, see `_reduce_quadrant`).
+that the loop vectorizer widens after inlining. Two implementations:
+
+- float32-native (mathlib_f32.py) for the hot functions `exp expm1 log log1p tanh erf`:
+  Cody-Waite reduction and float32 minimax polynomials, full-width float32 vectors,
+  within ~2 ulp (measured by tests/codegen/test_cpu_mathlib.py).
+- float64-internal (this file) for the others, and for all of them under
+  `float32_math("double")`: range reduction plus Taylor/Chebyshev polynomials accurate
+  to ~1e-11 in float64, then one rounding (correctly rounded on every tested input, at
+  half the vector width). sin/cos/tan reduce exactly for every float32 argument
+  (Payne-Hanek in float64 pieces, see `_reduce_quadrant`).
 
 float64 transcendentals call glibc's libm (< 1 ulp); the cost is that a float64 loop
 containing one does not vectorize (documented in docs/cpu-backend.md).
@@ -17,15 +20,38 @@ containing one does not vectorize (documented in docs/cpu-backend.md).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+
 import mpmath
 import numpy as np
 from numpy.polynomial import chebyshev
 
+from kiln.codegen.cpu import mathlib_f32
 from kiln.codegen.cpu.ir_builder import Fn, Module, V, const
 
 F32_FUNCS = ("exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos", "atan",
              "atan2", "sinh", "cosh", "tanh", "erf", "pow")
 LIBM_F64 = {n: n for n in F32_FUNCS}
+
+# which float32 implementation new modules get: "native" (mathlib_f32 where it has the
+# function) or "double" (float64-internal everywhere)
+_F32_MODE = ["native"]
+
+
+@contextmanager
+def float32_math(mode: str):
+    """Emit float32 transcendentals as "native" (default) or "double" (float64-internal,
+    correctly rounded, half the vector width) inside the block -- for accuracy
+    comparisons and benchmarks. Process-wide and not part of CpuOptions or any cache
+    key, so compile with a fresh CpuBackend inside the block."""
+    if mode not in ("native", "double"):
+        raise ValueError(f"float32_math: mode must be 'native' or 'double', got {mode!r}")
+    saved = _F32_MODE[0]
+    _F32_MODE[0] = mode
+    try:
+        yield
+    finally:
+        _F32_MODE[0] = saved
 
 _LN2 = math.log(2.0)
 with mpmath.workprec(600):
@@ -303,13 +329,17 @@ def math_call(fn: Fn, name: str, args: list[V]) -> V:
         module.declare(name, f"declare double @{name}({sig}) nounwind readnone")
         fn.scalar_calls += 1
         return fn.call(name, "double", args)
-    helper = f"kiln.{name}.f32"
+    native = _F32_MODE[0] == "native" and name in mathlib_f32.NATIVE_F32
+    helper = f"kiln.{name}.f32" + ("n" if native else "d")
     if helper not in module.helpers:
         module.helpers.add(helper)
         body = Fn(module, prefix="m")
         params = [V(f"%a{i}", "float") for i in range(len(args))]
-        wide = [body.cast("fpext", p, "double") for p in params]
-        result = body.cast("fptrunc", _body_f32(body, name, wide), "float")
+        if native:
+            result = mathlib_f32.body(body, name, params[0])
+        else:
+            wide = [body.cast("fpext", p, "double") for p in params]
+            result = body.cast("fptrunc", _body_f32(body, name, wide), "float")
         body.stmt(f"ret float {result.ref}")
         header = (f"define internal float @{helper}({', '.join(map(str, params))}) "
                   "alwaysinline nounwind")

@@ -79,7 +79,8 @@ class transpose:
 def _slice_size(start, limit, stride):
     if all(isinstance(v, int) for v in (start, limit)):
         return max(0, -(-(limit - start) // stride))
-    return dim(sympy.ceiling((sympy.sympify(limit) - start) / stride))
+    # ceil(n / s) as floor((n + s - 1) / s): floor division is what every backend lowers
+    return dim(sympy.floor((sympy.sympify(limit) - start + stride - 1) / stride))
 
 
 @defop("slice", family="shape", kind=PRIMITIVE, num_operands=1,
