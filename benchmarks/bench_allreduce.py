@@ -212,6 +212,7 @@ def main() -> None:
             if have_gloo else None
         lines += table(world, sizes, kiln, gloo)
         print("\n".join(table(world, sizes, kiln, gloo)), flush=True)
+    lines.insert(5, "- load average at end: %.2f" % os.getloadavg()[0])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
     print("wrote", args.out)

@@ -125,33 +125,45 @@ def torch_workloads():
     return newton, dispatch, lambda k: k
 
 
-def measure(make, repeat: int, convert=np.asarray) -> dict:
-    """Compile-and-first-call time and steady medians of both workloads."""
+def measure(make, repeat: int, convert=np.asarray, only: str | None = None) -> dict:
+    """Compile-and-first-call time and steady medians of the workloads (or of `only`)."""
     a, x = inputs()
     a, x = convert(a), convert(x)
     start = time.perf_counter()
     newton, dispatch, index = make()
-    newton(a)
-    for k in range(4):
-        dispatch(index(k), x)
-    first = time.perf_counter() - start
+    result = {}
+    if only in (None, "newton"):
+        newton(a)
+    if only in (None, "switch"):
+        for k in range(4):
+            dispatch(index(k), x)
+    result["first"] = time.perf_counter() - start
     cycle = iter(range(10 ** 9))
-    return {"newton": median_s(lambda: newton(a), repeat),
-            "switch": median_s(lambda: dispatch(index(next(cycle) % 4), x), 4 * repeat),
-            "first": first}
+    if only in (None, "newton"):
+        result["newton"] = median_s(lambda: newton(a), repeat)
+    if only in (None, "switch"):
+        result["switch"] = median_s(lambda: dispatch(index(next(cycle) % 4), x), 4 * repeat)
+    return result
 
 
-def torch_in_child(repeat: int, limit: float) -> dict | str:
-    """torch.compile measured in a child process, killed after `limit` seconds."""
-    try:
-        out = subprocess.run([sys.executable, __file__, "--torch-worker", str(repeat)],
-                             capture_output=True, text=True, timeout=limit)
-    except subprocess.TimeoutExpired:
-        return f"did not compile within {limit:.0f} s"
-    if out.returncode != 0:
-        return "failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:80]
-    newton, switch, first = (float(v) for v in out.stdout.split()[-3:])
-    return {"newton": newton, "switch": switch, "first": first}
+def torch_in_child(repeat: int, limit: float) -> dict:
+    """torch.compile measured in child processes (one per workload), each killed after
+    `limit` seconds; a workload that does not finish is reported by a note."""
+    result: dict = {"first": 0.0}
+    for key in ("newton", "switch"):
+        try:
+            out = subprocess.run([sys.executable, __file__, "--torch-worker", key, "--repeat", str(repeat)],
+                                 capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            result[key] = f"not compiled in {limit:.0f} s"
+            continue
+        if out.returncode != 0:
+            result[key] = "failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:60]
+            continue
+        median, first = (float(v) for v in out.stdout.split()[-2:])
+        result[key] = median
+        result["first"] += first
+    return result
 
 
 def guard_costs() -> dict:
@@ -190,12 +202,11 @@ def render(rows: dict, guards: dict, args) -> str:
     peers = [p for p in ("numpy", "jax.jit", "torch.compile") if p in rows]
 
     def cell(result, key):
-        if isinstance(result, str):
-            return result
-        return f"{result[key] * 1e3:.2f}"
+        value = result[key]
+        return value if isinstance(value, str) else f"{value * 1e3:.2f}"
 
     def ratio(key):
-        times = [rows[p][key] for p in peers if isinstance(rows[p], dict)]
+        times = [rows[p][key] for p in peers if not isinstance(rows[p][key], str)]
         return f"{min(times) / rows['kiln'][key]:.2f}x" if times else "-"
 
     lines = [BEGIN, "## Control flow and dynamic shapes (bench_control_flow.py)", "",
@@ -213,8 +224,7 @@ def render(rows: dict, guards: dict, args) -> str:
         lines.append(f"| {key} | {cell(rows['kiln'], key)} | "
                      + " | ".join(cell(rows[p], key) for p in peers) + f" | {ratio(key)} |")
     lines.append(f"| compile + first calls (s) | {rows['kiln']['first']:.2f} | "
-                 + " | ".join(rows[p] if isinstance(rows[p], str) else f"{rows[p]['first']:.2f}"
-                              for p in peers) + " | |")
+                 + " | ".join(f"{rows[p]['first']:.2f}" for p in peers) + " | |")
     lines += ["", "Per-call cost of a compiled `x * w + 1` on a 4x8 input (microseconds):", "",
               "| static dims | dynamic dim B | dynamic, B changing every call | guards alone "
               "(cache key + bind B, check its range) | compiles |", "|---|---|---|---|---|",
@@ -241,15 +251,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--out", help="replace or append this benchmark's section in this file")
-    parser.add_argument("--torch-limit", type=float, default=120.0,
-                        help="seconds torch.compile may take in its child process")
-    parser.add_argument("--torch-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--torch-limit", type=float, default=90.0,
+                        help="seconds torch.compile may take for one workload (a child process)")
+    parser.add_argument("--torch-worker", choices=("newton", "switch"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=15, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torch_worker is not None:
         import torch
 
-        r = measure(torch_workloads, args.torch_worker, torch.from_numpy)
-        print(r["newton"], r["switch"], r["first"])
+        r = measure(torch_workloads, args.repeat, torch.from_numpy, only=args.torch_worker)
+        print(r[args.torch_worker], r["first"])
         return 0
     repeat = 5 if args.quick else 15
     rows = {"kiln": measure(kiln_workloads, repeat), "numpy": measure(numpy_workloads, repeat)}

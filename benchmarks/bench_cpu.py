@@ -282,9 +282,28 @@ def main() -> int:
     table = render(rows, copy_gbs, blas_gflops, cold, warm, imp, args)
     print(table)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+        write_section(args.out, table)
     return 0
+
+
+BEGIN, END = "<!-- bench_cpu: begin -->", "<!-- bench_cpu: end -->"
+
+
+def write_section(path: str, table: str) -> None:
+    """Replace this script's marked section of `path`, keeping other scripts' sections
+    (bench_control_flow.py writes one into the same file)."""
+    section = f"{BEGIN}\n{table.rstrip()}\n{END}"
+    old = open(path).read() if os.path.exists(path) else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        text = head + section + rest.split(END, 1)[1]
+    elif old.startswith("# "):  # after the file's title
+        title, _, body = old.partition("\n")
+        text = f"{title}\n\n{section}\n\n{body.lstrip()}"
+    else:
+        text = f"# CPU benchmark results\n\n{section}\n\n{old}"
+    with open(path, "w") as f:
+        f.write(text.rstrip("\n") + "\n")
 
 
 def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
@@ -293,7 +312,7 @@ def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
     load = os.getloadavg()
     cols = ["kiln", "numpy", "torch eager", "torch.compile", "jax.jit"]
     lines = [
-        "# CPU benchmark: kiln.compile vs numpy, torch and jax",
+        "## kiln.compile vs numpy, torch and jax (bench_cpu.py)",
         "",
         f"- command: `.venv/bin/python benchmarks/bench_cpu.py{' --quick' if args.quick else ''}`",
         f"- machine: {os.cpu_count()} cores, {cpu}; load average at the end {load[0]:.2f}",

@@ -101,7 +101,7 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default") -> 
                                        ("schedule_collectives", schedule_collectives)])
     stages: dict = {}
     optimized = pipeline.run(graph, dump=stages)
-    program = build_program(optimized, optimize_region=pipeline.run)
+    program = build_program(optimized)  # regions were optimized and fused with the graph
     target = get_backend(backend)
     names = list(program.kernels)
     compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)

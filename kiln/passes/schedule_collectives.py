@@ -8,19 +8,20 @@ A collective `%y = all_reduce(%x)` becomes
 
 so the communication runs on the process group's progress thread while the kernels
 between start and wait run on this one (XLA's async collectives, the latency-hiding
-scheduler in spirit; here a list schedule without a cost model). The rules:
+scheduler in spirit; here a list schedule without a cost model). The priorities:
 
-- a start moves up to just after the producers of its operand, but never above an
-  earlier start, so every rank still issues its collectives in program order;
-- a wait moves down to just before the first node that uses its result (or to the end
-  of the region when only the region's results use it); waits that end up side by
-  side keep their program order;
-- all other nodes keep their order. Nested regions (cond branches, loop bodies) are
-  scheduled on their own; nothing moves across a region boundary.
+- a start is issued as soon as its operand exists, but never before an earlier
+  start, so every rank still issues its collectives in program order;
+- the nodes computing a start's operand run before other compute, so communication
+  begins early and the rest of the compute overlaps it;
+- a wait is placed only when nothing else can run: right before the first node that
+  needs its result, or at the end of the region; otherwise program order is kept.
+  Nested regions (cond branches, loop bodies) are scheduled on their own; nothing
+  moves across a region boundary.
 
-    %0 = all_reduce(%g) : f32[8]                 %0 = all_reduce_start(%g) : f32[8]
-    %1 = exp(%x) : f32[8]             ==>        %1 = exp(%x) : f32[8]
-    %2 = add(%0, %1) : f32[8]                    %2 = collective_wait(%0) : f32[8]
+    %0 = exp(%x) : f32[8]                        %0 = all_reduce_start(%g) : f32[8]
+    %1 = all_reduce(%g) : f32[8]      ==>        %1 = exp(%x) : f32[8]
+    %2 = add(%1, %0) : f32[8]                    %2 = collective_wait(%0) : f32[8]
                                                  %3 = add(%2, %1) : f32[8]
 
 Every rank runs the same schedule (the pass is deterministic), so the order of
@@ -95,29 +96,44 @@ def _reads(node: Node) -> set[Value]:
 
 
 def overlap_order(nodes: list[Node], results: list[Value]) -> list[Node]:
-    """`nodes` reordered: each start as early, each wait as late as dependencies allow.
+    """`nodes` reordered by a list schedule: each start as early, each wait as late as
+    dependencies allow.
 
-    `nodes` is a valid program order; the result is one too, in which non-collective
-    nodes and the starts each keep their relative order.
+    Of the nodes whose operands are ready, the next start goes first (starts keep their
+    program order), then the producers of a start's operand (so communication begins
+    before compute that can overlap it), then other nodes in program order; a wait goes
+    only when nothing else is ready, i.e. right before the first node that needs it.
     """
-    order = list(nodes)
-    last_start = -1
-    for start in [n for n in nodes if n.op.endswith("_start")]:
-        order.remove(start)
-        needs = set(start.operands)
-        lo = last_start + 1
-        for i, node in enumerate(order):
-            if any(r in needs for r in node.results):
-                lo = max(lo, i + 1)
-        order.insert(lo, start)
-        last_start = lo
-    placed: set[Node] = set()
-    for wait in reversed([n for n in nodes if n.op == WAIT]):
-        order.remove(wait)
-        value = wait.result
-        at = next((i for i, node in enumerate(order) if value in _reads(node)), len(order))
-        while at > 0 and order[at - 1] in placed:  # waits that meet keep program order
-            at -= 1
-        order.insert(at, wait)
-        placed.add(wait)
+    position = {node: i for i, node in enumerate(nodes)}
+    producer = {r: node for node in nodes for r in node.results}
+    needs = {node: {producer[v] for v in _reads(node) if v in producer} for node in nodes}
+    starts = [n for n in nodes if n.op.endswith("_start")]
+    feeds: dict[Node, int] = {}  # node -> index of the first start whose operand it computes
+    for k, start in enumerate(starts):
+        todo = list(needs[start])
+        while todo:
+            node = todo.pop()
+            if node not in feeds and node.op != WAIT:
+                feeds[node] = k
+                todo.extend(needs[node])
+
+    def rank(node: Node) -> tuple:
+        if node.op.endswith("_start"):
+            return (0, position[node])
+        if node.op == WAIT:
+            return (3, position[node])
+        if node in feeds:
+            return (1, feeds[node], position[node])
+        return (2, position[node])
+
+    done: set[Node] = set()
+    order: list[Node] = []
+    issued = 0
+    while len(order) < len(nodes):
+        ready = [n for n in nodes if n not in done and needs[n] <= done
+                 and (not n.op.endswith("_start") or n is starts[issued])]
+        node = min(ready, key=rank)
+        order.append(node)
+        done.add(node)
+        issued += node.op.endswith("_start")
     return order

@@ -195,6 +195,7 @@ def assert_schedules(before: str, expected: str):
 
 
 def test_starts_early_waits_late():
+    # the all_gather's producer (neg) runs first; exp and tanh overlap both collectives
     assert_schedules("""
 graph @g(%x: f32[8], %w: f32[8]) -> (f32[8], f32[16], f32[8])
   %0 = exp(%w) : f32[8]
@@ -207,18 +208,19 @@ graph @g(%x: f32[8], %w: f32[8]) -> (f32[8], f32[16], f32[8])
 """, """
 graph @g(%x: f32[8], %w: f32[8]) -> (f32[8], f32[16], f32[8])
   %0 = all_reduce_start(%x) {group="world", reduce_op="sum", world_size=2} : f32[8]
-  %1 = exp(%w) : f32[8]
-  %2 = neg(%w) : f32[8]
-  %3 = all_gather_start(%2) {axis=0, group="world", world_size=2} : f32[16]
-  %4 = collective_wait(%0) : f32[8]
-  %5 = add(%4, %1) : f32[8]
-  %6 = tanh(%1) : f32[8]
-  %7 = collective_wait(%3) : f32[16]
-  return %5, %7, %6
+  %1 = neg(%w) : f32[8]
+  %2 = all_gather_start(%1) {axis=0, group="world", world_size=2} : f32[16]
+  %3 = exp(%w) : f32[8]
+  %4 = tanh(%3) : f32[8]
+  %5 = collective_wait(%0) : f32[8]
+  %6 = add(%5, %3) : f32[8]
+  %7 = collective_wait(%2) : f32[16]
+  return %6, %7, %4
 """)
 
 
 def test_dependent_collectives_keep_their_order():
+    # the max all_reduce could go first, but starts keep program order on every rank
     assert_schedules("""
 graph @g(%x: f32[4], %y: f32[4]) -> (f32[4], f32[4], f32[4])
   %0 = all_reduce(%x) {group="world", reduce_op="sum", world_size=2} : f32[4]
@@ -229,13 +231,13 @@ graph @g(%x: f32[4], %y: f32[4]) -> (f32[4], f32[4], f32[4])
 """, """
 graph @g(%x: f32[4], %y: f32[4]) -> (f32[4], f32[4], f32[4])
   %0 = all_reduce_start(%x) {group="world", reduce_op="sum", world_size=2} : f32[4]
-  %1 = collective_wait(%0) : f32[4]
-  %2 = broadcast_start(%1) {group="world", src=0, world_size=2} : f32[4]
-  %3 = all_reduce_start(%y) {group="world", reduce_op="max", world_size=2} : f32[4]
-  %4 = exp(%y) : f32[4]
-  %5 = collective_wait(%2) : f32[4]
-  %6 = collective_wait(%3) : f32[4]
-  return %5, %4, %6
+  %1 = exp(%y) : f32[4]
+  %2 = collective_wait(%0) : f32[4]
+  %3 = broadcast_start(%2) {group="world", src=0, world_size=2} : f32[4]
+  %4 = all_reduce_start(%y) {group="world", reduce_op="max", world_size=2} : f32[4]
+  %5 = collective_wait(%3) : f32[4]
+  %6 = collective_wait(%4) : f32[4]
+  return %5, %1, %6
 """)
 
 
