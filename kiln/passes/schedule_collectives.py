@@ -56,7 +56,7 @@ def _schedule(region: Region) -> None:
             _schedule(inner)
     if any(node.op in START_OPS for node in region.nodes):
         split_collectives(region)
-        region.nodes = overlap_order(region.nodes, region.results)
+        region.nodes = overlap_order(region.nodes)
 
 
 def split_collectives(region: Region) -> None:
@@ -95,7 +95,7 @@ def _reads(node: Node) -> set[Value]:
     return values
 
 
-def overlap_order(nodes: list[Node], results: list[Value]) -> list[Node]:
+def overlap_order(nodes: list[Node]) -> list[Node]:
     """`nodes` reordered by a list schedule: each start as early, each wait as late as
     dependencies allow.
 

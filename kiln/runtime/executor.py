@@ -59,7 +59,16 @@ class Executable:
         allocator = self.allocator
         if storage is None:
             self._transient.append(slot)
-            return lambda sizes, arena: allocator.empty(shape_of(sizes), dtype)
+
+            def fresh(sizes, arena):
+                # a while_loop body may hand back last-but-one trip's output to refill
+                recycled = arena.pop(("out", slot), None) if arena else None
+                shape = shape_of(sizes)
+                if recycled is not None and recycled.shape == shape:
+                    return recycled
+                return allocator.empty(shape, dtype)
+
+            return fresh
 
         def from_arena(sizes, arena):
             shape = shape_of(sizes)
@@ -142,24 +151,31 @@ class Executable:
     # -- running ---------------------------------------------------------------------------
 
     def run(self, arrays: Sequence[np.ndarray], sizes: dict[str, int],
-            borrow: bool = False) -> list[np.ndarray]:
+            borrow: bool = False, recycle: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
         """The outputs; `borrow=True` (sub-programs of control flow) may return an input
-        or a constant itself, since the parent program still checks its own outputs."""
+        or a constant itself, since the parent program still checks its own outputs.
+        `recycle` offers arrays (a loop's outputs from two trips ago, which nothing reads
+        any more) to be overwritten as this run's outputs instead of allocating."""
         program = self.program
         env = [None] * self._nslots
         for slot, array in zip(program.inputs, arrays):
             env[slot] = array
+        offered = {("out", s): a for s, a in zip(program.outputs, recycle) if a is not None}
         if self._uses_arena:
             key = tuple(sorted(sizes.items()))
             arena = self._take_arena(key)
+            context = {**arena, **offered} if offered else arena
             try:
                 for step in self._steps:
-                    step(env, sizes, arena)
+                    step(env, sizes, context)
             finally:
+                if offered:  # keep storages the run created; drop unused offers
+                    arena.update({k: v for k, v in context.items() if not isinstance(k, tuple)})
                 self._return_arena(key, arena)
         else:
+            context = offered or None
             for step in self._steps:
-                step(env, sizes, None)
+                step(env, sizes, context)
         if self._transient:
             self.allocator.end_call(sum(env[s].nbytes for s in self._transient if env[s] is not None))
         result = []
@@ -201,9 +217,15 @@ def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict)
     if op == "while_loop":
         cond_body, loop_body = bodies
         carried = list(operands)
-        # a value the body passes through unchanged is not copied on every trip
+        outside = {id(a) for a in operands}
+        previous: list = []
+        # a value the body passes through unchanged is not copied on every trip, and the
+        # outputs of two trips ago are refilled instead of touching new memory each trip
         while bool(cond_body.run(carried, sizes, borrow=True)[0]):
-            carried = loop_body.run(carried, sizes, borrow=True)
+            live = {id(a) for a in carried} | outside
+            recycle = [a if a is not None and id(a) not in live else None for a in previous]
+            previous = carried
+            carried = loop_body.run(carried, sizes, borrow=True, recycle=recycle)
         return carried
     raise KilnError(f"internal: unknown control step {op}")
 
