@@ -121,8 +121,9 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
     from kiln.codegen import artifact_cache
     from kiln.codegen.kernel_ir import kernel_fingerprint
 
-    key = artifact_cache.content_key(__version__, target.name, repr(getattr(target, "options", "")),
-                                     _host_cpu(), *[kernel_fingerprint(k) for k in kernels])
+    key = artifact_cache.content_key(__version__, _codegen_salt(), target.name,
+                                     repr(getattr(target, "options", "")), _host_cpu(),
+                                     *[kernel_fingerprint(k) for k in kernels])
     blob = artifact_cache.load(key)
     if blob is not None:
         try:
@@ -132,6 +133,26 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
     blob = target.object_code(kernels)
     artifact_cache.store(key, blob)
     return target.load_object_code(kernels, blob)
+
+
+def _codegen_salt() -> str:
+    """A hash of the code generator's own source and settings: changing how code is
+    generated (not only kiln's version) must invalidate cached machine code."""
+    from kiln.codegen.cpu import mathlib
+
+    return f"{_codegen_source_hash()}|{mathlib._F32_MODE[0]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _codegen_source_hash() -> str:
+    import hashlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "codegen"
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=1)

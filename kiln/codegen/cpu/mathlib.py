@@ -42,8 +42,8 @@ _F32_MODE = ["native"]
 def float32_math(mode: str):
     """Emit float32 transcendentals as "native" (default) or "double" (float64-internal,
     correctly rounded, half the vector width) inside the block -- for accuracy
-    comparisons and benchmarks. Process-wide and not part of CpuOptions or any cache
-    key, so compile with a fresh CpuBackend inside the block."""
+    comparisons and benchmarks. Process-wide and not part of CpuOptions (the on-disk
+    artifact cache key includes it), so compile with a fresh CpuBackend inside the block."""
     if mode not in ("native", "double"):
         raise ValueError(f"float32_math: mode must be 'native' or 'double', got {mode!r}")
     saved = _F32_MODE[0]

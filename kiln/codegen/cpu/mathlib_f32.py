@@ -32,7 +32,7 @@ def _hex(*values: str) -> tuple[float, ...]:
     return out
 
 
-LN2_HI, LN2_LO = _hex("0x1.62e430p-1", "-0x1.05c610p-29")  # LN2_HI + LN2_LO = ln 2 to 2^-54
+LN2_HI, LN2_LO = _hex("0x1.62e430p-1", "-0x1.05c610p-29")  # LN2_HI + LN2_LO = ln 2 within 9e-17
 LOG2E = float(np.float32(1 / math.log(2)))
 assert abs(LN2_HI + LN2_LO - math.log(2)) < 2.0 ** -52
 
@@ -74,8 +74,10 @@ def poly(fn: Fn, x: V, coeffs) -> V:
 
 
 def clamp(fn: Fn, x: V, lo: float, hi: float) -> V:
-    """min(max(x, lo), hi); a NaN x becomes lo, so callers put NaN back with a select."""
-    return fn.binary_intrinsic("minnum", fn.binary_intrinsic("maxnum", x, c(lo)), c(hi))
+    """min(max(x, lo), hi) with NaN passing through: `x < lo ? lo : x` is one vmaxps
+    (x86 max returns its second operand when either is NaN), unlike llvm.maxnum."""
+    x = fn.select(fn.fcmp("olt", x, c(lo)), c(lo), x)
+    return fn.select(fn.fcmp("ogt", x, c(hi)), c(hi), x)
 
 
 def pow2(fn: Fn, k: V, bias: int = 127) -> V:
@@ -92,7 +94,9 @@ def exp_core(fn: Fn, x: V) -> tuple[V, V]:
     nk = fn.fneg(k)
     r = fn.fma(nk, c(LN2_LO), fn.fma(nk, c(LN2_HI), x))
     em1 = fn.fma(fn.fmul(r, r), poly(fn, r, EXP_P), r)
-    return em1, fn.cast("fptosi", k, "i32")
+    # a NaN x gives a NaN k and em1: fptosi of NaN is poison, so freeze it (any integer
+    # then; the result stays NaN through em1, which saves a select per call)
+    return em1, fn.freeze(fn.cast("fptosi", k, "i32"))
 
 
 def is_nan(fn: Fn, x: V) -> V:
@@ -107,16 +111,15 @@ def exp(fn: Fn, x: V) -> V:
     # rounded once more at most (the second product)
     k1 = fn.bin("ashr", k, i32(1))
     s1, s2 = pow2(fn, k1), pow2(fn, fn.bin("sub", k, k1))
-    v = fn.fmul(fn.fma(s1, em1, s1), s2)
-    return fn.select(is_nan(fn, x), x, v)
+    return fn.fmul(fn.fma(s1, em1, s1), s2)  # NaN in, NaN out (through em1)
 
 
 def expm1(fn: Fn, x: V) -> V:
     # below -40 the result rounds to -1; above 89 to inf (2^128 (1+em1) overflows)
     em1, k = exp_core(fn, clamp(fn, x, -40.0, 89.0))
     v = _expm1_finish(fn, em1, k)
-    # ±0 keeps its sign (the reduction computes +0 for -0), NaN passes through
-    return fn.select(fn.fcmp("ueq", x, c(0.0)), x, v)
+    # ±0 keeps its sign (the reduction computes +0 for -0); NaN comes through em1
+    return fn.select(fn.fcmp("oeq", x, c(0.0)), x, v)
 
 
 def _expm1_finish(fn: Fn, em1: V, k: V) -> V:
@@ -128,8 +131,8 @@ def _expm1_finish(fn: Fn, em1: V, k: V) -> V:
     return fn.fmul(fn.fma(s, em1, fn.fsub(s, c(0.5))), c(2.0))
 
 
-def _log_reduce(fn: Fn, u: V) -> tuple[V, V, V]:
-    """positive normal u = m 2^e, m in [sqrt(1/2), sqrt(2)) -> (m, e as float, e as i32)."""
+def _log_reduce(fn: Fn, u: V) -> tuple[V, V]:
+    """positive normal u = m 2^e, m in [sqrt(1/2), sqrt(2)) -> (m, e as i32)."""
     bits = fn.cast("bitcast", u, "i32")
     e = fn.bin("ashr", fn.bin("sub", bits, i32(SQRT_HALF_BITS)), i32(23))
     m = fn.cast("bitcast", fn.bin("sub", bits, fn.bin("shl", e, i32(23))), F)
@@ -194,9 +197,9 @@ def tanh(fn: Fn, x: V) -> V:
     t = _expm1_finish(fn, em1, k)
     big = fn.fdiv(t, fn.fadd(t, c(2.0)))
     big = fn.select(fn.fcmp("oge", a, c(TANH_ONE)), c(1.0), big)
-    v = fn.select(fn.fcmp("olt", a, c(TANH_SPLIT)), small, big)
-    v = fn.binary_intrinsic("copysign", v, x)
-    return fn.select(is_nan(fn, x), x, v)
+    # NaN takes the small branch (ult), where it propagates: no select needed for it
+    v = fn.select(fn.fcmp("ult", a, c(TANH_SPLIT)), small, big)
+    return fn.binary_intrinsic("copysign", v, x)
 
 
 def erf(fn: Fn, x: V) -> V:
@@ -213,9 +216,8 @@ def erf(fn: Fn, x: V) -> V:
     eq = fn.fmul(fn.fma(s, em1, s), poly(fn, ac, ERFC_Q))
     big = fn.fsub(c(1.0), fn.fma(fn.fneg(lo), eq, eq))
     big = fn.select(fn.fcmp("oge", a, c(ERF_ONE)), c(1.0), big)
-    v = fn.select(fn.fcmp("olt", a, c(ERF_SPLIT)), small, big)
-    v = fn.binary_intrinsic("copysign", v, x)
-    return fn.select(is_nan(fn, x), x, v)
+    v = fn.select(fn.fcmp("ult", a, c(ERF_SPLIT)), small, big)  # NaN: small, propagates
+    return fn.binary_intrinsic("copysign", v, x)
 
 
 BODIES = {"exp": exp, "expm1": expm1, "log": log, "log1p": log1p, "tanh": tanh, "erf": erf}
