@@ -25,6 +25,10 @@ import numpy as np
 import kiln as kn
 
 GELU_C = 0.7978845608028654
+# torch.compile could not compile the 20-step unrolled Newton loop within 120 s on this
+# machine (the CPU pipeline issue measured 162 s for 14 steps): not attempted here
+TORCH_COMPILE_SKIP = {"newton": "Inductor needs over 120 s to compile the 20-step unrolled "
+                                "loop here (14 steps took 162 s)"}
 
 
 def median_s(fn, repeat: int, warmup: int = 1) -> float:
@@ -240,7 +244,7 @@ def main() -> int:
             peers["jax"] = (jax, jax_fns())
         except ImportError:
             pass
-    rows = []
+    rows, notes = [], []
     for key, label, kfn, npfn, inputs, nbytes, flops in workloads(args.quick):
         kiln_fn = kn.compile(kfn)
         t0 = time.perf_counter()
@@ -258,11 +262,15 @@ def main() -> int:
             tin = [torch.from_numpy(i) for i in inputs]
             with torch.no_grad():
                 result["torch eager"] = median_s(lambda: fns[key](*tin), repeat)
-                compiled = torch.compile(fns[key])
-                t0 = time.perf_counter()
-                compiled(*tin)
-                result["torch.compile first call"] = time.perf_counter() - t0
-                result["torch.compile"] = median_s(lambda: compiled(*tin), repeat)
+            if key in TORCH_COMPILE_SKIP:
+                notes.append(f"torch.compile not run on '{label}': {TORCH_COMPILE_SKIP[key]}")
+            else:
+                with torch.no_grad():
+                    compiled = torch.compile(fns[key])
+                    t0 = time.perf_counter()
+                    compiled(*tin)
+                    result["torch.compile first call"] = time.perf_counter() - t0
+                    result["torch.compile"] = median_s(lambda: compiled(*tin), repeat)
         if "jax" in peers:
             jax, fns = peers["jax"]
             jin = [jax.numpy.asarray(i) for i in inputs]
@@ -280,6 +288,8 @@ def main() -> int:
     cold, warm = compile_times()
     imp = import_time()
     table = render(rows, copy_gbs, blas_gflops, cold, warm, imp, args)
+    if notes:
+        table += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     print(table)
     if args.out:
         write_section(args.out, table)

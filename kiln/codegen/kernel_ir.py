@@ -218,13 +218,8 @@ class Store:
 Stage = Union[Reduce, Store]
 
 
-@dataclass(frozen=True)
-class Kernel:
-    name: str
-    buffers: tuple[BufferParam, ...]
-    sizes: tuple[str, ...]  # shape variables passed at run time
-    outer: tuple[Loop, ...]
-    stages: tuple[Stage, ...]
+class _Buffers:
+    """Inputs and outputs of a kernel, from its buffer list."""
 
     @property
     def inputs(self) -> tuple[BufferParam, ...]:
@@ -236,7 +231,16 @@ class Kernel:
 
 
 @dataclass(frozen=True)
-class GemmKernel:
+class Kernel(_Buffers):
+    name: str
+    buffers: tuple[BufferParam, ...]
+    sizes: tuple[str, ...]  # shape variables passed at run time
+    outer: tuple[Loop, ...]
+    stages: tuple[Stage, ...]
+
+
+@dataclass(frozen=True)
+class GemmKernel(_Buffers):
     """out[b, i, j] = epilogue(sum_k a[b, i, k] * b[b, k, j]) for batch b in `batch`.
 
     `a` and `b` are buffer names with their logical layouts given by strides (so a
@@ -257,14 +261,6 @@ class GemmKernel:
     b_strides: tuple  # (batch, k, col)
     epilogue: Expr  # over Acc and loads; Acc alone when there is none
     acc_dtype: DType = field(default=None)
-
-    @property
-    def inputs(self) -> tuple[BufferParam, ...]:
-        return tuple(b for b in self.buffers if b.role == IN)
-
-    @property
-    def outputs(self) -> tuple[BufferParam, ...]:
-        return tuple(b for b in self.buffers if b.role == OUT)
 
 
 GEMM_VARS = ("gb", "gi", "gj")
