@@ -26,20 +26,11 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import median_s, write_section  # noqa: E402
+
 N = 1 << 20
 STEPS = 20
-BEGIN, END = "<!-- bench_control_flow: begin -->", "<!-- bench_control_flow: end -->"
-
-
-def median_s(fn, repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def inputs():
@@ -209,7 +200,7 @@ def render(rows: dict, guards: dict, args) -> str:
         times = [rows[p][key] for p in peers if not isinstance(rows[p][key], str)]
         return f"{min(times) / rows['kiln'][key]:.2f}x" if times else "-"
 
-    lines = [BEGIN, "## Control flow and dynamic shapes (bench_control_flow.py)", "",
+    lines = ["## Control flow and dynamic shapes (bench_control_flow.py)", "",
              f"- command: `.venv/bin/python benchmarks/bench_control_flow.py{' --quick' if args.quick else ''}`",
              f"- machine: {os.cpu_count()} cores, {cpu}",
              f"- date: {datetime.date.today().isoformat()}; numpy {np.__version__}"
@@ -229,22 +220,8 @@ def render(rows: dict, guards: dict, args) -> str:
               "| static dims | dynamic dim B | dynamic, B changing every call | guards alone "
               "(cache key + bind B, check its range) | compiles |", "|---|---|---|---|---|",
               f"| {guards['static'] * 1e6:.1f} | {guards['dynamic'] * 1e6:.1f} | "
-              f"{guards['varying'] * 1e6:.1f} | {guards['guard'] * 1e6:.2f} | {guards['compiles']} |",
-              END]
+              f"{guards['varying'] * 1e6:.1f} | {guards['guard'] * 1e6:.2f} | {guards['compiles']} |"]
     return "\n".join(lines) + "\n"
-
-
-def write_section(path: str, section: str) -> None:
-    old = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    elif old:
-        text = old.rstrip("\n") + "\n\n" + section
-    else:
-        text = "# CPU benchmark results\n\n" + section
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def main() -> int:
@@ -277,7 +254,7 @@ def main() -> int:
     section = render(rows, guard_costs(), args)
     print(section)
     if args.out:
-        write_section(args.out, section)
+        write_section(args.out, "bench_control_flow", section)
     return 0
 
 

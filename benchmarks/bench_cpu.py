@@ -24,22 +24,14 @@ import numpy as np
 
 import kiln as kn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import median_s, write_section  # noqa: E402
+
 GELU_C = 0.7978845608028654
 # torch.compile could not compile the 20-step unrolled Newton loop within 120 s on this
 # machine (the CPU pipeline issue measured 162 s for 14 steps): not attempted here
 TORCH_COMPILE_SKIP = {"newton": "Inductor needs over 120 s to compile the 20-step unrolled "
                                 "loop here (14 steps took 162 s)"}
-
-
-def median_s(fn, repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 # -- workloads: (name, kiln fn, numpy fn, torch fn, jax fn, make inputs, bytes, flops) ----
@@ -292,28 +284,8 @@ def main() -> int:
         table += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     print(table)
     if args.out:
-        write_section(args.out, table)
+        write_section(args.out, "bench_cpu", table)
     return 0
-
-
-BEGIN, END = "<!-- bench_cpu: begin -->", "<!-- bench_cpu: end -->"
-
-
-def write_section(path: str, table: str) -> None:
-    """Replace this script's marked section of `path`, keeping other scripts' sections
-    (bench_control_flow.py writes one into the same file)."""
-    section = f"{BEGIN}\n{table.rstrip()}\n{END}"
-    old = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    elif old.startswith("# "):  # after the file's title
-        title, _, body = old.partition("\n")
-        text = f"{title}\n\n{section}\n\n{body.lstrip()}"
-    else:
-        text = f"# CPU benchmark results\n\n{section}\n\n{old}"
-    with open(path, "w") as f:
-        f.write(text.rstrip("\n") + "\n")
 
 
 def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
