@@ -192,10 +192,12 @@ class CompiledFunction:
     # -- the call path: keep it lean ------------------------------------------------------
 
     def __call__(self, *args):
-        if all(type(a) is Tensor or type(a) is np.ndarray for a in args):
-            leaves, spec = args, None
+        for a in args:  # flat tensor arguments (the common case) skip the pytree walk
+            if a.__class__ is not Tensor and a.__class__ is not np.ndarray:
+                leaves, spec = pytree.flatten(tuple(args), _leaf)
+                break
         else:
-            leaves, spec = pytree.flatten(tuple(args), _leaf)
+            leaves, spec = args, None
         key = self._key(leaves, spec)
         entry = self._cache.get(key)
         if entry is None:

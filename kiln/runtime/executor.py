@@ -43,6 +43,7 @@ class Executable:
         self._returned: dict[int, list] = {}  # output slot -> arrays handed out before
         self._output_slots = frozenset(program.outputs)
         self._steps = [self._compile_step(i, step) for i, step in enumerate(program.steps)]
+        self._transient_set = frozenset(self._transient)
         self._uses_arena = bool(program.storage)
 
     # -- building the closures ----------------------------------------------------------
@@ -164,7 +165,8 @@ class Executable:
         env = [None] * self._nslots
         for slot, array in zip(program.inputs, arrays):
             env[slot] = array
-        offered = {("out", s): a for s, a in zip(program.outputs, recycle) if a is not None}
+        offered = {("out", s): a for s, a in zip(program.outputs, recycle)
+                   if a is not None} if recycle else None
         if self._uses_arena:
             key = tuple(sorted(sizes.items()))
             arena = self._take_arena(key)
@@ -186,10 +188,14 @@ class Executable:
                 self._remember_outputs(env)
         result = []
         borrowed = None
+        fresh = self._transient_set
         for slot in program.outputs:
             array = env[slot]
-            # an output must be the caller's own: never an input, a constant, or a view
-            # into memory the next call reuses
+            if slot in fresh:  # allocated (or reclaimed) for this call: the caller's own
+                result.append(array)
+                continue
+            # any other output must be the caller's own too: never an input, a constant,
+            # or a view into memory the next call reuses
             if not array.flags.owndata:
                 array = array.copy()
             elif not borrow:
@@ -210,25 +216,30 @@ class Executable:
 
     def _remember_outputs(self, env) -> None:
         outputs = self._output_slots
-        with self._lock:
-            for slot in self._transient:
-                array = env[slot]
-                if slot in outputs and array is not None and array.flags.owndata:
+        for slot in self._transient:
+            array = env[slot]
+            if slot in outputs and array is not None and array.flags.owndata:
+                kept = self._returned.get(slot)
+                if kept is None:
                     kept = self._returned.setdefault(slot, [])
-                    if all(a is not array for a in kept):
-                        kept.append(array)
-                        del kept[:-self._KEEP]
+                kept.append(array)  # list operations are atomic: no lock on this path
+                if len(kept) > self._KEEP:
+                    del kept[0]
 
     def _reclaim(self, slot: int, shape: tuple):
         kept = self._returned.get(slot)
         if not kept:
             return None
-        with self._lock:
-            for i in range(len(kept)):
-                # referenced only by `kept` and getrefcount's argument: nobody else has it
-                # (no loop variable may hold it while counting)
-                if sys.getrefcount(kept[i]) == 2 and kept[i].shape == shape:
-                    return kept.pop(i)
+        for _ in range(len(kept)):
+            try:
+                array = kept.pop()  # atomic: two threads never get the same array
+            except IndexError:
+                return None
+            # referenced only here (the local and getrefcount's argument): the caller
+            # dropped it, so this call may overwrite it
+            if sys.getrefcount(array) == 2 and array.shape == shape:
+                return array
+            kept.insert(0, array)
         return None
 
     def __del__(self):
