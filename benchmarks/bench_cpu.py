@@ -34,6 +34,9 @@ TORCH_COMPILE_SKIP = {"newton": "Inductor needs over 120 s to compile the 20-ste
                                 "loop here (14 steps took 162 s)"}
 
 
+BARE_BLAS = {"gemm": lambda x, w, b: x @ w, "mlp": lambda x, w1, b1, w2, b2: (x @ w1) @ w2}
+
+
 # -- workloads: (name, kiln fn, numpy fn, torch fn, jax fn, make inputs, bytes, flops) ----
 
 def chain_k(x, a, b):
@@ -214,7 +217,15 @@ def import_time() -> float:
     return float(out.stdout.split()[-1])
 
 
+def fresh_caches() -> None:
+    """Compile caches start empty, so first-call times are cold for kiln and the peers."""
+    root = tempfile.mkdtemp(prefix="bench-caches-")
+    for var in ("KILN_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        os.environ[var] = os.path.join(root, var.lower())
+
+
 def main() -> int:
+    fresh_caches()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--out", help="write the markdown table here")
@@ -249,6 +260,8 @@ def main() -> int:
                   "kiln first call": first, "rel err": err}
         np_fn = npfn or (lambda *a: kfn(*[kn.asarray(x) for x in a]))
         result["numpy"] = median_s(lambda: np_fn(*inputs), max(3, repeat // 2))
+        if key in BARE_BLAS:  # the matrix products alone: what a free epilogue costs nothing over
+            result["BLAS alone"] = median_s(lambda: BARE_BLAS[key](*inputs), repeat)
         if "torch" in peers:
             torch, fns = peers["torch"]
             tin = [torch.from_numpy(i) for i in inputs]
@@ -293,6 +306,7 @@ def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
                 if line.startswith("model name")), platform.processor())
     load = os.getloadavg()
     cols = ["kiln", "numpy", "torch eager", "torch.compile", "jax.jit"]
+    blas = [r for r in rows if "BLAS alone" in r]
     lines = [
         "## kiln.compile vs numpy, torch and jax (bench_cpu.py)",
         "",
@@ -316,7 +330,14 @@ def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
         ratio = f"{min(peers) / r['kiln']:.2f}x" if peers else "—"
         lines.append(f"| {r['workload']} | " + " | ".join(cells)
                      + f" | {r['rate']} | {ratio} | {r['rel err']:.1e} |")
-    lines += ["", "First-call times (trace + compile + run), seconds:", "",
+    if blas:
+        lines += ["", "GEMM epilogues: kiln against the bare BLAS products (numpy float32 matmul "
+                  "alone, no bias or activation), same run:", "",
+                  "| workload | kiln (ms) | BLAS alone (ms) | BLAS / kiln |", "|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['kiln'] * 1e3:.3f} | {r['BLAS alone'] * 1e3:.3f} | "
+                  f"{r['BLAS alone'] / r['kiln']:.2f}x |" for r in blas]
+    lines += ["", "First-call times (trace + compile + run, every compile cache empty at the "
+              "start), seconds:", "",
               "| workload | kiln | torch.compile | jax.jit |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['kiln first call']:.2f} | "

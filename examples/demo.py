@@ -125,15 +125,22 @@ def main() -> int:
             print("MISMATCH between the loaded program and eager mode")
             return 1
 
-    for stage in ("exported", "optimized", "kernels", "program"):
-        print(f"\n== kiln dump {os.path.basename(path)} --stage {stage} ==", flush=True)
-        status = subprocess.call([sys.executable, "-m", "kiln", "dump", path, "--stage", stage])
-        if status:
-            return status
-    print(f"\n== kiln dump {os.path.basename(path)} --stage source (first kernel, first lines) ==")
-    source = subprocess.run([sys.executable, "-m", "kiln", "dump", path, "--stage", "source"],
-                            capture_output=True, text=True, check=True).stdout
-    print("\n".join(source.splitlines()[:25]) + "\n  ...")
+    from kiln.frontend.stages import stage_names
+
+    shown_whole = ("exported", "optimized", "kernels", "program")
+    for stage in stage_names():
+        dump = subprocess.run([sys.executable, "-m", "kiln", "dump", path, "--stage", stage],
+                              capture_output=True, text=True)
+        if dump.returncode:
+            print(dump.stderr)
+            return dump.returncode
+        lines = dump.stdout.splitlines()
+        if stage in shown_whole:
+            print(f"\n== kiln dump {os.path.basename(path)} --stage {stage} ==")
+            print(dump.stdout.rstrip())
+        else:
+            head = "\n    ".join(lines[:4])
+            print(f"\n== --stage {stage}: {len(lines)} lines, starting with ==\n    {head}")
     return 0
 
 

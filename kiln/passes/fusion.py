@@ -116,22 +116,46 @@ def _cone(value: Value, analysis: _Analysis, stop: set[int]) -> list[Node]:
 
 
 def _reads_reduction_as_rows(reduce_node: Node, cone: list[Node], analysis: _Analysis) -> bool:
-    """Does every use of the reduction inside `cone` see it as a whole row?"""
-    r = reduce_node.results[0]
-    axes = reduce_node.attrs["axes"]
-    in_shape = reduce_node.operands[0].shape
-    kept = tuple(i for i in range(len(in_shape)) if i not in axes)
+    """Does every use of the reduction inside `cone` see it as a whole row?
+
+    Inside the kernel a reduced value is one scalar per outer point. It may flow through
+    pointwise ops as a row (reduced dims dropped) or in keepdim form (reduced dims kept
+    as size 1, after a unit reshape, as `x / x.sum(1, keepdim=True)` writes it), and reach
+    the full domain only through a broadcast that puts every kept dim back in place."""
+    axes = set(reduce_node.attrs["axes"])
+    full = reduce_node.operands[0].shape
+    rank = len(full)
+    kept = tuple(i for i in range(rank) if i not in axes)
+    keep_shape = tuple(1 if i in axes else d for i, d in enumerate(full))
     members = {id(n) for n in cone}
-    for user in analysis.consumers[id(r)]:
-        if id(user) not in members:
-            continue
-        if user.op == "broadcast_in_dim":
-            if not (tuple(user.attrs["broadcast_dimensions"]) == kept
-                    and shapes_equal(user.results[0].shape, in_shape)):
+    seen: set[tuple[int, str]] = set()
+
+    def ok(value: Value, form: str) -> bool:
+        if (id(value), form) in seen:
+            return True
+        seen.add((id(value), form))
+        for user in analysis.consumers[id(value)]:
+            if id(user) not in members:
+                continue
+            out = user.results[0]
+            if user.op == "broadcast_in_dim":
+                dims = tuple(user.attrs["broadcast_dimensions"])
+                if not (shapes_equal(out.shape, full)
+                        and dims == (kept if form == "row" else tuple(range(rank)))):
+                    return False
+            elif is_unit_reshape(user):
+                target = "keep" if form == "row" else "row"
+                wanted = keep_shape if target == "keep" else tuple(full[i] for i in kept)
+                if not shapes_equal(out.shape, wanted) or not ok(out, target):
+                    return False
+            elif is_pointwise(user) and user.op not in STRUCTURAL:
+                if not ok(out, form):
+                    return False
+            else:
                 return False
-        elif not (is_pointwise(user) and user.op not in STRUCTURAL and not is_unit_reshape(user)):
-            return False
-    return True
+        return True
+
+    return ok(reduce_node.results[0], "row")
 
 
 def _drop_units(shape) -> tuple:

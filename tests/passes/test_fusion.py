@@ -266,51 +266,49 @@ graph @g(%x: f32[4, 4], %w: f32[4, 4]) -> (f32[4], f32[4])
   return %14, %15
 """, """
 graph @g(%x: f32[4, 4], %w: f32[4, 4]) -> (f32[4], f32[4])
-  %0 = fused(%x) {kind="reduction"} : f32[4]
+  %0 = fused(%x) {kind="reduction"} : f32[4, 4]
     region(%1: f32[4, 4]):
       %2 = reduce_sum(%1) {axes=(1,)} : f32[4]
-      yield %2
-    end
-  %3 = fused(%x) {kind="reduction"} : f32[4]
-    region(%4: f32[4, 4]):
-      %5 = reduce_sum(%4) {axes=(0,)} : f32[4]
+      %3 = reshape(%2) {shape=(4, 1)} : f32[4, 1]
+      %4 = broadcast_in_dim(%3) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
+      %5 = div(%1, %4) : f32[4, 4]
       yield %5
     end
-  %6, %7 = fused(%0, %x, %3) {kind="loop"} : f32[4, 4], f32[4, 4]
-    region(%8: f32[4], %9: f32[4, 4], %10: f32[4]):
-      %11 = reshape(%8) {shape=(4, 1)} : f32[4, 1]
-      %12 = broadcast_in_dim(%11) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
-      %13 = div(%9, %12) : f32[4, 4]
-      %14 = reshape(%10) {shape=(1, 4)} : f32[1, 4]
-      %15 = broadcast_in_dim(%14) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
-      %16 = div(%9, %15) : f32[4, 4]
-      yield %13, %16
+  %6 = fused(%x) {kind="reduction"} : f32[4, 4]
+    region(%7: f32[4, 4]):
+      %8 = reduce_sum(%7) {axes=(0,)} : f32[4]
+      %9 = reshape(%8) {shape=(1, 4)} : f32[1, 4]
+      %10 = broadcast_in_dim(%9) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
+      %11 = div(%7, %10) : f32[4, 4]
+      yield %11
     end
-  %17 = fused(%6, %w) {kind="gemm"} : f32[4, 4]
-    region(%18: f32[4, 4], %19: f32[4, 4]):
-      %20 = matmul(%18, %19) : f32[4, 4]
-      yield %20
+  %12 = fused(%0, %w) {kind="gemm"} : f32[4, 4]
+    region(%13: f32[4, 4], %14: f32[4, 4]):
+      %15 = matmul(%13, %14) : f32[4, 4]
+      yield %15
     end
-  %21 = fused(%w, %7) {kind="gemm"} : f32[4, 4]
-    region(%22: f32[4, 4], %23: f32[4, 4]):
-      %24 = matmul(%22, %23) : f32[4, 4]
-      yield %24
+  %16 = fused(%w, %6) {kind="gemm"} : f32[4, 4]
+    region(%17: f32[4, 4], %18: f32[4, 4]):
+      %19 = matmul(%17, %18) : f32[4, 4]
+      yield %19
     end
-  %25 = fused(%x, %17, %0) {kind="reduction"} : f32[4]
-    region(%26: f32[4, 4], %27: f32[4, 4], %28: f32[4]):
-      %29 = mul(%26, %27) : f32[4, 4]
-      %30 = reduce_sum(%29) {axes=(1,)} : f32[4]
-      %31 = add(%30, %28) : f32[4]
-      yield %31
+  %20 = fused(%x, %12) {kind="reduction"} : f32[4]
+    region(%21: f32[4, 4], %22: f32[4, 4]):
+      %23 = reduce_sum(%21) {axes=(1,)} : f32[4]
+      %24 = mul(%21, %22) : f32[4, 4]
+      %25 = reduce_sum(%24) {axes=(1,)} : f32[4]
+      %26 = add(%25, %23) : f32[4]
+      yield %26
     end
-  %32 = fused(%x, %21, %3) {kind="reduction"} : f32[4]
-    region(%33: f32[4, 4], %34: f32[4, 4], %35: f32[4]):
-      %36 = mul(%33, %34) : f32[4, 4]
-      %37 = reduce_sum(%36) {axes=(0,)} : f32[4]
-      %38 = add(%35, %37) : f32[4]
-      yield %38
+  %27 = fused(%x, %16) {kind="reduction"} : f32[4]
+    region(%28: f32[4, 4], %29: f32[4, 4]):
+      %30 = reduce_sum(%28) {axes=(0,)} : f32[4]
+      %31 = mul(%28, %29) : f32[4, 4]
+      %32 = reduce_sum(%31) {axes=(0,)} : f32[4]
+      %33 = add(%30, %32) : f32[4]
+      yield %33
     end
-  return %25, %32
+  return %20, %27
 """),
 }
 
@@ -433,3 +431,24 @@ def test_every_reduction_group_is_one_kernel_for_keepdim_variance_over_two_axes(
                               kn.randn(2, 3, 5, seed=0)))
     fused = fuse(graph)
     assert [n.attrs["kind"] for n in fused.body.nodes if n.op == "fused"] == ["reduction", "reduction"]
+
+
+def test_keepdim_reductions_read_as_rows_fuse_into_one_kernel():
+    """`x / x.sum(1, keepdim=True)`: a unit reshape then a broadcast is still a row read."""
+    import numpy as np
+
+    import kiln as kn
+    from kiln.ir.interpret import run_graph
+    from kiln.passes.fusion import fuse
+    from kiln.passes.pipeline import default_pipeline
+
+    def f(x):
+        e = kn.exp(x - x.max(dim=1, keepdim=True)[0])
+        return e / e.sum(dim=1, keepdim=True), (x - x.mean(dim=1, keepdim=True)) / x.std(dim=1, keepdim=True)
+
+    x = kn.randn(6, 10, seed=0)
+    graph = kn.trace(f, x)
+    fused = fuse(default_pipeline().run(graph))
+    assert [n.op for n in fused.nodes] == ["fused"]
+    for got, want in zip(run_graph(fused, x.numpy()), f(x)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
