@@ -10,7 +10,7 @@ cases are listed in docs/cpu-backend.md).
 Building blocks: Cody-Waite reduction x = k ln2 + r with ln2 split in two float32
 constants (the fma makes k * LN2_HI exact, and r_hi = x - k LN2_HI is exact because
 both are multiples of 2^-24 and |r_hi| < 0.5), minimax polynomials fitted offline by
-mathlib_f32_fit.py (coefficients below are the exact float32 values it prints), and
+scripts/fit_float32_math.py (coefficients below are the exact float32 values it prints), and
 scale factors 2^k built from exponent bits.
 """
 

@@ -1,6 +1,6 @@
 """Offline fitting of the float32 minimax polynomials embedded in mathlib_f32.py.
 
-    .venv/bin/python -m kiln.codegen.cpu.mathlib_f32_fit
+    .venv/bin/python scripts/fit_float32_math.py
 
 prints, for each polynomial, its float32 coefficients as exact hex literals and the
 weighted max error of the float32-rounded polynomial (evaluated in float64, so this is
