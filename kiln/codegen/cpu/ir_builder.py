@@ -204,7 +204,8 @@ class CountedLoop:
         ... emit body, computing acc_next ...
         (acc_out,) = loop.end([acc_next])
 
-    The loop gets `llvm.loop.vectorize.enable` metadata unless vectorize=False.
+    The loop gets `llvm.loop.vectorize.enable` metadata unless vectorize=False
+    (vectorization off) or None (no hint: LLVM's own cost model decides).
     """
 
     def __init__(self, fn: Fn, start: V, stop: V, carried: list[V] = (), vectorize: bool = True):
@@ -234,7 +235,10 @@ class CountedLoop:
         latch = fn.block
         nxt = fn.bin("add", self.i, const("i64", 1), "nuw nsw")
         innermost_simple = self.marks == (fn.loops_started, fn.scalar_calls)
-        meta = fn.module.loop_metadata(self.vectorize and innermost_simple)
+        if self.vectorize is None and innermost_simple:
+            meta = ""  # no hint: LLVM's cost model decides, and says nothing when it declines
+        else:
+            meta = fn.module.loop_metadata(bool(self.vectorize) and innermost_simple)
         fn.br(self.head, meta)
         phis = [f"  {self.i.ref} = phi i64 [ {self.start.ref}, %{self.pre} ], [ {nxt.ref}, %{latch} ]"]
         for p, init, new in zip(self.phis, self.carried, next_values):

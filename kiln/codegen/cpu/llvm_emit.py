@@ -233,16 +233,16 @@ class KernelEmitter:
             else:
                 raise KilnArgumentError(f"cpu backend: unknown stage {stage!r}")
 
-    def _nest(self, fn: Fn, loops, env: dict, carried: list[V], body):
+    def _nest(self, fn: Fn, loops, env: dict, carried: list[V], body, vectorize: bool | None = True):
         """Nested counted loops over `loops`; `body(env, carried) -> new carried`."""
         if not loops:
             return body(env, carried)
         ext = emit_index(fn, loops[0].extent, env)
-        loop = CountedLoop(fn, const("i64", 0), ext, carried=carried)
+        loop = CountedLoop(fn, const("i64", 0), ext, carried=carried, vectorize=vectorize)
         i, phis = loop.begin()
         inner_env = dict(env)
         inner_env[loops[0].var] = i
-        out = self._nest(fn, loops[1:], inner_env, phis, body)
+        out = self._nest(fn, loops[1:], inner_env, phis, body, vectorize)
         return loop.end(out)
 
     def _reduce(self, fn: Fn, r: Reduce, env: dict, refs: dict) -> V:
@@ -262,7 +262,10 @@ class KernelEmitter:
                 return self._blocked_sum(fn, r, outer_env, carried, refs)
             (acc,) = self._nest(fn, r.loops[:-1], env, [_reduce_init(r, ty)], blocked)
         else:
-            (acc,) = self._nest(fn, r.loops, env, [_reduce_init(r, ty)], body)
+            # NaN-propagating float max/min reductions over a select (a masked softmax)
+            # are not always recognized as reductions: let LLVM decide quietly there
+            hint = None if r.op in ("max", "min") and r.dtype.is_floating else True
+            (acc,) = self._nest(fn, r.loops, env, [_reduce_init(r, ty)], body, hint)
         if ty == "double" and r.dtype == dt.float32:
             acc = fn.cast("fptrunc", acc, "float")
         return dtype_map.round_to(fn, acc, r.dtype) if r.dtype.is_floating else acc
