@@ -122,13 +122,10 @@ class Tensor:
 
             raise KilnShapeError(f"item: only a tensor with one element has an item, got shape "
                                  f"{list(array.shape)}")
-        value = array.reshape(()).item()
-        return float(value) if array.dtype.kind == "V" or self.dtype.bits < 32 and self.dtype.is_floating else value
+        return _python_values(array.reshape(()), self.dtype)
 
     def tolist(self):
-        array = self._concrete("Tensor.tolist()")
-        return array.astype(np.float32).tolist() if self.dtype.is_floating and self.dtype.bits < 32 \
-            else array.tolist()
+        return _python_values(self._concrete("Tensor.tolist()"), self.dtype)
 
     def __bool__(self) -> bool:
         return bool(self._single("bool(tensor) (an `if` or `while` on a tensor)"))
@@ -181,6 +178,14 @@ class Tensor:
         return f"tensor({body}, dtype={self.dtype!r})"
 
     __hash__ = object.__hash__  # == is elementwise, so hash by identity as torch does
+
+
+def _python_values(array: np.ndarray, dtype: dt.DType):
+    """Python scalars (or nested lists) of an array; low-precision floats (ml_dtypes
+    arrays, whose .item() gives numpy scalars) go through float32 first."""
+    if dtype.is_floating and dtype.bits < 32:
+        array = array.astype(np.float32)
+    return array.tolist()
 
 
 def _convert_array(array: np.ndarray, target: dt.DType) -> np.ndarray:
