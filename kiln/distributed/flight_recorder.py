@@ -39,6 +39,17 @@ def call_site_frames(limit: int = 4) -> list[list]:
     return frames
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    """str(dtype), cached: numpy's dtype __str__ costs microseconds on every call."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 class FlightRecorder:
     """The process-wide ring buffer; thread-safe. Size from KILN_FR_BUFFER_SIZE (2000)."""
 
@@ -66,9 +77,9 @@ class FlightRecorder:
         rec = {
             "id": 0, "group": group, "epoch": epoch, "seq": seq, "op": op,
             "input_sizes": [list(a.shape) for a in inputs],
-            "input_dtypes": [str(a.dtype) for a in inputs],
+            "input_dtypes": [_dtype_name(a.dtype) for a in inputs],
             "output_sizes": [list(a.shape) for a in outputs],
-            "output_dtypes": [str(a.dtype) for a in outputs],
+            "output_dtypes": [_dtype_name(a.dtype) for a in outputs],
             "state": "scheduled", "time_created_ns": now, "time_started_ns": None,
             "time_completed_ns": None, "timeout_s": timeout, "frames": frames,
             "error": None,

@@ -286,7 +286,8 @@ class ProcessGroup:
             # keeps its place in the sequence; all_to_all (count -1) always runs
             empty = not run_empty and count == 0
             self._queue.append((work, ctx, timeout, None if empty else run))
-            self._cond.notify()
+            if self._running is None:  # else the running call's end wakes the thread
+                self._cond.notify()
         return work
 
     def _progress_loop(self) -> None:
@@ -336,7 +337,8 @@ class ProcessGroup:
         recorder().completed(rec, error)
         with self._cond:
             self._running = None
-            self._cond.notify_all()
+            if self._queue:  # only the progress thread waits here, and only for a call
+                self._cond.notify()
         work._finish(error)
 
     def _expire_p2p(self) -> None:
