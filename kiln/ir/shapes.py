@@ -181,11 +181,13 @@ def dim_function(d: Dim) -> Callable[[dict], int]:
         return lambda sizes: sizes[name]
     if isinstance(e, (sympy.floor, sympy.ceiling)):  # floor((B + 1)/2): integer division
         num, den = sympy.fraction(sympy.together(e.args[0]))
-        if den.is_Integer:
-            top, q = dim_function(sympy.expand(num)), int(den)
-            if isinstance(e, sympy.floor):
-                return lambda sizes: top(sizes) // q
-            return lambda sizes: -(-top(sizes) // q)
+        top, bottom = dim_function(sympy.expand(num)), dim_function(den)
+        if isinstance(e, sympy.floor):
+            return lambda sizes: top(sizes) // bottom(sizes)
+        return lambda sizes: -(-top(sizes) // bottom(sizes))
+    if isinstance(e, sympy.Pow) and e.exp.is_Integer and int(e.exp) > 0:
+        base, n = dim_function(e.base), int(e.exp)
+        return lambda sizes: base(sizes) ** n
     if any(a.is_Rational and not a.is_Integer for a in e.args):
         return lambda sizes: evaluate(e, sizes)
     parts = [dim_function(a) for a in e.args]

@@ -25,9 +25,7 @@ import sympy
 
 from kiln.codegen.kernel_ir import GemmKernel, Kernel, Load, Op, Reduce, walk
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
-from kiln.ir.shapes import format_shape
-
-from kiln.codegen.cpu.index_emit import compile_py
+from kiln.ir.shapes import dim_function, format_shape
 from kiln.codegen.cpu.mathlib import F32_FUNCS
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
 
@@ -133,7 +131,7 @@ def _work_per_point(kernel: Kernel):
     """Closure: estimated element-operations per outer point."""
     parts = []
     for stage in kernel.stages:
-        extent = _product([compile_py(l.extent) for l in stage.loops])
+        extent = _product([dim_function(l.extent) for l in stage.loops])
         parts.append((extent, _expr_cost(stage.value) + (0 if isinstance(stage, Reduce) else 1)))
     return lambda env: sum(e(env) * c for e, c in parts)
 
@@ -162,8 +160,8 @@ class CompiledKernel:
             if all(d.is_Integer for d in dims):
                 self._static_shapes.append(tuple(int(d) for d in dims))
             else:
-                self._static_shapes.append(tuple(compile_py(d) for d in dims))
-        self._count = _product([compile_py(e) for e in outer_extents])
+                self._static_shapes.append(tuple(dim_function(d) for d in dims))
+        self._count = _product([dim_function(e) for e in outer_extents])
         if isinstance(kernel, GemmKernel) or serial:
             self._work = None
         else:

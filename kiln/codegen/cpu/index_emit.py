@@ -2,15 +2,14 @@
 
 Supported: integers, symbols, +, * (integer coefficients), integer powers, floor of a
 rational combination (`floor(x/4)`, emitted as a floor division), Mod (Python's sign of
-the divisor), Min and Max. The same expressions are also compiled to small Python
-closures for the runtime (shape checks, loop counts), without eval.
+the divisor), Min and Max. The runtime computes the same expressions in Python with
+`kiln.ir.shapes.dim_function` (shape checks, loop counts), without eval.
 """
 
 from __future__ import annotations
 
 from functools import reduce
 from math import lcm
-from typing import Callable
 
 import sympy
 
@@ -94,44 +93,3 @@ def emit_index(fn: Fn, expr, symbols: dict[str, V], memo: dict | None = None) ->
         raise _unsupported(e)
 
     return go(expr)
-
-
-def compile_py(expr) -> Callable[[dict], int]:
-    """A closure computing `expr` from a dict of symbol values (the runtime's fast path:
-    evaluating sympy per call costs ~100 us, a closure ~1 us)."""
-    expr = sympy.sympify(expr)
-    if expr.is_Integer:
-        value = int(expr)
-        return lambda env: value
-    if expr.is_Symbol:
-        name = expr.name
-        return lambda env: env[name]
-    if isinstance(expr, sympy.Add):
-        parts = [compile_py(a) for a in expr.args]
-        return lambda env: sum(p(env) for p in parts)
-    if isinstance(expr, sympy.Mul):
-        if any(f.is_Rational and not f.is_Integer for f in expr.args):
-            raise _unsupported(expr)
-        parts = [compile_py(a) for a in expr.args]
-
-        def mul(env):
-            out = 1
-            for p in parts:
-                out *= p(env)
-            return out
-        return mul
-    if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) > 0:
-        base, n = compile_py(expr.base), int(expr.exp)
-        return lambda env: base(env) ** n
-    if isinstance(expr, sympy.floor):
-        den = _common_denominator(expr.args[0])
-        num = compile_py(sympy.expand(expr.args[0] * den))
-        return lambda env: num(env) // den
-    if isinstance(expr, sympy.Mod):
-        a, b = compile_py(expr.args[0]), compile_py(expr.args[1])
-        return lambda env: a(env) % b(env)
-    if isinstance(expr, (sympy.Min, sympy.Max)):
-        parts = [compile_py(a) for a in expr.args]
-        pick = min if isinstance(expr, sympy.Min) else max
-        return lambda env: pick(p(env) for p in parts)
-    raise _unsupported(expr)
