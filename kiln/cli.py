@@ -100,8 +100,7 @@ def dump_command(args: argparse.Namespace) -> int:
     try:
         archive = read_archive(args.file)
     except KilnFormatError as exc:
-        print(f"kiln dump: error: {exc.message}", file=sys.stderr)
-        return 2
+        return _fail("dump", exc.message)
     try:
         if args.stage == "exported":
             text = render_archive(archive, args.file, args.format)

@@ -9,8 +9,6 @@ scatter, LAPACK, random bits, ...), so every graph kiln can trace also runs comp
 
 from __future__ import annotations
 
-from typing import Callable
-
 from kiln.codegen.lower import SplitReduction, lower_fused
 from kiln.ir import registry
 from kiln.ir.graph import Graph, Region, Value
@@ -21,9 +19,8 @@ from kiln.runtime.program import (
 )
 
 
-def build_program(graph: Graph, optimize_region: Callable[[Graph], Graph] | None = None,
-                  prefix: str = "") -> Program:
-    """Lower `graph` (already through the graph passes and fusion)."""
+def build_program(graph: Graph, prefix: str = "") -> Program:
+    """Lower `graph` (already through the graph passes and fusion, regions included)."""
     slots: dict[int, int] = {}
     buffers: dict[int, BufferSpec] = {}
     kernels: dict = {}
@@ -62,9 +59,7 @@ def build_program(graph: Graph, optimize_region: Callable[[Graph], Graph] | None
             bodies = []
             for k, region in enumerate(node.regions):
                 sub = region_graph(region, f"{graph.name}_{node.op}{index}_{k}", graph)
-                if optimize_region is not None:
-                    sub = optimize_region(sub)
-                body = build_program(sub, optimize_region, prefix=prefix)  # sub.name is unique
+                body = build_program(sub, prefix=prefix)  # sub.name is unique
                 kernels.update(body.kernels)
                 bodies.append(body)
             steps.append(Control(node.op, ins, outs, tuple(bodies)))
