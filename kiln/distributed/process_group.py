@@ -464,4 +464,18 @@ def _dump_everywhere(pg: ProcessGroup, reason: str) -> None:
         except DistributedError:
             pass  # the store may be gone with the failed rank; local dumps still exist
 
-    threading.Thread(target=request, name="kiln-fr-request", daemon=True).start()
+    thread = threading.Thread(target=request, name="kiln-fr-request", daemon=True)
+    _PENDING_DUMP_REQUESTS.append(thread)
+    thread.start()
+
+
+# posted from a thread so a failing call returns at once; a process that exits right after
+# must still deliver them, or its peers never learn to dump (see `flush_dump_requests`)
+_PENDING_DUMP_REQUESTS: list[threading.Thread] = []
+
+
+def flush_dump_requests(timeout: float = 5.0) -> None:
+    """Wait (bounded) until this process's dump requests have reached the store."""
+    deadline = time.monotonic() + timeout
+    while _PENDING_DUMP_REQUESTS:
+        _PENDING_DUMP_REQUESTS.pop().join(max(0.0, deadline - time.monotonic()))

@@ -15,7 +15,7 @@ import threading
 
 from kiln.distributed.errors import DistributedError, RendezvousError
 from kiln.distributed.flight_recorder import install_signal_handler, recorder
-from kiln.distributed.process_group import ProcessGroup
+from kiln.distributed.process_group import ProcessGroup, flush_dump_requests
 from kiln.distributed.protocol import parse_address
 from kiln.distributed.store import Store, StoreServer
 from kiln.distributed.tcp_backend import TcpBackend
@@ -118,6 +118,7 @@ def is_initialized() -> bool:
 def destroy_process_group() -> None:
     """Leave the world group and its sub-groups cleanly; stop the hosted store."""
     global _WORLD, _SERVER, _WATCHER
+    flush_dump_requests()
     if _WATCHER is not None:
         _WATCHER.stop()
         _WATCHER = None

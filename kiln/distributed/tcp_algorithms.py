@@ -64,7 +64,7 @@ class Call:
         self._sends: list[Request] = []
         # lets the receiver threads spot a peer's message for this seq with another
         # signature even when its (step, segment) key matches nothing posted here
-        transport.active = (ctx.seq, self.sig)
+        transport.activate(ctx.seq, self.sig)
 
     def send(self, peer: int, step: int, seg: int, arr: np.ndarray) -> Request:
         req = self.t.isend(peer, DATA, self.sig, self.ctx.seq, step, seg, byte_view(arr),

@@ -241,6 +241,13 @@ class Link:
                         self.stash.setdefault(key, collections.deque()).append((sig, data))
                 if req is not None:
                     self._land(req, sig, data)
+                elif kind == DATA:
+                    # the call may have become active while we read; `activate` checks
+                    # the stash after setting it, this checks it after stashing: one sees
+                    error = self.transport.check_active(seq, sig, self.peer)
+                    if error is not None:
+                        self.transport.fail(error)
+                        return
         except (OSError, EOFError) as err:
             if not self.transport.closing:
                 self.transport.fail(self._link_error(err))
@@ -326,6 +333,26 @@ class Transport:
         self.links = {peer: Link(self, peer, s) for peer, s in socks.items()}
         for link in self.links.values():
             link.start()
+
+    def activate(self, seq: int, sig: tuple) -> None:
+        """Mark the collective `seq` as in progress here; a peer's message for it that
+        already arrived under another signature fails the group with the mismatch."""
+        self.active = (seq, sig)
+        for peer, link in self.links.items():
+            with link._cond:
+                stashed = [s for key, queue in link.stash.items() if key[0] == DATA
+                           and key[1] == seq for s, _ in queue]
+            for theirs in stashed:
+                error = self.check_active(seq, theirs, peer)
+                if error is not None:
+                    self.fail(error)
+                    return
+
+    def check_active(self, seq: int, sig: tuple, peer: int) -> CollectiveMismatch | None:
+        active = self.active
+        if active is None or active[0] != seq or _compatible(active[1], sig):
+            return None
+        return self.links[peer]._mismatch(seq, active[1], sig, "a message for the same seq")
 
     def isend(self, peer: int, kind: int, sig: tuple, seq: int, step: int, seg: int,
               view: memoryview, callback=None, deadline: float | None = None) -> Request:

@@ -41,7 +41,8 @@ def test_mismatched_size_dtype_and_op_are_named(tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 def test_rank_that_skips_a_collective_is_the_culprit(tmp_path, capsys):
-    check_all_ok(run_scenario("hang", 3, tmp_path, args={"timeout": 1.5}))
+    data = check_all_ok(run_scenario("hang", 3, tmp_path, args={"timeout": 1.5}))
+    assert data[1] == {"dumped": True}  # rank 1's watcher got the request and dumped
     code, out = fr(capsys, tmp_path / "fr", "--json")
     report = json.loads(out)
     assert code == 1 and report["mismatches"] == []
