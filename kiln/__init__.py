@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 from kiln.errors import (  # noqa: F401
     KilnError, KilnShapeError, KilnDTypeError, KilnArgumentError, KilnIndexError, KilnFormatError,
     KilnFormatVersionError, KilnParseError, KilnVerifierError, KilnTraceError,
-    KilnConcretizationError, KilnShapeSpecError, KilnUnknownOpError,
+    KilnConcretizationError, KilnShapeSpecError, KilnUnknownOpError, KilnGradientError,
 )
 from kiln.ir.dtypes import (  # noqa: F401
     DType, bool_, uint8, uint32, int8, int16, int32, int64, float8_e4m3fn, float8_e5m2,
@@ -33,3 +33,4 @@ from kiln.frontend.compile import CompiledFunction, compile  # noqa: F401,A004
 from kiln.frontend import linalg  # noqa: F401
 from kiln.frontend import collectives  # noqa: F401  (also registers `kiln dump --stage scheduled`)
 from kiln.frontend.control_flow import cond, nonzero, switch, while_loop  # noqa: F401
+from kiln.frontend.autodiff import grad, stop_gradient, value_and_grad, vjp  # noqa: F401

@@ -112,6 +112,11 @@ class KilnShapeSpecError(KilnError, ValueError):
     title = "input violates the declared dynamic shape spec"
 
 
+class KilnGradientError(KilnError, ValueError):
+    code = "K190"
+    title = "cannot differentiate this function"
+
+
 def all_error_classes() -> dict[str, type[KilnError]]:
     """Every registered error class by code (the registry `docs/errors.md` mirrors)."""
     return dict(sorted(_REGISTRY.items()))

@@ -259,27 +259,45 @@ def _truth(value, cond_fn) -> bool:
     return bool(t.numpy())
 
 
-def while_loop(cond_fn: Callable, body_fn: Callable, carried):
+def while_loop(cond_fn: Callable, body_fn: Callable, carried, *, max_iterations: int | None = None):
     """Repeat `carried = body_fn(*carried)` while `cond_fn(*carried)`; return the final tuple.
 
     torch.while_loop's conventions: `cond_fn` returns a bool scalar tensor, `body_fn`
     returns a tuple with the same dtypes and shapes as `carried`. Traced, the loop is
     one `while_loop` node, so its trip count may depend on data.
 
+    `max_iterations=N` stops the loop after at most N trips (even if `cond_fn` is still
+    true) and makes it differentiable: `kn.grad` saves each trip's carried values
+    (memory: N times the carried size) and runs the trips backwards.
+
     >>> kn.while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (kn.tensor(0), kn.ones(2)))
     (tensor(3), tensor([8., 8.], dtype=kiln.float32))
     """
+    if max_iterations is not None and (not isinstance(max_iterations, int)
+                                       or isinstance(max_iterations, bool) or max_iterations < 0):
+        raise KilnArgumentError(f"while_loop: max_iterations must be a non-negative int, got "
+                                f"{max_iterations!r}")
     tensors = _carried_tensors(carried)
     n = len(tensors)
     builder = _builder(tensors)
     if builder is None:
         want = [_type_of(t) for t in tensors]
-        while _truth(cond_fn(*tensors), cond_fn):
+        trips = 0
+        while (max_iterations is None or trips < max_iterations) and \
+                _truth(cond_fn(*tensors), cond_fn):
+            trips += 1
             out = _body_outputs(body_fn(*tensors), n, body_fn)
             out = [o if isinstance(o, Tensor) else _as_tensor(o, "while_loop: body output") for o in out]
             _check_body_types([_type_of(o) for o in out], want, body_fn)
             tensors = out
         return tuple(tensors)
+    if max_iterations is not None:
+        return _bounded_while(builder, cond_fn, body_fn, tensors, max_iterations)
+    return _traced_while(builder, cond_fn, body_fn, tensors)
+
+
+def _traced_while(builder: GraphBuilder, cond_fn, body_fn, tensors, attrs: dict | None = None):
+    n = len(tensors)
     values = [raw(builder, t) for t in tensors]
     types = [v.type for v in values]
     cond_region, _ = _trace_region(builder, cond_fn, types, list)
@@ -295,8 +313,26 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried):
     add_params(cond_region, captured)
     passed = add_params(body, captured)
     body.results = body.results + passed  # captured values pass through the body unchanged
-    outs = builder.apply("while_loop", values + captured, {}, regions=[cond_region, body])
+    outs = builder.apply("while_loop", values + captured, attrs or {}, regions=[cond_region, body])
     return tuple(Tensor._make(r, builder) for r in outs[:n])
+
+
+def _bounded_while(builder: GraphBuilder, cond_fn, body_fn, tensors, max_iterations: int):
+    """The loop with a trip counter carried first: cond is `t < N and cond_fn(...)`."""
+    from kiln.frontend.functional import logical_and
+
+    n = len(tensors)
+    counter = Tensor._make(builder.full(0, dt.int32), builder)
+
+    def bounded_cond(t, *carried):
+        return logical_and(t < max_iterations, cond_fn(*carried))
+
+    def bounded_body(t, *carried):
+        return (t + 1,) + tuple(_body_outputs(body_fn(*carried), n, body_fn))
+
+    out = _traced_while(builder, bounded_cond, bounded_body, [counter] + list(tensors),
+                        {"max_trips": max_iterations})
+    return out[1:]
 
 
 # -- data-dependent shapes: eager only ----------------------------------------------------------

@@ -50,12 +50,27 @@ class cond:
         k = min(max(int(index), 0), len(regions) - 1)
         return tuple(regions[k](*operands))
 
+    def vjp(b, cts, xs, ys, *, regions, **attrs):
+        """A cond on the same index over each branch's backward (which recomputes its
+        branch's forward): only the taken branch runs, forward and backward."""
+        from kiln.passes.autodiff import cond_vjp
 
-@defop("while_loop", family="control", kind=CONTROL, num_regions=2)
+        return cond_vjp(b, cts, xs, ys, regions=regions, **attrs)
+
+
+@defop("while_loop", family="control", kind=CONTROL, num_regions=2, attrs={"max_trips": None})
 class while_loop:
-    """Regions (cond, body): while cond(*carried) is true, carried = body(*carried)."""
+    """Regions (cond, body): while cond(*carried) is true, carried = body(*carried).
 
-    def type(op, *carried, regions):
+    `max_trips`, when set, promises the loop runs at most that many trips (the frontend's
+    `max_iterations=` builds the counter into cond); autodiff sizes the buffers of saved
+    carries by it, and the reference stops there."""
+
+    def type(op, *carried, regions, max_trips=None):
+        if max_trips is not None and (not isinstance(max_trips, int) or isinstance(max_trips, bool)
+                                      or max_trips < 0):
+            raise KilnVerifierError(f"while_loop: max_trips must be a non-negative int, got "
+                                    f"{max_trips!r}")
         cond_region, body = regions
         carried = list(carried)
         if cond_region.param_types != carried or body.param_types != carried:
@@ -71,8 +86,17 @@ class while_loop:
                                  f"carried values are {_describe(carried)}; they must match")
         return tuple(carried)
 
-    def reference(*carried, regions):
+    def reference(*carried, regions, max_trips=None):
         cond_fn, body_fn = regions
-        while bool(cond_fn(*carried)[0]):
+        trips = 0
+        while (max_trips is None or trips < max_trips) and bool(cond_fn(*carried)[0]):
             carried = tuple(body_fn(*carried))
+            trips += 1
         return tuple(carried)
+
+    def vjp(b, cts, xs, ys, *, regions, saved=None, max_trips=None):
+        """With a trip bound: the trips in reverse from the carries the forward saved
+        (see kiln/passes/autodiff.py); without one, a KilnGradientError."""
+        from kiln.passes.autodiff import while_loop_vjp
+
+        return while_loop_vjp(b, cts, xs, ys, regions=regions, saved=saved, max_trips=max_trips)

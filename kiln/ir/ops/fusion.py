@@ -30,3 +30,11 @@ class fused:
     def reference(*inputs, kind, regions):
         (body,) = regions
         return tuple(body(*inputs))
+
+    def vjp(b, cts, xs, ys, *, regions, **_):
+        """The group's region differentiated like the function it is."""
+        from kiln.passes.autodiff import differentiable_dtype, region_vjp
+
+        wrt = [differentiable_dtype(x.type.dtype) for x in xs]
+        grads = iter(region_vjp(b, regions[0], xs, cts, wrt))
+        return [next(grads) if w else None for w in wrt]

@@ -1,0 +1,308 @@
+"""`kn.vjp`, `kn.grad`, `kn.value_and_grad`, `kn.stop_gradient`: JAX's autodiff API on
+kiln's graph transformation (kiln/passes/autodiff.py).
+
+The function is traced into a graph, the graph is differentiated, and the forward and
+backward graphs are then *run*: eagerly through the reference interpreter, or, when
+called inside `kn.trace`/`kn.compile`/`kn.export`, inlined into the graph being traced,
+so `kn.compile(kn.grad(f))` is one program whose backward fuses like any code.
+Arguments and results are pytrees (tuples, lists, dicts) of tensors; tensors the
+function closes over are constants of the differentiation (no gradient flows to them).
+
+    >>> w = kn.randn(3, seed=0)
+    >>> kn.grad(lambda w: (w * w).sum())(w)      # 2 w
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kiln.errors import KilnArgumentError, KilnGradientError, KilnTraceError, user_location
+from kiln.ir import dtypes as dt
+from kiln.ir.emitter import GraphBuilder, is_python_scalar
+from kiln.ir.graph import Graph, Region, Value
+from kiln.ir.interpret import run_graph
+from kiln.ir.types import TensorType
+from kiln.frontend import pytree
+from kiln.frontend.dispatch import apply, current_builder, raw, to_array, trace_stack
+from kiln.frontend.tensor import Tensor
+from kiln.passes.autodiff import VJP, differentiable_dtype, inline, vjp_graph
+from kiln.passes.licm import add_params, free_values
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, (Tensor, np.ndarray)) or is_python_scalar(x) or x is None \
+        or isinstance(x, str)
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, (Tensor, np.ndarray))
+
+
+def stop_gradient(x):
+    """`x` unchanged, but no gradient flows back through it (jax.lax.stop_gradient,
+    torch's `.detach()`).
+
+    >>> kn.grad(lambda x: (x * kn.stop_gradient(x)).sum())(kn.ones(2))   # x, not 2x
+    tensor([1., 1.], dtype=kiln.float32)
+    """
+    return apply("stop_gradient", x)
+
+
+class _Differentiated:
+    """`fn` traced at `primals` and differentiated w.r.t. the float tensor leaves of the
+    arguments in `argnums`; `forward()` runs the forward, `backward(cts)` the backward."""
+
+    def __init__(self, fn: Callable, primals: tuple, argnums: tuple[int, ...], has_aux: bool,
+                 what: str, strict: bool = True):
+        self.fn, self.what, self.has_aux = fn, what, has_aux
+        for n in argnums:
+            if not -len(primals) <= n < len(primals):
+                raise KilnArgumentError(f"{what}: argnums {n} is out of range for "
+                                        f"{len(primals)} positional arguments")
+        argnums = tuple(n % len(primals) for n in argnums)
+        self.argnums = argnums
+        outer = self._outer_builder(primals)
+        self.builder = outer if outer is not None else GraphBuilder(Graph(_name(fn)))
+        self.traced = outer is not None
+        b = self.builder
+
+        self.arg_leaves, self.arg_specs, leaf_values, wrt = [], [], [], []
+        for position, arg in enumerate(primals):
+            leaves, spec = pytree.flatten(arg, _is_leaf)
+            self.arg_leaves.append(leaves)
+            self.arg_specs.append(spec)
+            for leaf in leaves:
+                if not _is_tensor(leaf):
+                    continue
+                value = raw(b, leaf) if self.traced else None
+                t = value.type if value is not None else _eager_type(leaf)
+                float_leaf = differentiable_dtype(t.dtype)
+                if strict and position in argnums and not float_leaf:
+                    raise KilnGradientError(
+                        f"{what}: argument {position} holds a tensor of dtype {t.dtype}; only "
+                        "float tensors can be differentiated", where=user_location(),
+                        hint="convert it with .to(kn.float32), or leave the argument out of "
+                             "argnums (pass it at another position)")
+                leaf_values.append((leaf, value, t))
+                wrt.append(position in argnums and float_leaf)
+        region, self.out_spec, n_out = self._trace(primals, [t for _, _, t in leaf_values])
+        captured = free_values(region)
+        add_params(region, captured)
+        graph = Graph(_name(fn), region, dict(b.graph.shape_vars), dict(b.graph.constants))
+        self.n_out = n_out
+        self.vjp: VJP = vjp_graph(graph, [i for i, w in enumerate(wrt) if w])
+        self.inputs = [v if self.traced else _array(leaf) for leaf, v, _ in leaf_values] + captured
+        self.wrt_leaves = [(leaf, t) for (leaf, _, t), w in zip(leaf_values, wrt) if w]
+        self.wrt_mask = wrt
+
+    @staticmethod
+    def _outer_builder(primals) -> GraphBuilder | None:
+        for leaf in pytree.flatten(primals, _is_leaf)[0]:
+            if isinstance(leaf, Tensor) and leaf.is_traced:
+                return leaf._builder
+        return current_builder()
+
+    def _trace(self, primals, types: list[TensorType]) -> tuple[Region, Any, int]:
+        b = self.builder
+        region = Region([Value(t) for t in types])
+        params = iter(region.params)
+        args = []
+        for leaves, spec in zip(self.arg_leaves, self.arg_specs):
+            rebuilt = [Tensor._make(next(params), b) if _is_tensor(leaf) else leaf
+                       for leaf in leaves]
+            args.append(pytree.unflatten(spec, rebuilt))
+        saved_constants = dict(b._constant_ids)
+        pushed = not self.traced
+        if pushed:
+            trace_stack().append(b)
+        b.regions.append(region)
+        try:
+            result = self.fn(*args)
+            if self.has_aux:
+                if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                    raise KilnArgumentError(f"{self.what}: with has_aux=True the function must "
+                                            "return a pair (output, aux)", where=user_location())
+                result = tuple(result)
+            leaves, spec = pytree.flatten(result, _is_leaf)
+            region.results = [self._result_value(leaf) for leaf in leaves]
+        finally:
+            b.regions.pop()
+            b._constant_ids = saved_constants
+            if pushed:
+                trace_stack().pop()
+        n_out = len(pytree.flatten(result[0], _is_leaf)[0]) if self.has_aux else len(leaves)
+        return region, spec, n_out
+
+    def _result_value(self, leaf) -> Value:
+        b = self.builder
+        if isinstance(leaf, Tensor) and leaf.is_traced:
+            if leaf._builder is not b:
+                raise KilnTraceError(f"{self.what}: the function returned a tensor of another "
+                                     "trace", where=user_location())
+            return leaf._x
+        if _is_tensor(leaf):
+            return raw(b, leaf)
+        if is_python_scalar(leaf):
+            return b.full(leaf, dt.python_scalar_dtype(leaf))
+        raise KilnTraceError(f"{self.what}: the function returned a {type(leaf).__name__}; it "
+                             "must return tensors (in tuples, lists or dicts)",
+                             where=user_location())
+
+    # -- running the two halves -------------------------------------------------------
+
+    def _run(self, graph: Graph, inputs: list) -> list:
+        if self.traced:
+            return [Tensor._make(v, self.builder) for v in inline(self.builder, graph, inputs)]
+        return [Tensor._make(a) for a in run_graph(graph, *inputs)]
+
+    def forward(self) -> list:
+        """Outputs (with aux) followed by residuals."""
+        outs = self._run(self.vjp.forward, self.inputs)
+        n = len(self.vjp.forward.outputs) - self.vjp.num_residuals
+        self.residuals = [t._x for t in outs[n:]]
+        return outs[:n]
+
+    def backward(self, cts: Sequence) -> list:
+        """Cotangents of the wrt leaves given one per float output (None: zero)."""
+        return self._run(self.vjp.backward, self.residuals + list(cts))
+
+    def outputs(self, flat: list):
+        return pytree.unflatten(self.out_spec, flat)
+
+    def grads_tree(self, flat: list, positions: Sequence[int]):
+        """Per argument in `positions`: its pytree with gradients at the float tensor
+        leaves (None at other leaves)."""
+        it = iter(flat)
+        mask = iter(self.wrt_mask)
+        per_arg = {}
+        for position, (leaves, spec) in enumerate(zip(self.arg_leaves, self.arg_specs)):
+            rebuilt = []
+            for leaf in leaves:
+                if _is_tensor(leaf):
+                    rebuilt.append(next(it) if next(mask) else None)
+                else:
+                    rebuilt.append(None)
+            per_arg[position] = pytree.unflatten(spec, rebuilt)
+        return tuple(per_arg[p] for p in positions)
+
+
+def _eager_type(leaf) -> TensorType:
+    data = leaf.numpy() if isinstance(leaf, Tensor) else to_array(leaf)
+    return TensorType(dt.from_numpy(data.dtype), data.shape)
+
+
+def _array(leaf) -> np.ndarray:
+    return leaf.numpy() if isinstance(leaf, Tensor) else to_array(leaf)
+
+
+def _name(fn) -> str:
+    name = getattr(fn, "__name__", "f")
+    return name if name.isidentifier() else "f"
+
+
+def _ct_values(d: _Differentiated, cts, outputs: list, what: str) -> list:
+    """The cotangent leaves, checked against the outputs, in the backward's order."""
+    leaves = pytree.flatten(cts, _is_leaf)[0] if cts is not None else [None] * len(outputs)
+    if len(leaves) != len(outputs):
+        raise KilnArgumentError(f"{what}: the cotangent has {len(leaves)} tensors but the "
+                                f"function has {len(outputs)} outputs")
+    values = []
+    for k, (ct, out) in enumerate(zip(leaves, outputs)):
+        if not differentiable_dtype(out.dtype):
+            continue
+        if ct is None:
+            values.append(_zeros_like(d, out))
+            continue
+        ct = ct if isinstance(ct, Tensor) else Tensor._make(to_array(ct))
+        if ct.dtype != out.dtype or tuple(ct.shape) != tuple(out.shape):
+            raise KilnArgumentError(
+                f"{what}: cotangent {k} is {ct.dtype.short}{list(ct.shape)} but output {k} is "
+                f"{out.dtype.short}{list(out.shape)}; they must match")
+        values.append(raw(d.builder, ct) if d.traced else ct.numpy())
+    return values
+
+
+def _zeros_like(d: _Differentiated, out: Tensor):
+    if d.traced:
+        return d.builder.full(0, out.dtype, tuple(out.shape))
+    return np.zeros(out.shape, out.dtype.np_dtype)
+
+
+def vjp(fn: Callable, *primals, has_aux: bool = False):
+    """`(fn(*primals), pullback)` where `pullback(cotangent)` returns one cotangent per
+    primal (a pytree like it, None at non-float leaves), as `jax.vjp`.
+
+    >>> out, pullback = kn.vjp(lambda x: x.sin(), kn.ones(3))
+    >>> (dx,) = pullback(kn.ones(3))        # cos(1) each
+    """
+    d = _Differentiated(fn, primals, tuple(range(len(primals))), has_aux, "vjp", strict=False)
+    outs = d.forward()
+    main = outs[:d.n_out]
+
+    def pullback(cotangent):
+        return d.grads_tree(d.backward(_ct_values(d, cotangent, main, "vjp pullback")),
+                            range(len(primals)))
+
+    result = d.outputs(outs)
+    if has_aux:
+        return result[0], pullback, result[1]
+    return result, pullback
+
+
+def _scalar_seed(d: _Differentiated, out: list, what: str) -> list:
+    if len(out) != 1 or out[0].ndim != 0 or not differentiable_dtype(out[0].dtype):
+        got = ", ".join(f"{o.dtype.short}{list(o.shape)}" for o in out)
+        raise KilnGradientError(f"{what}: the function must return one float scalar, it returns "
+                                f"({got})", where=user_location(),
+                                hint="reduce it (.sum() or .mean()), or use kn.vjp with an "
+                                     "explicit cotangent")
+    one = d.builder.full(1, out[0].dtype) if d.traced else np.ones((), out[0].dtype.np_dtype)
+    return [one]
+
+
+def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """A function returning `(fn(*args), gradient)`; the gradient is for argument
+    `argnums` (a pytree like it), or a tuple of them when `argnums` is a tuple. `fn` must
+    return a float scalar (or `(scalar, aux)` with `has_aux=True`: then the value is
+    `(scalar, aux)`).
+
+    >>> loss, g = kn.value_and_grad(lambda w, x: ((x @ w) ** 2).mean())(w, x)
+    """
+    single = isinstance(argnums, int)
+    nums = (argnums,) if single else tuple(argnums)
+    if not nums:
+        raise KilnArgumentError("value_and_grad: argnums must name at least one argument")
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        what = "grad" if not getattr(wrapper, "_value", True) else "value_and_grad"
+        d = _Differentiated(fn, args, nums, has_aux, what)
+        outs = d.forward()
+        main = outs[:d.n_out]
+        grads = d.grads_tree(d.backward(_scalar_seed(d, main, what)), nums)
+        grads = grads[0] if single else grads
+        return d.outputs(outs), grads
+
+    return wrapper
+
+
+def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+    """The gradient of a float-scalar function, as `jax.grad`: for argument `argnums` (a
+    pytree like it), or a tuple of them when `argnums` is a tuple; with `has_aux=True`,
+    `(gradient, aux)`.
+
+    >>> kn.grad(lambda x: (x ** 3).sum())(kn.tensor([1.0, 2.0]))     # 3 x^2
+    tensor([ 3., 12.], dtype=kiln.float32)
+    """
+    inner = value_and_grad(fn, argnums, has_aux)
+    inner._value = False
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        value, grads = inner(*args)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapper
