@@ -93,7 +93,7 @@ class _Differentiated:
         add_params(region, captured)
         graph = Graph(_name(fn), region, dict(b.graph.shape_vars), dict(b.graph.constants))
         self.n_out = n_out
-        self.vjp: VJP = vjp_graph(graph, [i for i, w in enumerate(wrt) if w])
+        self.vjp: VJP = vjp_graph(graph, [i for i, w in enumerate(wrt) if w], n_out)
         self.inputs = [v if self.traced else _array(leaf) for leaf, v, _ in leaf_values] + captured
         self.wrt_leaves = [(leaf, t) for (leaf, _, t), w in zip(leaf_values, wrt) if w]
         self.wrt_mask = wrt

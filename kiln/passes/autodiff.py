@@ -88,17 +88,14 @@ class VJP:
         return b.graph
 
 
-def output_cotangent_types(graph: Graph) -> list:
-    """The types of the cotangents the backward takes: one per float output."""
-    return [v.type for v in graph.outputs if differentiable_dtype(v.type.dtype)]
-
-
-def vjp_graph(graph: Graph, wrt: Sequence[int] | None = None) -> VJP:
+def vjp_graph(graph: Graph, wrt: Sequence[int] | None = None,
+              num_differentiated: int | None = None) -> VJP:
     """Differentiate `graph` with respect to its inputs `wrt` (all float inputs if None).
 
-    The backward takes one cotangent per *float* output (integer outputs have none) and
-    returns one cotangent per entry of `wrt`, zeros where an input does not reach the
-    outputs.
+    The backward takes one cotangent per *float* output among the first
+    `num_differentiated` (all by default; later outputs are auxiliary values no
+    gradient flows from) and returns one cotangent per entry of `wrt`, zeros where an
+    input does not reach the outputs.
 
     >>> v = vjp_graph(kn.trace(lambda x: (x.sin() * x).sum(), kn.ones(4)))
     >>> print(v.joint())
@@ -123,11 +120,11 @@ def vjp_graph(graph: Graph, wrt: Sequence[int] | None = None) -> VJP:
     tape = _Tape(b)
     outs = tape.forward(graph.body, primals, [i in wrt for i in range(len(inputs))])
     split = len(b.region.nodes)
-    cts = [Value(v.type, "ct_%d" % i) for i, v in enumerate(outs)
-           if differentiable_dtype(v.type.dtype)]
-    seeds = iter(cts)
-    grads = tape.backward(outs, [next(seeds) if differentiable_dtype(v.type.dtype) else None
-                                 for v in outs], [primals[i] for i in wrt])
+    limit = len(outs) if num_differentiated is None else num_differentiated
+    seeds = [Value(v.type, "ct_%d" % i) if i < limit and differentiable_dtype(v.type.dtype)
+             else None for i, v in enumerate(outs)]
+    cts = [c for c in seeds if c is not None]
+    grads = tape.backward(outs, seeds, [primals[i] for i in wrt])
     forward_nodes, backward_nodes = b.region.nodes[:split], b.region.nodes[split:]
 
     # residuals: the forward values (and primals) the backward reads
