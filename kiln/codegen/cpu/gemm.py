@@ -184,6 +184,14 @@ class GemmEmitter:
         c_off = fn.bin("mul", fn.bin("add", fn.bin("mul", bi, m), i0), n)
         c_ptr = fn.gep(self.acc_ty, out_ptr, c_off) if direct_c else tmp_c
         one = lambda v: fn.select(fn.icmp("slt", v, const("i64", 1)), const("i64", 1), v)  # noqa: E731
+
+        def at_least(v, floor):
+            return fn.select(fn.icmp("slt", v, floor), floor, v)
+
+        # BLAS wants ld >= the stored row length even where only one row is read: a
+        # leading stride below that only occurs along a size-1 dim, where any value works
+        lda = at_least(lda, rows if trans_a == CBLAS_TRANS else k)
+        ldb = at_least(ldb, k if trans_b == CBLAS_TRANS else n)
         has_k = fn.icmp("sgt", k, const("i64", 0))
         call, zero, done = fn.new_label("gemm"), fn.new_label("zero"), fn.new_label("epi")
         fn.cbr(has_k, call, zero)
