@@ -60,6 +60,9 @@ def test_every_op_has_the_rules_its_kind_needs(name):
         assert op.num_regions == 0
     if op.kind == COLLECTIVE:  # sharding propagation maps layouts through every collective
         assert callable(op.sharding), f"{name}: collective without a sharding rule"
+    if op.differentiable and op.kind != COMPOSITE:
+        # composites without a rule of their own are differentiated through their decomposition
+        assert callable(op.vjp), f"{name}: differentiable op without a vjp rule"
     for attr, default in op.attrs.items():
         assert attr.isidentifier()
 
