@@ -4,6 +4,11 @@ Operands of a primitive already share one dtype and one shape (the frontend inse
 `convert` and `broadcast_in_dim`), so each rule only checks the dtype category.
 Integer `div` truncates toward zero and `rem` takes the dividend's sign, as C, LLVM
 and XLA do; Python's floor semantics are composites in the frontend.
+
+vjp rules: a complex cotangent is dL/dRe + i dL/dIm (PyTorch's convention, the one
+`kiln.testing` checks; JAX's complex cotangents are its conjugate), so a holomorphic f
+pulls ct back to ct * conj(f'(z)). Low-precision floats compute their cotangents in
+float32 and round back once, as the references do.
 """
 
 from __future__ import annotations
@@ -23,26 +28,87 @@ from kiln.ir.registry import ELEMENTWISE, defop
 
 
 def _unary(name: str, allowed: str, reference, *, result_dtype=None, differentiable=True,
-           doc: str = ""):
+           vjp=None, doc: str = ""):
     def type_rule(op, x):
         check_dtype(op, x, allowed)
         return x if result_dtype is None else x.with_dtype(result_dtype(x.dtype))
 
-    cls = type(name, (), {"type": type_rule, "reference": reference, "__doc__": doc})
+    cls = type(name, (), {"type": type_rule, "reference": reference, "vjp": vjp, "__doc__": doc})
     return defop(name, family="elementwise", kind=ELEMENTWISE, num_operands=1,
                  differentiable=differentiable)(cls)
 
 
 def _binary(name: str, allowed: str, reference, *, result_dtype=None, differentiable=True,
-            doc: str = ""):
+            vjp=None, doc: str = ""):
     def type_rule(op, x, y):
         t = check_same(op, x, y)
         check_dtype(op, t, allowed, "operands")
         return t if result_dtype is None else t.with_dtype(result_dtype)
 
-    cls = type(name, (), {"type": type_rule, "reference": reference, "__doc__": doc})
+    cls = type(name, (), {"type": type_rule, "reference": reference, "vjp": vjp, "__doc__": doc})
     return defop(name, family="elementwise", kind=ELEMENTWISE, num_operands=2,
                  differentiable=differentiable)(cls)
+
+
+# -- vjp helpers ---------------------------------------------------------------------
+
+def _f32(b, x):
+    return b.convert(x, dt.float32) if b.type_of(x).dtype.np_dtype in LOW_PRECISION else x
+
+
+def _pullback(fn, f32=True):
+    """A vjp rule from `fn(b, *cts, *xs, *ys)` -> one cotangent, or a tuple of one per
+    operand: low-precision floats go in as float32 (unless `f32` is False: the rule only
+    routes or negates), each cotangent comes back in its operand's dtype, and integer or
+    bool operands get None."""
+
+    def vjp(b, cts, xs, ys):
+        values = [_f32(b, v) if f32 else v for v in (*cts, *xs, *ys)]
+        grads = fn(b, *values)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        return [b.convert(g, b.type_of(x).dtype)
+                if g is not None and b.type_of(x).dtype.is_inexact else None
+                for g, x in zip(grads, xs)]
+
+    return vjp
+
+
+def _conj(b, z):
+    """The complex conjugate; the identity on reals."""
+    if not b.type_of(z).dtype.is_complex:
+        return z
+    return b.complex(b.real(z), b.neg(b.imag(z)))
+
+
+def _full_like(b, like, value):
+    """A constant of like's type; complex from two float32 fills (full is real)."""
+    t = b.type_of(like)
+    if t.dtype.is_complex:
+        return b.complex(b.full(value, dt.float32, t.shape), b.full(0, dt.float32, t.shape))
+    return b.full(value, t.dtype, t.shape)
+
+
+def _zeros(b, like):
+    return _full_like(b, like, 0)
+
+
+def _square(b, x):
+    return b.mul(x, x)
+
+
+@_pullback
+def _abs_vjp(b, ct, x, y):
+    # x / |x| is sign(x) for complex x too; sign(0) = 0 gives abs'(0) = 0 (JAX, PyTorch)
+    return b.mul(b.convert(ct, b.type_of(x).dtype), b.sign(x))
+
+
+def _asin_grad(b, ct, x):
+    return b.mul(ct, b.rsqrt(b.binary("sub", 1.0, _square(b, x))))
+
+
+@_pullback
+def _erf_vjp(b, ct, x, y):
+    return b.mul(ct, b.binary("mul", b.exp(b.neg(_square(b, x))), 2 / math.sqrt(math.pi)))
 
 
 def _erf(x):
@@ -59,30 +125,48 @@ def _rsqrt(x):
 
 
 def _sign(x):
-    return np.sign(x) if not x.dtype.kind == "c" else np.where(x == 0, 0, x / np.abs(x))
+    return np.sign(x) if not x.dtype.kind == "c" else x / np.where(x == 0, 1, np.abs(x))
 
 
 # -- unary -------------------------------------------------------------------------
-neg = _unary("neg", NUMERIC, lambda x: np.negative(x))
+neg = _unary("neg", NUMERIC, lambda x: np.negative(x),
+             vjp=_pullback(lambda b, ct, x, y: b.neg(ct), f32=False))
 abs_ = _unary("abs", NUMERIC, lambda x: np.abs(x).astype(np.float32) if x.dtype.kind == "c"
-              else np.abs(x), result_dtype=lambda d: dt.float32 if d.is_complex else d)
+              else np.abs(x), result_dtype=lambda d: dt.float32 if d.is_complex else d,
+              vjp=_abs_vjp)
 sign = _unary("sign", NUMERIC, lambda x: _sign(x).astype(x.dtype), differentiable=False)
-exp = _unary("exp", INEXACT, via_f32(np.exp))
-expm1 = _unary("expm1", FLOATING, via_f32(np.expm1))
-log = _unary("log", INEXACT, via_f32(np.log))
-log1p = _unary("log1p", FLOATING, via_f32(np.log1p))
-sin = _unary("sin", INEXACT, via_f32(np.sin))
-cos = _unary("cos", INEXACT, via_f32(np.cos))
-tan = _unary("tan", FLOATING, via_f32(np.tan))
-asin = _unary("asin", FLOATING, via_f32(np.arcsin))
-acos = _unary("acos", FLOATING, via_f32(np.arccos))
-atan = _unary("atan", FLOATING, via_f32(np.arctan))
-sinh = _unary("sinh", FLOATING, via_f32(np.sinh))
-cosh = _unary("cosh", FLOATING, via_f32(np.cosh))
-tanh = _unary("tanh", INEXACT, via_f32(np.tanh))
-sqrt = _unary("sqrt", INEXACT, via_f32(np.sqrt))
-rsqrt = _unary("rsqrt", FLOATING, via_f32(_rsqrt))
-erf = _unary("erf", FLOATING, via_f32(_erf))
+exp = _unary("exp", INEXACT, via_f32(np.exp),
+             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, _conj(b, y))))
+expm1 = _unary("expm1", FLOATING, via_f32(np.expm1),
+               vjp=_pullback(lambda b, ct, x, y: b.mul(ct, b.binary("add", y, 1.0))))
+log = _unary("log", INEXACT, via_f32(np.log),
+             vjp=_pullback(lambda b, ct, x, y: b.div(ct, _conj(b, x))))
+log1p = _unary("log1p", FLOATING, via_f32(np.log1p),
+               vjp=_pullback(lambda b, ct, x, y: b.div(ct, b.binary("add", x, 1.0))))
+sin = _unary("sin", INEXACT, via_f32(np.sin),
+             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, _conj(b, b.cos(x)))))
+cos = _unary("cos", INEXACT, via_f32(np.cos),
+             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, _conj(b, b.neg(b.sin(x))))))
+tan = _unary("tan", FLOATING, via_f32(np.tan),
+             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, b.binary("add", _square(b, y), 1.0))))
+asin = _unary("asin", FLOATING, via_f32(np.arcsin),
+              vjp=_pullback(lambda b, ct, x, y: _asin_grad(b, ct, x)))
+acos = _unary("acos", FLOATING, via_f32(np.arccos),
+              vjp=_pullback(lambda b, ct, x, y: b.neg(_asin_grad(b, ct, x))))
+atan = _unary("atan", FLOATING, via_f32(np.arctan),
+              vjp=_pullback(lambda b, ct, x, y: b.div(ct, b.binary("add", _square(b, x), 1.0))))
+sinh = _unary("sinh", FLOATING, via_f32(np.sinh),
+              vjp=_pullback(lambda b, ct, x, y: b.mul(ct, b.cosh(x))))
+cosh = _unary("cosh", FLOATING, via_f32(np.cosh),
+              vjp=_pullback(lambda b, ct, x, y: b.mul(ct, b.sinh(x))))
+tanh = _unary("tanh", INEXACT, via_f32(np.tanh), vjp=_pullback(
+    lambda b, ct, x, y: b.mul(ct, _conj(b, b.sub(_full_like(b, y, 1), _square(b, y))))))
+sqrt = _unary("sqrt", INEXACT, via_f32(np.sqrt),
+              vjp=_pullback(lambda b, ct, x, y: b.div(ct, _conj(b, b.add(y, y)))))
+# d/dx x^(-1/2) = -y^3 / 2
+rsqrt = _unary("rsqrt", FLOATING, via_f32(_rsqrt), vjp=_pullback(
+    lambda b, ct, x, y: b.mul(ct, b.binary("mul", b.mul(_square(b, y), y), -0.5))))
+erf = _unary("erf", FLOATING, via_f32(_erf), vjp=_erf_vjp)
 floor = _unary("floor", FLOATING, via_f32(np.floor), differentiable=False)
 ceil = _unary("ceil", FLOATING, via_f32(np.ceil), differentiable=False)
 round_ = _unary("round", FLOATING, via_f32(_round_half_even), differentiable=False,
@@ -111,6 +195,9 @@ class real:
     def reference(x):
         return contiguous(x.real).astype(np.float32)
 
+    def vjp(b, cts, xs, ys):
+        return [b.complex(cts[0], _zeros(b, cts[0]))]
+
 
 @defop("imag", family="elementwise", kind=ELEMENTWISE, num_operands=1)
 class imag:
@@ -123,6 +210,9 @@ class imag:
 
     def reference(x):
         return contiguous(x.imag).astype(np.float32)
+
+    def vjp(b, cts, xs, ys):
+        return [b.complex(_zeros(b, cts[0]), cts[0])]
 
 
 @defop("complex", family="elementwise", kind=ELEMENTWISE, num_operands=2)
@@ -137,6 +227,9 @@ class complex_:
 
     def reference(re, im):
         return (re + 1j * im).astype(np.complex64)
+
+    def vjp(b, cts, xs, ys):
+        return [b.real(cts[0]), b.imag(cts[0])]
 
 
 def _trunc_div(a, b):
@@ -180,18 +273,69 @@ def _pow(a, b):
     return np.power(a, b)
 
 
+@_pullback
+def _div_vjp(b, ct, x, y, out):
+    ct_x = b.div(ct, _conj(b, y))
+    return ct_x, b.neg(b.mul(ct_x, _conj(b, out)))  # -ct x / y^2, without squaring y
+
+
+@_pullback
+def _rem_vjp(b, ct, x, y, out):
+    # x - out is trunc(x / y) * y exactly in the reals; rounding recovers the integer
+    # that a rounded x / y could miss
+    return ct, b.neg(b.mul(ct, b.round(b.div(b.sub(x, out), y))))
+
+
+def _zero_to_one(b, x):
+    return b.select(b.eq(x, _zeros(b, x)), _full_like(b, x, 1), x)
+
+
+@_pullback
+def _pow_vjp(b, ct, x, y, out):
+    # zeros replaced before the log and the power, so no NaN hides in a masked branch
+    dx = b.mul(y, b.pow(x, b.sub(_zero_to_one(b, y), _full_like(b, y, 1))))
+    dy = b.mul(b.log(_zero_to_one(b, x)), out)
+    return b.mul(ct, _conj(b, dx)), b.mul(ct, _conj(b, dy))
+
+
+@_pullback
+def _extremum_vjp(b, ct, x, y, out):
+    # the operand equal to the result takes ct; a tie splits it (JAX); NaN operands none
+    zero, half = _zeros(b, ct), b.binary("mul", ct, 0.5)
+    x_hit, y_hit = b.eq(x, out), b.eq(y, out)
+    return (b.select(x_hit, b.select(y_hit, half, ct), zero),
+            b.select(y_hit, b.select(x_hit, half, ct), zero))
+
+
+@_pullback
+def _atan2_vjp(b, ct, x, y, out):
+    scaled = b.div(ct, b.add(_square(b, x), _square(b, y)))
+    return b.mul(scaled, y), b.neg(b.mul(scaled, x))
+
+
 # -- binary ------------------------------------------------------------------------
-add = _binary("add", NUMERIC, _int_or_float(np.add))
-sub = _binary("sub", NUMERIC, _int_or_float(np.subtract))
-mul = _binary("mul", NUMERIC, _int_or_float(np.multiply))
-div = _binary("div", NUMERIC, _int_or_float(_trunc_div),
+add = _binary("add", NUMERIC, _int_or_float(np.add),
+              vjp=_pullback(lambda b, ct, x, y, out: (ct, ct), f32=False))
+sub = _binary("sub", NUMERIC, _int_or_float(np.subtract),
+              vjp=_pullback(lambda b, ct, x, y, out: (ct, b.neg(ct)), f32=False))
+mul = _binary("mul", NUMERIC, _int_or_float(np.multiply), vjp=_pullback(
+    lambda b, ct, x, y, out: (b.mul(ct, _conj(b, y)), b.mul(ct, _conj(b, x)))))
+div = _binary("div", NUMERIC, _int_or_float(_trunc_div), vjp=_div_vjp,
               doc="True division for floats; integers truncate toward zero (x / 0 is 0).")
-rem = _binary("rem", REAL, _int_or_float(_trunc_rem),
-              doc="Remainder with the dividend's sign (C fmod); integer x % 0 is 0.")
-pow_ = _binary("pow", NUMERIC, _int_or_float(_pow))
-max_ = _binary("max", REAL, _int_or_float(np.maximum), doc="Elementwise maximum; NaN propagates.")
-min_ = _binary("min", REAL, _int_or_float(np.minimum), doc="Elementwise minimum; NaN propagates.")
-atan2 = _binary("atan2", FLOATING, via_f32(np.arctan2))
+rem = _binary("rem", REAL, _int_or_float(_trunc_rem), vjp=_rem_vjp,
+              doc="Remainder with the dividend's sign (C fmod); integer x % 0 is 0. "
+                  "Gradients: ct to x, -ct * trunc(x / y) to y.")
+pow_ = _binary("pow", NUMERIC, _int_or_float(_pow), vjp=_pow_vjp,
+               doc="x ** y. Gradients: y x^(y-1) to x (0 where y == 0), log(x) x^y to y (0 "
+                   "where x == 0, the limit from y > 0; NaN where x < 0, real only at "
+                   "integer y).")
+max_ = _binary("max", REAL, _int_or_float(np.maximum), vjp=_extremum_vjp,
+               doc="Elementwise maximum; NaN propagates. A tie splits the gradient equally "
+                   "(JAX); a NaN result sends none.")
+min_ = _binary("min", REAL, _int_or_float(np.minimum), vjp=_extremum_vjp,
+               doc="Elementwise minimum; NaN propagates. A tie splits the gradient equally "
+                   "(JAX); a NaN result sends none.")
+atan2 = _binary("atan2", FLOATING, via_f32(np.arctan2), vjp=_atan2_vjp)
 and_ = _binary("and", INTEGRAL, lambda a, b: np.bitwise_and(a, b), differentiable=False)
 or_ = _binary("or", INTEGRAL, lambda a, b: np.bitwise_or(a, b), differentiable=False)
 xor = _binary("xor", INTEGRAL, lambda a, b: np.bitwise_xor(a, b), differentiable=False)
@@ -262,10 +406,17 @@ class select:
     def reference(pred, on_true, on_false):
         return np.where(pred, on_true, on_false)
 
+    def vjp(b, cts, xs, ys):
+        (ct,), pred, zero = cts, xs[0], _zeros(b, cts[0])
+        return [None, b.select(pred, ct, zero), b.select(pred, zero, ct)]
+
 
 @defop("clamp", family="elementwise", kind=ELEMENTWISE, num_operands=3)
 class clamp:
-    """min(max(x, lo), hi), elementwise."""
+    """min(max(x, lo), hi), elementwise. The gradient goes to the one operand the
+    result equals: x where lo <= x <= hi (ties go to x), lo where x < lo <= hi, hi
+    where x > hi or lo > hi (then the result is hi). That is PyTorch's rule, except that
+    PyTorch drops the gradient when lo == hi and x is outside."""
 
     def type(op, x, lo, hi):
         t = check_same(op, x, lo, hi)
@@ -274,6 +425,13 @@ class clamp:
 
     def reference(x, lo, hi):
         return _clamp(x, lo, hi)
+
+    def vjp(b, cts, xs, ys):
+        (ct,), (x, lo, hi), zero = cts, xs, _zeros(b, cts[0])
+        to_x = b.call("and", b.le(lo, x), b.le(x, hi))
+        to_lo = b.call("and", b.lt(x, lo), b.le(lo, hi))
+        to_hi = b.call("or", b.gt(x, hi), b.gt(lo, hi))
+        return [b.select(m, ct, zero) for m in (to_x, to_lo, to_hi)]
 
 
 def _clamp(x, lo, hi):
@@ -286,7 +444,8 @@ def _clamp(x, lo, hi):
        attrs={"dtype": None})
 class convert:
     """Value conversion to `dtype`: floats to ints truncate toward zero (NaN and
-    out-of-range values are undefined, as in C); to bool is `x != 0`."""
+    out-of-range values are undefined, as in C); to bool is `x != 0`. The gradient is
+    the cotangent converted back (its real part for a real operand)."""
 
     def type(op, x, *, dtype):
         if dtype is None:
@@ -308,6 +467,14 @@ class convert:
             if x.dtype in LOW_PRECISION and target in LOW_PRECISION:
                 return x.astype(np.float32).astype(target)
         return x.astype(target)
+
+    def vjp(b, cts, xs, ys, *, dtype):
+        (ct,), d = cts, b.type_of(xs[0]).dtype
+        if not d.is_inexact:
+            return [None]
+        if b.type_of(ct).dtype.is_complex and not d.is_complex:
+            ct = b.real(ct)  # the imaginary direction does not reach a real operand
+        return [b.convert(ct, d)]
 
 
 

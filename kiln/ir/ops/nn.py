@@ -6,6 +6,10 @@ Each op carries a type rule, a numpy reference and a decomposition into primitiv
 (a backend may still match the whole op into a template: flash attention, GEMM +
 epilogue). Low-precision floats compute in float32 and round once at the end, in the
 reference and the decomposition alike.
+
+Autodiff differentiates a composite through its decomposition unless it has a vjp
+rule: the activations, softmax, logsumexp and the norms have one, shorter than the
+decomposition's derivative and finite where it is not (softmax rows with -inf entries).
 """
 
 from __future__ import annotations
@@ -85,6 +89,26 @@ def _sigmoid(b, x):
     return b.binary("div", 1.0, b.binary("add", b.exp(b.neg(x)), 1.0))
 
 
+def _sum(b, x, axes):
+    return b.reduce_sum(x, axes=axes) if axes else x
+
+
+def _dim_axes(op, t, dim):
+    """The axis of a softmax along `dim`, as a tuple (none for a scalar)."""
+    return (normalize_axis(op, dim, t.rank),) if t.rank else ()
+
+
+def _activation_vjp(grad):
+    """A vjp rule for an activation from `grad(b, x) -> dy/dx` (computed in float32 for
+    low-precision floats, rounded back once)."""
+
+    def vjp(b, cts, xs, ys, **attrs):
+        (x, d), (ct, _) = upcast(b, xs[0]), upcast(b, cts[0])
+        return [b.convert(b.mul(ct, grad(b, x, **attrs)), d)]
+
+    return vjp
+
+
 def _norm_type(op, x, params, n, flags):
     """A floating x normalized over its last n dims, and the optional operands (weight,
     bias) present as the flags say, each shaped like those dims."""
@@ -117,13 +141,18 @@ class sigmoid:
         x, d = upcast(b, x)
         return b.convert(_sigmoid(b, x), d)
 
+    def vjp(b, cts, xs, ys):
+        (y, d), (ct, _) = upcast(b, ys[0]), upcast(b, cts[0])
+        return [b.convert(b.mul(ct, b.mul(y, b.binary("sub", 1.0, y))), d)]
+
 
 _f32_relu = via_f32(lambda x: np.maximum(x, 0))
 
 
 @defop("relu", family="nn", kind=COMPOSITE, num_operands=1)
 class relu:
-    """max(x, 0), elementwise (NaN stays NaN); real numeric dtypes."""
+    """max(x, 0), elementwise (NaN stays NaN); real numeric dtypes. The gradient at 0 is
+    0, as PyTorch."""
 
     def type(op, x):
         if x.dtype.is_bool or x.dtype.is_complex:
@@ -136,6 +165,10 @@ class relu:
 
     def decompose(b, x):
         return b.binary("max", x, 0)
+
+    def vjp(b, cts, xs, ys):
+        zero = b.full(0, b.type_of(cts[0]).dtype, b.type_of(cts[0]).shape)
+        return [b.select(b.binary("gt", xs[0], 0), cts[0], zero)]
 
 
 _GELU_TANH = math.sqrt(2.0 / math.pi)
@@ -168,6 +201,22 @@ class gelu:
             inner = b.erf(b.binary("mul", x, math.sqrt(0.5)))
         return b.convert(b.mul(half, b.binary("add", inner, 1.0)), d)
 
+    def _grad(b, x, *, approximate):
+        if approximate == "tanh":  # d/dx x (1 + t) / 2, t = tanh(c (x + k x^3))
+            x2 = b.mul(x, x)
+            t = b.tanh(b.binary("mul", b.add(x, b.binary("mul", b.mul(x2, x), 0.044715)),
+                                _GELU_TANH))
+            du = b.binary("mul", b.binary("add", b.binary("mul", x2, 3 * 0.044715), 1.0),
+                          _GELU_TANH)
+            dt_dx = b.mul(b.binary("sub", 1.0, b.mul(t, t)), du)
+            return b.binary("mul", b.add(b.binary("add", t, 1.0), b.mul(x, dt_dx)), 0.5)
+        # Phi(x) + x phi(x)
+        cdf = b.binary("mul", b.binary("add", b.erf(b.binary("mul", x, math.sqrt(0.5))), 1.0), 0.5)
+        pdf = b.binary("mul", b.exp(b.binary("mul", b.mul(x, x), -0.5)), 1 / math.sqrt(2 * math.pi))
+        return b.add(cdf, b.mul(x, pdf))
+
+    vjp = _activation_vjp(_grad)
+
 
 @defop("silu", family="nn", kind=COMPOSITE, num_operands=1)
 class silu:
@@ -179,6 +228,12 @@ class silu:
     def decompose(b, x):
         x, d = upcast(b, x)
         return b.convert(b.mul(x, _sigmoid(b, x)), d)
+
+    def _grad(b, x):  # s (1 + x (1 - s))
+        s = _sigmoid(b, x)
+        return b.mul(s, b.binary("add", b.mul(x, b.binary("sub", 1.0, s)), 1.0))
+
+    vjp = _activation_vjp(_grad)
 
 
 @defop("softplus", family="nn", kind=COMPOSITE, num_operands=1,
@@ -200,6 +255,13 @@ class softplus:
         bx = b.binary("mul", x, float(beta))
         soft = b.binary("div", b.log1p(b.exp(bx)), float(beta))
         return b.convert(b.select(b.binary("gt", bx, float(threshold)), x, soft), d)
+
+    def _grad(b, x, *, beta, threshold):  # sigmoid(beta x), and 1 where x is passed through
+        bx = b.binary("mul", x, float(beta))
+        one = b.full(1.0, b.type_of(x).dtype, b.type_of(x).shape)
+        return b.select(b.binary("gt", bx, float(threshold)), one, _sigmoid(b, bx))
+
+    vjp = _activation_vjp(_grad)
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -271,6 +333,16 @@ class logsumexp:
         total = b.reduce_sum(b.exp(b.sub(x, _expand(b, m, t.shape, axes))), axes=axes)
         return b.convert(b.add(b.log(total), m), d)
 
+    def vjp(b, cts, xs, ys, *, axes):
+        """ct * softmax(x) over axes: exp(x - y), with y recomputed in float32 for
+        low-precision floats (a rounded y is off by |y| 2^-8, and exp magnifies that)."""
+        (x, d), (ct, _) = upcast(b, xs[0]), upcast(b, cts[0])
+        t = b.type_of(x)
+        axes = _axes("logsumexp", t, axes)
+        y = ys[0] if x is xs[0] else b.logsumexp(x, axes=axes)
+        p = b.exp(b.sub(x, _expand(b, y, t.shape, axes)))
+        return [b.convert(b.mul(_expand(b, ct, t.shape, axes), p), d)]
+
 
 def _softmax_reference(x, *, dim, log):
     axis = dim % max(x.ndim, 1) if x.ndim else ()
@@ -298,6 +370,13 @@ class softmax:
         _, e, total = _softmax_parts(b, x, normalize_axis("softmax", dim, b.type_of(x).rank))
         return b.convert(b.div(e, total), d)
 
+    def vjp(b, cts, xs, ys, *, dim):  # y (ct - sum(ct y))
+        (y, d), (ct, _) = upcast(b, ys[0]), upcast(b, cts[0])
+        t = b.type_of(y)
+        axes = _dim_axes("softmax", t, dim)
+        inner = _expand(b, _sum(b, b.mul(ct, y), axes), t.shape, axes)
+        return [b.convert(b.mul(y, b.sub(ct, inner)), d)]
+
 
 @defop("log_softmax", family="nn", kind=COMPOSITE, num_operands=1, attrs={"dim": -1})
 class log_softmax:
@@ -311,6 +390,13 @@ class log_softmax:
         shifted, _, total = _softmax_parts(b, x, normalize_axis("log_softmax", dim, b.type_of(x).rank))
         return b.convert(b.sub(shifted, b.log(total)), d)
 
+    def vjp(b, cts, xs, ys, *, dim):  # ct - exp(y) sum(ct)
+        (y, d), (ct, _) = upcast(b, ys[0]), upcast(b, cts[0])
+        t = b.type_of(y)
+        axes = _dim_axes("log_softmax", t, dim)
+        total = _expand(b, _sum(b, ct, axes), t.shape, axes)
+        return [b.convert(b.sub(ct, b.mul(b.exp(y), total)), d)]
+
 
 # -- normalization -----------------------------------------------------------------------------
 
@@ -321,6 +407,16 @@ def _layer_norm_reference(x, *params, normalized_ndim, eps, has_weight, has_bias
     params = list(params)
     y = y * params.pop(0) if has_weight else y
     return y + params.pop(0) if has_bias else y
+
+
+def _layer_normalized(b, x, normalized_ndim, eps):
+    """((x - mean) * inv, inv) with inv = 1 / sqrt(biased var + eps), broadcast to x."""
+    shape = b.type_of(x).shape
+    axes = tuple(range(len(shape) - normalized_ndim, len(shape)))
+    dev = b.sub(x, _expand(b, _mean(b, x, axes), shape, axes))
+    inv = b.rsqrt(b.binary("add", _mean(b, b.mul(dev, dev), axes), float(eps)))
+    inv = _expand(b, inv, shape, axes)
+    return b.mul(dev, inv), inv
 
 
 @defop("layer_norm", family="nn", kind=COMPOSITE,
@@ -338,13 +434,28 @@ class layer_norm:
     def decompose(b, x, *params, normalized_ndim, eps, has_weight, has_bias):
         x, d = upcast(b, x)
         shape = b.type_of(x).shape
-        axes = tuple(range(len(shape) - normalized_ndim, len(shape)))
-        dev = b.sub(x, _expand(b, _mean(b, x, axes), shape, axes))
-        inv = b.rsqrt(b.binary("add", _mean(b, b.mul(dev, dev), axes), float(eps)))
-        y = b.mul(dev, _expand(b, inv, shape, axes))
+        y, _ = _layer_normalized(b, x, normalized_ndim, eps)
         params = [b.broadcast_to(upcast(b, p)[0], shape) for p in params]  # over leading dims
         y = b.mul(y, params.pop(0)) if has_weight else y
         return b.convert(b.add(y, params.pop(0)) if has_bias else y, d)
+
+    def vjp(b, cts, xs, ys, *, normalized_ndim, eps, has_weight, has_bias):
+        """x: inv (g - mean(g) - xhat mean(g xhat)) with g = ct * weight; weight:
+        ct * xhat summed over the leading dims; bias: ct summed over them."""
+        (x, d), (ct, _) = upcast(b, xs[0]), upcast(b, cts[0])
+        xhat, inv = _layer_normalized(b, x, normalized_ndim, eps)
+        shape = b.type_of(x).shape
+        axes = tuple(range(len(shape) - normalized_ndim, len(shape)))
+        g = b.mul(ct, b.broadcast_to(upcast(b, xs[1])[0], shape)) if has_weight else ct
+        mean_g = _expand(b, _mean(b, g, axes), shape, axes)
+        mean_gx = _expand(b, _mean(b, b.mul(g, xhat), axes), shape, axes)
+        grads = [b.mul(inv, b.sub(b.sub(g, mean_g), b.mul(xhat, mean_gx)))]
+        lead = tuple(range(len(shape) - normalized_ndim))
+        if has_weight:
+            grads.append(_sum(b, b.mul(ct, xhat), lead))
+        if has_bias:
+            grads.append(_sum(b, ct, lead))
+        return [b.convert(c, d) for c in grads]
 
 
 def _rms_eps(dtype, eps):
@@ -356,6 +467,15 @@ def _rms_norm_reference(x, *params, normalized_ndim, eps, has_weight):
     axes = tuple(range(x.ndim - normalized_ndim, x.ndim))
     y = x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + _rms_eps(x.dtype, eps))
     return y * params[0] if has_weight else y
+
+
+def _rms_normalized(b, x, normalized_ndim, eps):
+    """(x * inv, inv) with inv = 1 / sqrt(mean(x^2) + eps), broadcast to x."""
+    t = b.type_of(x)
+    axes = tuple(range(t.rank - normalized_ndim, t.rank))
+    ms = b.binary("add", _mean(b, b.mul(x, x), axes), _rms_eps(t.dtype.np_dtype, eps))
+    inv = _expand(b, b.rsqrt(ms), t.shape, axes)
+    return b.mul(x, inv), inv
 
 
 @defop("rms_norm", family="nn", kind=COMPOSITE,
@@ -373,13 +493,24 @@ class rms_norm:
 
     def decompose(b, x, *params, normalized_ndim, eps, has_weight):
         x, d = upcast(b, x)
+        y, _ = _rms_normalized(b, x, normalized_ndim, eps)
+        if has_weight:
+            y = b.mul(y, b.broadcast_to(upcast(b, params[0])[0], b.type_of(x).shape))
+        return b.convert(y, d)
+
+    def vjp(b, cts, xs, ys, *, normalized_ndim, eps, has_weight):
+        """x: inv (g - xhat mean(g xhat)) with g = ct * weight; weight: ct * xhat summed
+        over the leading dims."""
+        (x, d), (ct, _) = upcast(b, xs[0]), upcast(b, cts[0])
+        xhat, inv = _rms_normalized(b, x, normalized_ndim, eps)
         t = b.type_of(x)
         axes = tuple(range(t.rank - normalized_ndim, t.rank))
-        ms = b.binary("add", _mean(b, b.mul(x, x), axes), _rms_eps(t.dtype.np_dtype, eps))
-        y = b.mul(x, _expand(b, b.rsqrt(ms), t.shape, axes))
+        g = b.mul(ct, b.broadcast_to(upcast(b, xs[1])[0], t.shape)) if has_weight else ct
+        mean_gx = _expand(b, _mean(b, b.mul(g, xhat), axes), t.shape, axes)
+        grads = [b.mul(inv, b.sub(g, b.mul(xhat, mean_gx)))]
         if has_weight:
-            y = b.mul(y, b.broadcast_to(upcast(b, params[0])[0], t.shape))
-        return b.convert(y, d)
+            grads.append(_sum(b, b.mul(ct, xhat), tuple(range(t.rank - normalized_ndim))))
+        return [b.convert(c, d) for c in grads]
 
 
 # -- attention --------------------------------------------------------------------------
