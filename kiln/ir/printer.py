@@ -57,6 +57,16 @@ def format_attrs(attrs: dict) -> str:
     return " {" + ", ".join(f"{k}={format_attr(attrs[k])}" for k in sorted(attrs)) + "}"
 
 
+def _shown_attrs(node: Node) -> dict:
+    """Attributes left at a default of None (an unset option: no stride, no trip bound)
+    are not printed; the parser fills them back in, so the text still round-trips."""
+    from kiln.ir import registry
+
+    defaults = registry.get(node.op).attrs
+    return {k: v for k, v in node.attrs.items() if not (v is None and k in defaults
+                                                        and defaults[k] is None)}
+
+
 class _Namer:
     def __init__(self):
         self.names: dict[int, str] = {}
@@ -136,7 +146,7 @@ def _print_nodes(nodes: list[Node], namer: _Namer, lines: list[str], indent: str
         results = ", ".join(f"%{namer.number(v)}" for v in node.results)
         lhs = f"{results} = " if node.results else ""
         types = _types(node.results) if node.results else "()"
-        lines.append(f"{indent}{lhs}{node.op}({operands}){format_attrs(node.attrs)} : {types}")
+        lines.append(f"{indent}{lhs}{node.op}({operands}){format_attrs(_shown_attrs(node))} : {types}")
         if node.regions:
             for region in node.regions:
                 _print_region(region, namer, lines, indent + "  ")

@@ -122,7 +122,7 @@ def leaf_array(graph: Graph, value: Value) -> np.ndarray:
 def materialize(b: RewriteBuilder, array: np.ndarray) -> Value:
     """A `full` when `array` is one repeated bit pattern that `full` reproduces
     exactly, else a new constant of the graph."""
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray makes 0-d 1-d
     if array.size and _uniform(array):
         value = _fill_value(array.reshape(-1)[:1].reshape(()))
         if value is not None:

@@ -209,11 +209,11 @@ graph @g(%p: i1[3], %x: f32[3], %y: f32[3]) -> (f32[3], f32[3])
     "whole slice vanishes, a real slice stays": ("""
 graph @g(%x: f32[4, 5]) -> (f32[4, 5], f32[2, 5])
   %0 = slice(%x) {limit=(4, 5), start=(0, 0), stride=(1, 1)} : f32[4, 5]
-  %1 = slice(%0) {limit=(4, 5), start=(2, 0), stride=none} : f32[2, 5]
+  %1 = slice(%0) {limit=(4, 5), start=(2, 0)} : f32[2, 5]
   return %0, %1
 """, """
 graph @g(%x: f32[4, 5]) -> (f32[4, 5], f32[2, 5])
-  %0 = slice(%x) {limit=(4, 5), start=(2, 0), stride=none} : f32[2, 5]
+  %0 = slice(%x) {limit=(4, 5), start=(2, 0)} : f32[2, 5]
   return %x, %0
 """),
     "reverses cancel dim by dim": ("""
@@ -232,7 +232,7 @@ graph @g(%x: f32[B, 4]) -> (f32[B, 4], f32[B, 4])
   where B in [1, 64]
   %0 = reshape(%x) {shape=(4*B,)} : f32[4*B]
   %1 = reshape(%0) {shape=(B, 4)} : f32[B, 4]
-  %2 = slice(%x) {limit=(B, 4), start=(0, 0), stride=none} : f32[B, 4]
+  %2 = slice(%x) {limit=(B, 4), start=(0, 0)} : f32[B, 4]
   return %1, %2
 """, """
 graph @g(%x: f32[B, 4]) -> (f32[B, 4], f32[B, 4])

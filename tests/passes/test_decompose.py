@@ -95,6 +95,7 @@ def _t(*shape, dtype=F32):
 
 # one small instance of every composite: operand types and attributes
 COMPOSITE_CASES = {
+    "stop_gradient": [([_t(3, 4)], {}), ([_t(5, dtype=dt.int32)], {})],
     "sigmoid": [([_t(3, 4)], {})],
     "relu": [([_t(3, 4)], {}), ([_t(5, dtype=dt.int32)], {})],
     "gelu": [([_t(3, 4)], {"approximate": "none"}), ([_t(3, 4, dtype=dt.bfloat16)], {"approximate": "tanh"})],

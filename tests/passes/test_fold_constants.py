@@ -184,3 +184,14 @@ def test_nothing_to_fold_returns_the_same_graph():
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_real_graphs_keep_their_results(name):
     check_preserves(fold_constants, name)
+
+
+def test_a_reduction_folded_to_a_scalar_keeps_rank_zero():
+    # np.ascontiguousarray turns a 0-d result into shape (1,): the folded value must not
+    import kiln as kn
+    from kiln.passes.fold_constants import fold_constants
+
+    graph = kn.trace(lambda x: kn.full((3,), 1.0).sum() + x, kn.ones(()))
+    folded = fold_constants(graph)
+    assert "reduce_sum" not in str(folded)
+    assert [str(v.type) for v in folded.outputs] == ["f32[]"]
