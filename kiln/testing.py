@@ -35,14 +35,26 @@ def _is_float(a: np.ndarray) -> bool:
     return a.dtype.kind in "fc" and a.dtype.itemsize >= 4
 
 
+def _random(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    x = rng.standard_normal(shape)
+    if np.dtype(dtype).kind == "c":
+        x = x + 1j * rng.standard_normal(shape)
+    return x.astype(dtype)
+
+
 def _directions(x: np.ndarray, rng: np.random.Generator, count: int, coordinates: int):
+    # complex inputs are also moved along i*v: that checks the imaginary part of the
+    # cotangent (PyTorch's convention: dL/dRe + i dL/dIm)
+    phases = (1, 1j) if x.dtype.kind == "c" else (1,)
     for _ in range(count):
-        yield rng.standard_normal(x.shape).astype(x.dtype)
+        for phase in phases:
+            yield (phase * rng.standard_normal(x.shape)).astype(x.dtype)
     if x.size <= coordinates:
         for j in range(x.size):
-            e = np.zeros(x.size, x.dtype)
-            e[j] = 1
-            yield e.reshape(x.shape)
+            for phase in phases:
+                e = np.zeros(x.size, x.dtype)
+                e[j] = phase
+                yield e.reshape(x.shape)
 
 
 def _compare(what: str, analytic: float, numeric: float, rtol: float, atol: float) -> None:
@@ -67,8 +79,7 @@ def check_vjp_rule(op: str, inputs: Sequence[np.ndarray], attrs: dict | None = N
     inputs = [np.asarray(x) for x in inputs]
     results = EAGER.apply(op, inputs, attrs)
     rng = np.random.default_rng(seed)
-    cts = [rng.standard_normal(r.shape).astype(r.dtype) if _is_float(r) else None
-           for r in results]
+    cts = [_random(rng, r.shape, r.dtype) if _is_float(r) else None for r in results]
     grads = opdef.vjp(EAGER, cts, list(inputs), list(results), **attrs)
     if len(grads) != len(inputs):
         raise AssertionError(f"{op}: vjp returned {len(grads)} cotangents for "
