@@ -27,6 +27,12 @@ all-reduce-start / all-reduce-done); `collective_wait(h)` is the identity.
 Each op's `sharding` rule maps the `Sharding` of its operand to the result's (for
 sharding propagation): e.g. all_gather along `a` over group g turns a tensor sharded
 on dim a over g into one replicated on dim a.
+
+vjp rules treat the loss as the sum of every rank's loss (torch.distributed and DDP's
+convention): all_reduce(sum) -> all_reduce(sum), all_gather <-> reduce_scatter(sum),
+broadcast -> the summed cotangent on rank src only, all_to_all -> all_to_all with the
+axes swapped. max/min split the cotangent equally over the ranks holding the extreme
+(as reduce_max); prod is exact at zeros. Each rule's collectives run over the same group.
 """
 
 from __future__ import annotations
@@ -37,7 +43,11 @@ import numpy as np
 import sympy
 
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
+from kiln.ir import dtypes as dt
+from kiln.ir.ops.linalg import conj
+from kiln.ir.ops.reduction import product_of_others
 from kiln.ir.ops.rules import LOW_PRECISION, contiguous
+from kiln.ir.ops.shape import full_like, zeros
 from kiln.ir.registry import COLLECTIVE, OpDef, defop, register
 from kiln.ir.shapes import normalize_axis
 
@@ -158,6 +168,30 @@ def _with_dim(s: Sharding, axis: int, group) -> tuple:
     return s.dims[:axis] + (group,) + s.dims[axis + 1:]
 
 
+# -- vjp pieces ---------------------------------------------------------------------------
+def _reduced_ct(b, total, x, y, reduce_op, group, world_size):
+    """The cotangent of this rank's x in y = reduce_op of x over the group, from `total`,
+    the sum over ranks of y's cotangents (y: the full reduced value, max/min only)."""
+    t, g = b.type_of(x), dict(group=group, world_size=world_size)
+    if reduce_op == "sum":
+        return total
+    if reduce_op == "avg":
+        return b.div(total, full_like(b, t, world_size))
+    if reduce_op in ("max", "min"):
+        hit = b.eq(x, y)
+        count = b.all_reduce(b.convert(hit, t.dtype), reduce_op="sum", **g)
+        return b.select(hit, b.div(total, count), zeros(b, t))
+    # prod: times the product over the other ranks (conjugated for complex)
+    others = product_of_others(b, conj(b, x), lambda v, op: b.all_reduce(v, reduce_op=op, **g))
+    return b.mul(total, others)
+
+
+def _rank(b, group, world_size):
+    """This rank's index in the group as i64[1]: rank r keeps chunk r of an iota."""
+    return b.reduce_scatter(b.iota(dtype=dt.int64, shape=(world_size,)), reduce_op="max",
+                            axis=0, group=group, world_size=world_size)
+
+
 # -- the collectives ------------------------------------------------------------------
 @defop("all_reduce", family="collective", kind=COLLECTIVE, num_operands=1,
        attrs={"reduce_op": "sum", **GROUP_ATTRS})
@@ -172,6 +206,10 @@ class all_reduce:
 
     def reference(x, *, reduce_op, group, world_size):
         return _combine(x, reduce_op, world_size)
+
+    def vjp(b, cts, xs, ys, *, reduce_op, group, world_size):
+        total = b.all_reduce(cts[0], reduce_op="sum", group=group, world_size=world_size)
+        return [_reduced_ct(b, total, xs[0], ys[0], reduce_op, group, world_size)]
 
     def sharding(op, s, *, reduce_op, group, world_size):
         _sharded_over(op, s, group, "reducing across the group would combine different "
@@ -192,6 +230,11 @@ class all_gather:
 
     def reference(x, *, axis, group, world_size):
         return contiguous(np.concatenate([x] * world_size, axis=axis % x.ndim))
+
+    def vjp(b, cts, xs, ys, *, axis, group, world_size):
+        """Rank r's chunk of every rank's cotangent, summed."""
+        return [b.reduce_scatter(cts[0], reduce_op="sum", axis=axis, group=group,
+                                 world_size=world_size)]
 
     def sharding(op, s, *, axis, group, world_size):
         a = axis % len(s.dims)
@@ -219,6 +262,13 @@ class reduce_scatter:
         return contiguous(_chunk(_combine(x, reduce_op, world_size), axis % x.ndim,
                                  world_size, 0))
 
+    def vjp(b, cts, xs, ys, *, reduce_op, axis, group, world_size):
+        """all_reduce's rule, with every rank's chunk cotangent gathered into the total."""
+        g = dict(group=group, world_size=world_size)
+        total = b.all_gather(cts[0], axis=axis, **g)
+        y = b.all_gather(ys[0], axis=axis, **g) if reduce_op in ("max", "min") else None
+        return [_reduced_ct(b, total, xs[0], y, reduce_op, group, world_size)]
+
     def sharding(op, s, *, reduce_op, axis, group, world_size):
         a = axis % len(s.dims)
         if s.dims[a] is not None:
@@ -243,6 +293,15 @@ class broadcast:
 
     def reference(x, *, src, group, world_size):
         return x.copy()
+
+    def vjp(b, cts, xs, ys, *, src, group, world_size):
+        """Every rank's cotangent, summed, on rank src; zero on the others."""
+        t, g = b.type_of(xs[0]), dict(group=group, world_size=world_size)
+        total = b.all_reduce(cts[0], reduce_op="sum", **g)
+        is_src = b.reshape(b.eq(_rank(b, **g), b.full(src, dt.int64, (1,))), shape=())
+        if t.rank:
+            is_src = b.broadcast_in_dim(is_src, shape=t.shape, broadcast_dimensions=())
+        return [b.select(is_src, total, zeros(b, t))]
 
     def sharding(op, s, *, src, group, world_size):
         _sharded_over(op, s, group, "every rank would get rank src's shard only")
@@ -271,6 +330,12 @@ class all_to_all:
     def reference(x, *, split_axis, concat_axis, group, world_size):
         first = _chunk(x, split_axis % x.ndim, world_size, 0)
         return contiguous(np.concatenate([first] * world_size, axis=concat_axis % x.ndim))
+
+    def vjp(b, cts, xs, ys, *, split_axis, concat_axis, group, world_size):
+        """Chunk j of the cotangent along concat_axis goes back to rank j, in its place
+        along split_axis."""
+        return [b.all_to_all(cts[0], split_axis=concat_axis, concat_axis=split_axis,
+                             group=group, world_size=world_size)]
 
     def sharding(op, s, *, split_axis, concat_axis, group, world_size):
         a, c = split_axis % len(s.dims), concat_axis % len(s.dims)

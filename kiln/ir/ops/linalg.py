@@ -7,6 +7,11 @@ dims, then rhs free dims. Contractions of low-precision floats accumulate in flo
 and round once. Extern ops take float32, float64 or complex64 matrices in the last two
 dims, batched over the leading dims; a matrix LAPACK rejects (not positive definite,
 singular) gives NaNs in its slot instead of an exception, as JAX does.
+
+vjp rules are the standard ones (JAX's lax.linalg, PyTorch's FunctionsManual). For
+complex operands a cotangent is conjugate-linear, as torch's: for y = a @ x it is
+a^H @ ct. The externs that read one triangle (cholesky, eigh: the lower one;
+triangular_solve: the one it solves with) give a cotangent in that triangle only.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.ops.rules import contiguous, LOW_PRECISION, NUMERIC, check_axes, check_dtype, check_int_tuple, via_f32
+from kiln.ir.ops.shape import full_like, size, sum_to, zeros
 from kiln.ir.registry import COMPOSITE, EXTERN, PRIMITIVE, REQUIRED, defop
-from kiln.ir.shapes import broadcast_shapes, dim, dims_equal
+from kiln.ir.shapes import broadcast_shapes, dim, dims_equal, shapes_equal
 from kiln.ir.types import TensorType
 
 
@@ -39,6 +45,22 @@ def _accumulator(x: np.ndarray) -> np.dtype:
     if x.dtype.kind == "V" or x.dtype.itemsize < 4:
         return np.dtype(np.float32)
     return x.dtype
+
+
+def conj(b, x):
+    """The complex conjugate (real values pass through; kiln has no conj primitive)."""
+    if not b.type_of(x).dtype.is_complex:
+        return x
+    return b.complex(b.real(x), b.neg(b.imag(x)))
+
+
+def _inverse(perm):
+    return tuple(list(perm).index(i) for i in range(len(perm)))
+
+
+def _permute(b, x, perm):
+    perm = tuple(perm)
+    return x if perm == tuple(range(len(perm))) else b.transpose(x, permutation=perm)
 
 
 # -- dot_general ---------------------------------------------------------------------
@@ -87,6 +109,30 @@ class dot_general:
         a = lhs.astype(acc).transpose(lb + lfree + lc).reshape(batch + [math.prod(m), k])
         b = rhs.astype(acc).transpose(rb + rc + rfree).reshape(batch + [k, math.prod(n)])
         return np.matmul(a, b).reshape(batch + m + n).astype(lhs.dtype)
+
+    def vjp(b, cts, xs, ys, *, lhs_contracting, rhs_contracting, lhs_batch, rhs_batch):
+        lhs, rhs = xs
+        lr, rr = b.type_of(lhs).rank, b.type_of(rhs).rank
+        lc, lb = [a % lr for a in lhs_contracting], [a % lr for a in lhs_batch]
+        rc, rb = [a % rr for a in rhs_contracting], [a % rr for a in rhs_batch]
+        return [_dot_ct(b, cts[0], lr, conj(b, rhs), rr, lc, rc, lb, rb, swap=False),
+                _dot_ct(b, cts[0], rr, conj(b, lhs), lr, rc, lc, rb, lb, swap=True)]
+
+
+def _dot_ct(b, ct, x_rank, y, y_rank, xc, yc, xb, yb, swap):
+    """The cotangent of x in dot_general(x, y) (of y in dot_general(y, x) with swap):
+    ct contracted with y over y's free dims, then x's dims put back in order (JAX's
+    _dot_general_transpose_lhs)."""
+    x_free = [i for i in range(x_rank) if i not in xc and i not in xb]
+    y_free = [i for i in range(y_rank) if i not in yc and i not in yb]
+    nb = len(xb)
+    first = nb if swap else nb + len(x_free)  # where y's free dims sit in ct
+    out = b.dot_general(ct, y, lhs_contracting=tuple(range(first, first + len(y_free))),
+                        rhs_contracting=tuple(y_free), lhs_batch=tuple(range(nb)),
+                        rhs_batch=tuple(yb))
+    # out is batch, x's free dims, then x's contracting dims in the order of y's
+    order = list(xb) + x_free + [xc[j] for j in sorted(range(len(yc)), key=yc.__getitem__)]
+    return _permute(b, out, _inverse(order))
 
 
 # -- convolution -----------------------------------------------------------------------
@@ -172,6 +218,82 @@ class convolution:
         attrs = conv_attrs("convolution", x.ndim - 2, window_strides, padding, rhs_dilation,
                            feature_group_count)
         return conv_reference(x, w, *attrs)
+
+    def vjp(b, cts, xs, ys, *, window_strides, padding, rhs_dilation, feature_group_count):
+        """Both cotangents are convolutions: x's of the stride-dilated cotangent with the
+        flipped kernel, w's of x with the cotangent as kernel (strides and dilation
+        swap roles)."""
+        x, w = xs
+        if not all(isinstance(k, int) for k in b.type_of(w).shape[2:]):
+            raise KilnShapeError(f"convolution: its vjp needs a static kernel size, got "
+                                 f"{b.type_of(w)}")
+        attrs = conv_attrs("convolution", b.type_of(x).rank - 2, window_strides, padding,
+                           rhs_dilation, feature_group_count)
+        return [_conv_input_ct(b, cts[0], conj(b, w), b.type_of(x), *attrs),
+                _conv_kernel_ct(b, cts[0], conj(b, x), b.type_of(w), *attrs)]
+
+
+def _crop(b, y, start, shape):
+    """y[start : start + shape] on every dim, when that is not all of y."""
+    if shapes_equal(b.type_of(y).shape, shape) and not any(start):
+        return y
+    return b.slice(y, start=tuple(start), limit=tuple(size(s + n) for s, n in zip(start, shape)))
+
+
+def _per_group(d, groups):
+    return d // groups if isinstance(d, int) else dim(sympy.sympify(d) / groups)
+
+
+def _conv_input_ct(b, ct, w, xt, strides, padding, dilation, groups):
+    # dx[i] = sum_k ct'[i + lo - k*r] w[k], ct' the cotangent with stride - 1 zeros between
+    # entries: a stride-1 convolution of ct' with the flipped kernel, channels swapped
+    n, wt = xt.rank - 2, b.type_of(w)
+    spatial = tuple(range(2, 2 + n))
+    out_ch, in_per_group = wt.shape[:2]
+    flipped = b.reverse(w, dims=spatial)
+    if groups == 1:
+        kernel = b.transpose(flipped, permutation=(1, 0) + spatial)
+    else:  # [G, O/G, C/G, *k] -> [G, C/G, O/G, *k]
+        per = _per_group(out_ch, groups)
+        kernel = b.reshape(flipped, shape=(groups, per, in_per_group) + wt.shape[2:])
+        kernel = b.transpose(kernel, permutation=(0, 2, 1) + tuple(range(3, 3 + n)))
+        kernel = b.reshape(kernel, shape=(xt.shape[1], per) + wt.shape[2:])
+    ctt = b.type_of(ct)
+    if any(s > 1 for s in strides):
+        ct = b.pad(ct, zeros(b, ctt.with_shape(())), low=(0,) * ctt.rank, high=(0,) * ctt.rank,
+                   interior=(0, 0) + tuple(s - 1 for s in strides))
+    low, high, skip = [], [], []
+    for d, k, t, s, (lo, hi), r in zip(xt.shape[2:], wt.shape[2:], ctt.shape[2:], strides,
+                                      padding, dilation):
+        span = r * (k - 1)
+        before = span - lo  # zeros ct' needs in front; negative: its first entries only fed padding
+        after = size(d + lo - (t - 1) * s - 1)
+        low.append(max(before, 0))
+        skip.append(max(-before, 0))
+        # a symbolic `after` lies in [span - hi, span - hi + s - 1]: pad the most, crop after
+        high.append(max(after, 0) if isinstance(after, int) else max(span - hi + s - 1, 0))
+    y = b.convolution(ct, kernel, window_strides=(1,) * n, padding=tuple(zip(low, high)),
+                      rhs_dilation=dilation, feature_group_count=groups)
+    return _crop(b, y, [0, 0] + skip, xt.shape)
+
+
+def _conv_kernel_ct(b, ct, x, wt, strides, padding, dilation, groups):
+    # dw[o, c, k] = sum_{n, t} ct[n, o, t] xp[n, c, t*s + k*r]: a convolution of x (batch
+    # as channels) with ct as kernel, at stride r and kernel dilation s
+    xt, n = b.type_of(x), wt.rank - 2
+    spatial = tuple(range(2, 2 + n))
+    batch = xt.shape[0]
+    if groups == 1:
+        lhs = b.transpose(x, permutation=(1, 0) + spatial)  # [C, N, *d]
+    else:  # [N, G, C/G, *d] -> [C/G, G*N, *d]: group g's channels see group g's kernels
+        lhs = b.reshape(x, shape=(batch, groups, wt.shape[1]) + xt.shape[2:])
+        lhs = b.transpose(lhs, permutation=(2, 1, 0) + tuple(range(3, 3 + n)))
+        lhs = b.reshape(lhs, shape=(wt.shape[1], size(groups * batch)) + xt.shape[2:])
+    kernel = b.transpose(ct, permutation=(1, 0) + spatial)  # [O, N, *t]
+    y = b.convolution(lhs, kernel, window_strides=dilation, padding=padding,
+                      rhs_dilation=strides, feature_group_count=groups)  # [C/G, O, >= k]
+    y = _crop(b, y, [0] * (n + 2), (wt.shape[1], wt.shape[0]) + wt.shape[2:])
+    return b.transpose(y, permutation=(1, 0) + spatial)
 
 
 # -- composites over the contractions (torch's matmul and conv2d) -----------------------
@@ -326,6 +448,113 @@ def _broadcast_batch(a, b):
     return np.broadcast_to(a, batch + a.shape[-2:]), np.broadcast_to(b, batch + b.shape[-2:])
 
 
+# -- matrix pieces of the extern vjp rules (batched over the leading dims) ---------------
+
+def _mT(b, x):
+    r = b.type_of(x).rank
+    return b.transpose(x, permutation=tuple(range(r - 2)) + (r - 1, r - 2))
+
+
+def _mH(b, x):
+    return conj(b, _mT(b, x))
+
+
+def _mm(b, x, y):
+    """x @ y for operands with one batch shape."""
+    r = b.type_of(x).rank
+    batch = tuple(range(r - 2))
+    return b.dot_general(x, y, lhs_contracting=(r - 1,), rhs_contracting=(r - 2,),
+                         lhs_batch=batch, rhs_batch=batch)
+
+
+def _add(b, *xs):
+    """The sum of the values given (None: zero)."""
+    xs = [x for x in xs if x is not None]
+    out = xs[0]
+    for x in xs[1:]:
+        out = b.add(out, x)
+    return out
+
+
+def _positions(b, x, pick):
+    """The bool mask of the entries (i, j) of x's matrices where pick(i, j) holds."""
+    t = b.type_of(x)
+    return pick(b.iota(dtype=dt.int64, shape=t.shape, dimension=t.rank - 2),
+                b.iota(dtype=dt.int64, shape=t.shape, dimension=t.rank - 1))
+
+
+def _where(b, x, pick):
+    """x where pick(row index, column index) holds, else 0."""
+    return b.select(_positions(b, x, pick), x, zeros(b, b.type_of(x)))
+
+
+def _triangle(b, x, lower=True, strict=False):
+    pick = {(True, False): "ge", (True, True): "gt", (False, False): "le", (False, True): "lt"}
+    return _where(b, x, lambda i, j: b.call(pick[lower, strict], i, j))
+
+
+def _diagonal(b, x):
+    """The diagonal of square matrices, as [..., n]."""
+    return b.reduce_sum(_where(b, x, b.eq), axes=(b.type_of(x).rank - 1,))
+
+
+def _diag_matrix(b, v):
+    """[..., n] -> the diagonal matrices [..., n, n]."""
+    t = b.type_of(v)
+    full = b.broadcast_in_dim(v, shape=t.shape + t.shape[-1:],
+                              broadcast_dimensions=tuple(range(t.rank)))
+    return _where(b, full, b.eq)
+
+
+def _scale(b, x, v, axis):
+    """x times the vector v [..., n] along x's rows (axis -2) or columns (axis -1)."""
+    t = b.type_of(x)
+    dims = tuple(range(t.rank - 2)) + ((t.rank - 2,) if axis == -2 else (t.rank - 1,))
+    return b.mul(x, b.broadcast_in_dim(b.convert(v, t.dtype), shape=t.shape,
+                                       broadcast_dimensions=dims))
+
+
+def _scalar(b, x, value):
+    return full_like(b, b.type_of(x), value)
+
+
+def _halve_diagonal(b, x):
+    return b.select(_positions(b, x, b.eq), b.mul(x, _scalar(b, x, 0.5)), x)
+
+
+def _read_lower(b, g):
+    """The cotangent of an operand whose lower triangle stands for a Hermitian matrix,
+    from g, the cotangent of that matrix: each strict-lower entry stands for itself and
+    its mirror (g + g^H there), the diagonal for its real part."""
+    return _triangle(b, _halve_diagonal(b, b.add(g, _mH(b, g))))
+
+
+def _right_solve(b, x, r, lower):
+    """x @ r^-H for triangular r: (r^-1 @ x^H)^H."""
+    return _mH(b, b.triangular_solve(r, _mH(b, x), lower=lower))
+
+
+def _reciprocal_gaps(b, v):
+    """f[..., i, j] = 1 / (v_j - v_i), 0 where v_j == v_i (the diagonal, and repeated
+    values: there only the part of the cotangent that ignores the basis is defined)."""
+    t = b.type_of(v)
+    shape, lead = t.shape + t.shape[-1:], tuple(range(t.rank - 1))
+    gaps = b.sub(b.broadcast_in_dim(v, shape=shape, broadcast_dimensions=lead + (t.rank,)),
+                 b.broadcast_in_dim(v, shape=shape, broadcast_dimensions=lead + (t.rank - 1,)))
+    same = b.eq(gaps, zeros(b, b.type_of(gaps)))
+    one = full_like(b, b.type_of(gaps), 1)
+    return b.select(same, zeros(b, b.type_of(gaps)), b.div(one, b.select(same, one, gaps)))
+
+
+def _known(op, relation, what):
+    """A static decision on dims (m < n, ...), or an error where symbols leave it open."""
+    value = sympy.sympify(relation)
+    if value in (sympy.true, sympy.false):
+        return bool(value)
+    raise KilnShapeError(f"{op}: its vjp needs to know whether {what} ({relation}); the "
+                         "symbolic dims leave it open; make one of them static")
+
+
 @defop("cholesky", family="linalg", kind=EXTERN, num_operands=1, differentiable=True)
 class cholesky:
     """Lower Cholesky factor L of a Hermitian positive-definite a (a = L @ L^H);
@@ -338,6 +567,17 @@ class cholesky:
     def reference(a):
         (out,) = _per_matrix(np.linalg.cholesky, a, outs=[(a.shape[-2:], a.dtype)])
         return out.astype(a.dtype)
+
+    def vjp(b, cts, xs, ys):
+        """G = L^-H phi(L^H gL) L^-1, phi taking the lower triangle with its diagonal
+        halved and mirroring it (PyTorch's cholesky_backward); then read as a's lower
+        triangle."""
+        (l,), (gl,) = ys, cts
+        lh = _mH(b, l)
+        m = _triangle(b, _mm(b, lh, gl))
+        phi = b.mul(b.add(m, _mH(b, _triangle(b, m, strict=True))), _scalar(b, m, 0.5))
+        y = b.triangular_solve(lh, phi, lower=False)
+        return [_read_lower(b, _right_solve(b, y, lh, lower=False))]  # y @ L^-1
 
 
 @defop("qr", family="linalg", kind=EXTERN, num_operands=1, differentiable=True)
@@ -355,6 +595,36 @@ class qr:
         q, r = np.linalg.qr(a, mode="reduced")
         return q.astype(a.dtype), r.astype(a.dtype)
 
+    def vjp(b, cts, xs, ys):
+        """m >= n: gA = (gQ + Q sym(triu(gR R^H - Q^H gQ))) R^-H, sym mirroring the upper
+        triangle and halving the (real) diagonal (Liao et al. 2019; PyTorch). m < n:
+        a = [x | y] with x square; y = Q R[:, m:] adds its part to gQ."""
+        (a,), (q, r), (gq, gr) = xs, ys, cts
+        if gq is None and gr is None:
+            return [None]
+        t = b.type_of(a)
+        m, n = t.shape[-2:]
+        if not _known("qr", sympy.sympify(m) < n, "a has fewer rows than columns"):
+            return [_qr_tall_ct(b, q, r, gq, gr)]
+        cols = lambda x, lo, hi: b.slice(  # noqa: E731
+            x, start=(0,) * (t.rank - 1) + (lo,), limit=b.type_of(x).shape[:-1] + (hi,))
+        u, gu, gv = cols(r, 0, m), None, None
+        if gr is not None:
+            gu, gv = cols(gr, 0, m), cols(gr, m, n)
+            gq = _add(b, gq, _mm(b, cols(a, m, n), _mH(b, gv)))
+        gx = _qr_tall_ct(b, q, u, gq, gu)
+        gy = _mm(b, q, gv) if gv is not None else zeros(b, b.type_of(cols(a, m, n)))
+        return [b.concatenate(gx, gy, dimension=t.rank - 1)]
+
+
+def _qr_tall_ct(b, q, r, gq, gr):
+    """The m >= n rule (either cotangent may be None)."""
+    terms = [_mm(b, gr, _mH(b, r)) if gr is not None else None,
+             b.neg(_mm(b, _mH(b, q), gq)) if gq is not None else None]
+    upper = _triangle(b, _add(b, *terms), lower=False)
+    sym = _halve_diagonal(b, b.add(upper, _mH(b, upper)))
+    return _right_solve(b, _add(b, gq, _mm(b, q, sym)), r, lower=False)
+
 
 @defop("eigh", family="linalg", kind=EXTERN, num_operands=1, differentiable=True)
 class eigh:
@@ -368,6 +638,22 @@ class eigh:
     def reference(a):
         w, v = np.linalg.eigh(a, UPLO="L")
         return w.astype(_real_np(a.dtype)), v.astype(a.dtype)
+
+    def vjp(b, cts, xs, ys):
+        """G = V (diag(gw) + F o skew(V^H gV)) V^H with F_ij = 1 / (w_j - w_i), read as
+        a's lower triangle. Needs distinct eigenvalues when gV is used: for repeated ones
+        F is 0 there, which is right for functions that ignore the choice of basis in an
+        eigenspace (eigenvalues, projectors) and the basis-free part otherwise."""
+        (w, v), (gw, gv) = ys, cts
+        if gw is None and gv is None:
+            return [None]
+        inner = [_diag_matrix(b, b.convert(gw, b.type_of(v).dtype)) if gw is not None else None]
+        if gv is not None:
+            x = _mm(b, _mH(b, v), gv)
+            skew = b.mul(b.sub(x, _mH(b, x)), _scalar(b, x, 0.5))
+            inner.append(b.mul(skew, b.convert(_reciprocal_gaps(b, w), b.type_of(x).dtype)))
+        return [_read_lower(b, _mm(b, _mm(b, v, _add(b, *inner)), _mH(b, v)))]
+
 
 
 def _real_np(d):
@@ -393,6 +679,42 @@ class svd:
                                outs=[((m, k), a.dtype), ((k,), real), ((k, n), a.dtype)])
         return u.astype(a.dtype), s.astype(real), vh.astype(a.dtype)
 
+    def vjp(b, cts, xs, ys):
+        """gA = U [F o (J - J^H) S + S F o (K - K^H) + diag(gs)] V^H, J = U^H gU,
+        K = V^H gV, F_ij = 1 / (s_j^2 - s_i^2), plus the parts of gU (gV) outside U's
+        (V's) span when m > n (m < n), times S^-1 (Townsend 2016; PyTorch's
+        svd_backward; complex adds i Im(diag J) / s on the diagonal). Repeated singular
+        values get F = 0 (as eigh), zero ones a zero S^-1 (JAX's pseudo-inverse)."""
+        (a,), (u, s, vh), (gu, gs, gvh) = xs, ys, cts
+        if gu is None and gs is None and gvh is None:
+            return [None]
+        t = b.type_of(a)
+        m, n = t.shape[-2:]
+        v, gv = _mH(b, vh), (_mH(b, gvh) if gvh is not None else None)
+        f = b.convert(_reciprocal_gaps(b, b.mul(s, s)), t.dtype)
+        zero = b.eq(s, zeros(b, b.type_of(s)))
+        one = full_like(b, b.type_of(s), 1)
+        s_inv = b.select(zero, zeros(b, b.type_of(s)), b.div(one, b.select(zero, one, s)))
+        inner = [_diag_matrix(b, b.convert(gs, t.dtype)) if gs is not None else None]
+        if gu is not None:
+            j = _mm(b, _mH(b, u), gu)
+            inner.append(_scale(b, b.mul(f, b.sub(j, _mH(b, j))), s, -1))
+            if t.dtype.is_complex:  # the phase shared by u's and v's columns
+                im = b.complex(zeros(b, b.type_of(s)), b.mul(b.imag(_diagonal(b, j)), s_inv))
+                inner.append(_diag_matrix(b, im))
+        if gv is not None:
+            kk = _mm(b, _mH(b, v), gv)
+            inner.append(_scale(b, b.mul(f, b.sub(kk, _mH(b, kk))), s, -2))
+        ga = _mm(b, _mm(b, u, _add(b, *inner)), vh)
+        if gu is not None and _known("svd", sympy.sympify(m) > n, "a has more rows than columns"):
+            rest = b.sub(gu, _mm(b, u, _mm(b, _mH(b, u), gu)))  # (I - U U^H) gU S^-1 V^H
+            ga = b.add(ga, _mm(b, _scale(b, rest, s_inv, -1), vh))
+        if gv is not None and _known("svd", sympy.sympify(m) < n, "a has fewer rows than columns"):
+            # U S^-1 gV^H (I - V V^H)
+            rest = b.sub(_mH(b, gv), _mm(b, _mm(b, _mH(b, gv), v), vh))
+            ga = b.add(ga, _mm(b, u, _scale(b, rest, s_inv, -2)))
+        return [ga]
+
 
 @defop("solve", family="linalg", kind=EXTERN, num_operands=2, differentiable=True)
 class solve:
@@ -406,6 +728,13 @@ class solve:
         a, b = _broadcast_batch(a, b)
         (x,) = _per_matrix(np.linalg.solve, a, b, outs=[(b.shape[-2:], b.dtype)])
         return contiguous(x).astype(b.dtype)
+
+    def vjp(b, cts, xs, ys):
+        """gb = a^-H ct, ga = -gb x^H, each summed over the batch dims it was broadcast in."""
+        a, rhs = xs
+        g_rhs = b.solve(_mH(b, a), cts[0])
+        g_a = b.neg(_mm(b, g_rhs, _mH(b, ys[0])))
+        return [sum_to(b, g_a, b.type_of(a).shape), sum_to(b, g_rhs, b.type_of(rhs).shape)]
 
 
 @defop("triangular_solve", family="linalg", kind=EXTERN, num_operands=2,
@@ -431,3 +760,11 @@ class triangular_solve:
                 row = b[..., i, :] - np.einsum("...j,...jk->...k", a[..., i, :], x)
                 x[..., i, :] = row if unit_diagonal else row / a[..., i, i][..., None]
         return x
+
+    def vjp(b, cts, xs, ys, *, lower, unit_diagonal):
+        """As solve's, with a^H solved from the other triangle, and a's cotangent kept in
+        the entries the solve reads (the triangle, less the diagonal if unit)."""
+        a, rhs = xs
+        g_rhs = b.triangular_solve(_mH(b, a), cts[0], lower=not lower, unit_diagonal=unit_diagonal)
+        g_a = _triangle(b, b.neg(_mm(b, g_rhs, _mH(b, ys[0]))), lower=lower, strict=unit_diagonal)
+        return [sum_to(b, g_a, b.type_of(a).shape), sum_to(b, g_rhs, b.type_of(rhs).shape)]

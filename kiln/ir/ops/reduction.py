@@ -1,7 +1,12 @@
 """Reductions over axes, arg-reductions, cumulative scans and sort.
 
 Reductions drop their axes (keepdim is a reshape in the frontend). Low-precision
-floats accumulate in float32 and round once at the end, as every backend does.
+floats accumulate in float32 and round once at the end, as every backend does; so do
+the vjp rules that multiply or divide (prod, max/min, cumprod).
+
+vjp conventions: reduce_max/min split the cotangent equally over tied positions (JAX);
+cummax/cummin send it to the most recent position attaining the running value
+(torch.cummax's index); products are exact at zeros (no division by x).
 """
 
 from __future__ import annotations
@@ -9,10 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.ir import dtypes as dt
+from kiln.ir.ops.linalg import conj, upcast
 from kiln.ir.ops.rules import (
     contiguous,
     INTEGRAL, NUMERIC, REAL, LOW_PRECISION, check_axes, check_dtype,
 )
+from kiln.ir.ops.shape import full_like, zeros
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import normalize_axis
 
@@ -33,22 +40,79 @@ def _accumulating(fn):
     return reference
 
 
-def _reduce(name: str, allowed: str, fn, differentiable=True, doc=""):
+def _reduce(name: str, allowed: str, fn, differentiable=True, doc="", vjp=None):
     def type_rule(op, x, *, axes):
         check_dtype(op, x, allowed)
         return _reduced(op, x, axes)
 
     doc = doc or f"{name[len('reduce_'):].capitalize()} over `axes`, which leave the shape."
-    cls = type(name, (), {"type": type_rule, "reference": _accumulating(fn), "__doc__": doc})
+    cls = type(name, (), {"type": type_rule, "reference": _accumulating(fn), "vjp": vjp,
+                          "__doc__": doc})
     return defop(name, family="reduction", kind=PRIMITIVE, num_operands=1,
                  attrs={"axes": REQUIRED}, differentiable=differentiable)(cls)
 
 
-reduce_sum = _reduce("reduce_sum", NUMERIC, np.sum)
-reduce_prod = _reduce("reduce_prod", NUMERIC, np.prod)
+def _expand(b, r, x, axes):
+    """A reduced value broadcast back over x's reduced axes."""
+    shape = b.type_of(x).shape
+    axes = {a % len(shape) for a in axes} if shape else set()
+    if not axes:
+        return r
+    kept = tuple(i for i in range(len(shape)) if i not in axes)
+    return b.broadcast_in_dim(r, shape=shape, broadcast_dimensions=kept)
+
+
+def _sum_vjp(b, cts, xs, ys, *, axes):
+    return [_expand(b, cts[0], xs[0], axes)]
+
+
+def _zero_split(b, x):
+    """(x == 0, x with its zeros made 1)."""
+    t = b.type_of(x)
+    zero = b.eq(x, zeros(b, t))
+    return zero, b.select(zero, full_like(b, t, 1), x)
+
+
+def product_of_others(b, x, combine):
+    """For each element of x, the product of the others it is multiplied with, exact at
+    zeros; `combine(v, "sum" or "prod")` reduces v over what is multiplied (axes, ranks)
+    and broadcasts it back. Without zeros that is prod / x; with one zero, the product of
+    the rest at the zero and 0 elsewhere; with more, 0 (also used by all_reduce prod)."""
+    zero, safe = _zero_split(b, x)
+    count, prod = combine(b.convert(zero, dt.int32), "sum"), combine(safe, "prod")
+    none = b.eq(count, zeros(b, b.type_of(count)))
+    one = b.call("and", zero, b.eq(count, full_like(b, b.type_of(count), 1)))
+    return b.select(none, b.div(prod, safe), b.select(one, prod, zeros(b, b.type_of(x))))
+
+
+def _prod_vjp(b, cts, xs, ys, *, axes):
+    # d prod / dx_k is the product of the others (conjugated for complex, as every rule)
+    x, d = upcast(b, conj(b, xs[0]))
+    others = product_of_others(
+        b, x, lambda v, op: _expand(b, b.call("reduce_" + op, v, axes=axes), x, axes))
+    return [b.convert(b.mul(_expand(b, upcast(b, cts[0])[0], x, axes), others), d)]
+
+
+def _extreme_vjp(b, cts, xs, ys, *, axes):
+    """The cotangent goes to the positions equal to the result, split equally on ties."""
+    x, t = xs[0], b.type_of(xs[0])
+    hit = b.eq(x, _expand(b, ys[0], x, axes))
+    ct, d = upcast(b, cts[0])
+    count = b.reduce_sum(b.convert(hit, b.type_of(ct).dtype), axes=axes)
+    share = _expand(b, b.convert(b.div(ct, count), d), x, axes)
+    return [b.select(hit, share, zeros(b, t))]
+
+
+reduce_sum = _reduce("reduce_sum", NUMERIC, np.sum, vjp=_sum_vjp)
+reduce_prod = _reduce("reduce_prod", NUMERIC, np.prod, vjp=_prod_vjp)
 reduce_max = _reduce("reduce_max", REAL, np.max,
-                     doc="Maximum over axes; NaN propagates; empty axes are an error.")
-reduce_min = _reduce("reduce_min", REAL, np.min)
+                     doc="Maximum over axes; NaN propagates; empty axes are an error. "
+                         "Its vjp splits the cotangent equally over tied maxima (JAX).",
+                     vjp=_extreme_vjp)
+reduce_min = _reduce("reduce_min", REAL, np.min,
+                     doc="Min over `axes`, which leave the shape. Its vjp splits the "
+                         "cotangent equally over tied minima (JAX).",
+                     vjp=_extreme_vjp)
 reduce_and = _reduce("reduce_and", INTEGRAL, np.bitwise_and.reduce, differentiable=False)
 reduce_or = _reduce("reduce_or", INTEGRAL, np.bitwise_or.reduce, differentiable=False)
 
@@ -73,7 +137,7 @@ argmax = _arg("argmax", np.argmax)
 argmin = _arg("argmin", np.argmin)
 
 
-def _scan(name, allowed, fn):
+def _scan(name, allowed, fn, vjp):
     def type_rule(op, x, *, axis, reverse):
         check_dtype(op, x, allowed)
         normalize_axis(op, axis, x.rank, "axis")
@@ -92,16 +156,55 @@ def _scan(name, allowed, fn):
             out = np.flip(out, a)
         return contiguous(out).astype(x.dtype)
 
-    cls = type(name, (), {"type": type_rule, "reference": reference,
-                          "__doc__": f"Inclusive {name[3:]} scan along axis (from the end if reverse)."})
+    doc = f"Inclusive {name[3:]} scan along axis (from the end if reverse)."
+    cls = type(name, (), {"type": type_rule, "reference": reference, "vjp": vjp, "__doc__": doc})
     return defop(name, family="reduction", kind=PRIMITIVE, num_operands=1,
                  attrs={"axis": REQUIRED, "reverse": False})(cls)
 
 
-cumsum = _scan("cumsum", NUMERIC, np.cumsum)
-cumprod = _scan("cumprod", NUMERIC, np.cumprod)
-cummax = _scan("cummax", REAL, np.maximum.accumulate)
-cummin = _scan("cummin", REAL, np.minimum.accumulate)
+def _cumsum_vjp(b, cts, xs, ys, *, axis, reverse):
+    return [b.cumsum(cts[0], axis=axis, reverse=not reverse)]
+
+
+def _cumprod_vjp(b, cts, xs, ys, *, axis, reverse):
+    """dx_k = sum over i >= k (in scan order) of ct_i * prod_{j <= i, j != k} x_j, exact
+    at zeros, from q, the scan of x with its zeros made 1: before the first zero it is
+    the reverse scan of ct * q, over x_k; at the first zero, the reverse scan of ct * q
+    over the positions whose prefix holds that one zero; after it, 0."""
+    x, d = upcast(b, conj(b, xs[0]))
+    zero, safe = _zero_split(b, x)
+    q = b.cumprod(safe, axis=axis, reverse=reverse)
+    seen = b.cumsum(b.convert(zero, dt.int32), axis=axis, reverse=reverse)
+    w, nothing = b.mul(upcast(b, cts[0])[0], q), zeros(b, b.type_of(x))
+
+    def gather(k):  # sum of w over the positions at or after each one that saw k zeros
+        at_k = b.eq(seen, full_like(b, b.type_of(seen), k))
+        return at_k, b.cumsum(b.select(at_k, w, nothing), axis=axis, reverse=not reverse)
+
+    (clean, before), (once, at) = gather(0), gather(1)
+    first_zero = b.call("and", zero, once)
+    return [b.convert(b.select(clean, b.div(before, safe), b.select(first_zero, at, nothing)), d)]
+
+
+def _running_extreme_vjp(b, cts, xs, ys, *, axis, reverse):
+    """ct_i goes to the most recent position, in scan order, holding the running value
+    (torch.cummax's index; a NaN holds it from where it appears)."""
+    x, t = xs[0], b.type_of(xs[0])
+    if t.rank == 0:
+        return [cts[0]]
+    a = axis % t.rank
+    holds = b.call("or", b.eq(x, ys[0]), b.ne(x, x))
+    pos = b.iota(dtype=dt.int64, shape=t.shape, dimension=a)
+    # the scan's first position always holds, so the fill never survives
+    fill = b.full(-1 if not reverse else 2**62, dt.int64, t.shape)
+    last = (b.cummin if reverse else b.cummax)(b.select(holds, pos, fill), axis=a, reverse=reverse)
+    return [b.scatter_along(zeros(b, t), last, cts[0], axis=a, mode="add")]
+
+
+cumsum = _scan("cumsum", NUMERIC, np.cumsum, _cumsum_vjp)
+cumprod = _scan("cumprod", NUMERIC, np.cumprod, _cumprod_vjp)
+cummax = _scan("cummax", REAL, np.maximum.accumulate, _running_extreme_vjp)
+cummin = _scan("cummin", REAL, np.minimum.accumulate, _running_extreme_vjp)
 
 
 @defop("sort", family="reduction", kind=PRIMITIVE, num_operands=1,
@@ -127,4 +230,12 @@ class sort:
         else:
             idx = np.argsort(data, axis=a, kind="stable")
         return np.take_along_axis(x, idx, axis=a), idx.astype(np.int64)
+
+    def vjp(b, cts, xs, ys, *, axis, descending):
+        """The values' cotangent scattered back through the permutation (ties are
+        distinct positions, so each keeps its own)."""
+        ct, t = cts[0], b.type_of(xs[0])
+        if ct is None or t.rank == 0:
+            return [ct]
+        return [b.scatter_along(zeros(b, t), ys[1], ct, axis=axis, mode="add")]
 

@@ -2,7 +2,9 @@
 indexing by tensors (take, take_along, scatter_along) and dynamic slices.
 
 Type rules work on symbolic dims: a reshape of f32[B, T, 64] to [B*T, 64] is
-checked by exact symbolic equality of element counts.
+checked by exact symbolic equality of element counts. So do the vjp rules: every size
+they compute is a dim expression, and a symbolic pad amount (pad takes ints) becomes a
+concatenated block of zeros.
 """
 
 from __future__ import annotations
@@ -11,10 +13,71 @@ import numpy as np
 import sympy
 
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnIndexError, KilnShapeError
+from kiln.ir import dtypes as dt
 from kiln.ir.ops.creation import _check_shape_attr
 from kiln.ir.ops.rules import contiguous, INTEGER, check_axes, check_dtype, check_int_tuple
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
-from kiln.ir.shapes import dim, dims_equal, format_shape, normalize_axis, numel
+from kiln.ir.shapes import dim, dims_equal, format_shape, normalize_axis, numel, shapes_equal
+from kiln.ir.types import TensorType
+
+
+# -- pieces the vjp rules of every family share ----------------------------------------
+
+def full_like(b, t: TensorType, value):
+    """A tensor of type t filled with value (complex from two float32 fills: full is real)."""
+    if t.dtype.is_complex:
+        return b.complex(b.full(value, dt.float32, t.shape), b.full(0.0, dt.float32, t.shape))
+    return b.full(value, t.dtype, t.shape)
+
+
+def zeros(b, t: TensorType):
+    return full_like(b, t, 0)
+
+
+def size(expr):
+    """A dim from arithmetic on dims (sympy results expanded, integers made ints)."""
+    return expr if isinstance(expr, int) else dim(sympy.expand(expr))
+
+
+def reshape_to(b, x, shape):
+    return x if shapes_equal(b.type_of(x).shape, tuple(shape)) else b.reshape(x, shape=tuple(shape))
+
+
+def unbroadcast(b, ct, shape, broadcast_dimensions):
+    """The transpose of broadcast_in_dim: ct summed over the result dims no operand dim
+    maps to and over those broadcast from a static 1, then reshaped to `shape`."""
+    ct_shape = b.type_of(ct).shape
+    summed = {d for d in range(len(ct_shape)) if d not in broadcast_dimensions}
+    summed |= {m for d, m in zip(shape, broadcast_dimensions)
+               if d == 1 and not (isinstance(ct_shape[m], int) and ct_shape[m] == 1)}
+    out = b.reduce_sum(ct, axes=tuple(sorted(summed))) if summed else ct
+    return reshape_to(b, out, shape)
+
+
+def sum_to(b, ct, shape):
+    """ct summed down to `shape`, undoing numpy (right-aligned) broadcasting."""
+    offset = b.type_of(ct).rank - len(shape)
+    return unbroadcast(b, ct, tuple(shape), tuple(range(offset, offset + len(shape))))
+
+
+def pad_zeros(b, x, low, high, interior=None):
+    """x padded with zeros; a symbolic low or high (pad takes ints) becomes a
+    concatenated block of zeros."""
+    t = b.type_of(x)
+    interior = tuple(interior or (0,) * t.rank)
+    static = lambda v: v if isinstance(v, int) else 0  # noqa: E731
+    if any(static(v) for v in (*low, *high)) or any(interior):
+        x = b.pad(x, zeros(b, t.with_shape(())), low=tuple(map(static, low)),
+                  high=tuple(map(static, high)), interior=interior)
+    for i, (lo, hi) in enumerate(zip(low, high)):
+        if isinstance(lo, int) and isinstance(hi, int):
+            continue
+        t = b.type_of(x)
+        block = lambda n: zeros(b, t.with_shape(t.shape[:i] + (n,) + t.shape[i + 1:]))  # noqa: E731
+        parts = ([] if isinstance(lo, int) else [block(lo)]) + [x] + \
+            ([] if isinstance(hi, int) else [block(hi)])
+        x = b.concatenate(*parts, dimension=i)
+    return x
 
 
 @defop("reshape", family="shape", kind=PRIMITIVE, num_operands=1, attrs={"shape": REQUIRED})
@@ -31,6 +94,9 @@ class reshape:
 
     def reference(x, *, shape):
         return np.reshape(x, shape)
+
+    def vjp(b, cts, xs, ys, *, shape):
+        return [b.reshape(cts[0], shape=b.type_of(xs[0]).shape)]
 
 
 @defop("broadcast_in_dim", family="shape", kind=PRIMITIVE, num_operands=1,
@@ -59,6 +125,9 @@ class broadcast_in_dim:
             view[m] = x.shape[i]
         return contiguous(np.broadcast_to(x.reshape(view), shape))
 
+    def vjp(b, cts, xs, ys, *, shape, broadcast_dimensions):
+        return [unbroadcast(b, cts[0], b.type_of(xs[0]).shape, broadcast_dimensions)]
+
 
 @defop("transpose", family="shape", kind=PRIMITIVE, num_operands=1,
        attrs={"permutation": REQUIRED})
@@ -74,6 +143,10 @@ class transpose:
 
     def reference(x, *, permutation):
         return contiguous(np.transpose(x, permutation))
+
+    def vjp(b, cts, xs, ys, *, permutation):
+        perm = list(permutation)
+        return [b.transpose(cts[0], permutation=tuple(perm.index(i) for i in range(len(perm))))]
 
 
 def _slice_size(start, limit, stride):
@@ -109,6 +182,14 @@ class slice_:
         stride = stride or (1,) * x.ndim
         return contiguous(x[tuple(slice(s, l, st) for s, l, st in zip(start, limit, stride))])
 
+    def vjp(b, cts, xs, ys, *, start, limit, stride):
+        """The cotangent back in place: zeros around it, stride - 1 zeros between."""
+        x_shape, out = b.type_of(xs[0]).shape, b.type_of(ys[0]).shape
+        stride = stride or (1,) * len(out)
+        high = [size(d - dim(s) - ((n - 1) * st + 1)) if not (isinstance(n, int) and n == 0)
+                else size(d - dim(s)) for d, s, n, st in zip(x_shape, start, out, stride)]
+        return [pad_zeros(b, cts[0], [dim(s) for s in start], high, [st - 1 for st in stride])]
+
 
 @defop("pad", family="shape", kind=PRIMITIVE, num_operands=2,
        attrs={"low": REQUIRED, "high": REQUIRED, "interior": None})
@@ -140,6 +221,20 @@ class pad:
         out[index] = x
         return out
 
+    def vjp(b, cts, xs, ys, *, low, high, interior):
+        """x's cotangent is the strided slice where x landed; the padding value's is the
+        sum of the cotangent over every padded position."""
+        x, value = xs
+        t = b.type_of(x)
+        interior = interior or (0,) * t.rank
+        limit = tuple(lo if isinstance(d, int) and d == 0 else size(lo + (d - 1) * (it + 1) + 1)
+                      for d, lo, it in zip(t.shape, low, interior))
+        ct_x = b.slice(cts[0], start=tuple(low), limit=limit,
+                       stride=tuple(it + 1 for it in interior))
+        padded = b.pad(zeros(b, t), full_like(b, b.type_of(value), 1), low=low, high=high,
+                       interior=interior)  # 1 where the padding value went, 0 where x did
+        return [ct_x, b.reduce_sum(b.mul(cts[0], padded), axes=tuple(range(t.rank)))]
+
 
 @defop("concatenate", family="shape", kind=PRIMITIVE, attrs={"dimension": REQUIRED})
 class concatenate:
@@ -168,6 +263,17 @@ class concatenate:
     def reference(*xs, dimension):
         return np.concatenate(xs, axis=dimension)
 
+    def vjp(b, cts, xs, ys, *, dimension):
+        shape = b.type_of(ys[0]).shape
+        axis = dimension % len(shape)
+        out, offset = [], 0
+        for x in xs:
+            end = size(offset + b.type_of(x).shape[axis])
+            start = (0,) * axis + (offset,) + (0,) * (len(shape) - axis - 1)
+            out.append(b.slice(cts[0], start=start, limit=shape[:axis] + (end,) + shape[axis + 1:]))
+            offset = end
+        return out
+
 
 @defop("reverse", family="shape", kind=PRIMITIVE, num_operands=1, attrs={"dims": REQUIRED})
 class reverse:
@@ -179,6 +285,9 @@ class reverse:
 
     def reference(x, *, dims):
         return contiguous(np.flip(x, axis=tuple(dims))) if dims else x.copy()
+
+    def vjp(b, cts, xs, ys, *, dims):
+        return [b.reverse(cts[0], dims=dims)]
 
 
 def _check_start_indices(op, x, starts):
@@ -212,6 +321,12 @@ class dynamic_slice:
         begin = _clamped_starts(x.shape, sizes, starts)
         return contiguous(x[tuple(slice(b, b + n) for b, n in zip(begin, sizes))])
 
+    def vjp(b, cts, xs, ys, *, sizes):
+        """The cotangent written into zeros at the same (equally clamped) starts."""
+        x, *starts = xs
+        ct_x = b.dynamic_update_slice(zeros(b, b.type_of(x)), cts[0], *starts)
+        return [ct_x] + [None] * len(starts)
+
 
 @defop("dynamic_update_slice", family="shape", kind=PRIMITIVE)
 class dynamic_update_slice:
@@ -231,6 +346,13 @@ class dynamic_update_slice:
         out = x.copy()
         out[tuple(slice(b, b + n) for b, n in zip(begin, update.shape))] = update
         return out
+
+    def vjp(b, cts, xs, ys):
+        """x gets the cotangent with the overwritten window zeroed, update that window."""
+        x, update, *starts = xs
+        ut = b.type_of(update)
+        return [b.dynamic_update_slice(cts[0], zeros(b, ut), *starts),
+                b.dynamic_slice(cts[0], *starts, sizes=ut.shape)] + [None] * len(starts)
 
 
 def _checked_indices(op, indices, size):
@@ -257,6 +379,18 @@ class take:
     def reference(x, indices, *, axis):
         a = axis % x.ndim
         return np.take(x, _checked_indices("take", indices, x.shape[a]), axis=a)
+
+    def vjp(b, cts, xs, ys, *, axis):
+        """Scatter-add of the cotangent's slices: an index taken twice gets both."""
+        x, indices = xs
+        xt = b.type_of(x)
+        a = axis % xt.rank
+        k = numel(b.type_of(indices).shape)
+        shape = xt.shape[:a] + (k,) + xt.shape[a + 1:]
+        where = b.broadcast_in_dim(reshape_to(b, indices, (k,)), shape=shape,
+                                   broadcast_dimensions=(a,))
+        return [b.scatter_along(zeros(b, xt), where, reshape_to(b, cts[0], shape), axis=a,
+                                mode="add"), None]
 
 
 def _along_index(op, x, indices, axis):
@@ -291,6 +425,12 @@ class take_along:
     def reference(x, indices, *, axis):
         return contiguous(x[_along_index("take_along", x, indices, axis)])
 
+    def vjp(b, cts, xs, ys, *, axis):
+        """Scatter-add: an index taken twice gets both cotangents."""
+        x, indices = xs
+        return [b.scatter_along(zeros(b, b.type_of(x)), indices, cts[0], axis=axis, mode="add"),
+                None]
+
 
 @defop("scatter_along", family="shape", kind=PRIMITIVE, num_operands=3,
        attrs={"axis": REQUIRED, "mode": "add"})
@@ -322,4 +462,27 @@ class scatter_along:
         else:
             out[where] = src
         return out
+
+    def vjp(b, cts, xs, ys, *, axis, mode):
+        """add: x gets the cotangent, updates gather it. set: the written positions of x
+        get nothing, and of updates written to one position only the one that landed
+        gets the cotangent (found by scattering update ids with the same scatter)."""
+        x, indices, updates = xs
+        ct, it = cts[0], b.type_of(indices)
+        gathered = b.take_along(ct, indices, axis=axis)
+        if mode == "add":
+            ct_x, ct_u = ct, gathered
+        else:
+            ids = reshape_to(b, b.iota(dtype=dt.int64, shape=(numel(it.shape),)), it.shape)
+            landed = b.scatter_along(b.full(-1, dt.int64, b.type_of(x).shape), indices, ids,
+                                     axis=axis, mode="set")
+            won = b.eq(b.take_along(landed, indices, axis=axis), ids)
+            nothing = zeros(b, b.type_of(gathered))
+            ct_u = b.select(won, gathered, nothing)
+            ct_x = b.scatter_along(ct, indices, nothing, axis=axis, mode="set")
+        # updates may be larger than indices; the rest of it is unused
+        u_shape = b.type_of(updates).shape
+        ct_u = pad_zeros(b, ct_u, [0] * len(u_shape),
+                         [size(u - n) for u, n in zip(u_shape, it.shape)])
+        return [ct_x, None, ct_u]
 
