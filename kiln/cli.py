@@ -39,7 +39,10 @@ examples:
   kiln dump mlp.kir --format dot > mlp.dot && dot -Tsvg mlp.dot -o mlp.svg
   kiln dump mlp.kir --stage optimized       # fusion groups
   kiln dump mlp.kir --stage kernels         # Kernel IR
-  kiln dump mlp.kir --stage source --target cpu   # LLVM IR"""
+  kiln dump mlp.kir --stage source --target cpu   # LLVM IR
+  kiln dump mlp.kir --stage source --target cuda  # Triton source
+  kiln dump mlp.kir --stage asm --target cuda:sm_100   # PTX, built without a GPU
+  kiln dump mlp.kir --stage asm --target rocm     # AMDGCN (gfx942)"""
 
 
 def register(subparsers) -> None:
@@ -57,7 +60,10 @@ def register(subparsers) -> None:
     dump.add_argument("--stage", default="exported", metavar="NAME",
                       help="compiler stage to show (default: exported); one of: "
                       + ", ".join(_stage_names()))
-    dump.add_argument("--target", default="cpu", help="backend for code stages (default: cpu)")
+    dump.add_argument("--target", default="cpu",
+                      help="backend for code stages (default: cpu): cpu, cuda or rocm, optionally with "
+                           "an architecture (cuda:sm_80|sm_90|sm_100, rocm:gfx90a|gfx942|gfx950); "
+                           "cuda/rocm also show the stages ttir, ttgir, llir")
     dump.set_defaults(handler=dump_command)
 
     run = subparsers.add_parser(

@@ -2,8 +2,11 @@
 
 Each backend has `supports(target)` and `compile_many(kernels) -> [fn, ...]` (one per
 kernel, in order) where `fn(arrays, sizes)` runs the kernel in place. "cpu" is the LLVM backend; "reference"
-runs Kernel IR with numpy (the oracle, and a way to test lowering without LLVM).
-GPU backends are imported only when asked for, so `import kiln` stays fast.
+runs Kernel IR with numpy (the oracle, and a way to test lowering without LLVM);
+"cuda" and "rocm" are the Triton backend (kiln/codegen/triton), optionally with an
+architecture: "cuda:sm_100", "rocm:gfx950" (default sm_90 / gfx942 ahead of time, the
+GPU present when running). GPU backends are imported only when asked for, so
+`import kiln` stays fast.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class ReferenceBackend:
         return format_kernel(kernel)
 
 
-TARGETS = ("cpu", "reference")
+TARGETS = ("cpu", "reference", "cuda", "rocm")
 
 
 @lru_cache(maxsize=None)
@@ -48,5 +51,11 @@ def get_backend(target: str):
         from kiln.codegen.cpu.backend import CpuBackend
 
         return CpuBackend()
+    from kiln.codegen.triton.targets import supports
+
+    if supports(target):
+        from kiln.codegen.triton.backend import TritonBackend
+
+        return TritonBackend(target)
     raise KilnArgumentError(f"compile: unknown backend {target!r}; kiln compiles for "
-                            f"{', '.join(TARGETS)} here")
+                            f"{', '.join(TARGETS)} (and 'cuda:ARCH' / 'rocm:ARCH', e.g. 'cuda:sm_100')")

@@ -3,8 +3,10 @@
 Graph stages are the pass pipeline's own names (decompose, canonicalize, ...,
 fuse); `optimized` is the fused graph, `kernels` the Kernel IR, `program` the
 runtime steps with the memory plan, and `source` / `llvm-optimized` / `asm` the
-backend's code. Other layers add stages with `register_stage` (the distributed
-scheduler adds `scheduled`), so the pipeline itself is the documentation.
+backend's code (for `--target cuda|rocm`: the Triton source, LLVM IR and PTX/AMDGCN).
+A backend's own stage names work too (`ttir`, `ttgir`, `llir` for cuda/rocm). Other
+layers add stages with `register_stage` (the distributed scheduler adds `scheduled`),
+so the pipeline itself is the documentation.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ BUILTIN_HELP = {
     "optimized": "after the graph passes, fusion groups marked as `fused` nodes",
     "kernels": "Kernel IR: one kernel per fusion group",
     "program": "the runtime program: steps over buffers and the memory plan",
-    "source": "generated code (LLVM IR for cpu)",
-    "llvm-optimized": "LLVM IR after LLVM's optimization pipeline (cpu)",
-    "asm": "machine code as assembly (cpu)",
+    "source": "generated code (LLVM IR for cpu, Triton for cuda/rocm)",
+    "llvm-optimized": "LLVM IR after LLVM's optimization pipeline (cpu; Triton's LLVM IR for cuda/rocm)",
+    "asm": "machine code as assembly (cpu; PTX for cuda, AMDGCN for rocm)",
 }
 
 
@@ -62,11 +64,18 @@ def render_stage(graph: Graph, stage: str, target: str = "cpu") -> str:
         return str(graph)
     if stage in _EXTRA:
         return _EXTRA[stage][0](graph, target)
-    if stage not in stage_names():
-        raise KilnArgumentError(f"unknown stage {stage!r}; stages are {', '.join(stage_names())}")
+    from kiln.codegen.backends import get_backend
+
+    backend = get_backend(target)
+    own = tuple(getattr(backend, "stages", ()))
+    if stage not in stage_names() and stage not in own:
+        extra = f" (and {', '.join(own)} for target {target!r})" if own else ""
+        raise KilnArgumentError(f"unknown stage {stage!r}; stages are {', '.join(stage_names())}{extra}")
     from kiln.frontend.compile import compile_graph
 
-    compiled = compile_graph(graph, target)
+    # Kernel IR does not depend on the target: lower once without building machine code
+    # (a GPU target compiles here without a GPU; its stages build ahead of time)
+    compiled = compile_graph(graph, "reference")
     if stage in compiled.stages:
         return str(compiled.stages[stage])
     if stage == "optimized":
@@ -78,11 +87,10 @@ def render_stage(graph: Graph, stage: str, target: str = "cpu") -> str:
         from kiln.codegen.kernel_ir import format_kernel
 
         return "\n\n".join(format_kernel(k) for k in kernels.values()) + "\n"
-    from kiln.codegen.backends import get_backend
-
-    backend = get_backend(target)
-    backend_stage = {"source": "llvm", "llvm-optimized": "optimized", "asm": "asm"}[stage]
+    mapping = getattr(backend, "dump_stages", {"source": "llvm", "llvm-optimized": "optimized", "asm": "asm"})
+    backend_stage = stage if stage in own and stage not in mapping else mapping[stage]
+    comment = backend.comment(backend_stage) if hasattr(backend, "comment") else ";"
     parts = []
     for name, kernel in kernels.items():
-        parts.append(f"; ---- kernel {name} ----\n{backend.stage_text(kernel, backend_stage)}")
+        parts.append(f"{comment} ---- kernel {name} ----\n{backend.stage_text(kernel, backend_stage)}")
     return "\n".join(parts) + "\n"
