@@ -177,7 +177,7 @@ class GraphBuilder(Emitter):
     def __init__(self, graph: Graph | None = None):
         self.graph = graph if graph is not None else Graph()
         self.regions: list[Region] = [self.graph.body]
-        self._constant_ids: dict[int, Value] = {}
+        self._constant_ids: dict[int, tuple[np.ndarray, Value]] = {}
 
     @property
     def region(self) -> Region:
@@ -194,9 +194,13 @@ class GraphBuilder(Emitter):
         return value
 
     def constant(self, array: np.ndarray) -> Value:
+        # keyed by identity, so the entry keeps the array alive: a freed temporary's id
+        # may be reused by another array later in the same trace
         key = id(array)
-        if key in self._constant_ids:
-            return self._constant_ids[key]
+        hit = self._constant_ids.get(key)
+        if hit is not None and hit[0] is array:
+            return hit[1]
+        source = array
         array = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes 0-d 1-d
         name = f"c{len(self.graph.constants)}"
         while name in self.graph.constants:
@@ -204,7 +208,7 @@ class GraphBuilder(Emitter):
         self.graph.constants[name] = array
         value = self.call("constant", name=name, dtype=dt.from_numpy(array.dtype),
                           shape=tuple(array.shape))
-        self._constant_ids[key] = value
+        self._constant_ids[key] = (source, value)
         return value
 
     def apply(self, op: str, operands: Sequence[Any], attrs: dict[str, Any],

@@ -1,3 +1,3 @@
 """Every op kiln knows, one family per module; importing this package registers them."""
 
-from kiln.ir.ops import autodiff, collective, control, creation, elementwise, fusion, linalg, nn, reduction, shape  # noqa: F401
+from kiln.ir.ops import autodiff, collective, control, creation, elementwise, fusion, linalg, moe, nn, reduction, shape  # noqa: F401
