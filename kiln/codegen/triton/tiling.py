@@ -1,9 +1,11 @@
 """Block sizes, warps and pipeline stages for a generated kernel: `_tiles`.
 
-Fixed, sensible defaults of the kind TorchInductor and Triton's tutorials use, shrunk
-to the problem where a size is static. This is the one function the analytical tile
-selector (kiln/codegen/triton/tile_selector.py, `select_tiles(kind, m, n, k, dtype,
-target)`) replaces: its arguments are the selector's, and the emitter reads only the
+Float GEMMs take the analytical tile selector's first choice
+(kiln/codegen/triton/tile_selector.py: rooflines, wave quantization, shared-memory and
+register limits of the target). Pointwise kernels, reductions and integer GEMMs use
+fixed, sensible defaults of the kind TorchInductor and Triton's tutorials use, shrunk to
+the problem where a size is static: their block shapes also decide the emitted form
+(persistent or looped reduction), which the emitter owns. The emitter reads only the
 returned `Tiles`.
 
 Kinds and what m, n, k mean:
@@ -72,7 +74,12 @@ def _tiles(kind: str, m: int | None, n: int | None, k: int | None, dtype, target
         rblock = max(2, next_pow2(k)) if persistent else 16
         return Tiles({"XBLOCK": xblock, "RBLOCK": rblock}, _warps(xblock * rblock), 1)
     if kind == "gemm":
-        return _gemm_tiles(m, n, k, dtype, stages)
+        if getattr(dtype, "is_floating", False):
+            from kiln.codegen.triton.tile_selector import select_tiles
+
+            best = select_tiles("gemm", m, n, k, dtype, target)[0]
+            return Tiles(best.blocks("gemm"), best.num_warps, best.num_stages)
+        return _gemm_tiles(m, n, k, dtype, stages)  # integer GEMMs: outside the model
     raise ValueError(f"unknown kernel kind {kind!r}")
 
 

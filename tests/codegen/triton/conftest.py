@@ -45,7 +45,8 @@ def aot_kinds(tmp_path_factory):
         "full_persistent": K.full_sum(rows=7),
         "full_looped": K.full_sum(),
         "gemm_f32": K.gemm(),
-        "gemm_f16": K.gemm(dt.float16, m=256, n=256, k=128, epilogue="residual"),
+        # large enough that the tile selector picks tensor-core tiles (wgmma / MFMA)
+        "gemm_f16": K.gemm(dt.float16, m=1024, n=1024, k=512, epilogue="residual"),
     }
     old = os.environ.get("KILN_CACHE_DIR")
     os.environ["KILN_CACHE_DIR"] = str(tmp_path_factory.mktemp("aot-cache"))
