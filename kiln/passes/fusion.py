@@ -310,14 +310,14 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
     owner = {id(v): g for g in groups for v in g.values}
 
     def depends(a: _Group, b: _Group) -> bool:
-        """Does `a` read, directly or through other groups, a value `b` makes?"""
+        """Does `a` read, directly or through other groups or unfused nodes (a loop,
+        a library call), a value `b` makes?"""
         stack, seen = [a], {id(a)}
         while stack:
-            for value in reads[id(stack.pop())]:
-                g = owner.get(value)
+            for g in _source_groups(reads[id(stack.pop())], owner, analysis):
                 if g is b:
                     return True
-                if g is not None and id(g) not in seen:
+                if id(g) not in seen:
                     seen.add(id(g))
                     stack.append(g)
         return False
@@ -336,6 +336,26 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
         for v in g.values:
             owner[id(v)] = host
     return out
+
+
+def _source_groups(values: set[int], owner: dict, analysis: _Analysis) -> list:
+    """The groups that make `values`, looking through nodes no group owns (control
+    flow, externs, collectives) to the groups their operands come from."""
+    found, stack, seen = [], list(values), set(values)
+    while stack:
+        v = stack.pop()
+        g = owner.get(v)
+        if g is not None:
+            found.append(g)
+            continue
+        node = analysis.producer.get(v)
+        if node is None:
+            continue
+        for o in node.operands:
+            if id(o) not in seen:
+                seen.add(id(o))
+                stack.append(id(o))
+    return found
 
 
 def _prune(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> None:
@@ -363,12 +383,18 @@ def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Gr
     while True:
         deps: dict[int, set[int]] = {k: set() for k in range(len(groups))}
         owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
+        by_group = {id(v): groups[k] for v, k in owner.items()}
+        index = {id(g): k for k, g in enumerate(groups)}
         for k, g in enumerate(groups):
             for n in g.nodes(analysis, mat):
                 for operand in n.operands:
                     j = owner.get(id(operand))
                     if j is not None and j != k and id(operand) in mat:
                         deps[k].add(j)
+                    elif j is None:  # made by an unfused node: depend on what it reads
+                        deps[k].update(index[id(h)] for h in
+                                       _source_groups({id(operand)}, by_group, analysis)
+                                       if h is not g)
         try:
             order = list(graphlib.TopologicalSorter(deps).static_order())
             return [groups[k] for k in order]
