@@ -105,7 +105,8 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default") -> 
     target = get_backend(backend)
     names = list(program.kernels)
     compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
-    executable = Executable(program, dict(zip(names, compiled)))
+    externs = target.externs() if hasattr(target, "externs") else {}
+    executable = Executable(program, dict(zip(names, compiled)), externs=externs)
     return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages)
 
 
@@ -365,7 +366,17 @@ def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "de
     if fn is None:
         return lambda f: compile(f, backend=backend, mode=mode, fullgraph=fullgraph,
                                  dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit)
-    if hasattr(fn, "parameters") and hasattr(fn, "forward") and callable(fn):
-        fn = fn.__call__  # a kn.nn.Module compiles through its forward pass
+    if _is_module(fn):  # parameters and buffers become graph inputs: see kiln/nn/compiled.py
+        from kiln.nn.compiled import CompiledModule
+
+        return CompiledModule(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
     return CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
+
+
+def _is_module(fn) -> bool:
+    """Whether `fn` is a kn.nn.Module (an object of a never-imported kiln.nn cannot be)."""
+    import sys
+
+    nn_module = sys.modules.get("kiln.nn.module")
+    return nn_module is not None and isinstance(fn, nn_module.Module)
 

@@ -140,6 +140,14 @@ class TritonBackend:
         return "//"
 
     # -- running ------------------------------------------------------------------------
+    def externs(self) -> dict:
+        """Ops this backend runs itself rather than through their numpy reference: the
+        MoE grouped GEMMs, one persistent Triton launch each (kiln/codegen/triton/grouped_gemm.py)."""
+        from kiln.codegen.triton import grouped_gemm
+
+        return {"grouped_matmul": grouped_gemm.run_grouped_matmul,
+                "grouped_matmul_dw": grouped_gemm.run_grouped_matmul_dw}
+
     def compile_many(self, kernels: Sequence[AnyKernel]) -> list:
         """Callables `fn(arrays, sizes)` running `kernels` on this machine's GPU (or through
         Triton's interpreter under TRITON_INTERPRET=1); K165 where neither is possible."""

@@ -511,6 +511,56 @@ def grouped_gemm_dw(x, y, group_sizes, *, out_dtype=None, config: Config | None 
     return out
 
 
+# -- kiln's `grouped_matmul` ops run by the cuda/rocm backend (the executor's externs) ----
+
+
+def _device() -> str:
+    from kiln.codegen.triton.runtime import interpreter_active
+
+    return "cpu" if interpreter_active() else "cuda"  # ROCm torch names its GPUs "cuda" too
+
+
+def _to_torch(array: np.ndarray, device: str):
+    from kiln.codegen.triton.runtime import _torch_view
+    from kiln.ir import dtypes as dt
+
+    array = np.ascontiguousarray(array)
+    tensor = _torch_view(array, dt.from_numpy(array.dtype)).reshape(array.shape)
+    return tensor if device == "cpu" else tensor.to(device)
+
+
+def _to_numpy(tensor, like: np.dtype) -> np.ndarray:
+    import torch
+
+    from kiln.codegen.triton.runtime import _TORCH_VIEWS
+    from kiln.ir import dtypes as dt
+
+    tensor = tensor.detach().to("cpu").contiguous()
+    short = dt.from_numpy(like).short
+    if short in _TORCH_VIEWS:
+        return tensor.view(getattr(torch, _TORCH_VIEWS[short][0])).numpy().view(like)
+    return tensor.numpy()
+
+
+def run_grouped_matmul(arrays: list, attrs: dict) -> list:
+    """`grouped_matmul` on numpy arrays through the persistent kernel (a GPU, or Triton's
+    interpreter under TRITON_INTERPRET=1); the output has the inputs' dtype."""
+    x, w, sizes = arrays
+    device = _device()
+    y = grouped_gemm(_to_torch(x, device), _to_torch(w, device), _to_torch(sizes, device),
+                     transpose_rhs=attrs.get("transpose_rhs", False), out_dtype=dtype_name(x.dtype))
+    return [_to_numpy(y, x.dtype)]
+
+
+def run_grouped_matmul_dw(arrays: list, attrs: dict) -> list:
+    """`grouped_matmul_dw` (per-expert x_e^T @ y_e) through the persistent kernel."""
+    x, y, sizes = arrays
+    device = _device()
+    z = grouped_gemm_dw(_to_torch(x, device), _to_torch(y, device), _to_torch(sizes, device),
+                        out_dtype=dtype_name(x.dtype))
+    return [_to_numpy(z, x.dtype)]
+
+
 def balanced_sizes(tokens: int, experts: int) -> np.ndarray:
     """Group sizes of `tokens` spread as evenly as possible over `experts`."""
     base, extra = divmod(int(tokens), int(experts))
