@@ -383,7 +383,7 @@ def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Gr
     while True:
         deps: dict[int, set[int]] = {k: set() for k in range(len(groups))}
         owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
-        by_group = {id(v): groups[k] for v, k in owner.items()}
+        by_group = {vid: groups[k] for vid, k in owner.items()}
         index = {id(g): k for k, g in enumerate(groups)}
         for k, g in enumerate(groups):
             for n in g.nodes(analysis, mat):

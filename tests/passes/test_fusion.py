@@ -468,3 +468,22 @@ def test_groups_never_depend_on_each_other_through_an_unfused_node(name):
     for a, b in zip(got, run_graph(graph, *args)):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_a_reduction_group_is_split_when_its_values_depend_on_each_other_through_views():
+    # the backward of causal attention: softmax forward and backward share one domain,
+    # but the backward reads (through reshapes and GEMMs) what the forward feeds: one
+    # kernel cannot compute both, and the cycle runs through unfused reshape nodes
+    x, w = kn.randn(3, 7, 16, seed=0), kn.randn(48, 16, seed=3)
+
+    def loss(x, w):
+        q, k, v = kn.split(x @ w.T, 16, dim=-1)
+        q, k, v = (z.reshape(3, 7, 4, 4).transpose(1, 2) for z in (q, k, v))
+        o = kn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (o.transpose(1, 2).reshape(3, 7, 16) ** 2).mean()
+
+    got = kn.compile(kn.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    want = kn.value_and_grad(loss, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
