@@ -1,0 +1,310 @@
+"""One training step (forward + MSE loss + backward + AdamW) of an MLP with GELU, LayerNorm
+and Dropout: kiln compiled against the same step in kiln eager mode, torch eager and
+torch.compile, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_train.py [--quick] [--out benchmarks/results/cpu.md]
+
+The kiln step is the one of examples/train_mlp.py: `kn.compile` of a function that calls
+`kn.value_and_grad` of a `functional_call` loss and `AdamW.update`, so forward, backward
+and the optimizer are one program. torch runs the same model (same weights) with
+`loss.backward()` and `torch.optim.AdamW` (foreach off, as on CPU by default);
+torch.compile compiles the model (forward and, through AOTAutograd, backward) and keeps
+the optimizer eager, the usual recipe. Peers are optional (`pip install torch==2.13.0`).
+Every number is a median over repeated steps after warm-up, each implementation in its
+own process; first-call times include tracing and compiling with empty caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import kiln as kn
+from kiln import nn, optim
+from kiln.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_section  # noqa: E402
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu.md")
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int, hidden: int, d_out: int, p: float, seed: int = 0):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(d_in, hidden, seed=seed), nn.GELU(), nn.LayerNorm(hidden), nn.Dropout(p),
+            nn.Linear(hidden, hidden, seed=seed + 1), nn.GELU(), nn.LayerNorm(hidden))
+        self.head = nn.Linear(hidden, d_out, seed=seed + 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def torch_mlp(d_in, hidden, d_out, p):
+    import torch
+
+    class TorchMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(
+                torch.nn.Linear(d_in, hidden), torch.nn.GELU(), torch.nn.LayerNorm(hidden),
+                torch.nn.Dropout(p), torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+                torch.nn.LayerNorm(hidden))
+            self.head = torch.nn.Linear(hidden, d_out)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    return TorchMLP()
+
+
+def workloads(quick: bool):
+    """(label, batch, d_in, hidden, d_out)."""
+    yield "MLP 32 -> 128 -> 128 -> 8, batch 128 (examples/train_mlp.py)", 128, 32, 128, 8
+    if quick:
+        yield "MLP 256 -> 512 -> 512 -> 256, batch 256", 256, 256, 512, 256
+    else:
+        yield "MLP 512 -> 1024 -> 1024 -> 512, batch 512", 512, 512, 1024, 512
+
+
+def kiln_step_fn(model, opt):
+    def loss_fn(params, x, y, key):
+        with nn.rng(key):
+            return F.mse_loss(nn.functional_call(model, params, x), y)
+
+    def step(params, state, x, y, key):
+        loss, grads = kn.value_and_grad(loss_fn)(params, x, y, key)
+        params, state = opt.update(grads, state, params)
+        return params, state, loss
+
+    return step
+
+
+def timings(fn, repeat: int, warmup: int) -> tuple[float, float]:
+    """(median, minimum) wall time of `fn()` in seconds: the median is the headline; the
+    minimum is the one a machine shared with other jobs disturbs least."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), float(np.min(times))
+
+
+def measure_kiln(model, x, y, repeat, eager_repeat):
+    """(compiled (median, min) s/step, first call s, eager (median, min) s/step, max rel.
+    diff of the parameters compiled vs eager)."""
+    opt = optim.AdamW(lr=1e-3)
+    step = kiln_step_fn(model, opt)
+    compiled = kn.compile(step)
+    keys = [nn.random.fold_in(nn.random.key(0), i) for i in range(3)]
+    params = dict(model.named_parameters())
+    state = opt.init(params)
+    t0 = time.perf_counter()
+    compiled(params, state, x, y, keys[0])
+    first = time.perf_counter() - t0
+    # correctness: three steps compiled and eager from the same start, same keys
+    pc, sc, pe, se = params, state, params, state
+    for key in keys:
+        pc, sc, _ = compiled(pc, sc, x, y, key)
+        pe, se, _ = step(pe, se, x, y, key)
+    diff = max(float(np.max(np.abs(pc[k].numpy() - pe[k].numpy()))
+                     / max(1e-6, float(np.max(np.abs(pe[k].numpy()))))) for k in pe)
+    carry = [pc, sc]
+
+    def run_compiled():
+        carry[0], carry[1], _ = compiled(carry[0], carry[1], x, y, keys[0])
+
+    def run_eager():
+        carry[0], carry[1], _ = step(carry[0], carry[1], x, y, keys[0])
+
+    return (timings(run_compiled, repeat, warmup=3), first,
+            timings(run_eager, eager_repeat, warmup=1), diff)
+
+
+def measure_torch(model, x, y, repeat, use_compile):
+    """((median, min) s/step, first call s) of torch eager, or of torch.compile(model)."""
+    import torch
+
+    tmodel = torch_mlp(*_dims(model))
+    tmodel.load_state_dict({k: torch.tensor(np.array(v.numpy()))
+                            for k, v in model.state_dict().items()})
+    run_model = torch.compile(tmodel) if use_compile else tmodel
+    opt = torch.optim.AdamW(tmodel.parameters(), lr=1e-3)
+    tx, ty = torch.tensor(x.numpy()), torch.tensor(y.numpy())
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(run_model(tx), ty)
+        loss.backward()
+        opt.step()
+
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    return timings(step, repeat, warmup=3), first
+
+
+def _dims(model):
+    return (model.body[0].in_features, model.body[0].out_features, model.head.out_features,
+            model.body[3].p)
+
+
+def fresh_caches() -> None:
+    root = tempfile.mkdtemp(prefix="bench-train-caches-")
+    for var in ("KILN_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        os.environ[var] = os.path.join(root, var.lower())
+
+
+def run_worker(impl: str, index: int, quick: bool) -> dict:
+    """One implementation on one workload, in this process (see `measure`)."""
+    label, batch, d_in, hidden, d_out = list(workloads(quick))[index]
+    model = MLP(d_in, hidden, d_out, p=0.1)
+    x = kn.randn(batch, d_in, seed=1)
+    y = kn.randn(batch, d_out, seed=2)
+    repeat, eager_repeat = (10, 2) if quick else (30, 5)
+    if impl == "kiln":
+        compiled, first, eager, diff = measure_kiln(model, x, y, repeat, eager_repeat)
+        return {"kiln compiled": compiled[0], "kiln compiled min": compiled[1],
+                "kiln first call": first, "kiln eager": eager[0], "kiln eager min": eager[1],
+                "rel diff": diff}
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    if impl == "torch":
+        (med, low), _ = measure_torch(model, x, y, repeat, use_compile=False)
+        return {"torch eager": med, "torch eager min": low}
+    (med, low), first = measure_torch(model, x, y, repeat, use_compile=True)
+    return {"torch.compile": med, "torch.compile min": low, "torch.compile first call": first}
+
+
+def measure(impl: str, index: int, quick: bool) -> dict:
+    """Run one implementation in a fresh process: kiln's and torch's thread pools spin
+    after their work, and on a small machine one would slow the other down."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--index", str(index)]
+    done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return {f"{impl} error": last[:80]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    fresh_caches()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller second model, fewer repeats")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="results file ('' to only print)")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        import json
+
+        print(json.dumps(run_worker(args.worker, args.index, args.quick)))
+        return 0
+    impls = ["kiln"]
+    if not args.no_peers:
+        try:
+            import torch  # noqa: F401
+
+            impls += ["torch"] + ([] if args.no_torch_compile else ["torch.compile"])
+        except ImportError:
+            pass
+    rows = []
+    for index, (label, batch, d_in, hidden, d_out) in enumerate(workloads(args.quick)):
+        row = {"workload": label,
+               "flops": 3 * 2 * batch * (d_in * hidden + hidden * hidden + hidden * d_out)}
+        for impl in impls:
+            row.update(measure(impl, index, args.quick))
+        rows.append(row)
+        print(render_row(row), flush=True)
+    table = render(rows, args)
+    print(table)
+    if args.out:
+        write_section(args.out, "bench_train", table)
+    return 0
+
+
+COLS = ["kiln compiled", "kiln eager", "torch eager", "torch.compile"]
+
+
+def render_row(r) -> str:
+    return f"| {r['workload']} | " + " | ".join(
+        f"{r[c] * 1e3:.3f}" if c in r else "—" for c in COLS) + " |"
+
+
+def render(rows, args) -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    load = os.getloadavg()
+    versions = f"numpy {np.__version__}" + "".join(
+        f", {m} {sys.modules[m].__version__}" for m in ("torch",) if m in sys.modules)
+    lines = [
+        "## Training step: kiln.compile vs kiln eager, torch eager and torch.compile (bench_train.py)",
+        "",
+        f"- command: `.venv/bin/python benchmarks/bench_train.py{' --quick' if args.quick else ''}`",
+        f"- machine: {os.cpu_count()} cores, {cpu}; load average at the end {load[0]:.2f}",
+        f"- date: {datetime.date.today().isoformat()}; {versions}",
+        "- step: forward (Linear, GELU, LayerNorm, Dropout 0.1, Linear, GELU, LayerNorm, Linear) "
+        "+ MSE + backward + AdamW; kiln: `kn.compile` of `value_and_grad` + `AdamW.update` "
+        "(one program), torch: `loss.backward()` + `torch.optim.AdamW`, torch.compile: "
+        "`torch.compile(model)` with the optimizer eager",
+        "",
+        "Median milliseconds per step (lower is better).",
+        "",
+        "| workload | " + " | ".join(COLS) + " | kiln compiled GFLOP/s | eager / compiled "
+        "| best torch / kiln | compiled vs eager (params after 3 steps) |",
+        "|---" * (len(COLS) + 5) + "|",
+    ]
+    for r in rows:
+        cells = [f"{r[c] * 1e3:.3f}" if c in r else "—" for c in COLS]
+        if "kiln compiled" not in r:
+            lines.append(f"| {r['workload']} | " + " | ".join(cells) + " | — | — | — | "
+                         f"{r.get('kiln error', '—')} |")
+            continue
+        peers = [r[c] for c in ("torch eager", "torch.compile") if c in r]
+        ratio = f"{min(peers) / r['kiln compiled']:.2f}x" if peers else "—"
+        lines.append(f"| {r['workload']} | " + " | ".join(cells)
+                     + f" | {r['flops'] / r['kiln compiled'] / 1e9:.1f}"
+                     + f" | {r['kiln eager'] / r['kiln compiled']:.0f}x | {ratio} | "
+                     + f"{r['rel diff']:.1e} |")
+    lines += ["", "Fastest step (minimum over the same repeats), milliseconds: less disturbed by "
+              "other jobs on a shared machine than the median.", "",
+              "| workload | " + " | ".join(COLS) + " | best torch / kiln |",
+              "|---" * (len(COLS) + 2) + "|"]
+    for r in rows:
+        lows = {c: r.get(f"{c} min") for c in COLS}
+        cells = [f"{v * 1e3:.3f}" if v is not None else "—" for v in lows.values()]
+        peers = [lows[c] for c in ("torch eager", "torch.compile") if lows[c] is not None]
+        ratio = f"{min(peers) / lows['kiln compiled']:.2f}x" if peers and lows["kiln compiled"] \
+            else "—"
+        lines.append(f"| {r['workload']} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "First-call times (trace + compile + first step, caches empty), seconds:", "",
+              "| workload | kiln | torch.compile |", "|---|---|---|"]
+    for r in rows:
+        tc = f"{r['torch.compile first call']:.2f}" if "torch.compile first call" in r else \
+            r.get("torch.compile error", "—")
+        if "kiln compiled" not in r:
+            lines.append(f"| {r['workload']} | {r.get('kiln error', '—')} | {tc} |")
+            continue
+        lines.append(f"| {r['workload']} | {r['kiln first call']:.2f} | {tc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

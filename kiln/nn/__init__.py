@@ -1,0 +1,22 @@
+"""`kiln.nn`: modules (layers with their weights) in PyTorch's shape, trained the JAX way.
+
+    >>> from kiln import nn
+    >>> model = nn.Sequential(nn.Linear(4, 32, seed=0), nn.GELU(), nn.Linear(32, 1, seed=1))
+    >>> params = dict(model.named_parameters())       # a pytree kn.grad differentiates
+    >>> y = nn.functional_call(model, params, x)       # forward with those tensors
+
+See docs/nn.md for the guide: modules, state dicts, Dropout keys, optimizers and a
+compiled training step.
+"""
+
+from kiln.nn import functional, init, random  # noqa: F401
+from kiln.nn.attention import MultiheadAttention  # noqa: F401
+from kiln.nn.layers import (  # noqa: F401
+    GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU, RMSNorm, Sigmoid, SiLU, Softmax,
+    Tanh,
+)
+from kiln.nn.module import (  # noqa: F401
+    IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential, functional_call,
+)
+from kiln.nn.random import rng  # noqa: F401
+from kiln.nn.compiled import CompiledModule  # noqa: F401

@@ -1,0 +1,112 @@
+"""`kn.compile(module)`: the module's forward, compiled, with its parameters and buffers
+passed in as graph inputs on every call.
+
+Because the weights are inputs and not constants, an optimizer step, `load_state_dict`
+or any reassignment of a parameter takes effect on the next call without recompiling.
+The guard of each specialization also holds the train/eval mode of every submodule, so
+`model.eval()` compiles (once) a second program. Layers that draw randomness (Dropout
+in training mode) get their key as an input too: a fresh one per call from kiln's
+global stream, or, inside `with nn.rng(key):`, the same keys an eager call would draw.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from kiln.frontend.compile import CompiledFunction
+from kiln.nn import random
+from kiln.nn.module import Module, functional_call
+
+_OWN_ARGS = ("module_state", "module_modes", "rng_key", "forward_kwargs")
+
+
+class CompiledModule:
+    """What `kn.compile(module)` returns: call it like the module.
+
+    >>> fast = kn.compile(model)
+    >>> fast(x)                      # compiled on the first call
+    >>> model.load_state_dict(sd)    # new weights: the same compiled program runs them
+    >>> fast.stats()["compiles"]
+    1
+    """
+
+    def __init__(self, module: Module, backend: str = "cpu", mode: str = "default",
+                 fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8) -> None:
+        self.__dict__["module"] = module
+        forward = module.forward
+        if dynamic_shapes is None:
+            dynamic_shapes = getattr(forward, "__kiln_dynamic_spec__", None)
+        if isinstance(dynamic_shapes, (list, tuple)):  # by position of forward's arguments
+            dynamic_shapes = (None,) * len(_OWN_ARGS) + tuple(dynamic_shapes)
+
+        def run(module_state, module_modes, rng_key, forward_kwargs, *args):
+            if rng_key is None:
+                return functional_call(module, module_state, *args, **forward_kwargs)
+            key, *start = rng_key  # (key,) or (key, the caller's stream position)
+            with random.rng(key, start[0] if start else 0) as stream:
+                out = functional_call(module, module_state, *args, **forward_kwargs)
+            return out, stream.draws  # how far the caller's stream moves
+
+        run.__name__ = type(module).__name__ if type(module).__name__.isidentifier() else "module"
+        run.__signature__ = _signature(forward)
+        self.__dict__["_compiled"] = CompiledFunction(run, backend, mode, fullgraph, dynamic_shapes,
+                                                      recompile_limit)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        modules = list(module.modules())
+        modes = "".join("t" if m.training else "e" for m in modules)
+        state = dict(module._named_tensors(("param", "buffer", "transient")))
+        if not any(m._needs_rng() for m in modules):
+            return self._compiled(state, modes, None, kwargs, *args)
+        from kiln.frontend.factories import _key, tensor
+        from kiln.ir import dtypes as dt
+
+        outer = random.current_stream()
+        if outer is not None and not _is_traced(outer.key):
+            # continue the caller's `nn.rng` block exactly as an eager call would (the
+            # position is a tensor, so it folds in with Threefry built from kiln ops)
+            start = outer.start + outer.draws
+            rng = (outer.key, tensor(start, dtype=dt.uint32))
+        else:  # no eager stream to continue: a fresh key from the global one
+            outer, rng = None, (tensor(_key(None)),)
+        out, draws = self._compiled(state, modes, rng, kwargs, *args)
+        if outer is not None:
+            outer.draws += int(draws)
+        return out
+
+    def stats(self) -> dict:
+        """The compiled function's cache statistics (see `CompiledFunction.stats`)."""
+        return self._compiled.stats()
+
+    def compiled_graphs(self) -> list:
+        return self._compiled.compiled_graphs()
+
+    def __getattr__(self, name: str):  # model attributes read through, as torch's wrapper
+        module = self.__dict__.get("module")
+        if module is None:  # during copy/unpickling, before __init__ ran
+            raise AttributeError(name)
+        return getattr(module, name)
+
+    def __repr__(self) -> str:
+        return f"CompiledModule({self.module!r})"
+
+
+def _is_traced(t) -> bool:
+    return getattr(t, "is_traced", False)
+
+
+def _signature(forward) -> inspect.Signature | None:
+    """(module_state, module_modes, rng_key, forward_kwargs, *forward's positional
+    parameters): a dynamic_shapes dict keyed by forward's argument names then lines up
+    with the compiled function's positions, and graph inputs carry forward's names."""
+    own = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in _OWN_ARGS]
+    try:
+        params = [p for p in inspect.signature(forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    if any(p.name in _OWN_ARGS for p in params):
+        params = []
+    rest = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_ONLY) for p in params]
+    return inspect.Signature(own + rest)

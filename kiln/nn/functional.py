@@ -1,0 +1,250 @@
+"""`kiln.nn.functional` (import as F): torch.nn.functional's names on kiln tensors.
+
+The activations, normalizations and attention are kiln's own functions, re-exported;
+the losses and `dropout`/`embedding` are written here with kiln ops, so everything
+differentiates with `kn.grad` and compiles with `kn.compile`.
+
+    >>> from kiln.nn import functional as F
+    >>> F.cross_entropy(logits, target, label_smoothing=0.1)
+"""
+
+from __future__ import annotations
+
+from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
+from kiln.ir import dtypes as dt
+from kiln.frontend.functional import (  # noqa: F401 - re-exported
+    conv2d, gelu, layer_norm, linear, log_softmax, relu, rms_norm, scaled_dot_product_attention,
+    sigmoid, silu, softmax, softplus, tanh,
+)
+from kiln.frontend.shape_ops import pad  # noqa: F401 - re-exported
+
+__all__ = [
+    "binary_cross_entropy_with_logits", "conv2d", "cross_entropy", "dropout", "embedding", "gelu",
+    "l1_loss", "layer_norm", "linear", "log_softmax", "mse_loss", "nll_loss", "pad", "relu",
+    "rms_norm", "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "softplus", "tanh",
+]
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _tensor(x):
+    """`x` as a tensor; inside a trace an eager tensor becomes a graph constant right away,
+    so what the loss derives from it (masks, gathered weights) is computed in the graph
+    rather than baked in as one constant per intermediate."""
+    from kiln.frontend.dispatch import current_builder
+    from kiln.frontend.functional import _tensor as as_tensor
+    from kiln.frontend.tensor import Tensor
+
+    t = as_tensor(x)
+    builder = current_builder()
+    if builder is not None and not t.is_traced:
+        return Tensor._make(builder.constant(t.numpy()), builder)
+    return t
+
+
+def _reduce(op: str, loss, reduction: str):
+    if reduction == "none":
+        return loss
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    raise KilnArgumentError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _check_same_shape(op: str, input, target):
+    if tuple(input.shape) != tuple(target.shape):
+        raise KilnShapeError(f"{op}: input {input.dtype.short}{list(input.shape)} and target "
+                             f"{target.dtype.short}{list(target.shape)} must have the same shape")
+
+
+def dropout(x, p: float = 0.5, training: bool = True, *, key=None, seed: int | None = None):
+    """Inverted dropout: zero each element with probability `p`, scale the rest by
+    1 / (1 - p); the identity when `training` is False.
+
+    The mask comes from `key` (a u32[2] tensor: a compiled function takes it as an
+    input), else from `seed`, else from the active `kn.nn.rng(key)` block, else from
+    kiln's global stream (eager only).
+    """
+    from kiln.frontend.dispatch import apply
+    from kiln.frontend.functional import _floating, ge, mul, to
+    from kiln.nn import random
+
+    if not 0.0 <= p <= 1.0:
+        raise KilnArgumentError(f"dropout: p must be in [0, 1], got {p}")
+    x = _floating(x)
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return mul(x, 0.0)
+    if key is None:
+        key = random.key(seed) if seed is not None else random.next_key()
+    u = apply("uniform", random._check_key(key), shape=tuple(x.shape), dtype=dt.float32)
+    return mul(x, mul(to(ge(u, float(p)), x.dtype), 1.0 / (1.0 - p)))
+
+
+def embedding(input, weight, padding_idx: int | None = None):
+    """Rows of `weight` [num_embeddings, dim] at the integer `input` indices: the result
+    is input.shape + [dim]. The row at `padding_idx` gets no gradient (torch's rule)."""
+    from kiln.frontend.functional import eq, where
+    from kiln.frontend.shape_ops import index_select, reshape, unsqueeze
+
+    idx = _tensor(input)
+    weight = _tensor(weight)
+    if not idx.dtype.is_integer:
+        raise KilnDTypeError(f"embedding: indices must be an integer tensor, got {idx.dtype}")
+    if weight.ndim != 2:
+        raise KilnShapeError(f"embedding: weight must be 2-D [num_embeddings, dim], got "
+                             f"{weight.dtype.short}{list(weight.shape)}")
+    rows = index_select(weight, 0, reshape(idx, (-1,)))
+    out = reshape(rows, tuple(idx.shape) + (weight.shape[1],))
+    if padding_idx is not None:
+        from kiln.frontend.autodiff import stop_gradient
+
+        pad = unsqueeze(eq(idx, padding_idx % weight.shape[0]), -1)
+        out = where(pad, stop_gradient(out), out)
+    return out
+
+
+def mse_loss(input, target, reduction: str = "mean"):
+    """Mean squared error: ((input - target) ** 2), reduced."""
+    input, target = _tensor(input), _tensor(target)
+    _check_same_shape("mse_loss", input, target)
+    diff = input - target
+    return _reduce("mse_loss", diff * diff, reduction)
+
+
+def l1_loss(input, target, reduction: str = "mean"):
+    """Mean absolute error: |input - target|, reduced."""
+    input, target = _tensor(input), _tensor(target)
+    _check_same_shape("l1_loss", input, target)
+    return _reduce("l1_loss", (input - target).abs(), reduction)
+
+
+def _class_dim(op: str, input) -> int:
+    if input.ndim == 0:
+        raise KilnShapeError(f"{op}: input must have a class dim, got a scalar")
+    return 0 if input.ndim == 1 else 1
+
+
+def _pick(logp, target, class_dim: int):
+    """logp[n, target[n], d...] along the class dim, as a masked sum over a one-hot
+    compare: its gradient is a `select`, which fuses into the softmax's kernel (a
+    gather's would be a scatter); the sum adds exact zeros, so the value is exact."""
+    from kiln.frontend.factories import arange
+    from kiln.frontend.functional import eq, where
+    from kiln.frontend.shape_ops import reshape, unsqueeze
+
+    classes = logp.shape[class_dim]
+    iota = reshape(arange(classes), tuple(classes if i == class_dim else 1 for i in range(logp.ndim)))
+    hit = eq(unsqueeze(target, class_dim), iota)
+    return where(hit, logp, 0.0).sum(dim=class_dim)
+
+
+def _class_weight_shape(ndim: int, class_dim: int, classes) -> tuple:
+    return tuple(classes if i == class_dim else 1 for i in range(ndim))
+
+
+def nll_loss(input, target, weight=None, ignore_index: int = -100, reduction: str = "mean"):
+    """Negative log likelihood of class indices `target` under log-probabilities `input`
+    ([N, C] or [N, C, d...], or [C] with a scalar target), as torch."""
+    return _indexed_loss("nll_loss", _tensor(input), target, weight, ignore_index, reduction, 0.0)
+
+
+def cross_entropy(input, target, weight=None, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0):
+    """Cross entropy of logits `input` ([N, C], [N, C, d...] or [C]) against class indices
+    (an integer `target` of shape [N] / [N, d...] / []) or class probabilities (a float
+    `target` shaped like `input`), with torch's `weight`, `ignore_index`, `reduction` and
+    `label_smoothing`.
+
+    >>> F.cross_entropy(kn.randn(4, 10, seed=0), kn.tensor([1, 0, 9, 3]))
+    """
+    from kiln.frontend.functional import log_softmax as log_softmax_fn
+
+    input, target = _tensor(input), _tensor(target)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise KilnArgumentError(f"cross_entropy: label_smoothing must be in [0, 1], got "
+                                f"{label_smoothing}")
+    class_dim = _class_dim("cross_entropy", input)
+    logp = log_softmax_fn(input, dim=class_dim)
+    if target.dtype.is_floating:
+        return _soft_loss(logp, target, weight, reduction, label_smoothing, class_dim)
+    return _indexed_loss("cross_entropy", logp, target, weight, ignore_index, reduction,
+                         label_smoothing)
+
+
+def _soft_loss(logp, target, weight, reduction, smoothing, class_dim):
+    from kiln.frontend.shape_ops import reshape
+
+    _check_same_shape("cross_entropy", logp, target)
+    classes = logp.shape[class_dim]
+    if smoothing:
+        target = target * (1.0 - smoothing) + smoothing / classes
+    terms = logp * target
+    if weight is not None:
+        terms = terms * reshape(_tensor(weight), _class_weight_shape(logp.ndim, class_dim, classes))
+    loss = -terms.sum(dim=class_dim)
+    if reduction == "mean":  # torch divides by the number of samples, weighted or not
+        return loss.mean() if loss.ndim else loss
+    return _reduce("cross_entropy", loss, reduction)
+
+
+def _indexed_loss(op, logp, target, weight, ignore_index, reduction, smoothing):
+    from kiln.frontend.functional import ne, to, where
+    from kiln.frontend.shape_ops import index_select, reshape
+
+    target = _tensor(target)
+    if not target.dtype.is_integer:
+        raise KilnDTypeError(f"{op}: class-index targets must be an integer tensor, got "
+                             f"{target.dtype} (float targets are class probabilities, shaped "
+                             "like the input)")
+    class_dim = _class_dim(op, logp)
+    expected = tuple(d for i, d in enumerate(logp.shape) if i != class_dim)
+    if tuple(target.shape) != expected:
+        raise KilnShapeError(f"{op}: target {target.dtype.short}{list(target.shape)} must have "
+                             f"shape {list(expected)} for input {logp.dtype.short}"
+                             f"{list(logp.shape)} (classes along dim {class_dim})")
+    if reduction not in _REDUCTIONS:
+        raise KilnArgumentError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    classes = logp.shape[class_dim]
+    valid = ne(target, ignore_index)
+    safe = where(valid, target, 0)  # an ignored target still needs an in-range index
+    keep = to(valid, logp.dtype)
+    picked = -_pick(logp, safe, class_dim)
+    if weight is not None:
+        weight = to(_tensor(weight), logp.dtype)
+        w_t = reshape(index_select(weight, 0, reshape(safe, (-1,))), tuple(safe.shape)) * keep
+    else:
+        w_t = keep
+    loss = picked * w_t
+    if smoothing:
+        terms = logp if weight is None else logp * reshape(
+            weight, _class_weight_shape(logp.ndim, class_dim, classes))
+        smooth = -terms.sum(dim=class_dim) * keep
+        loss = loss * (1.0 - smoothing) + smooth * (smoothing / classes)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / w_t.sum()  # torch: divided by the total weight of the kept targets
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, reduction: str = "mean",
+                                     pos_weight=None):
+    """Sigmoid + binary cross entropy in one numerically stable expression (torch's):
+    (1 - t) x + (1 + (pos_weight - 1) t) log(1 + exp(-x)), times `weight`."""
+    from kiln.frontend.functional import exp, log1p, relu, to
+
+    input = _tensor(input)
+    target = to(_tensor(target), input.dtype)
+    _check_same_shape("binary_cross_entropy_with_logits", input, target)
+    softplus_neg = log1p(exp(-input.abs())) + relu(-input)  # log(1 + exp(-x)), stably
+    if pos_weight is not None:
+        log_weight = (to(_tensor(pos_weight), input.dtype) - 1.0) * target + 1.0
+        loss = (1.0 - target) * input + log_weight * softplus_neg
+    else:
+        loss = (1.0 - target) * input + softplus_neg
+    if weight is not None:
+        loss = loss * to(_tensor(weight), input.dtype)
+    return _reduce("binary_cross_entropy_with_logits", loss, reduction)
