@@ -22,7 +22,7 @@ from kiln.ir import dtypes as dt
 from kiln.ir.ops.rules import (
     contiguous,
     ANY, FLOATING, INEXACT, INTEGER, INTEGRAL, LOW_PRECISION, NUMERIC, REAL, check_dtype, check_same,
-    via_f32,
+    conj, full_like, via_f32, zeros,
 )
 from kiln.ir.registry import ELEMENTWISE, defop
 
@@ -73,23 +73,12 @@ def _pullback(fn, f32=True):
     return vjp
 
 
-def _conj(b, z):
-    """The complex conjugate; the identity on reals."""
-    if not b.type_of(z).dtype.is_complex:
-        return z
-    return b.complex(b.real(z), b.neg(b.imag(z)))
-
-
 def _full_like(b, like, value):
-    """A constant of like's type; complex from two float32 fills (full is real)."""
-    t = b.type_of(like)
-    if t.dtype.is_complex:
-        return b.complex(b.full(value, dt.float32, t.shape), b.full(0, dt.float32, t.shape))
-    return b.full(value, t.dtype, t.shape)
+    return full_like(b, b.type_of(like), value)
 
 
 def _zeros(b, like):
-    return _full_like(b, like, 0)
+    return zeros(b, b.type_of(like))
 
 
 def _square(b, x):
@@ -136,17 +125,17 @@ abs_ = _unary("abs", NUMERIC, lambda x: np.abs(x).astype(np.float32) if x.dtype.
               vjp=_abs_vjp)
 sign = _unary("sign", NUMERIC, lambda x: _sign(x).astype(x.dtype), differentiable=False)
 exp = _unary("exp", INEXACT, via_f32(np.exp),
-             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, _conj(b, y))))
+             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, conj(b, y))))
 expm1 = _unary("expm1", FLOATING, via_f32(np.expm1),
                vjp=_pullback(lambda b, ct, x, y: b.mul(ct, b.binary("add", y, 1.0))))
 log = _unary("log", INEXACT, via_f32(np.log),
-             vjp=_pullback(lambda b, ct, x, y: b.div(ct, _conj(b, x))))
+             vjp=_pullback(lambda b, ct, x, y: b.div(ct, conj(b, x))))
 log1p = _unary("log1p", FLOATING, via_f32(np.log1p),
                vjp=_pullback(lambda b, ct, x, y: b.div(ct, b.binary("add", x, 1.0))))
 sin = _unary("sin", INEXACT, via_f32(np.sin),
-             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, _conj(b, b.cos(x)))))
+             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, conj(b, b.cos(x)))))
 cos = _unary("cos", INEXACT, via_f32(np.cos),
-             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, _conj(b, b.neg(b.sin(x))))))
+             vjp=_pullback(lambda b, ct, x, y: b.mul(ct, conj(b, b.neg(b.sin(x))))))
 tan = _unary("tan", FLOATING, via_f32(np.tan),
              vjp=_pullback(lambda b, ct, x, y: b.mul(ct, b.binary("add", _square(b, y), 1.0))))
 asin = _unary("asin", FLOATING, via_f32(np.arcsin),
@@ -160,9 +149,9 @@ sinh = _unary("sinh", FLOATING, via_f32(np.sinh),
 cosh = _unary("cosh", FLOATING, via_f32(np.cosh),
               vjp=_pullback(lambda b, ct, x, y: b.mul(ct, b.sinh(x))))
 tanh = _unary("tanh", INEXACT, via_f32(np.tanh), vjp=_pullback(
-    lambda b, ct, x, y: b.mul(ct, _conj(b, b.sub(_full_like(b, y, 1), _square(b, y))))))
+    lambda b, ct, x, y: b.mul(ct, conj(b, b.sub(_full_like(b, y, 1), _square(b, y))))))
 sqrt = _unary("sqrt", INEXACT, via_f32(np.sqrt),
-              vjp=_pullback(lambda b, ct, x, y: b.div(ct, _conj(b, b.add(y, y)))))
+              vjp=_pullback(lambda b, ct, x, y: b.div(ct, conj(b, b.add(y, y)))))
 # d/dx x^(-1/2) = -y^3 / 2
 rsqrt = _unary("rsqrt", FLOATING, via_f32(_rsqrt), vjp=_pullback(
     lambda b, ct, x, y: b.mul(ct, b.binary("mul", b.mul(_square(b, y), y), -0.5))))
@@ -275,8 +264,8 @@ def _pow(a, b):
 
 @_pullback
 def _div_vjp(b, ct, x, y, out):
-    ct_x = b.div(ct, _conj(b, y))
-    return ct_x, b.neg(b.mul(ct_x, _conj(b, out)))  # -ct x / y^2, without squaring y
+    ct_x = b.div(ct, conj(b, y))
+    return ct_x, b.neg(b.mul(ct_x, conj(b, out)))  # -ct x / y^2, without squaring y
 
 
 @_pullback
@@ -295,7 +284,7 @@ def _pow_vjp(b, ct, x, y, out):
     # zeros replaced before the log and the power, so no NaN hides in a masked branch
     dx = b.mul(y, b.pow(x, b.sub(_zero_to_one(b, y), _full_like(b, y, 1))))
     dy = b.mul(b.log(_zero_to_one(b, x)), out)
-    return b.mul(ct, _conj(b, dx)), b.mul(ct, _conj(b, dy))
+    return b.mul(ct, conj(b, dx)), b.mul(ct, conj(b, dy))
 
 
 @_pullback
@@ -319,7 +308,7 @@ add = _binary("add", NUMERIC, _int_or_float(np.add),
 sub = _binary("sub", NUMERIC, _int_or_float(np.subtract),
               vjp=_pullback(lambda b, ct, x, y, out: (ct, b.neg(ct)), f32=False))
 mul = _binary("mul", NUMERIC, _int_or_float(np.multiply), vjp=_pullback(
-    lambda b, ct, x, y, out: (b.mul(ct, _conj(b, y)), b.mul(ct, _conj(b, x)))))
+    lambda b, ct, x, y, out: (b.mul(ct, conj(b, y)), b.mul(ct, conj(b, x)))))
 div = _binary("div", NUMERIC, _int_or_float(_trunc_div), vjp=_div_vjp,
               doc="True division for floats; integers truncate toward zero (x / 0 is 0).")
 rem = _binary("rem", REAL, _int_or_float(_trunc_rem), vjp=_rem_vjp,

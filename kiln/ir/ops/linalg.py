@@ -24,7 +24,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
-from kiln.ir.ops.rules import contiguous, LOW_PRECISION, NUMERIC, check_axes, check_dtype, check_int_tuple, via_f32
+from kiln.ir.ops.rules import (  # noqa: F401  (conj: used by other families too)
+    contiguous, LOW_PRECISION, NUMERIC, check_axes, check_dtype, check_int_tuple, conj, via_f32,
+)
 from kiln.ir.ops.shape import full_like, size, sum_to, zeros
 from kiln.ir.registry import COMPOSITE, EXTERN, PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import broadcast_shapes, dim, dims_equal, shapes_equal
@@ -45,13 +47,6 @@ def _accumulator(x: np.ndarray) -> np.dtype:
     if x.dtype.kind == "V" or x.dtype.itemsize < 4:
         return np.dtype(np.float32)
     return x.dtype
-
-
-def conj(b, x):
-    """The complex conjugate (real values pass through; kiln has no conj primitive)."""
-    if not b.type_of(x).dtype.is_complex:
-        return x
-    return b.complex(b.real(x), b.neg(b.imag(x)))
 
 
 def _inverse(perm):

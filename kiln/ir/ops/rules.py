@@ -102,3 +102,24 @@ def via_f32(fn):
 def contiguous(x) -> np.ndarray:
     """A C-contiguous array with x's shape (np.ascontiguousarray makes 0-d arrays 1-d)."""
     return np.require(x, requirements="C")
+
+
+# -- emitter helpers shared by vjp rules -----------------------------------------------
+
+
+def full_like(b, t: TensorType, value):
+    """A tensor of type t filled with value (complex from two float32 fills: full is real)."""
+    if t.dtype.is_complex:
+        return b.complex(b.full(value, dt.float32, t.shape), b.full(0.0, dt.float32, t.shape))
+    return b.full(value, t.dtype, t.shape)
+
+
+def zeros(b, t: TensorType):
+    return full_like(b, t, 0)
+
+
+def conj(b, x):
+    """The complex conjugate (real values pass through; kiln has no conj primitive)."""
+    if not b.type_of(x).dtype.is_complex:
+        return x
+    return b.complex(b.real(x), b.neg(b.imag(x)))

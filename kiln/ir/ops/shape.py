@@ -15,24 +15,15 @@ import sympy
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnIndexError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.ops.creation import _check_shape_attr
-from kiln.ir.ops.rules import contiguous, INTEGER, check_axes, check_dtype, check_int_tuple
+from kiln.ir.ops.rules import (  # noqa: F401  (full_like, zeros: used by other families too)
+    contiguous, INTEGER, check_axes, check_dtype, check_int_tuple, full_like, zeros,
+)
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import dim, dims_equal, format_shape, normalize_axis, numel, shapes_equal
 from kiln.ir.types import TensorType
 
 
 # -- pieces the vjp rules of every family share ----------------------------------------
-
-def full_like(b, t: TensorType, value):
-    """A tensor of type t filled with value (complex from two float32 fills: full is real)."""
-    if t.dtype.is_complex:
-        return b.complex(b.full(value, dt.float32, t.shape), b.full(0.0, dt.float32, t.shape))
-    return b.full(value, t.dtype, t.shape)
-
-
-def zeros(b, t: TensorType):
-    return full_like(b, t, 0)
-
 
 def size(expr):
     """A dim from arithmetic on dims (sympy results expanded, integers made ints)."""
