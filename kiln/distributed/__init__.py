@@ -12,7 +12,7 @@ from kiln.distributed.backend import Backend, CallContext
 from kiln.distributed.buffers import REDUCE_OPS
 from kiln.distributed.errors import (
     CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
-    FlightRecorderError, GroupAborted, LaunchError, PeerFailure, RendezvousError, StoreAuthError,
+    FaultInjectionError, FlightRecorderError, GroupAborted, LaunchError, PeerFailure, RendezvousError, StoreAuthError,
     StoreError, StoreTimeout,
 )
 from kiln.distributed.flight_recorder import FlightRecorder, recorder
@@ -26,7 +26,7 @@ from kiln.distributed.work import Work
 
 __all__ = [
     "Backend", "CallContext", "CollectiveArgumentError", "CollectiveMismatch",
-    "CollectiveTimeout", "DistributedError", "FlightRecorder", "FlightRecorderError",
+    "CollectiveTimeout", "DistributedError", "FaultInjectionError", "FlightRecorder", "FlightRecorderError",
     "GroupAborted", "LaunchError", "PeerFailure", "ProcessGroup", "REDUCE_OPS",
     "RendezvousError", "Store", "StoreAuthError", "StoreError", "StoreServer", "StoreTimeout",
     "TcpBackend", "Work", "destroy_process_group", "get_world", "init_process_group",

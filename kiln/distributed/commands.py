@@ -23,7 +23,10 @@ def _launch(args: argparse.Namespace) -> int:
         script_args = script_args[1:]
     cfg = LaunchConfig(script=args.script, script_args=script_args, nproc=args.nproc,
                        nnodes=args.nnodes, node_rank=args.node_rank, rdzv=args.rdzv,
-                       fr_dir=args.fr_dir, grace=args.grace, rdzv_timeout=args.rdzv_timeout)
+                       fr_dir=args.fr_dir, grace=args.grace, rdzv_timeout=args.rdzv_timeout,
+                       on_failure=args.on_failure, max_restarts=args.max_restarts,
+                       min_size=args.min_size, inject=list(args.inject),
+                       events_json=args.events_json)
     try:
         return launch(cfg)
     except DistributedError as err:
@@ -77,11 +80,27 @@ def register(subparsers) -> None:
         description="Start --nproc workers of SCRIPT on this node, host the job's store "
         "(node 0), give each worker KILN_RANK, KILN_WORLD_SIZE, KILN_LOCAL_RANK, KILN_STORE "
         "and KILN_TOKEN (so kiln.distributed.init_process_group() needs no arguments), "
-        "forward SIGINT/SIGTERM, and when a worker fails report which one and how, then "
-        "stop the others.",
+        "forward SIGINT/SIGTERM, and watch the workers. A worker that exits 0 is done; one "
+        "that exits non-zero or is killed has died, and --on-failure decides: abort (stop "
+        "the others, exit with its code), shrink (the others go on; the process group "
+        "shrinks in place) or replace (start a new worker in its slot with KILN_JOIN=1, "
+        "KILN_REPLACES=<rank>, KILN_RESTART_COUNT=<n>; it joins at the next epoch). Events "
+        "go to the store under launcher/event/<n> and into a summary on stderr. --inject "
+        "injects faults for tests; workers report their step with "
+        "kiln.distributed.elastic.report_step(step). See docs/fault-tolerance.md.",
         epilog="examples:\n  kiln launch --nproc 4 train.py --lr 0.1\n"
         "  KILN_TOKEN=s3cret kiln launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 "
-        "--nproc 8 train.py",
+        "--nproc 8 train.py\n"
+        "  kiln launch --nproc 4 --on-failure replace --max-restarts 3 "
+        "--inject kill:rank=2,step=50 train.py\n"
+        "  kiln launch --nproc 4 --on-failure shrink --min-size 3 "
+        "--inject stop:rank=1,after=3s,for=2s --events-json events.json train.py\n\n"
+        "--inject SPEC forms (repeatable; each fires once, rank = launch rank):\n"
+        "  kill:rank=R,step=S         SIGKILL rank R when it reports step S\n"
+        "  kill:rank=R,after=2.5s     SIGKILL rank R 2.5 s after the start\n"
+        "  stop:rank=R,after=3s[,for=2s]  SIGSTOP (a hung peer), SIGCONT after 'for'\n"
+        "  drop-conn:rank=R,after=1s  the worker closes its store connections (they reopen)\n"
+        "  every kind takes step=S or after=T (units: s, ms)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, dest="nproc",
                    help="worker processes on this node (default 1)")
@@ -95,6 +114,18 @@ def register(subparsers) -> None:
                    help="seconds between SIGTERM and SIGKILL when stopping workers")
     p.add_argument("--rdzv-timeout", type=float, default=60.0,
                    help="seconds to reach the store and for all nodes to finish")
+    p.add_argument("--on-failure", choices=("abort", "shrink", "replace"), default="abort",
+                   help="when a worker dies: abort the job (default), shrink (the others go "
+                   "on) or replace it with a new process that joins the group")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="replacements allowed over the job's life with --on-failure replace "
+                   "(default 3); one more death fails the job")
+    p.add_argument("--min-size", type=int, default=1, metavar="M",
+                   help="the job fails when fewer than M workers are live (default 1)")
+    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                   help="inject a fault for testing (repeatable); forms below")
+    p.add_argument("--events-json", metavar="PATH",
+                   help="write the job's events (deaths, replacements, injected faults) as JSON")
     p.add_argument("script", help="the Python script each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(handler=_launch)

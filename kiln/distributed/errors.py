@@ -124,6 +124,13 @@ class LaunchError(DistributedError, ValueError):
     title = "invalid launch configuration"
 
 
+class FaultInjectionError(LaunchError):
+    """A `kiln launch --inject` spec is malformed or targets a rank outside the job."""
+
+    code = "K213"
+    title = "invalid fault-injection spec"
+
+
 _WIRE_CLASSES = {
     cls.__name__: cls
     for cls in (DistributedError, CollectiveTimeout, CollectiveMismatch, GroupAborted)

@@ -1,17 +1,47 @@
-"""`kiln launch`: start N workers per node, host the store, watch them.
+"""`kiln launch`: start N workers per node, host the store, watch them, apply a policy.
 
     kiln launch --nproc 4 train.py --lr 0.1
     kiln launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 --nproc 8 train.py   # on each node
+    kiln launch --nproc 4 --on-failure replace --inject kill:rank=2,step=50 train.py
 
 Each worker gets KILN_RANK, KILN_WORLD_SIZE, KILN_LOCAL_RANK, KILN_LOCAL_WORLD_SIZE,
-KILN_NODE_RANK, KILN_STORE and KILN_TOKEN (generated with `secrets` when absent; with
-several nodes every node must be given the same KILN_TOKEN). SIGINT and SIGTERM are
-forwarded to the workers. When a worker fails, the launcher says which one and how
-(exit code or signal) and terminates the others.
+KILN_NODE_RANK, KILN_STORE, KILN_TOKEN (generated with `secrets` when absent; with
+several nodes every node must be given the same KILN_TOKEN), KILN_STORE_HOSTED=1,
+KILN_LAUNCHER=1 and KILN_RESTART_COUNT=0. SIGINT and SIGTERM are forwarded to the
+workers (SIGKILL after --grace seconds).
+
+A worker that exits 0 is done. A worker that exits non-zero or is killed by a signal
+has *died*; the launcher records it and applies `--on-failure`:
+
+- `abort` (default): report which worker failed and how, stop the others (SIGTERM,
+  then SIGKILL after --grace), exit with the worker's code (128 + signal if killed).
+- `shrink`: leave the others running; the process group's own fault tolerance makes
+  the survivors agree on a smaller membership at the next epoch.
+- `replace`: start a new process in the dead worker's slot: the same command and
+  environment (KILN_RANK is the slot's launch rank, KILN_WORLD_SIZE the launch size)
+  plus KILN_JOIN=1, KILN_REPLACES=<the dead launch rank> and KILN_RESTART_COUNT=<n>,
+  the job-wide number of replacements so far, this one included. The new process must
+  not run the initial rendezvous: it joins the running group at its next epoch and
+  takes its rank from that epoch's membership. At most --max-restarts replacements
+  over the job's life.
+
+With `shrink` and `replace` the job fails when fewer than --min-size workers are live
+(not dead: running or finished). The job succeeds (exit 0) when every live worker has
+exited 0; otherwise the launcher exits non-zero with the death that ended it.
+
+Every membership change is posted to the store as JSON under `launcher/event/<n>`
+(n = 1, 2, ...; `launcher/event_count` holds the count; `elastic.read_events` reads
+them): {"kind": "died"|"replaced"|"exited"|"injected"|"reconnected", "rank": launch
+rank, "pid", "time" (Unix), "since_start" (s), ...}. At the end the launcher prints a
+summary of the events to stderr, and writes it as JSON with --events-json PATH.
+
+`--inject SPEC` (repeatable) injects faults for tests; see `elastic.parse_fault` and
+docs/fault-tolerance.md. Workers publish their step with `elastic.report_step`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -20,14 +50,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from kiln.distributed import elastic
+from kiln.distributed.elastic import Fault
 from kiln.distributed.errors import DistributedError, LaunchError
 from kiln.distributed.protocol import parse_address
 from kiln.distributed.store import Store, StoreServer
 
+POLICIES = ("abort", "shrink", "replace")
+_TICK = 0.05          # how often the launcher polls its workers and the store
+_STORE_TIMEOUT = 5.0  # the deadline of the launcher's own store operations
+_REAP_TIMEOUT = 5.0   # after SIGKILL: how long to wait for the kernel to reap a worker
+
 
 @dataclass
 class LaunchConfig:
-    """What to run and where; see `kiln launch --help`."""
+    """What to run and where, and what to do when a worker dies; see `kiln launch --help`."""
 
     script: str
     script_args: list[str] = field(default_factory=list)
@@ -38,6 +75,11 @@ class LaunchConfig:
     fr_dir: str | None = None
     grace: float = 5.0
     rdzv_timeout: float = 60.0
+    on_failure: str = "abort"
+    max_restarts: int = 3
+    min_size: int = 1
+    inject: list[str] = field(default_factory=list)
+    events_json: str | None = None
 
 
 @dataclass
@@ -47,20 +89,25 @@ class Failure:
     pid: int
     returncode: int
 
-    def describe(self) -> str:
+    def how(self) -> str:
         if self.returncode < 0:
-            try:
-                how = "killed by signal %s" % signal.Signals(-self.returncode).name
-            except ValueError:
-                how = "killed by signal %d" % -self.returncode
-        else:
-            how = "exit code %d" % self.returncode
+            return "killed by signal %s" % _signal_name(-self.returncode)
+        return "exit code %d" % self.returncode
+
+    def describe(self) -> str:
         return "worker rank %d (local rank %d, pid %d) failed: %s" % (
-            self.rank, self.local_rank, self.pid, how)
+            self.rank, self.local_rank, self.pid, self.how())
 
     @property
     def exit_code(self) -> int:
         return self.returncode if self.returncode > 0 else 128 - self.returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 def _log(message: str) -> None:
@@ -68,9 +115,9 @@ def _log(message: str) -> None:
 
 
 def launch(cfg: LaunchConfig) -> int:
-    """Run the job on this node; the exit code (0, or the first failure's).
+    """Run the job on this node; the exit code (0, or that of the failure that ended it).
 
-        >>> launch(LaunchConfig("train.py", nproc=2))
+        >>> launch(LaunchConfig("train.py", nproc=2, on_failure="shrink"))
         0
     """
     if cfg.nproc < 1 or cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
@@ -79,6 +126,17 @@ def launch(cfg: LaunchConfig) -> int:
     if cfg.nnodes > 1 and not cfg.rdzv:
         raise LaunchError("--nnodes %d needs --rdzv HOST:PORT (node 0 hosts the store there)"
                           % cfg.nnodes)
+    world = cfg.nproc * cfg.nnodes
+    if cfg.on_failure not in POLICIES:
+        raise LaunchError("--on-failure must be one of %s, not %r"
+                          % (", ".join(POLICIES), cfg.on_failure))
+    if cfg.max_restarts < 0:
+        raise LaunchError("--max-restarts must be >= 0 (got %d)" % cfg.max_restarts)
+    if not 1 <= cfg.min_size <= world:
+        raise LaunchError("--min-size must be between 1 and the job's %d workers (got %d)"
+                          % (world, cfg.min_size))
+    faults = [elastic.parse_fault(spec) for spec in cfg.inject]
+    elastic.check_faults(faults, world)
     token = os.environ.get("KILN_TOKEN")
     if not token:
         if cfg.nnodes > 1:
@@ -95,90 +153,394 @@ def launch(cfg: LaunchConfig) -> int:
             raise LaunchError("cannot host the store at %s:%d: %s" % (host, port, err)) from None
     address = cfg.rdzv if cfg.rdzv and cfg.node_rank else server.address
     try:
-        return _run(cfg, address, token, server)
+        timeout = cfg.rdzv_timeout if cfg.nnodes > 1 else _STORE_TIMEOUT
+        store = Store(address, token, timeout=timeout)
+        store.timeout = _STORE_TIMEOUT
+        job = _Job(cfg, address, token, store, faults)
+        try:
+            return job.run()
+        finally:
+            store.close()
     finally:
         if server is not None:
             server.close()
 
 
-def _run(cfg: LaunchConfig, address: str, token: str, server: StoreServer | None) -> int:
-    store = Store(address, token, timeout=cfg.rdzv_timeout) if cfg.nnodes > 1 else None
-    world = cfg.nproc * cfg.nnodes
-    procs: list[tuple[int, subprocess.Popen]] = []
-    received: list[int] = []
+@dataclass
+class _Slot:
+    """One worker position: its launch rank and the process that runs in it now."""
 
-    def forward(signum, frame):
-        received.append(signum)
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for local in range(cfg.nproc):
-            rank = cfg.node_rank * cfg.nproc + local
-            env = dict(os.environ, KILN_RANK=str(rank), KILN_WORLD_SIZE=str(world),
-                       KILN_LOCAL_RANK=str(local), KILN_LOCAL_WORLD_SIZE=str(cfg.nproc),
-                       KILN_NODE_RANK=str(cfg.node_rank), KILN_STORE=address, KILN_TOKEN=token,
-                       KILN_STORE_HOSTED="1")
-            if cfg.fr_dir:
-                env["KILN_FR_DIR"] = cfg.fr_dir
-            # own session: a terminal's Ctrl-C reaches the launcher, which forwards it once
-            procs.append((rank, subprocess.Popen([sys.executable, cfg.script] + cfg.script_args,
-                                                 env=env, start_new_session=True)))
-        failure = _watch(procs, received)
-        if failure is not None:
-            _log(failure.describe())
-            _terminate(procs, cfg.grace)
-            _log("terminated the other workers")
-            return failure.exit_code
-        if received:
-            _terminate(procs, cfg.grace)
-            _log("stopped by %s" % signal.Signals(received[0]).name)
-            return 128 + received[0]
-        if store is not None:
-            _finish_nodes(store, cfg)
-        return 0
-    finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
+    rank: int
+    local: int
+    proc: subprocess.Popen
+    env: dict
+    state: str = "running"            # running | exited (0) | dead
+    resume_at: float | None = None    # a `stop ...,for=D` fault: when to SIGCONT
+    stopped: bool = False             # SIGSTOPped by a fault and not resumed
 
 
-def _watch(procs: list[tuple[int, subprocess.Popen]], received: list[int]) -> Failure | None:
-    """Poll until all exit (None) or one fails (that failure)."""
-    while True:
-        running = 0
-        for local, (rank, proc) in enumerate(procs):
-            code = proc.poll()
-            if code is None:
-                running += 1
-            elif code != 0 and not received:
-                return Failure(rank, local, proc.pid, code)
-        if running == 0 or (received and running == 0):
-            return None
-        if received and all(p.poll() is not None for _, p in procs):
-            return None
-        time.sleep(0.05)
+class _Job:
+    """The supervision loop of one node: start, watch, inject, apply the policy, report."""
 
+    def __init__(self, cfg: LaunchConfig, address: str, token: str, store: Store,
+                 faults: list[Fault]):
+        self.cfg, self.address, self.token, self.store = cfg, address, token, store
+        self.world = cfg.nproc * cfg.nnodes
+        first = cfg.node_rank * cfg.nproc
+        # only this node's ranks are hit here; every node is given the same --inject list
+        self.faults = [f for f in faults if first <= f.rank < first + cfg.nproc]
+        self.drop_requests: dict[int, int] = {}   # rank -> drop-conn requests sent
+        self.drop_acked: dict[int, int] = {}
+        self.slots: list[_Slot] = []
+        self.events: list[dict] = []
+        self.restarts = 0
+        self.start_wall = time.time()
+        self.start = time.monotonic()
+        self.received: list[int] = []
+        self.store_failed = False
 
-def _terminate(procs: list[tuple[int, subprocess.Popen]], grace: float) -> None:
-    for _, proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + grace
-    for _, proc in procs:
+    # -- events ---------------------------------------------------------------------
+
+    def _event(self, kind: str, slot: _Slot, **fields) -> dict:
+        now = time.monotonic()
+        event = {"kind": kind, "rank": slot.rank, "node": self.cfg.node_rank,
+                 "pid": slot.proc.pid, "time": round(self.start_wall + now - self.start, 6),
+                 "since_start": round(now - self.start, 6), **fields}
+        self.events.append(event)
+        self._store_call(lambda: self.store.set(
+            elastic.EVENT_KEY % self.store.add(elastic.EVENT_COUNT_KEY), json.dumps(event)))
+        return event
+
+    def _store_call(self, fn, default=None):
+        """Run a store operation; the job goes on if the store is unreachable (said once)."""
         try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            return fn()
+        except DistributedError as err:
+            if not self.store_failed:
+                _log("cannot reach the store to post events or read progress: %s" % err)
+                self.store_failed = True
+            return default
+
+    # -- workers --------------------------------------------------------------------
+
+    def _env(self, rank: int, local: int) -> dict:
+        env = dict(os.environ, KILN_RANK=str(rank), KILN_WORLD_SIZE=str(self.world),
+                   KILN_LOCAL_RANK=str(local), KILN_LOCAL_WORLD_SIZE=str(self.cfg.nproc),
+                   KILN_NODE_RANK=str(self.cfg.node_rank), KILN_STORE=self.address,
+                   KILN_TOKEN=self.token, KILN_STORE_HOSTED="1", KILN_LAUNCHER="1",
+                   KILN_RESTART_COUNT="0")
+        for key in ("KILN_JOIN", "KILN_REPLACES", elastic.ENV_PAUSE_STEPS, elastic.ENV_POLL_DROP):
+            env.pop(key, None)
+        if self.cfg.fr_dir:
+            env["KILN_FR_DIR"] = self.cfg.fr_dir
+        return env
+
+    def _spawn(self, rank: int, local: int, env: dict) -> subprocess.Popen:
+        # the helper in the worker must know which faults are still due for its slot
+        mine = [f for f in self.faults if f.rank == rank]
+        steps = sorted({f.step for f in mine if f.step is not None})
+        env = dict(env)
+        if steps:
+            env[elastic.ENV_PAUSE_STEPS] = ",".join(map(str, steps))
+        if any(f.kind == "drop-conn" for f in mine):
+            env[elastic.ENV_POLL_DROP] = "1"
+        # own session: a terminal's Ctrl-C reaches the launcher, which forwards it once;
+        # and an injected fault can signal the worker's whole process group
+        return subprocess.Popen([sys.executable, self.cfg.script] + self.cfg.script_args,
+                                env=env, start_new_session=True)
+
+    def _signal(self, slot: _Slot, signum: int) -> None:
+        # not reaped yet (poll() is None), so the pid, which is also the group id, is ours
+        if slot.proc.poll() is None:
+            try:
+                os.killpg(slot.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _running(self) -> list[_Slot]:
+        return [s for s in self.slots if s.state == "running"]
+
+    # -- the loop -------------------------------------------------------------------
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for local in range(self.cfg.nproc):
+                rank = self.cfg.node_rank * self.cfg.nproc + local
+                env = self._env(rank, local)
+                self.slots.append(_Slot(rank, local, self._spawn(rank, local, env), env))
+            self._publish_alive()
+            code, reason = self._watch()
+        finally:
+            for signum, handler in old.items():
+                signal.signal(signum, handler)
+        if code == 0 and self.cfg.nnodes > 1:
+            self._finish_nodes()
+        self._report(code, reason)
+        return code
+
+    def _forward(self, signum, frame) -> None:
+        self.received.append(signum)
+        for slot in self._running():
+            self._signal_one(slot, signum)
+
+    def _signal_one(self, slot: _Slot, signum: int) -> None:
+        """Send `signum` to the worker itself (it may handle it), waking it if stopped."""
+        if slot.proc.poll() is None:
+            slot.proc.send_signal(signum)
+            if slot.stopped:
+                self._signal(slot, signal.SIGCONT)
+
+    def _watch(self) -> tuple[int, str]:
+        """Poll until the job ends; (exit code, one-line outcome)."""
+        stop_deadline = None
+        while True:
+            if self.received:
+                # a forwarded SIGINT/SIGTERM: the workers get --grace seconds to exit
+                if stop_deadline is None:
+                    stop_deadline = time.monotonic() + self.cfg.grace
+                for slot in self._running():
+                    if slot.proc.poll() is not None:
+                        slot.state = "exited" if slot.proc.returncode == 0 else "dead"
+                if not self._running() or time.monotonic() >= stop_deadline:
+                    self._terminate()
+                    name = _signal_name(self.received[0])
+                    _log("stopped by %s" % name)
+                    return 128 + self.received[0], "stopped by %s" % name
+                time.sleep(_TICK)
+                continue
+            self._inject()
+            for slot in self._running():
+                code = slot.proc.poll()
+                if code is None:
+                    continue
+                if code == 0:
+                    slot.state = "exited"
+                    self._event("exited", slot, exit_code=0)
+                    continue
+                outcome = self._died(slot, code)
+                if outcome is not None:
+                    return outcome
+            running = self._running()
+            if running and all(s.stopped and s.resume_at is None for s in running):
+                # only workers stopped for good are left: they are hung, nobody will wake
+                # them, and their peers are done, so they count as dead
+                for slot in running:
+                    _log("rank %d is still stopped by --inject while every other worker is "
+                         "done; killing it" % slot.rank)
+                    self._signal(slot, signal.SIGKILL)
+                    slot.proc.wait(timeout=_REAP_TIMEOUT)
+                    outcome = self._died(slot, slot.proc.returncode)
+                    if outcome is not None:
+                        return outcome
+                running = self._running()
+            if not running:
+                dead = sum(s.state == "dead" for s in self.slots)
+                return 0, ("all %d workers finished" % len(self.slots) if not dead else
+                           "%d of %d workers finished, %d died (--on-failure %s)"
+                           % (len(self.slots) - dead, len(self.slots), dead, self.cfg.on_failure))
+            time.sleep(_TICK)
+
+    def _died(self, slot: _Slot, returncode: int) -> tuple[int, str] | None:
+        """Record a death and apply the policy; (code, outcome) when the job must end."""
+        slot.state, slot.stopped, slot.resume_at = "dead", False, None
+        failure = Failure(slot.rank, slot.local, slot.proc.pid, returncode)
+        self._event("died", slot, returncode=returncode,
+                    exit_code=returncode if returncode > 0 else None,
+                    signal=_signal_name(-returncode) if returncode < 0 else None)
+        # a later step-triggered fault for this slot must not fire on the old progress
+        self._store_call(lambda: self.store.delete(elastic.PROGRESS_KEY % slot.rank))
+        _log(failure.describe())
+        policy = self.cfg.on_failure
+        if policy == "abort":
+            return self._fail(failure, "rank %d died (--on-failure abort)" % slot.rank)
+        if policy == "replace":
+            return self._replace(slot, failure)
+        live = self._live_total()
+        if live < self.cfg.min_size:
+            return self._fail(failure, "only %d of %d workers are live, fewer than --min-size %d"
+                              % (live, self.world, self.cfg.min_size))
+        _log("%d of %d workers go on (--on-failure shrink)" % (live, self.world))
+        self._publish_alive()
+        return None
+
+    def _replace(self, slot: _Slot, failure: Failure) -> tuple[int, str] | None:
+        count = self._store_call(lambda: self.store.add(elastic.RESTARTS_KEY),
+                                 default=self.restarts + 1)
+        self.restarts += 1
+        if count > self.cfg.max_restarts:
+            return self._fail(failure, "rank %d died and the --max-restarts %d replacements "
+                              "are used up" % (slot.rank, self.cfg.max_restarts))
+        env = dict(slot.env, KILN_JOIN="1", KILN_REPLACES=str(slot.rank),
+                   KILN_RESTART_COUNT=str(count))
+        old_pid = slot.proc.pid
+        slot.proc, slot.env, slot.state = self._spawn(slot.rank, slot.local, env), env, "running"
+        self._event("replaced", slot, replaces_pid=old_pid, restart_count=count)
+        _log("started a replacement for rank %d (pid %d, restart %d of %d)"
+             % (slot.rank, slot.proc.pid, count, self.cfg.max_restarts))
+        return None
+
+    def _fail(self, failure: Failure, why: str) -> tuple[int, str]:
+        self._terminate()
+        _log("terminated the other workers")
+        _log("job failed: %s" % why)
+        return failure.exit_code, "failed: " + why
+
+    def _terminate(self) -> None:
+        """SIGTERM every running worker (and SIGCONT the stopped), SIGKILL after --grace."""
+        running = [s for s in self.slots if s.proc.poll() is None]
+        for slot in running:
+            self._signal_one(slot, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.grace
+        for slot in running:
+            try:
+                slot.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                self._signal(slot, signal.SIGKILL)
+                try:
+                    slot.proc.wait(timeout=_REAP_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    _log("worker rank %d (pid %d) survived SIGKILL for %.0f s; leaving it"
+                         % (slot.rank, slot.proc.pid, _REAP_TIMEOUT))
+        for slot in running:
+            if slot.state == "running":
+                slot.state = "dead"
+
+    # -- membership across nodes ----------------------------------------------------
+
+    def _publish_alive(self) -> None:
+        if self.cfg.nnodes > 1:
+            live = sum(s.state != "dead" for s in self.slots)
+            self._store_call(lambda: self.store.set(elastic.ALIVE_KEY % self.cfg.node_rank,
+                                                    str(live)))
+
+    def _live_total(self) -> int:
+        """Live workers in the job (not dead), over every node."""
+        live = sum(s.state != "dead" for s in self.slots)
+        if self.cfg.nnodes == 1:
+            return live
+
+        def others() -> int:
+            total = 0
+            for node in range(self.cfg.nnodes):
+                key = elastic.ALIVE_KEY % node
+                if node != self.cfg.node_rank:
+                    total += (int(self.store.get(key)) if self.store.check([key])
+                              else self.cfg.nproc)
+            return total
+
+        return live + self._store_call(others, default=(self.cfg.nnodes - 1) * self.cfg.nproc)
+
+    def _finish_nodes(self) -> None:
+        """Node 0 keeps the store up until every node's workers are done."""
+        try:
+            self.store.set("launch/done/%d" % self.cfg.node_rank, b"1")
+            if self.cfg.node_rank == 0:
+                self.store.wait(["launch/done/%d" % n for n in range(self.cfg.nnodes)],
+                                timeout=self.cfg.rdzv_timeout)
+        except DistributedError as err:
+            _log("could not coordinate the end with the other nodes: %s" % err)
+
+    # -- fault injection ------------------------------------------------------------
+
+    def _inject(self) -> None:
+        now = time.monotonic() - self.start
+        for slot in self.slots:
+            if slot.resume_at is not None and now >= slot.resume_at and slot.state == "running":
+                self._signal(slot, signal.SIGCONT)
+                slot.resume_at, slot.stopped = None, False
+                self._event("injected", slot, fault="cont")
+            want = self.drop_requests.get(slot.rank, 0)
+            if want > self.drop_acked.get(slot.rank, 0):
+                key = elastic.DROP_ACK_KEY % slot.rank
+                acked = self._store_call(
+                    lambda: int(self.store.get(key)) if self.store.check([key]) else 0, default=0)
+                if acked >= want:
+                    self.drop_acked[slot.rank] = acked
+                    self._event("reconnected", slot, request=acked)
+        due = []
+        for fault in self.faults:
+            slot = self.slots[fault.rank - self.cfg.node_rank * self.cfg.nproc]
+            if slot.state != "running":
+                continue  # a fault waits for its slot to be occupied (by a replacement)
+            if fault.after is not None:
+                if now >= fault.after:
+                    due.append((fault, slot, None))
+                continue
+            key = elastic.PROGRESS_KEY % fault.rank
+            step = self._store_call(
+                lambda: int(self.store.get(key)) if self.store.check([key]) else None)
+            if step is not None and step >= fault.step:
+                due.append((fault, slot, step))
+        for fault, slot, step in due:
+            self.faults.remove(fault)
+            self._fire(fault, slot, step)
+
+    def _fire(self, fault: Fault, slot: _Slot, step: int | None) -> None:
+        fields = {"fault": fault.kind, "spec": fault.spec}
+        if step is not None:
+            fields["step"] = step
+        if fault.kind == "kill":
+            self._signal(slot, signal.SIGKILL)
+        elif fault.kind == "stop":
+            self._signal(slot, signal.SIGSTOP)
+            slot.stopped = True
+            if fault.duration is not None:
+                slot.resume_at = time.monotonic() - self.start + fault.duration
+                fields["for"] = fault.duration
+        else:
+            n = self.drop_requests.get(slot.rank, 0) + 1
+            self.drop_requests[slot.rank] = n
+            self._store_call(lambda: self.store.set(elastic.DROP_CONN_KEY % slot.rank, str(n)))
+            fields["request"] = n
+        self._event("injected", slot, **fields)
+        if fault.step is not None:
+            # release the worker waiting in report_step (unless it is gone or stopped)
+            self._store_call(lambda: self.store.set(elastic.FIRED_KEY % (slot.rank, fault.step),
+                                                    b"1"))
+
+    # -- the end --------------------------------------------------------------------
+
+    def _report(self, code: int, outcome: str) -> None:
+        duration = time.monotonic() - self.start
+        notable = [e for e in self.events if e["kind"] != "exited"] or self.faults
+        if notable:
+            lines = ["summary (%d workers on this node, --on-failure %s, %.2f s):"
+                     % (len(self.slots), self.cfg.on_failure, duration)]
+            lines += ["  +%7.3f s  %s" % (e["since_start"], _describe(e)) for e in self.events]
+            lines += ["  never fired: %s" % f.spec for f in self.faults]
+            lines.append("  result: %s (exit code %d)" % (outcome, code))
+            _log("\n".join(lines))
+        if self.cfg.events_json:
+            report = {"world_size": self.world, "node_rank": self.cfg.node_rank,
+                      "nproc": self.cfg.nproc, "on_failure": self.cfg.on_failure,
+                      "max_restarts": self.cfg.max_restarts, "min_size": self.cfg.min_size,
+                      "inject": list(self.cfg.inject), "start_time": self.start_wall,
+                      "duration": round(duration, 6), "exit_code": code, "outcome": outcome,
+                      "restarts": self.restarts, "events": self.events,
+                      "never_fired": [f.spec for f in self.faults]}
+            try:
+                with open(self.cfg.events_json, "w") as f:
+                    json.dump(report, f, indent=1)
+            except OSError as err:
+                _log("cannot write --events-json %s: %s" % (self.cfg.events_json, err))
 
 
-def _finish_nodes(store: Store, cfg: LaunchConfig) -> None:
-    """Node 0 keeps the store up until every node's workers are done."""
-    try:
-        store.set("launch/done/%d" % cfg.node_rank, b"1")
-        if cfg.node_rank == 0:
-            store.wait(["launch/done/%d" % n for n in range(cfg.nnodes)], timeout=cfg.rdzv_timeout)
-    except DistributedError as err:
-        _log("could not coordinate the end with the other nodes: %s" % err)
+def _describe(event: dict) -> str:
+    rank, pid, kind = event["rank"], event["pid"], event["kind"]
+    if kind == "died":
+        how = ("killed by signal %s" % event["signal"] if event["signal"]
+               else "exit code %d" % event["exit_code"])
+        return "rank %d (pid %d) died: %s" % (rank, pid, how)
+    if kind == "replaced":
+        return "rank %d replaced by pid %d (KILN_RESTART_COUNT=%d)" % (
+            rank, pid, event["restart_count"])
+    if kind == "exited":
+        return "rank %d (pid %d) finished" % (rank, pid)
+    if kind == "reconnected":
+        return "rank %d (pid %d) dropped and reopened its store connection" % (rank, pid)
+    what = {"kill": "SIGKILL", "stop": "SIGSTOP", "cont": "SIGCONT",
+            "drop-conn": "drop-conn request"}[event["fault"]]
+    at = " at step %d" % event["step"] if "step" in event else ""
+    spec = " (%s)" % event["spec"] if "spec" in event else ""
+    return "injected %s into rank %d (pid %d)%s%s" % (what, rank, pid, at, spec)
