@@ -30,13 +30,16 @@ OP_NAMES = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatte
 OP_CODES = {name: i + 1 for i, name in enumerate(OP_NAMES)}
 
 
-@dataclass
+@dataclass(slots=True)
 class CallContext:
     """What a backend needs to know about one call besides its buffers.
 
     `count` is the call's element count that every rank must agree on (-1 where ranks
     may legitimately differ, as in all_to_all); backends may send it along to detect
-    mismatched calls. `deadline` is a `time.monotonic()` value.
+    mismatched calls. `deadline` is a `time.monotonic()` value. `before_blocking`, when
+    set, must be called (once is enough) before the first phase of an `eager` call
+    waits for anything, e.g. for socket space: the group then records the call in the
+    Flight Recorder, which it otherwise does only after the sends went out.
     """
 
     seq: int
@@ -46,6 +49,7 @@ class CallContext:
     dtype_code: int = 0
     reduce_code: int = 0
     count: int = -1
+    before_blocking: Callable[[], None] | None = None
 
 
 class Backend(abc.ABC):
@@ -65,6 +69,22 @@ class Backend(abc.ABC):
         """`handler(error)` is called once when the backend detects a failure on its own
         (a peer's EOF, an abort notice) outside of a running call."""
         self._failure_handler = handler
+
+    def eager(self, op: str, *bufs: np.ndarray) -> Callable | None:
+        """How to run collective `op` on these flat buffers in two phases, or None
+        (default: never). The buffers: all_reduce, broadcast, reduce: the tensor;
+        all_gather, reduce_scatter: (output, input); gather: input; scatter: output;
+        barrier: none.
+
+        The function returned takes the method `op`'s arguments (ctx first). It makes
+        every send this rank owes its peers for the call, never waiting on a peer, and
+        returns the second phase: an object whose `progress(soft=None)` finishes the
+        call on this rank (receives, local reduction) and returns True, or, given `soft`
+        (a `time.monotonic()` value), returns False rather than block past it, and may
+        be called again. `ProcessGroup` may run the first phase on the caller's thread
+        at submission and the second on whichever thread waits; the messages must be
+        those the method `op` would exchange, whichever way a peer runs the call."""
+        return None
 
     @abc.abstractmethod
     def all_reduce(self, ctx: CallContext, buf: np.ndarray, reducer: Reducer) -> None: ...

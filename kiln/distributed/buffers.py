@@ -31,8 +31,15 @@ def describe(obj) -> str:
     return "%s%s %s" % (arr.dtype, list(arr.shape), type(obj).__name__)
 
 
+_KILN_NP_DTYPES: set = set()  # numpy dtypes `kd.from_numpy` accepted (the fast check)
+
+
 def as_array(obj, op: str, name: str, *, writeable: bool) -> np.ndarray:
     """The numpy view of a user buffer, validated; raises CollectiveArgumentError."""
+    if type(obj) is np.ndarray and obj.dtype in _KILN_NP_DTYPES:  # the common case
+        flags = obj.flags
+        if flags.c_contiguous and (flags.writeable or not writeable):
+            return obj
     arr = obj
     if not isinstance(arr, np.ndarray):
         if hasattr(obj, "numpy") and callable(obj.numpy):
@@ -45,6 +52,7 @@ def as_array(obj, op: str, name: str, *, writeable: bool) -> np.ndarray:
                 % (op, name, type(obj).__name__))
     try:
         kd.from_numpy(arr.dtype)
+        _KILN_NP_DTYPES.add(arr.dtype)
     except KilnDTypeError:
         raise CollectiveArgumentError(
             "%s: %s has dtype %s, which is not a kiln dtype; use one of %s"
@@ -136,6 +144,15 @@ class Reducer:
         fb[...] = b
         self.ufunc(fa, fb, out=fa)
         out[...] = fa
+
+    def accumulate(self, out: np.ndarray, other: np.ndarray, world_size: int) -> None:
+        """The last step of a reduction over `world_size` ranks: out = out (op) other,
+        then `finish`."""
+        if self.upcast or self.op == "avg":
+            self.combine(out, out, other)
+            self.finish(out, world_size)
+        else:
+            self.ufunc(out, other, out=out)
 
     def finish(self, buf: np.ndarray, world_size: int) -> None:
         """Apply the final step of the op (divide by the group size for avg)."""

@@ -21,25 +21,53 @@ import socket
 import sys
 import threading
 import time
+import types
 
 DUMP_VERSION = 1
 _KILN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THREADING_FILE = os.path.abspath(threading.__file__)
 
 
-def call_site_frames(limit: int = 4) -> list[list]:
-    """[file, line, function] of the innermost `limit` frames outside kiln (cheap: no I/O)."""
-    frames: list[list] = []
-    frame = sys._getframe(1)
-    while frame is not None and len(frames) < limit:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_KILN_DIR) and filename != _THREADING_FILE:
-            frames.append([filename, frame.f_lineno, frame.f_code.co_name])
+_INTERNAL: dict = {}  # code object -> whether it is kiln's or threading's (skipped)
+
+
+def call_site_frames(limit: int = 4, depth: int = 1) -> list[tuple]:
+    """The innermost `limit` frames outside kiln, from `depth` frames up (1: the
+    caller; more skips frames known to be kiln's), as (code object, instruction
+    offset): cheap to take (no line-table lookup, no I/O); `resolve_frames` turns them
+    into (file, line, function) when a dump is written."""
+    frames: list[tuple] = []
+    frame = sys._getframe(depth)
+    while frame is not None:
+        code = frame.f_code
+        internal = _INTERNAL.get(code)
+        if internal is None:
+            name = code.co_filename
+            internal = _INTERNAL[code] = name.startswith(_KILN_DIR) or name == _THREADING_FILE
+        if not internal:
+            frames.append((code, frame.f_lasti))
+            if len(frames) == limit:
+                break
         frame = frame.f_back
     return frames
 
 
+def resolve_frames(frames: list) -> list[tuple]:
+    """(file, line, function) of frames from `call_site_frames` (others pass through)."""
+    out = []
+    for frame in frames:
+        code = frame[0]
+        if isinstance(code, types.CodeType):
+            line = next((ln for start, end, ln in code.co_lines() if start <= frame[1] < end),
+                        code.co_firstlineno)
+            out.append((code.co_filename, line or code.co_firstlineno, code.co_name))
+        else:
+            out.append(tuple(frame))
+    return out
+
+
 _DTYPE_NAMES: dict = {}
+_SHAPES: dict = {}  # (shape, dtype) -> (sizes, dtype names) of one array, shared by records
 
 
 def _dtype_name(dtype) -> str:
@@ -48,6 +76,20 @@ def _dtype_name(dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
     return name
+
+
+def _describe(arrays: list) -> tuple[list, list]:
+    """([shape as list, ...], [dtype name, ...]) of arrays, cached for one array."""
+    if len(arrays) != 1:
+        return [list(a.shape) for a in arrays], [_dtype_name(a.dtype) for a in arrays]
+    a = arrays[0]
+    key = (a.shape, a.dtype)
+    found = _SHAPES.get(key)
+    if found is None:
+        if len(_SHAPES) > 4096:  # many distinct shapes: start over rather than grow
+            _SHAPES.clear()
+        found = _SHAPES[key] = ([list(a.shape)], [_dtype_name(a.dtype)])
+    return found
 
 
 class FlightRecorder:
@@ -71,21 +113,32 @@ class FlightRecorder:
                                  "backend": backend}
 
     def record(self, *, group: str, epoch: int, seq: int, op: str, inputs: list, outputs: list,
-               timeout: float, frames: list, extra: dict | None = None) -> dict:
-        """Append a record in state 'scheduled' and return it (the caller updates it)."""
-        now = time.time_ns()
+               timeout: float, frames: list, numel: int | None = None,
+               extra: dict | None = None, started_ns: int | None = None) -> dict:
+        """Append a record in state 'scheduled' and return it (the caller updates it);
+        with `started_ns` (a `time.time_ns()` value), of a call that was started then,
+        in state 'started'.
+
+        Its size and dtype lists are shared between records of equal operands (made
+        once per shape and dtype): treat a record's values as read-only."""
+        now = started_ns or time.time_ns()
+        in_sizes, in_dtypes = _describe(inputs)
+        out_sizes, out_dtypes = (in_sizes, in_dtypes) if outputs is inputs else \
+            _describe(outputs)
         rec = {
             "id": 0, "group": group, "epoch": epoch, "seq": seq, "op": op,
-            "input_sizes": [list(a.shape) for a in inputs],
-            "input_dtypes": [_dtype_name(a.dtype) for a in inputs],
-            "output_sizes": [list(a.shape) for a in outputs],
-            "output_dtypes": [_dtype_name(a.dtype) for a in outputs],
+            "input_sizes": in_sizes, "input_dtypes": in_dtypes,
+            "output_sizes": out_sizes, "output_dtypes": out_dtypes,
             "state": "scheduled", "time_created_ns": now, "time_started_ns": None,
             "time_completed_ns": None, "timeout_s": timeout, "frames": frames,
             "error": None,
         }
+        if numel is not None:
+            rec["numel"] = numel
         if extra:
             rec.update(extra)
+        if started_ns is not None:
+            rec["state"], rec["time_started_ns"] = "started", started_ns
         with self._lock:
             rec["id"] = self._next_id
             self._next_id += 1
@@ -114,7 +167,8 @@ class FlightRecorder:
         for rec in records:  # resolve source lines only now: recording stays cheap
             rec["frames"] = [
                 {"file": f, "line": ln, "function": fn,
-                 "source": linecache.getline(f, ln).strip()} for f, ln, fn in rec["frames"]]
+                 "source": linecache.getline(f, ln).strip()}
+                for f, ln, fn in resolve_frames(rec["frames"])]
         return {
             "version": DUMP_VERSION, "rank": self.rank, "world_size": self.world_size,
             "pid": os.getpid(), "host": socket.gethostname(), "reason": reason,

@@ -1,16 +1,51 @@
 """`ProcessGroup`: ordered, nonblocking collectives over a backend, with deadlines.
 
 Every call is checked on the caller's thread (nothing is sent for bad input), gets the
-group's next sequence number, a Flight Recorder record and a `Work`, and is queued
-for the group's progress thread, which runs calls one at a time in call order, so
-the order is the same on every rank. Each call has a deadline (the group's `timeout`
-or the call's own); a call that misses it, a dead peer, or a mismatched call fails
-its Work, aborts the group (every later call fails at once, nothing hangs) and dumps
-the Flight Recorder on every rank.
+group's next sequence number, a Flight Recorder record and a `Work`, and runs in call
+order, one call at a time, so the order is the same on every rank. Each call has a
+deadline (the group's `timeout` or the call's own); a call that misses it, a dead
+peer, or a mismatched call fails its Work, aborts the group (every later call fails
+at once, nothing hangs) and dumps the Flight Recorder on every rank.
 
     >>> pg = kiln.distributed.init_process_group()
     >>> work = pg.all_reduce(x, op="sum")    # returns at once
     >>> work.wait()
+
+Who runs a call. The group has one execution *slot*: `_running` is the call started
+and not yet finished, `_busy` says a thread is advancing it right now. A thread takes
+the slot under `_lock`, works outside the lock, and either ends the call or *parks*
+it (keeps its second phase in `_cont`, releases `_busy`) when it would block and must
+not. Calls are taken in seq order and a call starts only once the previous one ended,
+so the per-group order, and the backend's one-call-at-a-time contract, hold whichever
+thread takes the slot:
+
+- The fast path: a call the backend can run `eager`ly (a single-round small
+  collective: all_reduce/broadcast/reduce/barrier between two ranks, small
+  all_gather, gather, scatter, reduce_scatter), made while the slot is free and
+  nothing is queued, starts on the caller's thread: its messages go out and it is
+  parked, without waking any thread. The seq is assigned and the slot taken under
+  one lock hold, so it starts in call order. It stays nonblocking: the first phase
+  only sends (a send could wait only for socket space, when the peer is many calls
+  behind, and then under the call's deadline, while no peer waits on this rank), and
+  afterwards no peer waits on this rank for this call: what is left (reading the
+  peers' messages, reducing) concerns this rank only. Its Flight Recorder record is
+  made right after the sends (before them if they would wait), so the bookkeeping
+  overlaps the message's flight.
+- `wait()` runs the calls up to its own on the waiting thread (a parked call's second
+  phase reads the peer's message straight from the socket), which saves the thread
+  hand-offs that dominated small-message latency; `wait(timeout)`, `is_completed()`
+  and `exception()` do the same without blocking past their bound, leaving calls
+  that can only run unbounded to the progress thread.
+- The progress thread runs queued calls (anything made while another call held the
+  slot, or that does not start eagerly), so calls progress with nobody waiting, and
+  adopts a call parked for more than `_TICK` (nobody waited for it): its deadline is
+  then kept and its failure reported, as for any call. It ticks while calls are
+  being made and sleeps for good once the group is quiet (a call that parks wakes it
+  only then). `add_done_callback` on a parked call has it adopted at once.
+
+Every phase of every call, whichever thread runs it, ends in `_advance`/`_end`, and
+a failure found by any thread goes through `_fail`: the group is aborted, queued
+calls fail at their turn, and a parked call nobody runs is failed there and then.
 """
 
 from __future__ import annotations
@@ -29,8 +64,54 @@ from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, Reducer, dtype_o
 from kiln.distributed.errors import (
     CollectiveArgumentError, CollectiveTimeout, DistributedError, GroupAborted, RendezvousError,
 )
-from kiln.distributed.flight_recorder import call_site_frames, recorder
+from kiln.distributed.flight_recorder import FlightRecorder, call_site_frames, recorder
 from kiln.distributed.work import Work
+
+# the progress thread's period while calls are being made: it adopts a call parked
+# for longer (nobody waited for it), keeps p2p deadlines, and goes to sleep for good
+# after a quiet period
+_TICK = 0.25
+_PARK = float("-inf")  # `soft` of a thread that must not block at all: park at once
+_DTYPE_CODES: dict = {}  # numpy dtype -> wire code (dtype_of costs a dict and a lookup)
+_RECORDER = recorder()  # the process-wide Flight Recorder (bound once: called per call)
+_started, _completed = FlightRecorder.started, FlightRecorder.completed
+
+
+def _dtype_code(dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = DTYPE_CODES[dtype_of(np.empty(0, dtype)).short]
+    return code
+
+
+class _Blocking:
+    """The second phase of a call that does not start eagerly: all of it, blocking."""
+
+    __slots__ = ("run", "ctx")
+
+    def __init__(self, run: Callable[[CallContext], object], ctx: CallContext):
+        self.run, self.ctx = run, ctx
+
+    def progress(self, soft: float | None = None) -> bool:
+        if soft is not None:
+            return False  # cannot be bounded: left to a thread that may block
+        self.run(self.ctx)
+        return True
+
+
+class _Then:
+    """A second phase followed by the group's own last step (copying list outputs)."""
+
+    __slots__ = ("cont", "fn")
+
+    def __init__(self, cont, fn: Callable[[], None]):
+        self.cont, self.fn = cont, fn
+
+    def progress(self, soft: float | None = None) -> bool:
+        if not self.cont.progress(soft):
+            return False
+        self.fn()
+        return True
 
 
 class ProcessGroup:
@@ -55,10 +136,20 @@ class ProcessGroup:
         self._splits = 0
         self._error: BaseException | None = None
         self._closed = False
-        self._cond = threading.Condition()
-        self._queue: collections.deque = collections.deque()
+        # `with self._lock` (a C lock) where nothing waits: cheaper than the Condition's
+        # Python-level __enter__; waiting and notifying go through `_cond`, on that lock
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._queue: collections.deque[Work] = collections.deque()
         self._p2p: set[Work] = set()
-        self._running: Work | None = None
+        self._running: Work | None = None  # the call in the slot (see the module docstring)
+        self._busy = False  # a thread is advancing `_running`
+        self._cont = None  # the parked second phase of `_running` (when not busy)
+        self._parked_at = 0.0
+        self._adopt = False  # a parked call has callbacks: the progress thread ends it
+        self._slot_waiters = 0  # threads in _help waiting for the slot
+        self._asleep = False  # the progress thread sleeps without a tick
+        self._reducers: dict = {}  # (reduce op, dtype) -> Reducer (checked once)
         self.children: list[ProcessGroup] = []
         backend.set_failure_handler(self._on_backend_failure)
         recorder().register_group(name, self.global_ranks, rank, epoch, backend.name)
@@ -77,11 +168,18 @@ class ProcessGroup:
             >>> pg.all_reduce(x, op="max").wait()
         """
         buf = args.buffer("all_reduce", "tensor", tensor, writeable=True)
-        reducer = args.reducer("all_reduce", op, buf)
-        flat = buf.reshape(-1)
-        return self._submit("all_reduce", [buf], [buf], buf.size, reducer.op, timeout,
-                            lambda ctx: self.backend.all_reduce(ctx, flat, reducer),
-                            extra={"reduce_op": reducer.op})
+        try:
+            reducer = self._reducers[op, buf.dtype]
+        except (KeyError, TypeError):
+            reducer = self._reducer("all_reduce", op, buf)
+        flat = buf if buf.ndim == 1 else buf.reshape(-1)
+        backend = self.backend
+        io = [buf]
+        starter = backend.eager("all_reduce", flat)
+        return self._submit("all_reduce", io, io, buf.size, reducer.op, timeout,
+                            lambda ctx: backend.all_reduce(ctx, flat, reducer),
+                            extra=reducer.extra,
+                            start=starter and (lambda ctx: starter(ctx, flat, reducer)))
 
     def broadcast(self, tensor, src: int = 0, *, timeout: float | None = None) -> Work:
         """Copy `tensor` of rank `src` into `tensor` of every rank.
@@ -90,10 +188,14 @@ class ProcessGroup:
         """
         buf = args.buffer("broadcast", "tensor", tensor, writeable=True)
         src = args.rank("broadcast", "src", src, self.world_size)
-        flat = buf.reshape(-1)
-        return self._submit("broadcast", [buf], [buf], buf.size, None, timeout,
-                            lambda ctx: self.backend.broadcast(ctx, flat, src),
-                            extra={"root": src})
+        flat = buf if buf.ndim == 1 else buf.reshape(-1)
+        backend = self.backend
+        io = [buf]
+        starter = backend.eager("broadcast", flat)
+        return self._submit("broadcast", io, io, buf.size, None, timeout,
+                            lambda ctx: backend.broadcast(ctx, flat, src),
+                            extra={"root": src},
+                            start=starter and (lambda ctx: starter(ctx, flat, src)))
 
     def reduce(self, tensor, dst: int = 0, op: str = "sum", *,
                timeout: float | None = None) -> Work:
@@ -103,11 +205,15 @@ class ProcessGroup:
         """
         buf = args.buffer("reduce", "tensor", tensor, writeable=True)
         dst = args.rank("reduce", "dst", dst, self.world_size)
-        reducer = args.reducer("reduce", op, buf)
-        flat = buf.reshape(-1)
-        return self._submit("reduce", [buf], [buf], buf.size, reducer.op, timeout,
-                            lambda ctx: self.backend.reduce(ctx, flat, dst, reducer),
-                            extra={"root": dst, "reduce_op": reducer.op})
+        reducer = self._reducer("reduce", op, buf)
+        flat = buf if buf.ndim == 1 else buf.reshape(-1)
+        backend = self.backend
+        io = [buf]
+        starter = backend.eager("reduce", flat)
+        return self._submit("reduce", io, io, buf.size, reducer.op, timeout,
+                            lambda ctx: backend.reduce(ctx, flat, dst, reducer),
+                            extra={"root": dst, "reduce_op": reducer.op},
+                            start=starter and (lambda ctx: starter(ctx, flat, dst, reducer)))
 
     def all_gather(self, output, input, *, timeout: float | None = None) -> Work:
         """Every rank's `input`, in rank order, into `output` on every rank.
@@ -120,9 +226,13 @@ class ProcessGroup:
         """
         inp = args.buffer("all_gather", "input", input, writeable=False)
         out, finish = args.slotted("all_gather", "output", output, inp, self.world_size)
+        oflat, iflat = out.reshape(-1), inp.reshape(-1)
+        backend = self.backend
+        starter = backend.eager("all_gather", oflat, iflat)
+        start = starter and self._then(lambda ctx: starter(ctx, oflat, iflat), finish, output)
         return self._submit("all_gather", [inp], [out], inp.size, None, timeout,
-                            lambda ctx: (self.backend.all_gather(ctx, out.reshape(-1),
-                                                                 inp.reshape(-1)), finish()))
+                            lambda ctx: (backend.all_gather(ctx, oflat, iflat), finish()),
+                            start=start)
 
     def gather(self, input, output=None, dst: int = 0, *, timeout: float | None = None) -> Work:
         """Every rank's `input` into `output` on rank `dst` (slots as in all_gather).
@@ -138,11 +248,14 @@ class ProcessGroup:
                                               "buffer of world_size slots" % dst)
             out, finish = args.slotted("gather", "output", output, inp, self.world_size)
         outs = [out] if out is not None else []
+        oflat, iflat = None if out is None else out.reshape(-1), inp.reshape(-1)
+        backend = self.backend
+        starter = backend.eager("gather", iflat)
+        start = starter and self._then(lambda ctx: starter(ctx, oflat, iflat, dst), finish,
+                                       output)
         return self._submit("gather", [inp], outs, inp.size, None, timeout,
-                            lambda ctx: (self.backend.gather(
-                                ctx, None if out is None else out.reshape(-1), inp.reshape(-1),
-                                dst), finish()),
-                            extra={"root": dst})
+                            lambda ctx: (backend.gather(ctx, oflat, iflat, dst), finish()),
+                            extra={"root": dst}, start=start)
 
     def scatter(self, output, input=None, src: int = 0, *, timeout: float | None = None) -> Work:
         """Slot i of `input` on rank `src` into `output` of rank i.
@@ -158,11 +271,13 @@ class ProcessGroup:
                                               "of world_size slots" % src)
             inp = args.slotted_input("scatter", "input", input, out, self.world_size)
         ins = [inp] if inp is not None else []
+        oflat, iflat = out.reshape(-1), None if inp is None else inp.reshape(-1)
+        backend = self.backend
+        starter = backend.eager("scatter", oflat)
         return self._submit("scatter", ins, [out], out.size, None, timeout,
-                            lambda ctx: self.backend.scatter(
-                                ctx, out.reshape(-1), None if inp is None else inp.reshape(-1),
-                                src),
-                            extra={"root": src})
+                            lambda ctx: backend.scatter(ctx, oflat, iflat, src),
+                            extra={"root": src},
+                            start=starter and (lambda ctx: starter(ctx, oflat, iflat, src)))
 
     def reduce_scatter(self, output, input, op: str = "sum", *,
                        timeout: float | None = None) -> Work:
@@ -172,11 +287,14 @@ class ProcessGroup:
         """
         out = args.buffer("reduce_scatter", "output", output, writeable=True)
         inp = args.slotted_input("reduce_scatter", "input", input, out, self.world_size)
-        reducer = args.reducer("reduce_scatter", op, out)
+        reducer = self._reducer("reduce_scatter", op, out)
+        oflat, iflat = out.reshape(-1), inp.reshape(-1)
+        backend = self.backend
+        starter = backend.eager("reduce_scatter", oflat, iflat)
         return self._submit("reduce_scatter", [inp], [out], out.size, reducer.op, timeout,
-                            lambda ctx: self.backend.reduce_scatter(
-                                ctx, out.reshape(-1), inp.reshape(-1), reducer),
-                            extra={"reduce_op": reducer.op})
+                            lambda ctx: backend.reduce_scatter(ctx, oflat, iflat, reducer),
+                            extra={"reduce_op": reducer.op},
+                            start=starter and (lambda ctx: starter(ctx, oflat, iflat, reducer)))
 
     def all_to_all(self, output, input, output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, *,
@@ -203,7 +321,26 @@ class ProcessGroup:
             >>> pg.barrier().wait()
         """
         return self._submit("barrier", [], [], 0, None, timeout, self.backend.barrier,
-                            run_empty=True)
+                            run_empty=True, start=self.backend.eager("barrier"))
+
+    def _reducer(self, op: str, reduce_op, buf: np.ndarray) -> Reducer:
+        """The checked Reducer of (reduce_op, dtype), made once per group (calls of one
+        group run one at a time, so they may share its scratch)."""
+        try:
+            return self._reducers[reduce_op, buf.dtype]
+        except KeyError:
+            reducer = self._reducers[reduce_op, buf.dtype] = args.reducer(op, reduce_op, buf)
+        except TypeError:  # an unhashable reduce op: checked (and refused) there
+            reducer = args.reducer(op, reduce_op, buf)
+        reducer.extra = {"reduce_op": reducer.op}  # the Flight Recorder's field, made once
+        return reducer
+
+    @staticmethod
+    def _then(start, finish, output):
+        """`start`, followed by `finish` (copying out to a list output) when there is one."""
+        if not isinstance(output, (list, tuple)):
+            return start
+        return lambda ctx: _Then(start(ctx), finish)
 
     # -- point to point --------------------------------------------------------------
     def send(self, tensor, dst: int, tag: int = 0, *, timeout: float | None = None) -> Work:
@@ -231,102 +368,130 @@ class ProcessGroup:
         if not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) < 2 ** 32:
             raise CollectiveArgumentError("%s: tag=%r must be an int in [0, 2**32)" % (op, tag))
         timeout = self.timeout if timeout is None else float(timeout)
-        with self._cond:
+        with self._lock:
             seq = self._p2p_seq
             self._p2p_seq += 1
-        work = Work(op, seq, self.name)
-        rec = recorder().record(group=self.name, epoch=self.epoch, seq=seq, op=op, inputs=[buf],
+        work = Work(op, seq, self.name)  # no owner: the backend's callback ends it
+        rec = _RECORDER.record(group=self.name, epoch=self.epoch, seq=seq, op=op, inputs=[buf],
                                 outputs=[buf] if op == "recv" else [], timeout=timeout,
-                                frames=call_site_frames(),
+                                frames=call_site_frames(depth=3),
                                 extra={"p2p": True, "peer": peer, "tag": int(tag)})
         work.record, work.deadline = rec, time.monotonic() + timeout
         ctx = CallContext(seq, op, OP_CODES["p2p"], work.deadline,
                           DTYPE_CODES[dtype_of(buf).short], 0, buf.size)
 
         def done(error: BaseException | None) -> None:
-            with self._cond:
+            with self._lock:
                 self._p2p.discard(work)
-            recorder().completed(rec, error)
+            _completed(rec, error)
             if work._finish(error) and error is not None:
                 self._fail(error, work)
 
-        with self._cond:
+        with self._lock:
             if self._error is not None or self._closed:
                 error = self._error or GroupAborted("group '%s' was destroyed" % self.name)
-                recorder().completed(rec, error)
+                _completed(rec, error)
                 work._finish(error)
                 return work
             self._p2p.add(work)
             self._cond.notify()
-        recorder().started(rec)
+        _started(rec)
         fn = self.backend.send if op == "send" else self.backend.recv
         fn(ctx, buf.reshape(-1), peer, int(tag), done)
         return work
 
-    # -- ordering, deadlines, failure ------------------------------------------------
+    # -- ordering, deadlines, failure (see the module docstring) ----------------------
     def _submit(self, op: str, inputs: list, outputs: list, count: int, reduce_op: str | None,
                 timeout: float | None, run: Callable[[CallContext], object],
-                extra: dict | None = None, run_empty: bool = False) -> Work:
+                extra: dict | None = None, run_empty: bool = False, start=None) -> Work:
         timeout = self.timeout if timeout is None else float(timeout)
-        dt = dtype_of(inputs[0] if inputs else outputs[0]) if (inputs or outputs) else None
-        with self._cond:
-            seq = self._seq
-            self._seq += 1
-            work = Work(op, seq, self.name)
-            work.helper = self._help
-            rec = recorder().record(group=self.name, epoch=self.epoch, seq=seq, op=op,
-                                    inputs=inputs, outputs=outputs, timeout=timeout,
-                                    frames=call_site_frames(),
-                                    extra=dict(extra or {}, numel=count))
-            work.record = rec
-            ctx = CallContext(seq, op, OP_CODES[op], 0.0,
-                              DTYPE_CODES[dt.short] if dt is not None else 0,
-                              REDUCE_CODES[reduce_op] if reduce_op else 0, count)
+        first = inputs[0] if inputs else (outputs[0] if outputs else None)
+        dtype_code = 0 if first is None else (_DTYPE_CODES.get(first.dtype) or
+                                              _dtype_code(first.dtype))
+        if count == 0 and not run_empty:
             # an empty call moves nothing on any rank (count agrees across ranks), but
             # keeps its place in the sequence; all_to_all (count -1) always runs
-            empty = not run_empty and count == 0
-            self._queue.append((work, ctx, timeout, None if empty else run))
-            if self._running is None:  # else the running call's end wakes the thread
+            run, start = None, _nothing
+        what = (inputs, outputs, count, timeout, extra)  # for the Flight Recorder
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            work = Work(op, seq, self.name, self)
+            ctx = CallContext(seq, op, OP_CODES[op], 0.0, dtype_code,
+                              REDUCE_CODES[reduce_op] if reduce_op else 0, count)
+            if start is None or self._running is not None or self._queue or \
+                    self._error is not None or self._closed:
+                self._record(work, what, None, 4)  # under the lock: in seq order
+                work._call = (ctx, timeout, run, start)
+                self._queue.append(work)
+                if not self._busy:  # else the running call's end wakes the thread
+                    self._cond.notify()
+                return work
+            # the fast path: take the slot and start here (module docstring)
+            self._running = work
+            self._busy = True
+            if self._asleep:  # let it tick: a call nobody waits for must be adopted
+                self._asleep = False
                 self._cond.notify()
+        self._begin(work, ctx, timeout, run, start, _PARK, what)
         return work
 
-    def _progress_loop(self) -> None:
-        while True:
-            with self._cond:
-                # one call at a time: also wait while a waiter runs one inline (_help)
-                while (not self._queue or self._running is not None) and not self._closed:
-                    self._cond.wait(0.25 if self._p2p else None)
-                    self._expire_p2p()
-                if not self._queue:
-                    return
-                item = self._queue.popleft()
-                self._running = item[0]
-            self._execute(*item)
+    def _record(self, work: Work, what: tuple, started_ns: int | None, depth: int) -> None:
+        """Give `work` its Flight Recorder record (`what` from `_submit`), unless it has
+        one; `depth`: how many frames up the collective's caller is, at least."""
+        if work.record is None:
+            inputs, outputs, count, timeout, extra = what
+            work.record = _RECORDER.record(
+                group=self.name, epoch=self.epoch, seq=work.seq, op=work.op, inputs=inputs,
+                outputs=outputs, timeout=timeout, frames=call_site_frames(depth=depth),
+                numel=count, extra=extra, started_ns=started_ns)
 
-    def _help(self, work: Work) -> None:
-        """Run queued calls up to `work` on the waiting thread (they are started in
-        call order, one at a time, exactly as the progress thread would). This saves
-        the two thread hand-offs (caller -> progress thread -> caller) that dominate
-        small-message latency. Returns when `work` ran or another thread is running."""
-        while not work.is_completed():
-            with self._cond:
-                if self._running is not None or not self._queue or self._closed:
-                    return
-                item = self._queue.popleft()
-                self._running = item[0]
-            self._execute(*item)
+    def _begin(self, work: Work, ctx: CallContext, timeout: float, run, start,
+               soft: float | None, what: tuple | None = None) -> bool:
+        """Start `work` (this thread holds the slot) and advance it (`_advance`).
 
-    def _execute(self, work: Work, ctx: CallContext, timeout: float, run) -> None:
-        rec = work.record
+        `what` (the fast path, from `_submit`): `work` has no record yet; it gets one
+        once its sends went out (or before they block), so that the bookkeeping runs
+        while the message travels instead of before it leaves."""
         error = self._error
         if error is None and self._closed:
             error = GroupAborted("group '%s' was destroyed before %s ran" % (self.name, work.op))
+        cont = None
         if error is None:
             ctx.deadline = work.deadline = time.monotonic() + timeout
-            recorder().started(rec)
+            if what is None:
+                _started(work.record)
+            else:
+                started = time.time_ns()
+                ctx.before_blocking = lambda: self._record(work, what, started, 1)
             try:
-                if run is not None:
-                    run(ctx)
+                if start is not None:
+                    cont = start(ctx)
+                elif run is not None:
+                    cont = _Blocking(run, ctx)
+            except DistributedError as err:
+                error = err
+            except Exception as err:  # a bug must fail the Work, not kill the thread
+                error = DistributedError("%s (seq %d) failed inside kiln: %r"
+                                         % (work.op, work.seq, err))
+            if what is not None:
+                self._record(work, what, started, 5)  # _begin, _submit, the collective
+            if error is not None:
+                self._fail(error, work)
+        elif what is not None:
+            self._record(work, what, None, 5)
+        if cont is None:
+            self._end(work, error)
+            return True
+        return self._advance(work, cont, soft)
+
+    def _advance(self, work: Work, cont, soft: float | None) -> bool:
+        """Advance the call in the slot (this thread holds it): to its end (True), or
+        until `soft` (a monotonic time; `_PARK`: not at all), then park it (False)."""
+        if soft != _PARK:
+            error = None
+            try:
+                done = cont.progress(soft)
             except DistributedError as err:
                 error = err
             except Exception as err:  # a bug must fail the Work, not kill the thread
@@ -334,12 +499,108 @@ class ProcessGroup:
                                          % (work.op, work.seq, err))
             if error is not None:
                 self._fail(error, work)
-        recorder().completed(rec, error)
-        with self._cond:
-            self._running = None
-            if self._queue:  # only the progress thread waits here, and only for a call
-                self._cond.notify()
+                self._end(work, error)
+                return True
+            if done:
+                self._end(work, None)
+                return True
+        with self._lock:
+            self._cont = cont
+            self._parked_at = time.monotonic()
+            self._busy = False
+            if self._queue or self._slot_waiters or self._adopt or self._closed or \
+                    self._error is not None:
+                self._cond.notify_all()
+        return False
+
+    def _end(self, work: Work, error: BaseException | None) -> None:
+        _completed(work.record, error)
+        with self._lock:
+            self._running = self._cont = None
+            self._busy = False
+            if self._queue or self._slot_waiters:
+                self._cond.notify_all()
         work._finish(error)
+
+    def _help(self, work: Work, soft: float | None) -> None:
+        """Run calls in order up to `work` on this thread (`Work.wait` and friends):
+        without `soft`, blocking until `work` ended; with `soft` (a monotonic time), only
+        until then, parking the running call, and never starting a call that can only
+        run blocking (the progress thread runs those)."""
+        while not work._done:
+            with self._lock:
+                while self._busy and not work._done:
+                    left = None if soft is None else soft - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    self._slot_waiters += 1
+                    try:
+                        self._cond.wait(left)
+                    finally:
+                        self._slot_waiters -= 1
+                if work._done:
+                    return
+                running, cont = self._running, self._cont
+                if running is None:
+                    if not self._queue:
+                        return
+                    running = self._queue[0]
+                    call = running._call
+                    if soft is not None and call[3] is None and call[2] is not None:
+                        return
+                    self._queue.popleft()
+                    running._call = None
+                    self._running = running
+                self._busy = True
+            if cont is None:
+                done = self._begin(running, *call, soft)
+            else:
+                done = self._advance(running, cont, soft)
+            if not done:
+                return
+
+    def _adopt_parked(self) -> None:
+        """Have the progress thread finish a parked call now (it has callbacks)."""
+        with self._lock:
+            if self._running is not None and not self._busy:
+                self._adopt = True
+                self._asleep = False
+                self._cond.notify_all()
+
+    def _progress_loop(self) -> None:
+        seen = -1
+        while True:
+            with self._lock:
+                while True:
+                    if not self._busy:
+                        running, cont = self._running, self._cont
+                        if running is not None and (
+                                self._queue or self._closed or self._adopt or
+                                self._error is not None or
+                                time.monotonic() - self._parked_at >= _TICK):
+                            self._adopt = False
+                            self._busy = True
+                            break
+                        if running is None and self._queue:
+                            running, cont = self._queue.popleft(), None
+                            call, running._call = running._call, None
+                            self._running = running
+                            self._busy = True
+                            break
+                    if self._closed and self._running is None and not self._queue:
+                        return
+                    if self._running is not None or self._p2p or self._seq != seen:
+                        seen = self._seq
+                        self._cond.wait(_TICK)
+                    else:  # quiet for a whole tick: sleep until a call needs the thread
+                        self._asleep = True
+                        self._cond.wait()
+                        self._asleep = False
+                    self._expire_p2p()
+            if cont is None:
+                self._begin(running, *call, None)
+            else:
+                self._advance(running, cont, None)
 
     def _expire_p2p(self) -> None:
         now = time.monotonic()
@@ -352,27 +613,33 @@ class ProcessGroup:
             threading.Thread(target=self._fail, args=(error, work), daemon=True).start()
 
     def _fail(self, error: BaseException, work: Work | None) -> None:
-        """First failure wins: abort the backend (peers are told), fail queued and
-        pending calls, dump the Flight Recorder here and ask every rank to dump."""
-        with self._cond:
+        """First failure wins: abort the backend (peers are told), fail queued, parked
+        and pending calls, dump the Flight Recorder here and ask every rank to dump."""
+        with self._lock:
             first = self._error is None
             if first:
                 self._error = error
             p2p = list(self._p2p)
             self._p2p.clear()
+            orphan = None
+            if self._running is not None and not self._busy:  # parked: nobody runs it
+                orphan = self._running
+                self._busy = True
             self._cond.notify_all()
-        if not first:
-            return
-        self.backend.abort(error)
-        for w in p2p:
-            if w._finish(error):
-                recorder().completed(w.record, error)
-        if work is not None or p2p:
-            _dump_everywhere(self, "%s on rank %d of group '%s': %s" % (
-                type(error).__name__, self.rank, self.name, getattr(error, "message", error)))
+        if first:
+            self.backend.abort(error)
+            for w in p2p:
+                if w._finish(error):
+                    _completed(w.record, error)
+            if work is not None or p2p or orphan is not None:
+                _dump_everywhere(self, "%s on rank %d of group '%s': %s" % (
+                    type(error).__name__, self.rank, self.name,
+                    getattr(error, "message", error)))
+        if orphan is not None:
+            self._end(orphan, self._error)
 
     def _on_backend_failure(self, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             busy = self._running is not None or bool(self._queue) or bool(self._p2p)
         self._fail(error, self._running if busy else None)
 
@@ -433,11 +700,11 @@ class ProcessGroup:
         """Leave the group cleanly (sub-groups first); queued calls fail with GroupAborted."""
         for child in self.children:
             child.destroy()
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            self._cond.notify_all()  # the progress thread finishes a parked call, then exits
         self._thread.join(timeout=self.timeout)
         if self._error is None:
             self.backend.close()
@@ -445,6 +712,11 @@ class ProcessGroup:
     @property
     def is_aborted(self) -> bool:
         return self._error is not None
+
+
+def _nothing(ctx: CallContext) -> None:
+    """The start of an empty call: there is nothing to send or receive."""
+    return None
 
 
 def _dump_everywhere(pg: ProcessGroup, reason: str) -> None:

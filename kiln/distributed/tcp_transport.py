@@ -1,11 +1,44 @@
-"""TCP links of one group: framed messages, posted receives, abort.
+"""TCP links of one group: framed messages, posted receives, the direct lane, abort.
 
-Each pair of ranks shares one socket. Per link, a sender thread drains a FIFO of
-outgoing messages (`sendmsg` of header + memoryview: no copy in Python) and a
+Each pair of ranks shares two sockets. The *threaded lane* carries large collectives,
+point-to-point messages and abort/goodbye notices: per link, a sender thread drains a
+FIFO of outgoing messages (`sendmsg` of header + memoryview: no copy in Python) and a
 receiver thread reads headers and lands each payload with `recv_into`, straight into
 the buffer a receive was posted for, or into a stash when it came first (MPI's
-"unexpected message" queue). Socket calls release the GIL, so sends, receives and
-the progress thread's reductions overlap.
+"unexpected message" queue). Socket calls release the GIL, so sends, receives and the
+progress thread's reductions overlap.
+
+The *direct lane* carries the messages of small collectives (at most
+KILN_TCP_DIRECT_BYTES, 256 KiB, per message), and no thread of its own reads it: the
+thread that runs the group's current call (the caller, a waiter or the progress thread;
+`ProcessGroup` lets exactly one run at a time) writes a message with one `sendmsg`
+and reads one with one `recvmsg_into` (header and payload, in place), blocked in the
+kernel until the peer's bytes arrive. A receiver thread on that path cost two thread
+hand-offs per message (the kernel wakes it, it wakes the caller), each a context
+switch and a GIL transfer; on a small loaded box those dominated a 1 KB all_reduce.
+Why one reader is enough, and safe:
+
+- Calls run one at a time, in the same order on every rank, and every direct-lane
+  algorithm sends at most one message per call to each peer, which that peer reads in
+  the same call, so the next message on a direct lane is always the one the running
+  call expects (its header says so); anything else is a mismatch, reported as
+  `CollectiveMismatch` naming both calls.
+- A message is at most 256 KiB, well below a direct lane's socket buffers (at least
+  1 MiB asked for each way), and a call sends before it receives, so its sends find
+  room while the peer sends too. A rank that runs ahead (a broadcast root) may fill
+  its peer's buffer and wait, but never on a peer that waits on it: a peer behind
+  has already sent what the calls ahead needed from it. SO_SNDTIMEO bounds the wait.
+- Deadlines: the sockets carry SO_RCVTIMEO/SO_SNDTIMEO of `_DIRECT_TICK`; a blocked
+  read wakes that often to check the call's deadline and the group's failure.
+- Failures: a peer's abort notice and EOF still arrive on the threaded lane, whose
+  receiver fails the transport and shuts every socket down, which wakes a blocked
+  direct read; it then raises the transport's error, so a rank that learns of a
+  failure through a peer's closed direct lane still reports the original cause.
+- Which lane a call uses is a function of its signature (op, dtype, count) and the
+  group's settings, so ranks that agree use the same lane. Ranks that disagree may
+  not: a threaded-lane message for the running call is checked against it by the
+  receiver thread (`check_active`), and a threaded-lane wait that lasts peeks at the
+  direct lanes for a message of the running call with another signature.
 
 A message header carries the sender's view of the call (op, dtype, reduce op, element
 count), so ranks that disagree about a collective fail with `CollectiveMismatch`
@@ -18,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import select
 import socket
 import struct
@@ -33,6 +67,14 @@ from kiln.distributed.errors import (
 HEADER = struct.Struct("!BBBBIIIqQ")
 DATA, P2P, ABORT, BYE = 1, 2, 3, 4
 _MAX_NOTICE = 1 << 16
+# a blocked direct-lane read or write wakes this often to check deadline and failure
+_DIRECT_TICK = 0.1
+# after a direct lane broke, how long to wait for the threaded lane's abort notice or
+# EOF to say why (a peer that aborts sends its notice there before it closes), and how
+# long a peer that left cleanly has to exit before this rank's call fails
+_CAUSE_GRACE = 2.0
+# a threaded-lane wait longer than this peeks at the direct lanes for a mismatch
+_PEEK_AFTER = 0.05
 
 
 class Request:
@@ -56,10 +98,15 @@ class Request:
 
 
 class Link:
-    """The socket to one peer, with its sender and receiver threads."""
+    """The sockets to one peer: the threaded lane, with its sender and receiver
+    threads, and the direct lane (module docstring)."""
 
-    def __init__(self, transport: "Transport", peer: int, sock: socket.socket):
+    def __init__(self, transport: "Transport", peer: int, sock: socket.socket,
+                 direct: socket.socket | None = None):
         self.transport, self.peer, self.sock = transport, peer, sock
+        self.direct = direct  # the direct lane (module docstring); None: threaded only
+        self._head = bytearray(HEADER.size)  # direct-lane header, read in place
+        self._poller = None  # select.poll of the direct lane, for bounded waits
         self.departed = False  # the peer said goodbye: its EOF is not a crash
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[bytes, Request]] = collections.deque()
@@ -151,6 +198,151 @@ class Link:
                               [], socket.MSG_DONTWAIT)
         except OSError:
             pass
+
+    # -- the direct lane (used only by the thread running the group's current call) -----
+    def direct_send(self, header: bytes, arr, deadline: float, call) -> None:
+        """Write one message (header + the bytes of the flat array `arr`) until the
+        kernel took it all; `call` (a `tcp_algorithms.Call`) names the call in a timeout.
+        The first attempt does not block; if it cannot finish, the call's context is
+        told (`before_blocking`) before this blocks."""
+        parts = [header, arr]
+        left = len(header) + arr.nbytes
+        flags = socket.MSG_DONTWAIT
+        while True:
+            try:
+                sent = self.direct.sendmsg(parts, (), flags)
+            except BlockingIOError:  # full; or SO_SNDTIMEO: the peer has not read for a tick
+                sent = 0
+            except OSError as err:
+                raise self._direct_broken(err, deadline, call) from None
+            left -= sent
+            if not left:
+                return
+            if flags:
+                flags = 0
+                hook = call.ctx.before_blocking
+                if hook is not None:
+                    hook()
+            if sent:
+                parts = _advance([p.view("u1") if hasattr(p, "dtype") else p for p in parts],
+                                 sent)
+            else:
+                self._direct_tick(deadline, call)
+
+    def direct_recv(self, key: tuple, sig: tuple, arr, deadline: float, call,
+                    soft: float | None = None) -> bool:
+        """Read the next direct-lane message into the flat array `arr`; it must be the
+        message `key` = (kind, seq, step, segment) of signature `sig` and fill `arr`
+        exactly. With `soft` (a monotonic time), return False if no message started to
+        arrive by then (nothing is consumed); a message that started is read whole.
+        Header and payload come in with one `recvmsg_into` (a valid message is exactly
+        that long, so nothing of the next one is taken); after a mismatch the payload
+        bytes in `arr` are undefined and the group fails."""
+        sock = self.direct
+        if soft is not None:
+            if self._poller is None:
+                self._poller = select.poll()
+                self._poller.register(sock, select.POLLIN)
+            limit = min(soft, deadline)
+            if not self._poller.poll(max(math.ceil((limit - time.monotonic()) * 1e3), 0)):
+                if time.monotonic() >= deadline:
+                    self._direct_tick(deadline, call)
+                return False
+        head = self._head
+        while True:
+            try:
+                got = sock.recvmsg_into([head, arr] if arr.nbytes else [head])[0]
+            except BlockingIOError:  # SO_RCVTIMEO: nothing for a tick
+                self._direct_tick(deadline, call)
+                continue
+            except OSError as err:
+                raise self._direct_broken(err, deadline, call) from None
+            if got == 0:
+                raise self._direct_broken(EOFError("connection closed"), deadline, call)
+            break
+        if got < HEADER.size:
+            self._direct_read(head, got, HEADER.size, deadline, call)
+            got = HEADER.size
+        kind, op, dt, rop, seq, step, seg, count, nbytes = HEADER.unpack(head)
+        theirs = (op, dt, rop, count)
+        if (kind, seq, step, seg) != key or nbytes != arr.nbytes or theirs != sig and \
+                not _compatible(sig, theirs):
+            if (kind, seq) != key[:2]:
+                detail = "its message is for seq %d, this rank is at seq %d" % (seq, key[1])
+            elif (step, seg) != key[2:]:
+                detail = "message for step %d, expected step %d" % (step, key[2])
+            else:
+                detail = "message of %d bytes, expected %d" % (nbytes, arr.nbytes)
+            error = self._mismatch(key[1], sig, theirs, detail)
+            self.transport.fail(error)  # the stream is out of step: nothing more is read
+            raise error
+        if got - HEADER.size < nbytes:
+            self._direct_read(arr, got - HEADER.size, nbytes, deadline, call)
+        return True
+
+    def direct_peek(self) -> tuple | None:
+        """(kind, seq, signature) of the message waiting on the direct lane, if a whole
+        header is there (nothing is consumed)."""
+        try:
+            data = self.direct.recv(HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return None
+        if len(data) < HEADER.size:
+            return None
+        kind, op, dt, rop, seq, _, _, count, _ = HEADER.unpack(data)
+        return kind, seq, (op, dt, rop, count)
+
+    def _direct_read(self, buf, got: int, nbytes: int, deadline: float, call) -> None:
+        """Read bytes [got, nbytes) of `buf` (a bytearray or a flat array)."""
+        sock = self.direct
+        raw = memoryview(buf if isinstance(buf, bytearray) else buf.view("u1"))
+        while got < nbytes:
+            try:
+                k = sock.recv_into(raw[got:], nbytes - got)
+            except BlockingIOError:  # SO_RCVTIMEO: nothing for a tick
+                self._direct_tick(deadline, call)
+                continue
+            except OSError as err:
+                raise self._direct_broken(err, deadline, call) from None
+            if k == 0:
+                raise self._direct_broken(EOFError("connection closed"), deadline, call)
+            got += k
+
+    def _direct_tick(self, deadline: float, call) -> None:
+        """A tick passed without progress: raise the group's failure or the timeout."""
+        transport = self.transport
+        if transport.error is not None or transport.closing:
+            raise transport.error or transport.close_error
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeout(
+                "%s on rank %d of group '%s' timed out: no progress from rank %d"
+                % (call.what(), transport.rank, transport.group, self.peer), rank=self.peer)
+
+    def _direct_broken(self, err: BaseException, deadline: float, call) -> DistributedError:
+        """The direct lane failed (EOF, reset): the cause, preferring what the threaded
+        lane reports (a peer that aborts or dies shows there too, with the reason). A
+        peer that left the group cleanly (said goodbye) fails the call with PeerFailure
+        only after `_CAUSE_GRACE` (or at the call's deadline, if sooner): its own exit
+        status is the news, and a launcher that sees this rank fail first would blame
+        the wrong rank."""
+        transport = self.transport
+        give_up = time.monotonic() + _CAUSE_GRACE
+        while transport.error is None and not transport.closing:
+            now = time.monotonic()
+            if now >= give_up or (now >= deadline if self.departed else
+                                  not self._receiver.is_alive()):
+                break
+            transport.failed.wait(0.02)
+        if transport.error is not None or transport.closing:
+            return transport.error or transport.close_error
+        if self.departed and time.monotonic() < give_up:  # the deadline came first
+            error = CollectiveTimeout(
+                "%s on rank %d of group '%s' timed out: rank %d left the group"
+                % (call.what(), transport.rank, transport.group, self.peer), rank=self.peer)
+        else:
+            error = self._link_error(err)
+        transport.fail(error)
+        return transport.error or error
 
     # -- receiving -------------------------------------------------------------------
     def post(self, req: Request) -> None:
@@ -292,10 +484,12 @@ class Link:
             req.finish(error)
 
     def shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for sock in (self.sock, self.direct):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 def _compatible(mine: tuple, theirs: tuple) -> bool:
@@ -319,18 +513,21 @@ class Transport:
     """All links of one group (full mesh) plus its failure state."""
 
     def __init__(self, group: str, rank: int, world_size: int, socks: dict[int, socket.socket],
-                 describe_sig=repr):
+                 describe_sig=repr, direct: dict[int, socket.socket] | None = None):
         # errors name the group as users know it: "pg/<name>/e<epoch>" -> "<name>"
         parts = group.split("/")
         self.group = parts[1] if len(parts) == 3 and parts[0] == "pg" else group
         self.rank, self.world_size = rank, world_size
         self.describe_sig = describe_sig
         self.error: DistributedError | None = None
+        self.failed = threading.Event()  # set with `error`
         self.closing = False
+        self.close_error: BaseException | None = None  # why the links were closed
         self.on_failure = None  # set by the backend: called once with the first error
         self.active: tuple | None = None  # (seq, signature) of the call in progress
         self._lock = threading.Lock()
-        self.links = {peer: Link(self, peer, s) for peer, s in socks.items()}
+        direct = direct or {}
+        self.links = {peer: Link(self, peer, s, direct.get(peer)) for peer, s in socks.items()}
         for link in self.links.values():
             link.start()
 
@@ -339,6 +536,10 @@ class Transport:
         already arrived under another signature fails the group with the mismatch."""
         self.active = (seq, sig)
         for peer, link in self.links.items():
+            # unlocked emptiness test: a message stashed after it sees `active` set
+            # (the receiver checks it after stashing), so one of the two checks sees it
+            if not link.stash:
+                continue
             with link._cond:
                 stashed = [s for key, queue in link.stash.items() if key[0] == DATA
                            and key[1] == seq for s, _ in queue]
@@ -368,13 +569,35 @@ class Transport:
         return req
 
     def wait(self, req: Request, deadline: float, what: str) -> None:
-        """Wait for one request until `deadline`; raise its error or CollectiveTimeout."""
-        if not req.event.wait(max(deadline - time.monotonic(), 0.0)):
-            raise CollectiveTimeout(
-                "%s on rank %d of group '%s' timed out: no progress from rank %d"
-                % (what, self.rank, self.group, req.peer), rank=req.peer)
+        """Wait for one request until `deadline`; raise its error or CollectiveTimeout.
+        A wait that lasts peeks at the direct lanes now and then: a peer that runs this
+        seq as a small collective (another signature) sent its message there."""
+        wait = _PEEK_AFTER
+        while not req.event.wait(max(min(deadline - time.monotonic(), wait), 0.0)):
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(
+                    "%s on rank %d of group '%s' timed out: no progress from rank %d"
+                    % (what, self.rank, self.group, req.peer), rank=req.peer)
+            self.peek_direct()
+            wait = 2 * _DIRECT_TICK
         if req.error is not None:
             raise req.error
+
+    def peek_direct(self) -> None:
+        """Fail with CollectiveMismatch if a direct lane holds a message for the running
+        call with another signature (only the thread running the call may call this)."""
+        active = self.active
+        if active is None or self.error is not None:
+            return
+        for peer, link in self.links.items():
+            if link.direct is None:
+                continue
+            head = link.direct_peek()
+            if head is not None and head[0] == DATA and head[1] == active[0] and \
+                    not _compatible(active[1], head[2]):
+                self.fail(link._mismatch(active[0], active[1], head[2],
+                                         "its message came on the direct lane"))
+                return
 
     def fail(self, error: DistributedError) -> None:
         """Record the first failure, fail every pending request, tell peers, close."""
@@ -382,6 +605,7 @@ class Transport:
             if self.error is not None or self.closing:
                 return
             self.error = error
+        self.failed.set()
         info = error_to_wire(error)
         for link in self.links.values():
             link.send_notice(ABORT, info)
@@ -401,6 +625,7 @@ class Transport:
         self._close_links(GroupAborted("group '%s' was destroyed on this rank" % self.group))
 
     def _close_links(self, error: BaseException) -> None:
+        self.close_error = error
         self.closing = True
         for link in self.links.values():
             link.fail_all(error)
@@ -416,3 +641,5 @@ class Transport:
                 if thread.is_alive() and thread is not threading.current_thread():
                     thread.join(timeout=2.0)
             link.sock.close()
+            if link.direct is not None:
+                link.direct.close()

@@ -7,6 +7,11 @@
 
 A Work ends exactly once: completed, or failed with a `DistributedError`
 (`PeerFailure`, `CollectiveTimeout`, `CollectiveMismatch`, `GroupAborted`).
+
+A collective's Work knows its group (`_owner`): waiting on it, or polling it, lets the
+group make progress on that thread (`ProcessGroup._help`) instead of handing the work
+to the progress thread and being woken back. Nothing blocks unless the caller asked
+to: `is_completed()` and `exception()` only take what already arrived.
 """
 
 from __future__ import annotations
@@ -16,34 +21,45 @@ import time
 
 from kiln.distributed.errors import CollectiveTimeout
 
+# guards every Work's end and its lazily made Event: one process-wide lock held for a
+# few bytecodes is cheaper than a Lock and an Event per call, and a call that a
+# waiter runs itself never needs the Event at all
+_LOCK = threading.Lock()
+
 
 class Work:
-    """The future of one call; created by `ProcessGroup`, finished by its progress thread."""
+    """The future of one call; created by `ProcessGroup`, finished by whichever thread
+    runs the call to its end."""
 
-    __slots__ = ("op", "seq", "group", "_event", "_error", "_callbacks", "_lock", "deadline",
-                 "record", "result", "helper")
+    __slots__ = ("op", "seq", "group", "_done", "_error", "_callbacks", "_event", "deadline",
+                 "record", "result", "_owner", "_call")
 
-    def __init__(self, op: str, seq: int, group: str):
+    def __init__(self, op: str, seq: int, group: str, owner=None):
         self.op, self.seq, self.group = op, seq, group
-        self._event = threading.Event()
+        self._done = False
         self._error: BaseException | None = None
-        self._callbacks: list = []
-        self._lock = threading.Lock()
+        self._callbacks: list | None = None
+        self._event: threading.Event | None = None  # made when a thread must block
         self.deadline: float | None = None  # monotonic; set when the call starts
         self.record: dict | None = None
         self.result = None  # e.g. the list of outputs of all_gather into a list
-        # the group's `_help(work)`: an unbounded wait runs the queued call itself
-        self.helper = None
+        self._owner = owner  # the ProcessGroup of a collective (None: p2p)
+        self._call = None  # the group's private description of the call while queued
 
     def is_completed(self) -> bool:
-        """True once the call finished, successfully or not."""
-        return self._event.is_set()
+        """True once the call finished, successfully or not (takes what already
+        arrived for it, without blocking)."""
+        if not self._done and self._owner is not None:
+            self._owner._help(self, time.monotonic())
+        return self._done
 
     def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> BaseException | None:
         """The failure, or None (also None while still running)."""
+        if not self._done and self._owner is not None:
+            self._owner._help(self, time.monotonic())
         return self._error
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -51,41 +67,63 @@ class Work:
 
         `timeout` bounds only this wait: past it, CollectiveTimeout is raised and the
         call keeps running under its own deadline (set by the group's `timeout`).
-        Without a timeout, a call still queued is run on this thread (bounded by its
-        own deadline), which is faster than handing it to the progress thread.
+        The waiting thread runs the call itself when it can (bounded by `timeout`),
+        which is faster than handing it to the progress thread.
         """
-        if timeout is None and self.helper is not None and not self._event.is_set():
-            self.helper(self)
-        if not self._event.wait(timeout):
-            raise CollectiveTimeout(
-                "%s (seq %d, group '%s') not finished after waiting %.3g s; it is still "
-                "running under its own deadline" % (self.op, self.seq, self.group, timeout),
-                hint="wait longer, or pass a larger `timeout=` to the collective")
+        if not self._done:
+            end = None if timeout is None else time.monotonic() + timeout
+            if self._owner is not None:
+                self._owner._help(self, end)
+            if not self._done:
+                event = self._event_to_wait()
+                if event is not None and not event.wait(
+                        None if end is None else max(end - time.monotonic(), 0.0)):
+                    raise CollectiveTimeout(
+                        "%s (seq %d, group '%s') not finished after waiting %.3g s; it is "
+                        "still running under its own deadline" % (self.op, self.seq,
+                                                                   self.group, timeout),
+                        hint="wait longer, or pass a larger `timeout=` to the collective")
         if self._error is not None:
             raise self._error
         return True
 
     def add_done_callback(self, fn) -> None:
         """Call fn(work) when done (at once if already done), from the finishing thread."""
-        with self._lock:
-            if not self._event.is_set():
+        with _LOCK:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
-                return
-        fn(self)
+                fn = None
+        if fn is not None:
+            fn(self)
+        elif self._owner is not None:
+            self._owner._adopt_parked()  # nobody may wait: the progress thread finishes it
+
+    def _event_to_wait(self) -> threading.Event | None:
+        with _LOCK:
+            if self._done:
+                return None
+            if self._event is None:
+                self._event = threading.Event()
+            return self._event
 
     def _finish(self, error: BaseException | None = None) -> bool:
-        with self._lock:
-            if self._event.is_set():
+        with _LOCK:
+            if self._done:
                 return False
             self._error = error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
+            self._done = True
+            event, callbacks = self._event, self._callbacks
+            self._callbacks = None
+        if event is not None:
+            event.set()
+        for fn in callbacks or ():
             fn(self)
         return True
 
     def __repr__(self) -> str:
-        state = "running" if not self.is_completed() else (
+        state = "running" if not self._done else (
             "completed" if self._error is None else "failed: %s" % type(self._error).__name__)
         return "<Work %s seq=%d group=%s %s>" % (self.op, self.seq, self.group, state)
 

@@ -212,6 +212,13 @@ def large(rank, world, addr, args):
     gat = np.empty((n, 300_000), np.float32)
     pg.all_gather(gat, np.full(300_000, rank, np.float32)).wait()
     assert all(np.all(gat[q] == q) for q in range(n))
+    # just below the ring threshold: the direct lanes' largest messages (read in parts)
+    m = np.full(60_000, rank + 1.0, np.float32)
+    b = np.full(64_000, rank, np.int32)
+    works = [pg.all_reduce(m), pg.broadcast(b, src=n - 1), pg.all_reduce(m, op="max")]
+    for w in works:
+        w.wait(timeout=30)
+    assert np.all(m == n * (n + 1) / 2) and np.all(b == n - 1), (m[:4], b[:4])
     return {}
 
 
@@ -401,6 +408,185 @@ def compiled_collectives(rank, world, addr, args):
     program = compiled.compiled_graphs()[0].program.format()
     pg.barrier().wait(timeout=10)
     return {"program": program, "collectives": recorder_ops()}
+
+
+# -- the fast path: small calls started by the caller (process_group's docstring) -------
+def _eager(pg, op, *bufs) -> bool:
+    return pg.backend.eager(op, *bufs) is not None
+
+
+@scenario
+def fast_order(rank, world, addr, args):
+    """Small (eager) and large (ring) calls interleaved, blocking and nonblocking, and
+    every way of finishing a parked call; results checked, so a call that ran out of
+    order would show up as a wrong sum or a mismatch."""
+    pg = join(rank, world, addr)
+    n = pg.world_size
+    small = np.full(256, rank + 1.0, np.float32)
+    assert _eager(pg, "all_reduce", small), "a 1 KB all_reduce should start eagerly"
+    big = np.arange(300_000, dtype=np.float32) + rank
+    assert not _eager(pg, "all_reduce", big)
+    tri = n * (n + 1) / 2  # sum of rank + 1 over ranks
+    # 1. alternating, each waited at once
+    for i in range(20):
+        x = np.full(100 + i, rank + 1.0, np.float32)
+        pg.all_reduce(x).wait()
+        assert np.all(x == tri), (i, x[:4])
+        y = np.arange(300_000 + i, dtype=np.float64) * (rank + 1)
+        pg.all_reduce(y).wait()
+        check(y, np.arange(300_000 + i, dtype=np.float64) * tri, kd.float64, "big %d" % i)
+    # 2. all outstanding at once: the first starts eagerly, the others queue behind it
+    works, checks = [], []
+    for i in range(30):
+        if i % 3 == 2:
+            y = np.arange(70_000, dtype=np.float32) + rank + i  # 280 KB: ring
+            works.append(pg.all_reduce(y, op="max"))
+            checks.append((y, np.arange(70_000, dtype=np.float32) + n - 1 + i))
+        else:
+            x = np.full(64, float(rank * 10 + i), np.float64)
+            works.append(pg.all_reduce(x, op="sum"))
+            checks.append((x, np.full(64, float(10 * n * (n - 1) / 2 + n * i))))
+    b = np.full(32, rank, np.int64)
+    works.append(pg.broadcast(b, src=n - 1))
+    out = np.empty((n, 8), np.int32)
+    works.append(pg.all_gather(out, np.full(8, rank, np.int32)))
+    for w in reversed(works):  # the last first: runs every earlier one, in order
+        w.wait(timeout=30)
+    for got, want in checks:
+        assert np.array_equal(got, want), (got[:4], want[:4])
+    assert np.all(b == n - 1) and all(np.all(out[q] == q) for q in range(n))
+    # 3. a parked call finished by polling, by a bounded wait, by the next call, by a
+    # callback (the progress thread adopts it) and by nobody (adopted after a tick)
+    x = np.full(16, rank + 1.0, np.float32)
+    w = pg.all_reduce(x)
+    deadline = time.monotonic() + 20
+    while not w.is_completed():
+        assert time.monotonic() < deadline
+    assert w.exception() is None and np.all(x == tri)
+    x[:] = rank + 1.0
+    w = pg.all_reduce(x)
+    while True:
+        try:
+            w.wait(timeout=0.001)
+            break
+        except dist.CollectiveTimeout:
+            assert time.monotonic() < deadline
+    assert np.all(x == tri)
+    x[:] = rank + 1.0
+    w1 = pg.all_reduce(x)
+    z = np.full(16, 2.0 * (rank + 1), np.float32)
+    pg.all_reduce(z).wait()
+    assert w1.is_completed() and np.all(x == tri) and np.all(z == 2 * tri)
+    x[:] = rank + 1.0
+    seen = []
+    pg.all_reduce(x).add_done_callback(lambda work: seen.append(work.exception()))
+    while not seen:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert seen == [None] and np.all(x == tri)
+    x[:] = rank + 1.0
+    w = pg.all_reduce(x)
+    while not w._done:  # nobody waits (or polls): the progress thread finishes it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert np.all(x == tri), (w, x[:4])
+    # 4. the largest direct-lane messages (240 KB), parked and read in parts
+    m = np.full(60_000, rank + 1.0, np.float32)
+    assert _eager(pg, "all_reduce", m)
+    w = pg.all_reduce(m)
+    pg.all_reduce(m, op="max").wait()
+    assert w._done and np.all(m == tri), m[:4]
+    # 5. every other small collective on the fast path, and an empty one
+    g = np.empty((n, 3), np.float32)
+    r = np.empty(3, np.float32)
+    s = np.empty(3, np.float32)
+    works = [pg.barrier(), pg.all_gather(g, np.full(3, rank, np.float32)),
+             pg.reduce_scatter(r, np.full((n, 3), rank + 1.0, np.float32)),
+             pg.scatter(s, np.arange(3 * n, dtype=np.float32).reshape(n, 3) if rank == 0
+                        else None, src=0),
+             pg.all_reduce(np.empty(0, np.float32)), pg.barrier()]
+    for w in works:
+        w.wait(timeout=20)
+    assert all(np.all(g[q] == q) for q in range(n)) and np.all(r == tri)
+    assert np.all(s == np.arange(3 * rank, 3 * rank + 3))
+    records = [rec for rec in dist.recorder().snapshot("t")["records"]
+               if rec["group"] == "world"]
+    # started here or queued, every record names this function and its line as caller
+    where = {(rec["frames"][0]["function"], rec["frames"][0]["source"].split("(")[0])
+             for rec in records}
+    return {"records": len(records), "states": sorted({rec["state"] for rec in records}),
+            "where": sorted(where)}
+
+
+@scenario
+def fast_errors(rank, world, addr, args):
+    """2 ranks, a fresh sub-group per case: the fast path's failures."""
+    pg = join(rank, world, addr, timeout=30.0)
+    outcomes = {}
+
+    def outcome(work, timeout=None):
+        try:
+            work.wait() if timeout is None else work.wait(timeout=timeout)
+            return None
+        except dist.DistributedError as err:
+            return type(err).__name__
+    for kind in ("size", "dtype", "op", "lanes", "lanes_peek", "timeout", "timeout_unwatched"):
+        sub = pg.split(color=0, timeout=20)
+        sub.timeout = 1.0 if kind.startswith("timeout") else 10.0
+        x = np.ones(8, np.float32)
+        sub.all_reduce(x).wait(timeout=30)  # a good one first
+        assert x[0] == 2
+        odd = rank == 1
+        start = time.monotonic()
+        if kind == "size":
+            work = sub.all_reduce(np.ones(1004 if odd else 1000, np.float32))
+        elif kind == "dtype":
+            work = sub.all_reduce(np.ones(1000, np.int32 if odd else np.float32))
+        elif kind == "op":
+            work = sub.broadcast(np.ones(1000, np.float32), src=0) if odd else \
+                sub.all_reduce(np.ones(1000, np.float32))
+        elif kind == "lanes":  # a direct-lane call against a ring one: same seq
+            work = sub.all_reduce(np.ones(400_000 if odd else 1000, np.float32))
+        elif kind == "lanes_peek":  # the root sends on the direct lane and is done; rank
+            # 0 waits on the threaded lane for a chain broadcast and must look there
+            work = sub.broadcast(np.ones(1000 if odd else 400_000, np.float32), src=1)
+        elif odd:  # rank 1 never joins; rank 0 times out, then meets it here
+            pg.barrier().wait(timeout=30)
+            continue
+        else:
+            work = sub.all_reduce(np.ones(1000, np.float32))
+            while kind == "timeout_unwatched" and not work._done:
+                # nobody waits: the progress thread adopts it and fails it at its deadline
+                assert time.monotonic() < start + 10, work
+                time.sleep(0.01)
+        outcomes[kind] = [outcome(work, timeout=20 if kind == "op" else None),
+                          round(time.monotonic() - start, 2)]
+        later = sub.all_reduce(np.ones(4, np.float32))  # the group is aborted now
+        outcomes[kind].append(outcome(later, timeout=5))
+        pg.barrier().wait(timeout=30)
+    return outcomes
+
+
+@scenario
+def fast_death(rank, world, addr, args):
+    """2 ranks: rank 1 dies while rank 0 has small calls parked and queued."""
+    pg = join(rank, world, addr, timeout=15.0)
+    x = np.ones(256, np.float32)
+    pg.all_reduce(x).wait(timeout=10)
+    if rank == 1:
+        time.sleep(0.3)
+        os._exit(3)
+    start = time.monotonic()
+    works = [pg.all_reduce(np.ones(256, np.float32)) for _ in range(3)]
+    result = []
+    for i, w in enumerate(works):
+        try:
+            w.wait() if i == 0 else w.wait(timeout=20)
+            result.append(None)
+        except dist.DistributedError as err:
+            result.append({"type": type(err).__name__, "rank": getattr(err, "rank", None),
+                           "message": str(err)})
+    return {"errors": result, "elapsed": time.monotonic() - start}
 
 
 def recorder_ops():
