@@ -35,7 +35,7 @@ def test_environment_given_to_workers(tmp_path):
     script.write_text("import os, sys\n"
                       "keys = ['KILN_RANK', 'KILN_WORLD_SIZE', 'KILN_LOCAL_RANK', 'KILN_STORE_HOSTED']\n"
                       "print('ENV', *[os.environ[k] for k in keys], len(os.environ['KILN_TOKEN']),"
-                      " os.environ['KILN_STORE'].startswith('127.0.0.1:'), *sys.argv[1:])\n")
+                      " os.environ['KILN_STORE'].startswith('127.0.0.1:'), *sys.argv[1:], flush=True)\n")
     proc = launch(tmp_path, "--nproc", "3", str(script), "a", "--b")
     assert proc.returncode == 0, proc.stderr
     lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("ENV"))
