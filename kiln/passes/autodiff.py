@@ -379,7 +379,6 @@ def while_loop_vjp(b: GraphBuilder, cts, xs, ys, *, regions, saved=None, max_tri
             "be replayed backwards",
             hint="pass max_iterations=N to kn.while_loop (the loop then stops after at most N "
                  "trips and saves each trip's carried values for the backward)")
-    n = len(xs)
     i32 = dt.int32
     wrt = [differentiable_dtype(v.type.dtype) for v in xs]
     seeds = [c if c is not None else zeros(b, y.type) for c, y, w in zip(cts, ys, wrt) if w]
