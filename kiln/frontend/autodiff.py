@@ -63,7 +63,6 @@ class _Differentiated:
                 raise KilnArgumentError(f"{what}: argnums {n} is out of range for "
                                         f"{len(primals)} positional arguments")
         argnums = tuple(n % len(primals) for n in argnums)
-        self.argnums = argnums
         outer = self._outer_builder(primals)
         self.builder = outer if outer is not None else GraphBuilder(Graph(_name(fn)))
         self.traced = outer is not None
@@ -95,7 +94,6 @@ class _Differentiated:
         self.n_out = n_out
         self.vjp: VJP = vjp_graph(graph, [i for i, w in enumerate(wrt) if w], n_out)
         self.inputs = [v if self.traced else _array(leaf) for leaf, v, _ in leaf_values] + captured
-        self.wrt_leaves = [(leaf, t) for (leaf, _, t), w in zip(leaf_values, wrt) if w]
         self.wrt_mask = wrt
 
     @staticmethod
