@@ -15,6 +15,7 @@ import threading
 
 from kiln.distributed.errors import DistributedError, RendezvousError
 from kiln.distributed.flight_recorder import install_signal_handler, recorder
+from kiln.distributed.heartbeat import Heartbeat
 from kiln.distributed.process_group import ProcessGroup, flush_dump_requests
 from kiln.distributed.protocol import parse_address
 from kiln.distributed.store import Store, StoreServer
@@ -24,6 +25,7 @@ BACKENDS = {"tcp": TcpBackend}
 _WORLD: ProcessGroup | None = None
 _SERVER: StoreServer | None = None
 _WATCHER: "DumpWatcher | None" = None
+_HEARTBEAT: Heartbeat | None = None
 
 
 def _env_int(name: str) -> int | None:
@@ -52,10 +54,13 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
     deadline of every collective and of the rendezvous. Flight Recorder dumps go to
     `fr_dir` or KILN_FR_DIR.
     """
-    global _WORLD, _SERVER, _WATCHER
+    global _WORLD, _SERVER, _WATCHER, _HEARTBEAT
     if _WORLD is not None and not _WORLD.is_aborted:
         raise RendezvousError("init_process_group was already called in this process",
                               hint="use the group it returned, or destroy_process_group() first")
+    if _HEARTBEAT is not None:  # a new world after an aborted one: the old beat ends
+        _HEARTBEAT.stop()
+        _HEARTBEAT = None
     if fault_tolerant:
         raise RendezvousError(
             "fault_tolerant=True (shrink/grow on failure) is not available in this kiln "
@@ -101,6 +106,8 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
     install_signal_handler()
     if rec.dump_dir:
         _WATCHER = DumpWatcher(store)
+    if world_size > 1:
+        _HEARTBEAT = Heartbeat(store, _WORLD)
     return _WORLD
 
 
@@ -117,8 +124,11 @@ def is_initialized() -> bool:
 
 def destroy_process_group() -> None:
     """Leave the world group and its sub-groups cleanly; stop the hosted store."""
-    global _WORLD, _SERVER, _WATCHER
+    global _WORLD, _SERVER, _WATCHER, _HEARTBEAT
     flush_dump_requests()
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop()
+        _HEARTBEAT = None
     if _WATCHER is not None:
         _WATCHER.stop()
         _WATCHER = None

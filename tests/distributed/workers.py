@@ -596,6 +596,34 @@ def recorder_ops():
     return [r["op"] for r in recorder().snapshot("test")["records"]]
 
 
+@scenario
+def hung_peer(rank, world, addr, args):
+    """Rank `victim` stops itself (SIGSTOP) mid-job; the others' long-deadline call fails
+    with PeerFailure from the heartbeat, long before its own 30 s deadline."""
+    import signal
+
+    victim = args.get("victim", world - 1)
+    pg = join(rank, world, addr, timeout=args.get("timeout", 8.0))
+    x = np.ones(4, np.float32)
+    pg.all_reduce(x).wait(timeout=30)
+    if rank == victim:
+        import subprocess
+
+        # a watchdog wakes this process once the others must have given up on it
+        subprocess.Popen(["sh", "-c", "sleep %s; kill -CONT %d" % (args.get("stopped_for", 7),
+                                                                   os.getpid())])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return {"resumed": True}
+    start = time.monotonic()
+    work = pg.all_reduce(x, timeout=30)
+    try:
+        work.wait(timeout=40)
+    except dist.PeerFailure as err:
+        return {"error": "PeerFailure", "rank": err.rank, "elapsed": time.monotonic() - start,
+                "message": str(err)}
+    raise AssertionError("the hung peer was not detected")
+
+
 def main() -> None:
     name, rank, world, addr, out, args = sys.argv[1:7]
     try:
@@ -610,3 +638,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

@@ -1,0 +1,116 @@
+"""Heartbeats: telling a dead (hung, stopped) peer from a slow one.
+
+A crashed peer is seen at once: its sockets close (EOF/reset) and every call that needs
+it fails with `PeerFailure`. A *hung* peer (SIGSTOP, a debugger, a machine swapping to
+death) keeps its sockets open, and without heartbeats its peers would only notice at
+each call's own deadline — a `CollectiveTimeout` that blames the wrong thing and comes
+late. So every process bumps a counter in the store (`hb/<global rank>`) every
+`interval` seconds and watches its peers' counters; a peer whose counter has not moved
+for `dead_after` seconds is dead, and the world group (and every sub-group holding that
+rank) fails with `PeerFailure` naming it.
+
+Counters, not timestamps: a peer is judged by this process's own monotonic clock (when
+did its counter last change?), so clocks of different machines never need to agree.
+
+The timeout hierarchy comes from the one `timeout` the user gives `init_process_group`
+(the default deadline of a collective):
+
+    heartbeat interval = timeout / 50, within [0.05 s, 0.5 s]
+    dead after         = timeout / 4,  within [2 s, 10 s], and at least 5 intervals
+
+so a hung peer is declared dead well before a collective's own timeout would fire, and
+a merely slow peer (alive, heartbeating, late to the collective) still gets the full
+`timeout` and a `CollectiveTimeout` (with a short timeout, under 8 s, that timeout may
+fire first: the floor of 2 s keeps a CPU-starved process from being taken for dead). A process that leaves cleanly writes `left` and is
+never declared dead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kiln.distributed.errors import DistributedError, PeerFailure
+
+LEFT = -1  # the counter value of a process that left the group cleanly
+
+
+def intervals(timeout: float) -> tuple[float, float]:
+    """(heartbeat interval, dead-after) for a group whose collective deadline is `timeout`."""
+    interval = min(max(timeout / 50, 0.05), 0.5)
+    # at least 2 s: a process starved of CPU on a loaded machine is not dead
+    dead_after = max(min(max(timeout / 4, 2.0), 10.0), 5 * interval)
+    return interval, dead_after
+
+
+class Heartbeat:
+    """Publishes this process's liveness and watches the other members of `group`."""
+
+    def __init__(self, store, group, *, interval: float | None = None,
+                 dead_after: float | None = None):
+        default_interval, default_dead = intervals(group.timeout)
+        self.interval = interval or default_interval
+        self.dead_after = dead_after or default_dead
+        self._group = group
+        self._me = group.global_ranks[group.rank]
+        self._peers = [r for r in group.global_ranks if r != self._me]
+        self._store = store.clone()
+        self._stop = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it changed)
+        self._thread = threading.Thread(target=self._loop, name="kiln-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                self._store.add("hb/%d" % self._me, 1)
+                for peer in self._peers:
+                    self._observe(peer, self._store.add("hb/%d" % peer, 0), now)
+            except DistributedError:
+                pass  # the store is gone or slow: the data sockets still report crashes
+            if self._stop.wait(self.interval):
+                return
+
+    def _observe(self, peer: int, counter: int, now: float) -> None:
+        last = self._seen.get(peer)
+        if last is None or counter != last[0]:
+            self._seen[peer] = (counter, now)
+            return
+        if counter < 0 or counter == 0:  # left cleanly, or not started yet
+            return
+        silent = now - last[1]
+        if silent > self.dead_after:
+            self._declare_dead(peer, silent)
+
+    def _declare_dead(self, peer: int, silent: float) -> None:
+        self._peers.remove(peer)  # report once
+        world = self._group
+        for group in [world] + _descendants(world):
+            if peer in group.global_ranks and not group.is_aborted:
+                rank = list(group.global_ranks).index(peer)
+                group._fail(PeerFailure(
+                    rank, "rank %d of group '%s' stopped heartbeating: no sign of life for "
+                    "%.1f s (hung or stopped: SIGSTOP, a debugger, an overloaded machine)"
+                    % (rank, group.name, silent), group=group.name,
+                    hint="a crashed peer is reported at once; this one kept its sockets open. "
+                         "Heartbeat deadlines follow the group's timeout (see "
+                         "kiln/distributed/heartbeat.py)"), None)
+
+    def stop(self) -> None:
+        """Stop beating and say goodbye, so peers never take this exit for a hang."""
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval + 1.0)
+        try:
+            self._store.set("hb/%d" % self._me, str(LEFT))
+        except DistributedError:
+            pass
+        self._store.close()
+
+
+def _descendants(group) -> list:
+    out = []
+    for child in getattr(group, "children", []):
+        out.append(child)
+        out += _descendants(child)
+    return out
