@@ -31,7 +31,7 @@ from kiln import nn, optim
 from kiln.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_section  # noqa: E402
+from report import timings, write_section  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu.md")
 
@@ -86,19 +86,6 @@ def kiln_step_fn(model, opt):
         return params, state, loss
 
     return step
-
-
-def timings(fn, repeat: int, warmup: int) -> tuple[float, float]:
-    """(median, minimum) wall time of `fn()` in seconds: the median is the headline; the
-    minimum is the one a machine shared with other jobs disturbs least."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), float(np.min(times))
 
 
 def measure_kiln(model, x, y, repeat, eager_repeat):

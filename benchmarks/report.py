@@ -9,8 +9,9 @@ import time
 import numpy as np
 
 
-def median_s(fn, repeat: int, warmup: int = 1) -> float:
-    """Median wall time of `fn()` in seconds over `repeat` runs after `warmup` runs."""
+def timings(fn, repeat: int, warmup: int = 1) -> tuple[float, float]:
+    """(median, minimum) wall time of `fn()` in seconds over `repeat` runs after `warmup`:
+    the median is the headline; the minimum is what a shared machine disturbs least."""
     for _ in range(warmup):
         fn()
     times = []
@@ -18,7 +19,12 @@ def median_s(fn, repeat: int, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(times)), float(np.min(times))
+
+
+def median_s(fn, repeat: int, warmup: int = 1) -> float:
+    """Median wall time of `fn()` in seconds over `repeat` runs after `warmup` runs."""
+    return timings(fn, repeat, warmup)[0]
 
 
 def write_section(path: str, name: str, section: str, title: str = "# CPU benchmark results") -> None:

@@ -30,7 +30,7 @@ from kiln.ir.types import TensorType
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import current_builder, emitter_for, raw, to_array
 from kiln.frontend.tensor import Tensor
-from kiln.passes.licm import add_params, free_values
+from kiln.passes.licm import add_params, captured_values
 
 __all__ = ["cond", "switch", "while_loop", "nonzero"]
 
@@ -89,14 +89,6 @@ def _region_value(builder: GraphBuilder, leaf, fn) -> Value:
                          "return tensors (in tuples, lists or dicts)", where=user_location())
 
 
-def _union_free(regions: Sequence[Region]) -> list[Value]:
-    seen: dict[int, Value] = {}
-    for region in regions:
-        for v in free_values(region):
-            seen.setdefault(id(v), v)
-    return list(seen.values())
-
-
 def _mismatch(op: str, what: str, index: int, got: TensorType, ref_what: str,
               expected: TensorType) -> Exception:
     cls = KilnDTypeError if got.dtype != expected.dtype else KilnShapeError
@@ -139,7 +131,7 @@ def _traced_branches(op: str, builder: GraphBuilder, index: Value, branches: lis
         for i, (got, want) in enumerate(zip(region.result_types, regions[ref].result_types)):
             if got != want:
                 raise _mismatch(op, labels[k], i, got, labels[ref], want)
-    captured = _union_free(regions)
+    captured = captured_values(regions)
     for region in regions:
         add_params(region, captured)
     results = builder.apply("cond", [index] + values + captured, {}, regions=regions)
@@ -309,7 +301,7 @@ def _traced_while(builder: GraphBuilder, cond_fn, body_fn, tensors, attrs: dict 
     body, _ = _trace_region(builder, lambda *a: tuple(_body_outputs(body_fn(*a), n, body_fn)),
                             types, list)
     _check_body_types(body.result_types, types, body_fn)
-    captured = _union_free([cond_region, body])
+    captured = captured_values([cond_region, body])
     add_params(cond_region, captured)
     passed = add_params(body, captured)
     body.results = body.results + passed  # captured values pass through the body unchanged

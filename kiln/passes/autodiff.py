@@ -50,7 +50,7 @@ from kiln.ir.registry import COMPOSITE, CONTROL
 from kiln.ir.verifier import verify
 from kiln.passes.dce import dce
 from kiln.passes.decompose import decompose
-from kiln.passes.licm import add_params, free_values
+from kiln.passes.licm import add_params, captured_values, free_values
 from kiln.passes.rewrite import _copy_region, new_graph_like
 
 
@@ -305,14 +305,6 @@ def _build_region(b: GraphBuilder, types, fn) -> Region:
     return region
 
 
-def _captured(regions: Sequence[Region]) -> list[Value]:
-    seen: dict[int, Value] = {}
-    for region in regions:
-        for v in free_values(region):
-            seen.setdefault(id(v), v)
-    return list(seen.values())
-
-
 def emit_while(b: GraphBuilder, carried: Sequence[Value], cond_fn, body_fn,
                attrs: dict | None = None) -> list[Value]:
     """A while_loop built from Python callbacks over region parameters; values the
@@ -320,7 +312,7 @@ def emit_while(b: GraphBuilder, carried: Sequence[Value], cond_fn, body_fn,
     types = [v.type for v in carried]
     cond_region = _build_region(b, types, cond_fn)
     body = _build_region(b, types, body_fn)
-    captured = _captured([cond_region, body])
+    captured = captured_values([cond_region, body])
     add_params(cond_region, captured)
     body.results = body.results + add_params(body, captured)
     results = b.apply("while_loop", list(carried) + captured, attrs or {},
@@ -332,7 +324,7 @@ def emit_cond(b: GraphBuilder, index: Value, operands: Sequence[Value], branch_f
     """A cond built from Python callbacks; captured values become explicit operands."""
     types = [v.type for v in operands]
     regions = [_build_region(b, types, fn) for fn in branch_fns]
-    captured = _captured(regions)
+    captured = captured_values(regions)
     for region in regions:
         add_params(region, captured)
     return b.apply("cond", [index] + list(operands) + captured, {}, regions=regions)

@@ -81,6 +81,15 @@ def free_values(region: Region) -> list[Value]:
     return list(free.values())
 
 
+def captured_values(regions) -> list[Value]:
+    """The values any of `regions` reads from outside, each once, in first-use order."""
+    seen: dict[int, Value] = {}
+    for region in regions:
+        for v in free_values(region):
+            seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
 def _replace_uses(region: Region, mapping: dict[int, Value]) -> None:
     for node in region.nodes:
         node.operands = [mapping.get(id(v), v) for v in node.operands]
