@@ -27,3 +27,16 @@ def test_eight_ranks(tmp_path):
 @pytest.mark.timeout(60)
 def test_large_buffers_use_pipelined_algorithms(tmp_path):
     check_all_ok(run_scenario("large", 3, tmp_path, timeout=55))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("halving", ["0", str(1 << 40)])
+def test_four_ranks_ring_and_halving_doubling(tmp_path, halving):
+    """Power-of-two groups run all_reduce past the ring threshold with recursive
+    halving-doubling up to KILN_TCP_HALVING_BYTES, with the ring beyond: each forced
+    here, with many small segments (uneven blocks) and with the default segments."""
+    args = {"dtypes": ["bool", "int8", "bfloat16", "float32", "complex64"],
+            "sizes": [0, 3, 21, 1003]}
+    env = {"KILN_TCP_HALVING_BYTES": halving}
+    check_all_ok(run_scenario("collectives", 4, tmp_path, args=args, env=env, timeout=55))
+    check_all_ok(run_scenario("large", 4, tmp_path, env=env, timeout=55))
