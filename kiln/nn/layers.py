@@ -137,7 +137,7 @@ class Embedding(Module):
 
 class Dropout(Module):
     """Zero each element with probability `p` in training mode and scale the rest by
-    1 / (1 - p); the identity in `eval()` mode.
+    1 / (1 - p); the identity in evaluation mode (after `.eval()`).
 
     Where the mask's key comes from, first match wins:
 

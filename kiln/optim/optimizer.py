@@ -21,6 +21,7 @@ parameters into the model, like torch's `optimizer.step()`.
 
 from __future__ import annotations
 
+import abc
 import weakref
 from typing import Any
 
@@ -97,17 +98,19 @@ def check_lr(name: str, lr) -> None:
                                 f"(a function of the step count tensor), got {lr!r}")
 
 
-class Optimizer:
+class Optimizer(abc.ABC):
     """Base class: subclasses define `init(params)` and `update(grads, state, params)`."""
 
     def __init__(self) -> None:
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    @abc.abstractmethod
     def init(self, params) -> dict:
-        raise NotImplementedError
+        """The optimizer state for `params` (step count 0)."""
 
+    @abc.abstractmethod
     def update(self, grads, state, params):
-        raise NotImplementedError
+        """(new params, new state) after one step: pure, traceable kiln ops."""
 
     def step(self, module, grads: dict) -> None:
         """One eager update of `module`'s parameters from `grads` (dotted name -> tensor,
