@@ -46,6 +46,7 @@ from kiln.ir import dtypes as dt
 from kiln.ir import registry
 from kiln.ir.emitter import GraphBuilder
 from kiln.ir.graph import Graph, Node, Region, Value
+from kiln.ir.ops.rules import zeros
 from kiln.ir.registry import COMPOSITE, CONTROL
 from kiln.ir.verifier import verify
 from kiln.passes.dce import dce
@@ -147,10 +148,6 @@ def _kept_composites() -> frozenset[str]:
     through their decompositions."""
     return frozenset(name for name, op in registry.all_ops().items()
                      if op.kind == COMPOSITE and (op.vjp is not None or not op.differentiable))
-
-
-def zeros(b: GraphBuilder, t) -> Value:
-    return b.full(0, t.dtype, tuple(t.shape))
 
 
 # -- the tape: forward replay, then the reverse sweep --------------------------------------
@@ -283,16 +280,29 @@ class _LoopView:
 # -- building control flow inside rules --------------------------------------------------
 
 
-def inline_region(b: GraphBuilder, region: Region, args: Sequence[Value]) -> list[Value]:
-    """Emit `region`'s nodes into the current region with its params bound to `args`."""
+def inline_region(b: GraphBuilder, region: Region, args: Sequence[Value],
+                  renamed: dict[str, str] | None = None) -> list[Value]:
+    """Emit `region`'s nodes into the current region with its params bound to `args`;
+    `renamed` maps constant names of another graph to their names in `b`'s."""
     vmap: dict[Value, Value] = dict(zip(region.params, args))
     for node in region.nodes:
         regions = [_copy_region(r, vmap, None) for r in node.regions]
-        results = b.apply(node.op, [vmap[v] for v in node.operands], node.attrs,
+        attrs = node.attrs
+        if renamed:
+            attrs = _renamed(node, renamed)
+            for inner in (n for r in regions for n in r.walk()):
+                inner.attrs = _renamed(inner, renamed)
+        results = b.apply(node.op, [vmap[v] for v in node.operands], attrs,
                           regions=regions or None)
         for old, new in zip(node.results, results):
             vmap[old] = new
     return [vmap[v] for v in region.results]
+
+
+def _renamed(node: Node, renamed: dict[str, str]) -> dict:
+    if node.op != "constant":
+        return node.attrs
+    return dict(node.attrs, name=renamed[node.attrs["name"]])
 
 
 def _build_region(b: GraphBuilder, types, fn) -> Region:
@@ -414,18 +424,4 @@ def inline(b: GraphBuilder, graph: Graph, args: Sequence[Value]) -> list[Value]:
         renamed[name] = new
     for name, var in graph.shape_vars.items():
         b.graph.shape_vars.setdefault(name, var)
-    vmap: dict[Value, Value] = dict(zip(graph.inputs, args))
-    for node in graph.body.nodes:
-        attrs = node.attrs
-        if node.op == "constant":
-            attrs = dict(attrs, name=renamed[attrs["name"]])
-        regions = [_copy_region(r, vmap, None) for r in node.regions]
-        for region in regions:
-            for inner in region.walk():
-                if inner.op == "constant":
-                    inner.attrs = dict(inner.attrs, name=renamed[inner.attrs["name"]])
-        results = b.apply(node.op, [vmap[v] for v in node.operands], attrs,
-                          regions=regions or None)
-        for old, new in zip(node.results, results):
-            vmap[old] = new
-    return [vmap[v] for v in graph.body.results]
+    return inline_region(b, graph.body, args, renamed)
