@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kiln.errors import KilnArgumentError, KilnGradientError, KilnTraceError, user_location
+from kiln.errors import KilnArgumentError, KilnGradientError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import GraphBuilder, is_python_scalar
 from kiln.ir.graph import Graph, Region, Value
@@ -27,6 +27,7 @@ from kiln.ir.interpret import run_graph
 from kiln.ir.types import TensorType
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import apply, current_builder, raw, to_array, trace_stack
+from kiln.frontend.control_flow import region_value
 from kiln.frontend.tensor import Tensor
 from kiln.passes.autodiff import VJP, differentiable_dtype, inline, vjp_graph
 from kiln.passes.licm import add_params, free_values
@@ -125,7 +126,8 @@ class _Differentiated:
                                             "return a pair (output, aux)", where=user_location())
                 result = tuple(result)
             leaves, spec = pytree.flatten(result, _is_leaf)
-            region.results = [self._result_value(leaf) for leaf in leaves]
+            region.results = [region_value(b, leaf, f"{self.what}: the function")
+                              for leaf in leaves]
         finally:
             b.regions.pop()
             b._constant_ids = saved_constants
@@ -133,21 +135,6 @@ class _Differentiated:
                 trace_stack().pop()
         n_out = len(pytree.flatten(result[0], _is_leaf)[0]) if self.has_aux else len(leaves)
         return region, spec, n_out
-
-    def _result_value(self, leaf) -> Value:
-        b = self.builder
-        if isinstance(leaf, Tensor) and leaf.is_traced:
-            if leaf._builder is not b:
-                raise KilnTraceError(f"{self.what}: the function returned a tensor of another "
-                                     "trace", where=user_location())
-            return leaf._x
-        if _is_tensor(leaf):
-            return raw(b, leaf)
-        if is_python_scalar(leaf):
-            return b.full(leaf, dt.python_scalar_dtype(leaf))
-        raise KilnTraceError(f"{self.what}: the function returned a {type(leaf).__name__}; it "
-                             "must return tensors (in tuples, lists or dicts)",
-                             where=user_location())
 
     # -- running the two halves -------------------------------------------------------
 

@@ -69,24 +69,26 @@ def _trace_region(builder: GraphBuilder, fn: Callable, types: list[TensorType], 
     try:
         result = fn(*call_args([Tensor._make(p, builder) for p in region.params]))
         leaves, spec = pytree.flatten(result, _is_leaf)
-        region.results = [_region_value(builder, leaf, fn) for leaf in leaves]
+        region.results = [region_value(builder, leaf, _name(fn)) for leaf in leaves]
     finally:
         builder.regions.pop()
         builder._constant_ids = saved_constants
     return region, spec
 
 
-def _region_value(builder: GraphBuilder, leaf, fn) -> Value:
+def region_value(builder: GraphBuilder, leaf, who: str) -> Value:
+    """A traced function's result leaf as a value of `builder` (scalars become `full`);
+    `who` names the function in errors."""
     if isinstance(leaf, Tensor) and leaf.is_traced:
         if leaf._builder is not builder:
-            raise KilnTraceError(f"{_name(fn)} returned a tensor of another trace", where=user_location())
+            raise KilnTraceError(f"{who} returned a tensor of another trace", where=user_location())
         return leaf.value
     if _is_tensor(leaf):
         return raw(builder, leaf)
     if is_python_scalar(leaf):
         return builder.full(leaf, dt.python_scalar_dtype(leaf))
-    raise KilnTraceError(f"{_name(fn)} returned a {type(leaf).__name__}; branches and loop bodies "
-                         "return tensors (in tuples, lists or dicts)", where=user_location())
+    raise KilnTraceError(f"{who} returned a {type(leaf).__name__}; it must return tensors "
+                         "(in tuples, lists or dicts)", where=user_location())
 
 
 def _mismatch(op: str, what: str, index: int, got: TensorType, ref_what: str,
