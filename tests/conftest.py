@@ -1,5 +1,9 @@
 """Test-wide setup: every cache kiln, Triton or PoCL might write goes to a temporary
-folder, and hypothesis runs with a profile sized for a 2-core CI machine."""
+folder, and hypothesis runs with a profile sized for a 2-core CI machine.
+
+`make test` is derandomized (the same examples on every run, so a red CI is always
+reproducible); KILN_HYPOTHESIS=explore draws fresh random examples, five times as many,
+to hunt for new counterexamples (pin each one found with @example)."""
 
 import os
 import tempfile
@@ -11,9 +15,11 @@ _CACHE_ROOT = tempfile.mkdtemp(prefix="kiln-test-cache-")
 for _var in ("KILN_CACHE_DIR", "TRITON_CACHE_DIR", "POCL_CACHE_DIR", "KILN_FR_DIR"):
     os.environ[_var] = os.path.join(_CACHE_ROOT, _var.lower())
 
-settings.register_profile("kiln", deadline=None, max_examples=40,
+settings.register_profile("kiln", deadline=None, max_examples=40, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("kiln")
+settings.register_profile("explore", deadline=None, max_examples=200,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("explore" if os.environ.get("KILN_HYPOTHESIS") == "explore" else "kiln")
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import sympy
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
@@ -401,6 +401,7 @@ def test_integer_floor_division_is_python(dtype, data):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(-1e6, 1e6, width=32), st.floats(-1e3, 1e3, width=32)),
                 min_size=1, max_size=12))
+@example([(-262145.0, float(np.float32(0.05)))])  # quotient past 2**22: torch's answer, one off
 def test_float_floor_division_is_python(pairs):
     a = np.array([p[0] for p in pairs], np.float32)
     b = np.array([p[1] for p in pairs], np.float32)
@@ -418,8 +419,10 @@ def test_float_floor_division_is_python(pairs):
         if abs(floor) > float(np.finfo(np.float32).max):  # the quotient overflows float32
             assert np.isinf(q_ref[i]) and (q_ref[i] > 0) == (floor > 0)
             continue
+        # CPython's algorithm (as torch) is exact while float32 resolves the quotient to
+        # better than a half; from 2**22 on its rounded division may land one off
         ulp = Fraction(float(np.spacing(np.float32(abs(floor)))))
-        assert abs(Fraction(float(q_ref[i])) - floor) <= (0 if abs(floor) < 2 ** 23 else ulp)
+        assert abs(Fraction(float(q_ref[i])) - floor) <= (0 if abs(floor) < 2 ** 22 else max(1, ulp))
         rest = Fraction(x) - Fraction(y) * floor
         assert abs(Fraction(float(r_ref[i])) - rest) <= Fraction(float(np.spacing(np.float32(abs(y)))))
         assert r_ref[i] == 0 or (r_ref[i] < 0) == (y < 0)
