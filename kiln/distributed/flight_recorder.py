@@ -107,10 +107,12 @@ class FlightRecorder:
 
     def register_group(self, name: str, ranks: list[int], rank: int, epoch: int,
                        backend: str) -> None:
-        """Remember a group's membership (global ranks); dumps carry it for cross-checks."""
+        """Remember a group's membership (global ranks) at an epoch; dumps carry it for
+        cross-checks (under `group_key(name, epoch)`: every epoch of a group that
+        changed membership keeps its own entry)."""
         with self._lock:
-            self.groups[name] = {"ranks": list(ranks), "rank": rank, "epoch": epoch,
-                                 "backend": backend}
+            self.groups[group_key(name, epoch)] = {"ranks": list(ranks), "rank": rank,
+                                                   "epoch": epoch, "backend": backend}
 
     def record(self, *, group: str, epoch: int, seq: int, op: str, inputs: list, outputs: list,
                timeout: float, frames: list, numel: int | None = None,
@@ -158,6 +160,8 @@ class FlightRecorder:
         else:
             rec["state"] = "failed"
             rec["error"] = "%s: %s" % (type(error).__name__, getattr(error, "message", error))
+            if getattr(error, "group_name", None) == rec.get("group"):
+                rec["failed_rank"] = error.rank  # a PeerFailure: the dead peer, in group ranks
 
     def snapshot(self, reason: str) -> dict:
         """The whole dump as a JSON-able dict."""
@@ -191,6 +195,12 @@ class FlightRecorder:
             json.dump(self.snapshot(reason), f, indent=1, default=str)
         os.replace(tmp, path)
         return path
+
+
+def group_key(name: str, epoch: int) -> str:
+    """How dumps and their analysis name one epoch of a group: its name at epoch 0
+    (groups that never change), `name@e<epoch>` after a reconfiguration."""
+    return name if not epoch else "%s@e%d" % (name, epoch)
 
 
 _RECORDER = FlightRecorder()

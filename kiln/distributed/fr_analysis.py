@@ -19,6 +19,7 @@ import os
 import re
 
 from kiln.distributed.errors import FlightRecorderError
+from kiln.distributed.flight_recorder import group_key
 
 _NAME = re.compile(r"kiln_fr_rank(\d+)\.json$")
 # what must agree across ranks, per collective (all_to_all splits and gather/scatter
@@ -70,7 +71,8 @@ def analyze(dumps: dict[int, dict]) -> dict:
     world = max(world, max(dumps) + 1)
     report: dict = {"world_size": world, "dumps": sorted(dumps),
                     "missing_dumps": [r for r in range(world) if r not in dumps],
-                    "membership": [], "mismatches": [], "never_joined": [], "ranks": {}}
+                    "membership": [], "mismatches": [], "never_joined": [], "failed_peers": [],
+                    "epochs": [], "ranks": {}}
     views = collections.defaultdict(dict)  # group -> rank -> membership list
     for rank, dump in dumps.items():
         for name, info in (dump.get("groups") or {}).items():
@@ -87,9 +89,10 @@ def analyze(dumps: dict[int, dict]) -> dict:
         for rank in members:
             if rank in dumps:
                 by_rank[rank] = {rec["seq"]: rec for rec in dumps[rank]["records"]
-                                 if rec.get("group") == name and not rec.get("p2p")}
+                                 if _key(rec) == name and not rec.get("p2p")}
         _analyze_group(report, name, members, by_rank,
                        {r: int(d.get("time_ns", 0)) for r, d in dumps.items()})
+    _failed_peers(report, dumps, members_of)
     for rank, dump in sorted(dumps.items()):
         recs = [r for r in dump["records"] if not r.get("p2p")]
         stuck = [r for r in recs if r.get("state") in ("scheduled", "started")]
@@ -100,6 +103,37 @@ def analyze(dumps: dict[int, dict]) -> dict:
             "failed": ["%s %s seq %d: %s" % (r["group"], r["op"], r["seq"], r.get("error"))
                        for r in failed]}
     return report
+
+
+def _key(rec: dict) -> str:
+    return group_key(rec.get("group", ""), int(rec.get("epoch") or 0))
+
+
+def _failed_peers(report: dict, dumps: dict[int, dict], members_of: dict) -> None:
+    """Which global ranks their peers saw die (PeerFailure records, translated from
+    group ranks through the membership of that group's epoch), and the epoch changes."""
+    seen = collections.defaultdict(set)  # (global rank, group key) -> reporting ranks
+    for rank, dump in dumps.items():
+        for rec in dump["records"]:
+            if rec.get("op") == "reconfigure":
+                entry = {"group": rec.get("group"), "epoch": rec.get("epoch"),
+                         "members": rec.get("members"), "removed": rec.get("removed"),
+                         "joined": rec.get("joined"), "reason": rec.get("reason")}
+                if entry not in report["epochs"]:
+                    report["epochs"].append(entry)
+                for dead in rec.get("removed") or []:  # left out: dead or unresponsive
+                    seen[dead, group_key(rec.get("group", ""), int(rec.get("from_epoch") or 0))
+                         ].add(rank)
+            failed = rec.get("failed_rank")
+            members = members_of.get(_key(rec))
+            if isinstance(failed, int) and members and 0 <= failed < len(members):
+                seen[members[failed], _key(rec)].add(rank)
+    for (dead, group), reporters in sorted(seen.items()):
+        if dead not in reporters:  # a rank does not report itself (an abort notice relayed)
+            report["failed_peers"].append({"rank": dead, "group": group,
+                                           "reported_by": sorted(reporters),
+                                           "dumped": dead in dumps})
+    report["epochs"].sort(key=lambda e: (e["group"] or "", e["epoch"] or 0))
 
 
 def _analyze_group(report: dict, name: str, members: list[int], by_rank: dict,
@@ -184,8 +218,19 @@ def format_report(report: dict) -> str:
                              _ranks(n["waiting_ranks"]),
                              ", ".join(sorted(set(n["states"].values())))))
             lines.append("      called at %s" % n["where"])
+    if report["failed_peers"]:
+        lines.append("RANKS THEIR PEERS SAW FAIL (died, killed, or closed their connection):")
+        for f in report["failed_peers"]:
+            lines.append("  rank %d in group '%s': reported by ranks %s%s" % (
+                f["rank"], f["group"], _ranks(f["reported_by"]),
+                "" if f["dumped"] else "; it left no dump (killed?)"))
+    if report["epochs"]:
+        lines.append("MEMBERSHIP CHANGES (fault-tolerant groups):")
+        for e in report["epochs"]:
+            lines.append("  group '%s' epoch %s (%s): members %s, removed %s, joined %s" % (
+                e["group"], e["epoch"], e["reason"], e["members"], e["removed"], e["joined"]))
     if not (report["missing_dumps"] or report["membership"] or report["mismatches"]
-            or report["never_joined"]):
+            or report["never_joined"] or report["failed_peers"]):
         lines.append("no problem found: every rank joined every collective with the same "
                      "arguments")
     lines.append("PER RANK:")
@@ -201,7 +246,7 @@ def format_report(report: dict) -> str:
 
 def has_problems(report: dict) -> bool:
     return bool(report["missing_dumps"] or report["membership"] or report["mismatches"]
-                or report["never_joined"])
+                or report["never_joined"] or report["failed_peers"])
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -57,6 +57,7 @@ class Heartbeat:
         self._store = store.clone()
         self._stop = threading.Event()
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it changed)
+        self.dead: set[int] = set()  # peers declared dead (global ranks / uids)
         self._thread = threading.Thread(target=self._loop, name="kiln-heartbeat", daemon=True)
         self._thread.start()
 
@@ -83,8 +84,13 @@ class Heartbeat:
         if silent > self.dead_after:
             self._declare_dead(peer, silent)
 
+    def watch(self, members) -> None:
+        """Watch these members from now on (a fault-tolerant group's new epoch)."""
+        self._peers = [m for m in members if m != self._me and m not in self.dead]
+
     def _declare_dead(self, peer: int, silent: float) -> None:
-        self._peers.remove(peer)  # report once
+        self.dead.add(peer)
+        self._peers = [p for p in self._peers if p != peer]  # report once
         world = self._group
         for group in [world] + _descendants(world):
             if peer in group.global_ranks and not group.is_aborted:

@@ -51,6 +51,7 @@ calls fail at their turn, and a parked call nobody runs is failed there and then
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 import time
@@ -114,12 +115,26 @@ class _Then:
         return True
 
 
+def _sync_point(method):
+    """A call of a fault-tolerant group first runs what its last reconfiguration left
+    to do (rank 0 sends the joiners the state) before it looks at the group."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        ft = self._sync_ft
+        if ft is not None and ft.pending:
+            ft.before_call()
+        return method(self, *args, **kwargs)
+    return call
+
+
 class ProcessGroup:
     """A set of ranks that run collectives together (create with `init_process_group`).
 
     `rank` and `world_size` are within this group; `global_ranks[i]` is the rank of
-    member i in the world group. `epoch` numbers the group's membership (0 until
-    membership changes are supported).
+    member i in the world group (a fault-tolerant world numbers its members by uid:
+    see kiln.distributed.membership). `epoch` numbers the group's membership; it
+    grows when a fault-tolerant group shrinks or grows in place.
     """
 
     def __init__(self, backend: Backend, *, name: str, rank: int, world_size: int,
@@ -151,6 +166,10 @@ class ProcessGroup:
         self._asleep = False  # the progress thread sleeps without a tick
         self._reducers: dict = {}  # (reduce op, dtype) -> Reducer (checked once)
         self.children: list[ProcessGroup] = []
+        self._windows: list = []  # RMA windows on this group's current backend
+        self._ft = None  # a FaultTolerance on a fault-tolerant world group
+        self._sync_ft = None  # the world's, on the world and every sub-group of it
+        self.failed_at: float | None = None  # time.time() of the current epoch's failure
         backend.set_failure_handler(self._on_backend_failure)
         recorder().register_group(name, self.global_ranks, rank, epoch, backend.name)
         self._thread = threading.Thread(target=self._progress_loop,
@@ -162,6 +181,7 @@ class ProcessGroup:
             self.name, self.rank, self.world_size, self.epoch, self.backend.name)
 
     # -- collectives -----------------------------------------------------------------
+    @_sync_point
     def all_reduce(self, tensor, op: str = "sum", *, timeout: float | None = None) -> Work:
         """Reduce `tensor` across ranks, in place on every rank.
 
@@ -181,6 +201,7 @@ class ProcessGroup:
                             extra=reducer.extra,
                             start=starter and (lambda ctx: starter(ctx, flat, reducer)))
 
+    @_sync_point
     def broadcast(self, tensor, src: int = 0, *, timeout: float | None = None) -> Work:
         """Copy `tensor` of rank `src` into `tensor` of every rank.
 
@@ -197,6 +218,7 @@ class ProcessGroup:
                             extra={"root": src},
                             start=starter and (lambda ctx: starter(ctx, flat, src)))
 
+    @_sync_point
     def reduce(self, tensor, dst: int = 0, op: str = "sum", *,
                timeout: float | None = None) -> Work:
         """Reduce `tensor` across ranks into `tensor` of rank `dst` (others keep theirs).
@@ -215,6 +237,7 @@ class ProcessGroup:
                             extra={"root": dst, "reduce_op": reducer.op},
                             start=starter and (lambda ctx: starter(ctx, flat, dst, reducer)))
 
+    @_sync_point
     def all_gather(self, output, input, *, timeout: float | None = None) -> Work:
         """Every rank's `input`, in rank order, into `output` on every rank.
 
@@ -234,6 +257,7 @@ class ProcessGroup:
                             lambda ctx: (backend.all_gather(ctx, oflat, iflat), finish()),
                             start=start)
 
+    @_sync_point
     def gather(self, input, output=None, dst: int = 0, *, timeout: float | None = None) -> Work:
         """Every rank's `input` into `output` on rank `dst` (slots as in all_gather).
 
@@ -257,6 +281,7 @@ class ProcessGroup:
                             lambda ctx: (backend.gather(ctx, oflat, iflat, dst), finish()),
                             extra={"root": dst}, start=start)
 
+    @_sync_point
     def scatter(self, output, input=None, src: int = 0, *, timeout: float | None = None) -> Work:
         """Slot i of `input` on rank `src` into `output` of rank i.
 
@@ -279,6 +304,7 @@ class ProcessGroup:
                             extra={"root": src},
                             start=starter and (lambda ctx: starter(ctx, oflat, iflat, src)))
 
+    @_sync_point
     def reduce_scatter(self, output, input, op: str = "sum", *,
                        timeout: float | None = None) -> Work:
         """Reduce `input` (world_size slots) across ranks; slot `rank` lands in `output`.
@@ -296,6 +322,7 @@ class ProcessGroup:
                             extra={"reduce_op": reducer.op},
                             start=starter and (lambda ctx: starter(ctx, oflat, iflat, reducer)))
 
+    @_sync_point
     def all_to_all(self, output, input, output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, *,
                    timeout: float | None = None) -> Work:
@@ -315,6 +342,7 @@ class ProcessGroup:
                                 ctx, out.reshape(-1), inp.reshape(-1), out_counts, in_counts),
                             extra={"input_splits": in_counts, "output_splits": out_counts})
 
+    @_sync_point
     def barrier(self, *, timeout: float | None = None) -> Work:
         """Completes once every rank of the group has called barrier.
 
@@ -343,6 +371,7 @@ class ProcessGroup:
         return lambda ctx: _Then(start(ctx), finish)
 
     # -- point to point --------------------------------------------------------------
+    @_sync_point
     def send(self, tensor, dst: int, tag: int = 0, *, timeout: float | None = None) -> Work:
         """Send `tensor` to rank `dst`; matched by a recv with the same src and tag.
 
@@ -353,6 +382,7 @@ class ProcessGroup:
         """
         return self._p2p_call("send", tensor, dst, tag, timeout)
 
+    @_sync_point
     def recv(self, tensor, src: int, tag: int = 0, *, timeout: float | None = None) -> Work:
         """Receive into `tensor` the message rank `src` sent with `tag`.
 
@@ -612,13 +642,16 @@ class ProcessGroup:
             self._p2p.discard(work)
             threading.Thread(target=self._fail, args=(error, work), daemon=True).start()
 
-    def _fail(self, error: BaseException, work: Work | None) -> None:
+    def _fail(self, error: BaseException, work: Work | None, deliberate: bool = False) -> None:
         """First failure wins: abort the backend (peers are told), fail queued, parked
-        and pending calls, dump the Flight Recorder here and ask every rank to dump."""
+        and pending calls, dump the Flight Recorder here and ask every rank to dump.
+        `deliberate`: the end of an epoch every member is reaching too (a grow): the
+        backend says goodbye instead, and nothing is dumped."""
         with self._lock:
             first = self._error is None
             if first:
                 self._error = error
+                self.failed_at = time.time()  # wall clock: comparable with other processes
             p2p = list(self._p2p)
             self._p2p.clear()
             orphan = None
@@ -627,11 +660,20 @@ class ProcessGroup:
                 self._busy = True
             self._cond.notify_all()
         if first:
-            self.backend.abort(error)
+            if deliberate:
+                self.backend.close()
+            else:
+                self.backend.abort(error)
             for w in p2p:
                 if w._finish(error):
                     _completed(w.record, error)
-            if work is not None or p2p or orphan is not None:
+            tolerant = self._sync_ft is not None
+            if tolerant and not deliberate:  # the failure itself, even found while idle
+                note = _RECORDER.record(group=self.name, epoch=self.epoch, seq=-1, op="failure",
+                                        inputs=[], outputs=[], timeout=self.timeout, frames=[],
+                                        extra={"p2p": True})
+                _completed(note, error)
+            if not deliberate and (work is not None or p2p or orphan is not None or tolerant):
                 _dump_everywhere(self, "%s on rank %d of group '%s': %s" % (
                     type(error).__name__, self.rank, self.name,
                     getattr(error, "message", error)))
@@ -643,7 +685,79 @@ class ProcessGroup:
             busy = self._running is not None or bool(self._queue) or bool(self._p2p)
         self._fail(error, self._running if busy else None)
 
+    def _drain(self) -> None:
+        """Wait (bounded) until the failed epoch's calls have all ended: queued calls
+        fail with the group's error at their turn, and must not run on a new backend."""
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while (self._running is not None or self._queue) and time.monotonic() < deadline:
+                self._cond.notify_all()
+                self._cond.wait(0.05)
+
+    def _install(self, backend: Backend, *, rank: int, global_ranks: Sequence[int],
+                 epoch: int) -> None:
+        """Go on at a new epoch with `backend` (see kiln.distributed.fault_tolerance):
+        the same object, renumbered, with fresh sequence numbers; RMA windows of the
+        old epoch are invalidated."""
+        with self._lock:
+            self.backend = backend
+            self.rank, self.world_size, self.epoch = rank, len(global_ranks), epoch
+            self.global_ranks = list(global_ranks)
+            self._seq = self._p2p_seq = 0
+            self._reducers = {}
+            self._error = self.failed_at = None
+            windows, self._windows = self._windows, []
+        backend.set_failure_handler(self._on_backend_failure)
+        recorder().register_group(self.name, self.global_ranks, rank, epoch, backend.name)
+        for win in windows:
+            win.invalidate("group '%s' was reconfigured to epoch %d" % (self.name, epoch))
+
+    # -- fault tolerance (see kiln.distributed.fault_tolerance) -----------------------
+    def _fault_tolerance(self, what: str):
+        if self._ft is None:
+            raise RendezvousError(
+                "%s needs a fault-tolerant world group; group '%s' is not one" % (what, self.name),
+                hint="init_process_group(..., fault_tolerant=True); sub-groups follow their "
+                "world group's reconfigurations")
+        return self._ft
+
+    def should_commit(self, ok: bool = True, *, timeout: float | None = None) -> bool:
+        """End a training step: True on every member when every member finished it
+        (apply the update now), False on every member otherwise (drop it). A failure
+        during the step makes the survivors form the next epoch here, in place.
+
+            >>> if pg.should_commit():
+            ...     params, opt_state = update(params, opt_state, grads)
+        """
+        return self._fault_tolerance("should_commit").should_commit(ok, timeout)
+
+    @property
+    def committed_step(self) -> int:
+        """How many steps this group committed (should_commit returned True)."""
+        return self._fault_tolerance("committed_step").committed_step
+
+    def shrink(self) -> int:
+        """Every member calls it: go on with the members that take part (a dead or hung
+        one is left out), at the next epoch; returns the new world size."""
+        self._fault_tolerance("shrink").reconfigure("shrink")
+        return self.world_size
+
+    def grow(self) -> int:
+        """Every member calls it: admit the processes waiting to join, at the next
+        epoch (they receive the registered state); returns the new world size."""
+        ft = self._fault_tolerance("grow")
+        ft.before_call()
+        ft.reconfigure("grow")
+        return self.world_size
+
+    def register_state(self, get_state: Callable[[], dict], set_state: Callable[[dict], None],
+                       *, timeout: float | None = None) -> None:
+        """What a joiner receives: `get_state()` returns a dict of arrays, `set_state`
+        loads one. On a joiner this waits for the state and loads it."""
+        self._fault_tolerance("register_state").register_state(get_state, set_state, timeout)
+
     # -- groups ----------------------------------------------------------------------
+    @_sync_point
     def split(self, ranks: Sequence[int] | None = None, *, color: int | None = None,
               key: int | None = None, timeout: float | None = None) -> "ProcessGroup | None":
         """Create a sub-group eagerly; every rank of this group must call it.
@@ -680,8 +794,23 @@ class ProcessGroup:
                              global_ranks=[self.global_ranks[r] for r in members_ranks],
                              store=self.store, token=self._token, timeout=self.timeout,
                              epoch=self.epoch, backend_factory=self._backend_factory)
+        child._sync_ft = self._sync_ft
         self.children.append(child)
         return child
+
+    @_sync_point
+    def window(self, buffer, *, timeout: float | None = None):
+        """Register `buffer` as this rank's part of an RMA window; every rank of the
+        group must call it (see `kiln.distributed.window`).
+
+            >>> win = pg.window(np.zeros(1024, np.float32))
+            >>> win.put(1, data, offset=16).wait(); win.signal(1)
+        """
+        from kiln.distributed.window import create_window
+
+        win = create_window(self, buffer, timeout=self.timeout if timeout is None else timeout)
+        self._windows.append(win)
+        return win
 
     def dump_flight_recorder(self, directory: str | None = None) -> str | None:
         """Write this rank's Flight Recorder dump (JSON) to `directory` or KILN_FR_DIR.

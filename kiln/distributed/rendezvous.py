@@ -12,10 +12,13 @@ import atexit
 import json
 import os
 import threading
+import time
 
 from kiln.distributed.errors import DistributedError, RendezvousError
 from kiln.distributed.flight_recorder import install_signal_handler, recorder
-from kiln.distributed.heartbeat import Heartbeat
+from kiln.distributed.fault_tolerance import FaultTolerance, connect_next
+from kiln.distributed.heartbeat import Heartbeat, intervals
+from kiln.distributed.membership import Membership, View
 from kiln.distributed.process_group import ProcessGroup, flush_dump_requests
 from kiln.distributed.protocol import parse_address
 from kiln.distributed.store import Store, StoreServer
@@ -42,7 +45,8 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
                        world_size: int | None = None, store: str | Store | None = None,
                        token: str | None = None, timeout: float = 10.0,
                        fault_tolerant: bool = False, host_store: bool | None = None,
-                       fr_dir: str | None = None) -> ProcessGroup:
+                       fr_dir: str | None = None, min_size: int | None = None,
+                       join: bool | None = None) -> ProcessGroup:
     """Join the world group; every rank calls it once. Returns the group.
 
         >>> pg = init_process_group()                       # under `kiln launch`
@@ -53,6 +57,13 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
     (default: rank 0, unless launched by `kiln launch`). `timeout` is the default
     deadline of every collective and of the rendezvous. Flight Recorder dumps go to
     `fr_dir` or KILN_FR_DIR.
+
+    `fault_tolerant=True`: a failure does not end the job. The survivors go on in
+    place at the next epoch (see `ProcessGroup.should_commit`, `shrink`, `grow` and
+    docs/fault-tolerance.md), never fewer than `min_size` (KILN_MIN_SIZE, default 1).
+    A process started with `join=True` (KILN_JOIN=1, as `kiln launch --on-failure
+    replace` starts replacements) skips the initial rendezvous and waits to be
+    admitted into the running group's next epoch; its rank comes from that epoch.
     """
     global _WORLD, _SERVER, _WATCHER, _HEARTBEAT
     if _WORLD is not None and not _WORLD.is_aborted:
@@ -61,18 +72,21 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
     if _HEARTBEAT is not None:  # a new world after an aborted one: the old beat ends
         _HEARTBEAT.stop()
         _HEARTBEAT = None
-    if fault_tolerant:
-        raise RendezvousError(
-            "fault_tolerant=True (shrink/grow on failure) is not available in this kiln "
-            "version; a failure aborts the group and every Work raises PeerFailure",
-            hint="call init_process_group(..., fault_tolerant=False) and restart the job "
-            "on failure")
+    joiner = (os.environ.get("KILN_JOIN") == "1") if join is None else bool(join)
+    if joiner and not fault_tolerant:
+        raise RendezvousError("this process was started to join a running group (KILN_JOIN=1 "
+                              "or join=True), which needs fault_tolerant=True",
+                              hint="init_process_group(..., fault_tolerant=True)")
     if backend not in BACKENDS:
         raise RendezvousError("unknown backend %r; available: %s" % (backend, ", ".join(BACKENDS)))
     rank = _env_int("KILN_RANK") if rank is None else rank
     world_size = _env_int("KILN_WORLD_SIZE") if world_size is None else world_size
+    if min_size is None:
+        min_size = _env_int("KILN_MIN_SIZE") or 1
     store = store if store is not None else os.environ.get("KILN_STORE")
     token = token if token is not None else os.environ.get("KILN_TOKEN")
+    if joiner:  # its rank comes from the epoch that admits it
+        rank, world_size = rank or 0, max(world_size or 1, (rank or 0) + 1)
     missing = [n for n, v in (("rank/KILN_RANK", rank), ("world_size/KILN_WORLD_SIZE", world_size),
                               ("store/KILN_STORE", store), ("token/KILN_TOKEN", token)) if v is None]
     if missing:
@@ -88,7 +102,7 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
         rec.dump_dir = fr_dir
     if isinstance(store, str):
         if host_store is None:
-            host_store = rank == 0 and os.environ.get("KILN_STORE_HOSTED") != "1"
+            host_store = rank == 0 and not joiner and os.environ.get("KILN_STORE_HOSTED") != "1"
         if host_store:
             host, port = parse_address(store)
             try:
@@ -99,16 +113,54 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
             store = _SERVER.address if port == 0 else store
         store = Store(store, token, timeout=max(timeout, 1.0))
     backend_cls = BACKENDS[backend]
-    be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, timeout, 0)
-    _WORLD = ProcessGroup(be, name="world", rank=rank, world_size=world_size,
-                          global_ranks=range(world_size), store=store, token=token,
-                          timeout=timeout, backend_factory=backend_cls)
+    if fault_tolerant:
+        _WORLD = _fault_tolerant_world(backend_cls, store, rank, world_size, token, timeout,
+                                       min_size, joiner)
+    else:
+        be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, timeout, 0)
+        _WORLD = ProcessGroup(be, name="world", rank=rank, world_size=world_size,
+                              global_ranks=range(world_size), store=store, token=token,
+                              timeout=timeout, backend_factory=backend_cls)
     install_signal_handler()
     if rec.dump_dir:
         _WATCHER = DumpWatcher(store)
-    if world_size > 1:
+    if world_size > 1 and not fault_tolerant:
         _HEARTBEAT = Heartbeat(store, _WORLD)
     return _WORLD
+
+
+def _fault_tolerant_world(backend_cls, store: Store, rank: int, world_size: int, token: str,
+                          timeout: float, min_size: int, joiner: bool) -> ProcessGroup:
+    """The world group with its FaultTolerance: the first epoch's members rendezvous
+    as usual (uid = rank); a joiner is admitted into a later epoch."""
+    global _HEARTBEAT
+    window = intervals(timeout)[1]  # a member silent this long is dead: stop waiting for it
+    membership = Membership(store.clone(), rank)
+    if joiner:
+        deadline = time.monotonic() + max(timeout, 60.0)
+        membership.me = membership.new_uid(deadline)
+        recorder().rank = membership.me  # its own dump file, never a dead member's
+        membership.announce()
+        membership.post_join({"pid": os.getpid(), "replaces": os.environ.get("KILN_REPLACES")})
+        view = membership.wait_admitted(deadline)
+        view, be = connect_next(membership, view, name="world", factory=backend_cls,
+                                store=store, token=token, committed=view.step,
+                                window=window, min_size=min_size, deadline=deadline,
+                                form=False)
+    else:
+        view = View(0, tuple(range(world_size)))
+        membership.announce()
+        be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, timeout, 0)
+        if rank == 0:
+            membership.publish_first(view)
+    me = membership.me
+    world = ProcessGroup(be, name="world", rank=view.rank_of(me), world_size=len(view.members),
+                         global_ranks=view.members, store=store, token=token, timeout=timeout,
+                         epoch=view.epoch, backend_factory=backend_cls)
+    _HEARTBEAT = Heartbeat(store, world)
+    world._ft = world._sync_ft = FaultTolerance(world, membership, view, heartbeat=_HEARTBEAT,
+                                                min_size=min_size, window=window, joiner=joiner)
+    return world
 
 
 def get_world() -> ProcessGroup:

@@ -45,6 +45,7 @@ class StoreServer:
         self._cond = threading.Condition()
         self._closed = False
         self._conns: set[socket.socket] = set()
+        self._owner: dict[str, socket.socket] = {}  # ephemeral key -> the connection it lives on
         self._listener = socket.create_server((host, port), backlog=128)
         self._listener.settimeout(0.2)  # lets the accept loop notice close()
         self.host, self.port = self._listener.getsockname()[:2]
@@ -97,13 +98,17 @@ class StoreServer:
         try:
             while True:
                 header, body = recv_frame(conn, deadline=None)
-                reply, value = self._apply(header, body)
+                reply, value = self._apply(header, body, conn)
                 send_frame(conn, reply, value)
         except StoreError:
             pass
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                for key in [k for k, c in self._owner.items() if c is conn]:
+                    del self._owner[key]  # its process is gone (or hung up): so is the key
+                    self._data.pop(key, None)
+                self._cond.notify_all()
             conn.close()
 
     def _wait_for(self, keys: list[str], timeout: float) -> bool:
@@ -116,13 +121,17 @@ class StoreServer:
                 self._cond.wait(remaining)
             return True
 
-    def _apply(self, h: dict, body: bytes) -> tuple[dict, bytes]:
+    def _apply(self, h: dict, body: bytes, conn: socket.socket | None = None) -> tuple[dict, bytes]:
         op, key = h.get("op"), h.get("key")
         if op in ("set", "get", "add", "cas", "delete") and not isinstance(key, str):
             return {"ok": False, "error": "bad_request", "message": "missing key"}, b""
         if op == "set":
             with self._cond:
                 self._data[key] = body
+                if h.get("ephemeral") and conn is not None:
+                    self._owner[key] = conn
+                else:
+                    self._owner.pop(key, None)
                 self._cond.notify_all()
             return {"ok": True}, b""
         if op == "get":
@@ -166,6 +175,7 @@ class StoreServer:
                 return {"ok": True, "present": current is not None}, current or b""
         if op == "delete":
             with self._cond:
+                self._owner.pop(key, None)
                 return {"ok": True, "value": self._data.pop(key, None) is not None}, b""
         if op == "list":
             prefix = str(h.get("prefix", ""))
@@ -214,9 +224,12 @@ class Store:
                 self._sock.close()
                 self._sock = None
 
-    def set(self, key: str, value: bytes | str) -> None:
-        """Set `key` to `value` (str is UTF-8 encoded)."""
-        self._call({"op": "set", "key": key}, _as_bytes(value))
+    def set(self, key: str, value: bytes | str, *, ephemeral: bool = False) -> None:
+        """Set `key` to `value` (str is UTF-8 encoded). An `ephemeral` key lives as long
+        as this client's connection: the server deletes it when the connection ends, so
+        a process that dies (even by SIGKILL) takes its key with it at once."""
+        self._call({"op": "set", "key": key, "ephemeral": True} if ephemeral else
+                   {"op": "set", "key": key}, _as_bytes(value))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of `key`, waiting up to `timeout` for it to be set."""

@@ -1,0 +1,128 @@
+"""Processes of the fault-tolerance tests (see test_fault_tolerance.py).
+
+    python ft_workers.py SCENARIO UID_OR_JOIN WORLD STORE_ADDR RESULT_JSON ARGS_JSON
+
+`trainer` runs a data-parallel loop whose result is known exactly: the state after
+n committed steps is sum(1..n) (every rank contributes the step number, averaged),
+whoever died or joined on the way. A rank kills itself with SIGKILL at a chosen step
+and point (before, during or after a chosen collective, during the commit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import kiln.distributed as dist
+from kiln.distributed import DistributedError
+
+
+def die():
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start(pg, kind: str, g: np.ndarray):
+    """Start one collective of `kind` that leaves the step's average gradient in g;
+    returns (work, finish)."""
+    if kind == "all_reduce":
+        return pg.all_reduce(g, op="avg"), lambda: None
+    if kind == "broadcast":  # every rank holds the same g already
+        return pg.broadcast(g, src=0), lambda: None
+    if kind == "barrier":
+        return pg.barrier(), lambda: None
+    if kind == "all_to_all":
+        out = np.empty(pg.world_size * g.size, g.dtype)
+        work = pg.all_to_all(out, np.tile(g, pg.world_size))
+
+        def finish():
+            g[:] = out.reshape(pg.world_size, -1).mean(axis=0)
+        return work, finish
+    raise ValueError(kind)
+
+
+def trainer(uid, world, addr, args):
+    joiner = uid < 0
+    pg = dist.init_process_group(rank=max(uid, 0), world_size=world, store=addr,
+                                 token=os.environ["KILN_TOKEN"], timeout=args.get("timeout", 10),
+                                 host_store=False, fault_tolerant=True, join=joiner,
+                                 min_size=args.get("min_size", 1))
+    me = pg.global_ranks[pg.rank]
+    state = {"x": np.zeros(4, np.float64), "step": np.zeros(1, np.int64)}
+
+    def load(arrays):
+        state.update({k: v.copy() for k, v in arrays.items()})
+
+    if joiner and args.get("joiner_dies") == "before_state":
+        die()
+    pg.register_state(lambda: state, load)
+    if joiner and args.get("joiner_dies") == "after_state":
+        die()
+    kills = {(k["uid"], k["step"]): k for k in args.get("kills", [])}
+    steps, epochs, failures, store_drops = args["steps"], [], 0, 0
+    began = time.monotonic()
+    while pg.committed_step < steps:
+        step = pg.committed_step + 1
+        kill = kills.get((me, step))
+        g = np.full(args.get("numel", 4), float(step))
+        try:
+            if kill and kill["when"] == "before":
+                die()
+            if kill and kill["when"] == "stop":  # hung: alive to the kernel, silent to peers
+                os.kill(os.getpid(), signal.SIGSTOP)
+            work, finish = start(pg, args.get("kind", "all_reduce"), g)
+            if kill and kill["when"] == "during":
+                time.sleep(0.01)  # its messages are on the way: the peers are inside it
+                die()
+            work.wait()
+            finish()
+            if kill and kill["when"] == "after":
+                die()
+        except DistributedError:
+            failures += 1
+        if kill and kill["when"] == "commit":
+            die()
+        if args.get("sleep"):
+            time.sleep(args["sleep"])
+        if step == args.get("drop_store_at") and store_drops == 0:
+            # cut the store connections under the group's feet: they must reconnect
+            for client in (pg.store, pg._ft.membership.store._store):
+                client._sock.shutdown(socket.SHUT_RDWR)
+            store_drops += 1
+        if pg.should_commit():
+            state["x"] += g[:4]
+            state["step"][0] = step
+        epochs.append(pg.epoch)
+    data = {"uid": me, "rank": pg.rank, "world_size": pg.world_size, "epoch": pg.epoch,
+            "x": state["x"].tolist(), "step": int(state["step"][0]),
+            "committed": pg.committed_step, "failures": failures, "store_drops": store_drops,
+            "members": list(pg.global_ranks), "history": pg._ft.history,
+            "seconds": time.monotonic() - began}
+    dist.destroy_process_group()
+    return data
+
+
+SCENARIOS = {"trainer": trainer}
+
+
+def main() -> None:
+    name, uid, world, addr, out, args = sys.argv[1:7]
+    try:
+        result = {"ok": True, "data": SCENARIOS[name](int(uid), int(world), addr,
+                                                      json.loads(args))}
+    except BaseException as err:  # reported to the test, which fails with it
+        result = {"ok": False, "type": type(err).__name__, "error": traceback.format_exc()}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Fault tolerance end to end: ranks die (SIGKILL), hang (SIGSTOP) or join while a
+data-parallel loop runs (tests/distributed/ft_workers.py). Every test asserts that the
+survivors reach the same epoch with identical state, that no committed step is lost
+or applied twice (the state after n steps is exactly sum(1..n)), and, where a rank
+died, that the Flight Recorder dumps exist and `kiln fr` names it."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.distributed import fr_analysis
+from kiln.distributed.store import Store, StoreServer
+from tests.distributed.harness import worker_env
+
+WORKERS = Path(__file__).with_name("ft_workers.py")
+pytestmark = pytest.mark.timeout(120)
+
+
+class Job:
+    """`world` trainer processes (uids 0..world-1) plus joiners started later."""
+
+    def __init__(self, tmp_path: Path, world: int, args: dict):
+        self.tmp, self.world, self.args = tmp_path, world, args
+        self.token = secrets.token_hex(16)
+        self.server = StoreServer("127.0.0.1", 0, self.token)
+        self.procs: list[subprocess.Popen] = []
+        self.outs: list[Path] = []
+
+    def start(self, uid: int) -> subprocess.Popen:
+        out = self.tmp / ("result%d.json" % len(self.procs))
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKERS), "trainer", str(uid), str(self.world),
+             self.server.address, str(out), json.dumps(self.args)],
+            env=worker_env(self.tmp, self.token), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        self.outs.append(out)
+        return proc
+
+    def store(self) -> Store:
+        return Store(self.server.address, self.token, timeout=10.0)
+
+    def finish(self, timeout: float = 60.0) -> list[dict | None]:
+        """Wait for every process (one stopped by SIGSTOP is killed at the end); the
+        results of those that finished, None for the others."""
+        deadline = time.monotonic() + timeout
+        results = []
+        try:
+            for proc, out in zip(self.procs, self.outs):
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                text = proc.stdout.read().decode(errors="replace")
+                if out.exists():
+                    res = json.loads(out.read_text())
+                    assert res["ok"], "a process failed:\n%s\n%s" % (res["error"], text[-3000:])
+                    results.append(res["data"])
+                else:
+                    results.append(None)
+        finally:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+            self.server.close()
+        return results
+
+
+def check_survivors(results: list, steps: int, alive: int) -> list[dict]:
+    done = [r for r in results if r is not None]
+    assert len(done) == alive, results
+    want = [float(sum(range(1, steps + 1)))] * 4
+    for r in done:
+        assert r["x"] == want and r["committed"] == steps and r["step"] == steps, r
+    assert len({(r["epoch"], tuple(r["members"])) for r in done}) == 1, done
+    assert sorted(r["rank"] for r in done) == list(range(alive))
+    return done
+
+
+def fr_names(tmp_path: Path, dead: list[int]) -> None:
+    report = fr_analysis.analyze(fr_analysis.load_dumps(str(tmp_path / "fr")))
+    named = {f["rank"] for f in report["failed_peers"]}
+    assert set(dead) <= named, report["failed_peers"]
+    # SIGKILL leaves no dump, but a rank that saw an earlier failure dumped before it died
+    assert set(dead) & set(report["missing_dumps"]), report["missing_dumps"]
+    text = fr_analysis.format_report(report)
+    for uid in dead:
+        assert "rank %d in group 'world" % uid in text, text
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "broadcast", "barrier", "all_to_all"])
+def test_sigkill_before_during_and_after_each_collective(tmp_path, kind):
+    # five ranks lose one at a time: before, during and after the step's collective
+    kills = [{"uid": 4, "step": 3, "when": "before"}, {"uid": 3, "step": 6, "when": "during"},
+             {"uid": 1, "step": 9, "when": "after"}]
+    job = Job(tmp_path, 5, {"steps": 12, "kind": kind, "kills": kills,
+                            "numel": 1 << 16 if kind != "barrier" else 4})
+    for uid in range(5):
+        job.start(uid)
+    done = check_survivors(job.finish(), 12, 2)
+    assert done[0]["epoch"] == 3 and done[0]["members"] == [0, 2]
+    for entry in done[0]["history"]:  # every shrink agreed and reconnected quickly
+        assert entry["total_s"] < 2.0, done[0]["history"]
+    fr_names(tmp_path, [4, 3, 1])
+
+
+def test_sigkill_while_the_step_commits(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 8, "kills": [{"uid": 2, "step": 4, "when": "commit"}]})
+    for uid in range(3):
+        job.start(uid)
+    done = check_survivors(job.finish(), 8, 2)
+    assert done[0]["epoch"] == 1
+
+
+def test_two_of_five_die_at_once(tmp_path):
+    kills = [{"uid": 1, "step": 5, "when": "during"}, {"uid": 3, "step": 5, "when": "before"}]
+    job = Job(tmp_path, 5, {"steps": 10, "kills": kills, "numel": 1 << 16})
+    for uid in range(5):
+        job.start(uid)
+    done = check_survivors(job.finish(), 10, 3)
+    assert done[0]["members"] == [0, 2, 4] and done[0]["epoch"] == 1
+    assert done[0]["history"][0]["removed"] == [1, 3]
+    fr_names(tmp_path, [1, 3])
+
+
+def test_hung_peer_is_caught_by_heartbeat_and_left_out(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 10, "timeout": 8,
+                            "kills": [{"uid": 1, "step": 4, "when": "stop"}]})
+    for uid in range(3):
+        job.start(uid)
+    began = time.monotonic()
+    while time.monotonic() - began < 40:  # the survivors finish; the stopped one never does
+        if all(job.procs[u].poll() is not None for u in (0, 2)):
+            break
+        time.sleep(0.1)
+    job.procs[1].send_signal(signal.SIGKILL)
+    done = check_survivors(job.finish(), 10, 2)
+    assert done[0]["members"] == [0, 2]
+    assert "stopped heartbeating" in (done[0]["history"][0]["failure"] or "")
+
+
+def test_sigkill_during_a_reconfiguration(tmp_path):
+    # uid 3 dies at step 4; the moment the survivors start forming epoch 1, uid 1 is killed
+    job = Job(tmp_path, 4, {"steps": 10, "kills": [{"uid": 3, "step": 4, "when": "during"}],
+                            "numel": 1 << 16})
+    for uid in range(4):
+        job.start(uid)
+    store = job.store()
+    store.wait(["ft/alive/1/0"], timeout=40)
+    job.procs[1].send_signal(signal.SIGKILL)
+    done = check_survivors(job.finish(), 10, 2)
+    assert done[0]["members"] == [0, 2]
+
+
+def test_replacement_joins_receives_state_and_takes_part(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 40, "sleep": 0.03,
+                            "kills": [{"uid": 2, "step": 5, "when": "during"}]})
+    for uid in range(3):
+        job.start(uid)
+    store = job.store()
+    store.wait(["ft/view/1"], timeout=40)  # the shrink happened: start the replacement
+    job.start(-1)
+    done = check_survivors(job.finish(), 40, 3)
+    joiner = done[2]
+    assert joiner["uid"] == 3 and done[0]["members"] == [0, 1, 3]
+    assert [h["reason"] for h in done[0]["history"]] == ["failure during step 5", "grow"]
+    grow = done[0]["history"][1]
+    assert grow["joined"] == [3] and grow["total_s"] < 2.0
+
+
+def test_joiner_that_dies_before_receiving_state(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 40, "sleep": 0.03, "joiner_dies": "before_state"})
+    for uid in range(3):
+        job.start(uid)
+    job.store().wait(["ft/decision/0/2"], timeout=40)
+    job.start(-1)
+    done = check_survivors(job.finish(), 40, 3)
+    assert done[0]["members"] == [0, 1, 2]
+    reasons = [h["reason"] for h in done[0]["history"]]
+    assert reasons[0] == "grow" and reasons[1].startswith("failure"), reasons
+
+
+def test_store_connection_dropped_and_reestablished(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 12, "drop_store_at": 3,
+                            "kills": [{"uid": 2, "step": 6, "when": "during"}]})
+    for uid in range(3):
+        job.start(uid)
+    done = check_survivors(job.finish(), 12, 2)
+    assert all(r["store_drops"] == 1 for r in done)
