@@ -111,10 +111,13 @@ def worker(args) -> None:
     def load(arrays):
         model.update(unflat(arrays, model))
 
+    if args.resume:  # a full restart reloads the checkpoint (the baseline of the benchmark)
+        with np.load(args.resume) as ckpt:
+            load({k: ckpt[k] for k in ckpt.files})
     pg.register_state(lambda: flat(model), load)  # a joiner receives the state here
     on_drop_conn(lambda: pg.store.close())
     names = sorted(flat(model["params"]))
-    losses, began = {}, time.time()
+    losses, began, first_commit_at = {}, time.time(), None
     while pg.committed_step < args.steps:
         step = pg.committed_step + 1
         report_step(step)  # where `kiln launch --inject kill:...,step=K` strikes
@@ -136,12 +139,16 @@ def worker(args) -> None:
             model["params"], model["opt"] = apply(unflat(avg, grads), model["opt"],
                                                   model["params"])
             losses[step] = float(bucket[-1])
+            first_commit_at = first_commit_at or time.time()
     digest = hashlib.sha256(b"".join(a.tobytes() for _, a in sorted(flat(model).items())))
     out = {"uid": pg.global_ranks[pg.rank], "rank": pg.rank, "world_size": pg.world_size,
            "epoch": pg.epoch, "committed": pg.committed_step, "losses": losses,
            "rolled_back": pg._ft.rolled_back, "history": pg._ft.history,
            "digest": digest.hexdigest(), "seconds": time.time() - began,
-           "joined": os.environ.get("KILN_JOIN") == "1"}
+           "joined": os.environ.get("KILN_JOIN") == "1", "started_at": began,
+           "first_commit_at": first_commit_at}
+    if args.save and pg.rank == 0:
+        np.savez(args.save, **flat(model))
     Path(args.out, "rank_uid%d.json" % out["uid"]).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -211,6 +218,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="where workers write their results")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--save", default=None, help="(worker) rank 0 saves the state here (.npz)")
+    ap.add_argument("--resume", default=None, help="(worker) load the state from this .npz")
     args = ap.parse_args(argv)
     return worker(args) if args.worker else drive(args)
 

@@ -222,9 +222,11 @@ def _drop_connections(own_store) -> None:
     from kiln.distributed import rendezvous
 
     if rendezvous.is_initialized():
-        store = getattr(rendezvous.get_world(), "store", None)
-        if store is not None:
-            store.close()
+        world = rendezvous.get_world()
+        if getattr(world, "store", None) is not None:
+            world.store.close()
+        if getattr(world, "_ft", None) is not None:  # membership's own connection too
+            world._ft.membership.drop_connection()
     for hook in _DROP_HOOKS:
         hook()
 

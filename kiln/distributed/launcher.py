@@ -7,7 +7,8 @@
 Each worker gets KILN_RANK, KILN_WORLD_SIZE, KILN_LOCAL_RANK, KILN_LOCAL_WORLD_SIZE,
 KILN_NODE_RANK, KILN_STORE, KILN_TOKEN (generated with `secrets` when absent; with
 several nodes every node must be given the same KILN_TOKEN), KILN_STORE_HOSTED=1,
-KILN_LAUNCHER=1 and KILN_RESTART_COUNT=0. SIGINT and SIGTERM are forwarded to the
+KILN_LAUNCHER=1, KILN_RESTART_COUNT=0 and KILN_MIN_SIZE (--min-size: the smallest group a
+fault-tolerant process group may shrink to). SIGINT and SIGTERM are forwarded to the
 workers (SIGKILL after --grace seconds).
 
 A worker that exits 0 is done. A worker that exits non-zero or is killed by a signal
@@ -228,7 +229,7 @@ class _Job:
                    KILN_LOCAL_RANK=str(local), KILN_LOCAL_WORLD_SIZE=str(self.cfg.nproc),
                    KILN_NODE_RANK=str(self.cfg.node_rank), KILN_STORE=self.address,
                    KILN_TOKEN=self.token, KILN_STORE_HOSTED="1", KILN_LAUNCHER="1",
-                   KILN_RESTART_COUNT="0")
+                   KILN_RESTART_COUNT="0", KILN_MIN_SIZE=str(self.cfg.min_size))
         for key in ("KILN_JOIN", "KILN_REPLACES", elastic.ENV_PAUSE_STEPS, elastic.ENV_POLL_DROP):
             env.pop(key, None)
         if self.cfg.fr_dir:

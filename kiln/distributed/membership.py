@@ -84,6 +84,11 @@ class Membership:
         if self._announced:  # the dropped connection took the live key along
             self.announce()
 
+    def drop_connection(self) -> None:
+        """Close the store connection (a simulated network blip: see elastic.drop-conn);
+        the next operation reconnects and announces this process again."""
+        self.store._store.close()
+
     def announce(self) -> None:
         """Mark this process live: an ephemeral key on this client's connection, which
         the store deletes the moment the process dies (its socket closes), so peers
@@ -274,8 +279,9 @@ class Membership:
 
 class RetryingStore:
     """A store client whose idempotent operations survive a dropped connection: the
-    client reconnects on the next call, so the operation is simply made again. (`add`
-    is not idempotent and is never retried.)"""
+    client reconnects on the next call, so the operation is simply made again (`add`
+    is not idempotent and is never retried). After any reconnect, `on_reconnect()`
+    runs: ephemeral keys died with the old connection."""
 
     _IDEMPOTENT = frozenset({"set", "get", "check", "wait", "list_keys", "compare_and_set",
                              "delete"})
@@ -283,6 +289,7 @@ class RetryingStore:
     def __init__(self, store, attempts: int = 3, on_reconnect=None):
         self._store, self._attempts = store, attempts
         self.on_reconnect = on_reconnect  # e.g. set the ephemeral keys again
+        self._generation = store.generation
 
     def __getattr__(self, name):
         fn = getattr(self._store, name)
@@ -299,7 +306,9 @@ class RetryingStore:
                     if i == self._attempts - 1:
                         raise
                     continue
-                if i and self.on_reconnect is not None:
-                    self.on_reconnect()
+                if self._store.generation != self._generation:  # reconnected, maybe quietly
+                    self._generation = self._store.generation
+                    if self.on_reconnect is not None:
+                        self.on_reconnect()
                 return result
         return retried

@@ -204,6 +204,7 @@ class Store:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self.generation = 0  # connections made so far (a change means a reconnect)
         with self._lock:
             self._connect(time.monotonic() + timeout)
 
@@ -286,6 +287,7 @@ class Store:
             sock.close()
             raise
         self._sock = sock
+        self.generation += 1
 
     def _call(self, header: dict, body: bytes = b"",
               timeout: float | None = None) -> tuple[dict, bytes]:

@@ -65,8 +65,9 @@ def trainer(uid, world, addr, args):
     pg.register_state(lambda: state, load)
     if joiner and args.get("joiner_dies") == "after_state":
         die()
+    sub = pg.split(color=me % 2, key=me) if args.get("subgroup") else None
     kills = {(k["uid"], k["step"]): k for k in args.get("kills", [])}
-    steps, epochs, failures, store_drops = args["steps"], [], 0, 0
+    steps, epochs, failures, store_drops, sub_sums = args["steps"], [], 0, 0, []
     began = time.monotonic()
     while pg.committed_step < steps:
         step = pg.committed_step + 1
@@ -83,6 +84,10 @@ def trainer(uid, world, addr, args):
                 die()
             work.wait()
             finish()
+            if sub is not None:  # the sub-group's own collective: the parity's sum of uids
+                h = np.array([float(me)])
+                sub.all_reduce(h).wait()
+                sub_sums.append(float(h[0]))
             if kill and kill["when"] == "after":
                 die()
         except DistributedError:
@@ -105,6 +110,11 @@ def trainer(uid, world, addr, args):
             "committed": pg.committed_step, "failures": failures, "store_drops": store_drops,
             "members": list(pg.global_ranks), "history": pg._ft.history,
             "seconds": time.monotonic() - began}
+    if sub is not None:
+        data["sub"] = {"members": list(sub.global_ranks), "epoch": sub.epoch,
+                       "rank": sub.rank, "last_sum": sub_sums[-1]}
+    if args.get("explicit"):  # every member shrinks, then grows (admitting any joiner)
+        data["explicit"] = [pg.shrink(), pg.epoch]
     dist.destroy_process_group()
     return data
 

@@ -195,3 +195,24 @@ def test_store_connection_dropped_and_reestablished(tmp_path):
         job.start(uid)
     done = check_survivors(job.finish(), 12, 2)
     assert all(r["store_drops"] == 1 for r in done)
+
+
+def test_sub_groups_are_rederived_from_the_survivors(tmp_path):
+    job = Job(tmp_path, 5, {"steps": 10, "subgroup": True,
+                            "kills": [{"uid": 2, "step": 4, "when": "during"}]})
+    for uid in range(5):
+        job.start(uid)
+    done = check_survivors(job.finish(), 10, 4)
+    for r in done:
+        parity = [u for u in (0, 1, 3, 4) if u % 2 == r["uid"] % 2]
+        assert r["sub"]["members"] == parity and r["sub"]["epoch"] == 1
+        assert r["sub"]["rank"] == parity.index(r["uid"])
+        assert r["sub"]["last_sum"] == float(sum(parity))  # it works at the new epoch
+
+
+def test_explicit_shrink_keeps_every_live_member(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 4, "explicit": True})
+    for uid in range(3):
+        job.start(uid)
+    done = check_survivors(job.finish(), 4, 3)
+    assert all(r["explicit"] == [3, 1] for r in done)  # same members, next epoch
