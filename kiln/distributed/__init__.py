@@ -13,7 +13,7 @@ from kiln.distributed.buffers import REDUCE_OPS
 from kiln.distributed.errors import (
     CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
     FaultInjectionError, FlightRecorderError, GroupAborted, LaunchError, PeerFailure, RendezvousError, StoreAuthError,
-    StoreError, StoreTimeout,
+    StoreError, StoreTimeout, WindowInvalidated,
 )
 from kiln.distributed.flight_recorder import FlightRecorder, recorder
 from kiln.distributed.process_group import ProcessGroup
@@ -22,6 +22,7 @@ from kiln.distributed.rendezvous import (
 )
 from kiln.distributed.store import Store, StoreServer
 from kiln.distributed.tcp_backend import TcpBackend
+from kiln.distributed.window import Window
 from kiln.distributed.work import Work
 
 __all__ = [
@@ -29,6 +30,6 @@ __all__ = [
     "CollectiveTimeout", "DistributedError", "FaultInjectionError", "FlightRecorder", "FlightRecorderError",
     "GroupAborted", "LaunchError", "PeerFailure", "ProcessGroup", "REDUCE_OPS",
     "RendezvousError", "Store", "StoreAuthError", "StoreError", "StoreServer", "StoreTimeout",
-    "TcpBackend", "Work", "destroy_process_group", "get_world", "init_process_group",
-    "is_initialized", "recorder",
+    "TcpBackend", "Window", "WindowInvalidated", "Work", "destroy_process_group", "get_world",
+    "init_process_group", "is_initialized", "recorder",
 ]

@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from kiln.distributed.buffers import Reducer
+from kiln.distributed.errors import DistributedError
 
 
 OP_NAMES = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
@@ -131,6 +132,44 @@ class Backend(abc.ABC):
     def recv(self, ctx: CallContext, buf: np.ndarray, src: int, tag: int,
              done: Callable[[BaseException | None], None]) -> None:
         """Post a receive; call done(error) when `buf` holds the message."""
+
+    # -- RMA windows (optional; see kiln.distributed.window) ----------------------------
+    # A backend that has them serves a peer's put/get/accumulate/signal on the target
+    # without the target's user code, applies each one to a registered `WindowMemory`
+    # (its `lock` held: atomic with respect to the other RMA ops on the window), and
+    # applies one origin's operations on one window in the order they were issued.
+    # `done(error)` is called once the target applied the operation (for a get: once
+    # the data is in `out`), or with the error: the target's refusal, the transport's
+    # failure, or the error given to `window_unregister`.
+    def window_register(self, memory) -> None:
+        """Expose `memory` (a `window.WindowMemory`) to peers under `memory.id`."""
+        raise DistributedError("backend %s has no RMA windows" % self.name,
+                               hint="use the tcp backend for pg.window()")
+
+    def window_unregister(self, window_id: int, error: BaseException) -> None:
+        """Stop serving window `window_id`; its pending operations fail with `error`."""
+        raise DistributedError("backend %s has no RMA windows" % self.name)
+
+    def window_put(self, window_id: int, dst: int, offset: int, data: np.ndarray,
+                   done: Callable[[BaseException | None], None]) -> None:
+        """Write the flat array `data` at element `offset` of `dst`'s window."""
+        raise DistributedError("backend %s has no RMA windows" % self.name)
+
+    def window_get(self, window_id: int, src: int, offset: int, out: np.ndarray,
+                   done: Callable[[BaseException | None], None]) -> None:
+        """Read `out.size` elements at `offset` of `src`'s window into the flat `out`."""
+        raise DistributedError("backend %s has no RMA windows" % self.name)
+
+    def window_accumulate(self, window_id: int, dst: int, offset: int, data: np.ndarray,
+                          reduce_op: str, done: Callable[[BaseException | None], None]) -> None:
+        """Combine `data` into `dst`'s window at `offset` with `reduce_op`."""
+        raise DistributedError("backend %s has no RMA windows" % self.name)
+
+    def window_signal(self, window_id: int, dst: int, slot: int, value: int,
+                      done: Callable[[BaseException | None], None]) -> None:
+        """Add `value` to signal counter `slot` of `dst`'s window, after every earlier
+        operation of this rank on that window at `dst`."""
+        raise DistributedError("backend %s has no RMA windows" % self.name)
 
     @abc.abstractmethod
     def abort(self, error: BaseException) -> None:

@@ -131,6 +131,21 @@ class FaultInjectionError(LaunchError):
     title = "invalid fault-injection spec"
 
 
+class WindowInvalidated(DistributedError):
+    """An RMA window can no longer be used: its group was reconfigured (shrink or grow
+    to a new epoch), or the window was freed. Every call on it, and every operation
+    still pending on it, fails with this error; create a new window with
+    `pg.window(buffer)` on every rank of the group.
+    """
+
+    code = "K214"
+    title = "RMA window invalidated"
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint or "windows do not survive a reconfiguration "
+                         "or free(): call pg.window(buffer) again on every rank of the group")
+
+
 _WIRE_CLASSES = {
     cls.__name__: cls
     for cls in (DistributedError, CollectiveTimeout, CollectiveMismatch, GroupAborted)

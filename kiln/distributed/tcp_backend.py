@@ -45,6 +45,7 @@ from kiln.distributed.backend import OP_CODES, OP_NAMES, Backend, CallContext
 from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, Reducer
 from kiln.distributed.errors import RendezvousError, StoreError
 from kiln.distributed.protocol import client_handshake, parse_address, server_handshake
+from kiln.distributed.tcp_rma import RmaEngine
 from kiln.distributed.tcp_transport import _DIRECT_TICK, P2P, Transport
 
 DATA_ROLE = "kiln-data"
@@ -120,6 +121,7 @@ class TcpBackend(Backend):
         self.transport = Transport(group, rank, world_size, socks, describe_sig=_describe_sig,
                                    direct=direct)
         self.transport.on_failure = self._on_failure
+        self._rma = self.transport.rma = RmaEngine(self.transport)
 
     @classmethod
     def rendezvous(cls, store, prefix: str, rank: int, world_size: int, token: str,
@@ -281,6 +283,26 @@ class TcpBackend(Backend):
     def recv(self, ctx: CallContext, buf: np.ndarray, src: int, tag: int, done) -> None:
         self.transport.irecv(src, P2P, self._p2p_sig(ctx), tag, 0, 0, alg.byte_view(buf),
                              callback=done)
+
+    # -- RMA windows (served by the receiver threads: tcp_rma) ---------------------------
+    def window_register(self, memory) -> None:
+        self._rma.register(memory)
+
+    def window_unregister(self, window_id: int, error: BaseException) -> None:
+        self._rma.unregister(window_id, error)
+
+    def window_put(self, window_id: int, dst: int, offset: int, data: np.ndarray, done) -> None:
+        self._rma.put(window_id, dst, offset, data, done)
+
+    def window_get(self, window_id: int, src: int, offset: int, out: np.ndarray, done) -> None:
+        self._rma.get(window_id, src, offset, out, done)
+
+    def window_accumulate(self, window_id: int, dst: int, offset: int, data: np.ndarray,
+                          reduce_op: str, done) -> None:
+        self._rma.accumulate(window_id, dst, offset, data, reduce_op, done)
+
+    def window_signal(self, window_id: int, dst: int, slot: int, value: int, done) -> None:
+        self._rma.signal(window_id, dst, slot, value, done)
 
     # -- lifecycle -------------------------------------------------------------------
     def abort(self, error: BaseException) -> None:

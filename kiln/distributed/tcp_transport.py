@@ -6,7 +6,8 @@ FIFO of outgoing messages (`sendmsg` of header + memoryview: no copy in Python) 
 receiver thread reads headers and lands each payload with `recv_into`, straight into
 the buffer a receive was posted for, or into a stash when it came first (MPI's
 "unexpected message" queue). Socket calls release the GIL, so sends, receives and the
-progress thread's reductions overlap.
+progress thread's reductions overlap. The receiver thread also serves one-sided RMA
+operations on this rank's windows (`tcp_rma`), in the order each peer sent them.
 
 The *direct lane* carries the messages of small collectives (at most
 KILN_TCP_DIRECT_BYTES, 256 KiB, per message), and no thread of its own reads it: the
@@ -66,6 +67,8 @@ from kiln.distributed.errors import (
 # kind, op, dtype, reduce op, seq (or tag), step, segment, count, payload bytes
 HEADER = struct.Struct("!BBBBIIIqQ")
 DATA, P2P, ABORT, BYE = 1, 2, 3, 4
+# one-sided operations on RMA windows, served by the target's receiver thread (tcp_rma)
+RMA_PUT, RMA_GET, RMA_ACC, RMA_SIGNAL, RMA_REPLY = 5, 6, 7, 8, 9
 _MAX_NOTICE = 1 << 16
 # a blocked direct-lane read or write wakes this often to check deadline and failure
 _DIRECT_TICK = 0.1
@@ -400,6 +403,12 @@ class Link:
             while True:
                 self._read(head_view)
                 kind, op, dt, rop, seq, step, seg, count, nbytes = HEADER.unpack(head)
+                if kind >= RMA_PUT:  # applied here: the target's user code takes no part
+                    rma = self.transport.rma
+                    if rma is None or kind > RMA_REPLY:
+                        raise ValueError("unknown message kind %d" % kind)
+                    rma.serve(self, kind, op, dt, rop, seq, step, seg, count, nbytes)
+                    continue
                 if kind in (ABORT, BYE):
                     info = json.loads(self._read_new(min(nbytes, _MAX_NOTICE)) or b"{}")
                     if kind == BYE:
@@ -525,6 +534,7 @@ class Transport:
         self.close_error: BaseException | None = None  # why the links were closed
         self.on_failure = None  # set by the backend: called once with the first error
         self.active: tuple | None = None  # (seq, signature) of the call in progress
+        self.rma = None  # the backend's tcp_rma.RmaEngine: serves RMA_* messages
         self._lock = threading.Lock()
         direct = direct or {}
         self.links = {peer: Link(self, peer, s, direct.get(peer)) for peer, s in socks.items()}
@@ -630,6 +640,8 @@ class Transport:
         for link in self.links.values():
             link.fail_all(error)
             link.shutdown()
+        if self.rma is not None:
+            self.rma.fail_all(error)
         # close the descriptors only once the link threads left them (no fd reuse race);
         # this may run on a link thread, which cannot join itself
         threading.Thread(target=self._reap, name="kiln-%s-reap" % self.group,

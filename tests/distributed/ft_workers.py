@@ -66,6 +66,7 @@ def trainer(uid, world, addr, args):
     if joiner and args.get("joiner_dies") == "after_state":
         die()
     sub = pg.split(color=me % 2, key=me) if args.get("subgroup") else None
+    win = pg.window(np.zeros(4, np.float32)) if args.get("window") else None
     kills = {(k["uid"], k["step"]): k for k in args.get("kills", [])}
     steps, epochs, failures, store_drops, sub_sums = args["steps"], [], 0, 0, []
     began = time.monotonic()
@@ -113,6 +114,17 @@ def trainer(uid, world, addr, args):
     if sub is not None:
         data["sub"] = {"members": list(sub.global_ranks), "epoch": sub.epoch,
                        "rank": sub.rank, "last_sum": sub_sums[-1]}
+    if win is not None:  # the old epoch's window is dead; a new one works
+        try:
+            win.put((pg.rank + 1) % pg.world_size, np.ones(4, np.float32))
+            data["old_window"] = "usable"
+        except dist.WindowInvalidated as err:
+            data["old_window"] = str(err)
+        fresh = pg.window(np.zeros(4, np.float32))
+        fresh.put((pg.rank + 1) % pg.world_size, np.full(4, float(me), np.float32)).wait()
+        fresh.signal((pg.rank + 1) % pg.world_size).wait()
+        fresh.wait_signal(timeout=10)
+        data["window_from"] = float(fresh.local[0])
     if args.get("explicit"):  # every member shrinks, then grows (admitting any joiner)
         data["explicit"] = [pg.shrink(), pg.epoch]
     dist.destroy_process_group()

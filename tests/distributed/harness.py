@@ -33,8 +33,11 @@ def worker_env(tmp_path: Path, token: str, extra: dict | None = None) -> dict:
 
 def run_scenario(name: str, world: int, tmp_path: Path, *, args: dict | None = None,
                  timeout: float = 45.0, env: dict | None = None,
-                 expect_exit: dict[int, int] | None = None) -> list[dict]:
-    """Start `world` ranks of scenario `name`; return each rank's result dict.
+                 expect_exit: dict[int, int] | None = None,
+                 workers: Path | None = None) -> list[dict]:
+    """Start `world` ranks of scenario `name` of `workers` (default: workers.py; another
+    module that adds scenarios to workers.SCENARIOS and calls its main() works the
+    same); return each rank's result dict.
 
     A result is {"ok": True, "data": ...} or {"ok": False, "type": ..., "error": ...};
     a rank that wrote nothing gets {"ok": False, "returncode": rc}.
@@ -46,8 +49,8 @@ def run_scenario(name: str, world: int, tmp_path: Path, *, args: dict | None = N
     procs = []
     try:
         for rank in range(world):
-            cmd = [sys.executable, str(WORKERS), name, str(rank), str(world), server.address,
-                   str(out_dir / ("rank%d.json" % rank)), json.dumps(args or {})]
+            cmd = [sys.executable, str(workers or WORKERS), name, str(rank), str(world),
+                   server.address, str(out_dir / ("rank%d.json" % rank)), json.dumps(args or {})]
             procs.append(subprocess.Popen(cmd, env=worker_env(tmp_path, token, env),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout

@@ -216,3 +216,15 @@ def test_explicit_shrink_keeps_every_live_member(tmp_path):
         job.start(uid)
     done = check_survivors(job.finish(), 4, 3)
     assert all(r["explicit"] == [3, 1] for r in done)  # same members, next epoch
+
+
+def test_rma_windows_are_invalidated_by_a_shrink_and_can_be_recreated(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 8, "window": True,
+                            "kills": [{"uid": 1, "step": 3, "when": "during"}]})
+    for uid in range(3):
+        job.start(uid)
+    done = check_survivors(job.finish(), 8, 2)
+    for r in done:
+        assert "reconfigured to epoch 1" in r["old_window"], r["old_window"]
+        left = r["members"][(r["rank"] - 1) % 2]  # its left neighbour put its uid here
+        assert r["window_from"] == float(left)
