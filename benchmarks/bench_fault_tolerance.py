@@ -129,7 +129,10 @@ def main(argv=None) -> dict:
             lines.append("| %s | %.3f s | %.3f s | %.3f s | %d |" % (name, med(xs), min(xs),
                                                                    max(xs), len(xs)))
     lines += ["", "shrink-and-continue is %.0fx faster than a full restart (medians); steps "
-              "rolled back: %d over %d kills; every rank ended with identical parameters."
+              "rolled back: %d over %d kills; every rank ended with identical parameters. "
+              "Shrink and grow are timed on rank 0 from entering the reconfiguration to "
+              "the new group being in use; a replacement that arrived while a failure was "
+              "being handled entered with that shrink and has no grow sample of its own."
               % (ratio, result["steps_lost"], len(kills))]
     text = "\n".join(lines) + "\n"
     print(text)
