@@ -217,8 +217,11 @@ def test_sigterm_reaches_the_workers_and_the_launcher_never_hangs(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "kiln.distributed", "launch", "--nproc",
                                  "2", "--grace", "1", str(script)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(2):
-        assert launcher.stdout.readline() == "ready\n"
+    seen = ""  # two workers share the pipe: their lines may interleave ("readyready\n\n")
+    while seen.count("ready") < 2:
+        line = launcher.stdout.readline()
+        assert line, "the launcher's output ended before both workers were ready: %r" % seen
+        seen += line
     t0 = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=20)
