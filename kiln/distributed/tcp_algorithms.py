@@ -113,10 +113,19 @@ class Call:
         self._sends.append(req)
         return req
 
-    def recv(self, peer: int, step: int, seg: int, arr: np.ndarray):
+    def recv(self, peer: int, step: int, seg: int, arr: np.ndarray, borrow: bool = False):
+        """Post a receive into `arr`. `borrow`: the caller only reads the data, through
+        `received(req, arr)` after waiting, which may be the early message's own copy."""
         if self.direct:
             return peer, step, seg, arr  # read when waited for
-        return self.t.irecv(peer, DATA, self.sig, self.ctx.seq, step, seg, byte_view(arr))
+        return self.t.irecv(peer, DATA, self.sig, self.ctx.seq, step, seg, byte_view(arr),
+                            borrow=borrow)
+
+    @staticmethod
+    def received(req, arr: np.ndarray) -> np.ndarray:
+        """The data of a waited-for receive into `arr` (see `recv`'s `borrow`)."""
+        source = getattr(req, "source", None)
+        return arr if source is None else np.frombuffer(source, arr.dtype)
 
     def wait(self, req) -> None:
         if req is None:  # a direct send: already written
@@ -202,7 +211,7 @@ def ring_reduce_scatter(call: Call, work: np.ndarray, chunks: list[tuple[int, in
     def post(s: int) -> list[Request]:
         c = (r + shift - s - 1) % n
         off = chunks[c][0]
-        return [call.recv(left, step0 + s, j, rbuf[s % 2, lo - off:hi - off])
+        return [call.recv(left, step0 + s, j, rbuf[s % 2, lo - off:hi - off], borrow=True)
                 for j, (lo, hi) in enumerate(segs[c])]
 
     for j, (lo, hi) in enumerate(segs[(r + shift) % n]):
@@ -213,7 +222,8 @@ def ring_reduce_scatter(call: Call, work: np.ndarray, chunks: list[tuple[int, in
         off = chunks[c][0]
         for j, (lo, hi) in enumerate(segs[c]):
             call.wait(pending[s][j])
-            reducer.combine(work[lo:hi], work[lo:hi], rbuf[s % 2, lo - off:hi - off])
+            reducer.combine(work[lo:hi], work[lo:hi],
+                            call.received(pending[s][j], rbuf[s % 2, lo - off:hi - off]))
             if s + 1 < n - 1:
                 call.send(right, step0 + s + 1, j, work[lo:hi])
         del pending[s]
@@ -287,8 +297,8 @@ def allreduce_halving_doubling(call: Call, buf: np.ndarray, reducer: Reducer) ->
         base = bounds[keep[0]]
         lst = []
         for j, (lo, hi) in enumerate(segs(*keep)):
-            lst.append((lo, hi, off + lo - base, call.recv(peer, k, j, scratch[off + lo - base:
-                                                                             off + hi - base])))
+            lst.append((lo, hi, off + lo - base, call.recv(
+                peer, k, j, scratch[off + lo - base:off + hi - base], borrow=True)))
         posted.append(lst)
         off += bounds[keep[1]] - base
     peer, _, give = plan[0]
@@ -307,7 +317,7 @@ def allreduce_halving_doubling(call: Call, buf: np.ndarray, reducer: Reducer) ->
         sent = 0
         for lo, hi, so, req in order:
             call.wait(req)
-            reducer.combine(buf[lo:hi], buf[lo:hi], scratch[so:so + hi - lo])
+            reducer.combine(buf[lo:hi], buf[lo:hi], call.received(req, scratch[so:so + hi - lo]))
             if first[0] <= lo < first[1]:
                 # segments of one block run align: forward the ones now complete
                 while sent < len(out_segs) and out_segs[sent][1] <= hi:

@@ -83,13 +83,20 @@ _PEEK_AFTER = 0.05
 class Request:
     """One posted send or receive; `event` is set when it ends (`error` says how)."""
 
-    __slots__ = ("peer", "key", "sig", "view", "event", "error", "callback")
+    __slots__ = ("peer", "key", "sig", "view", "event", "error", "callback", "borrow",
+                 "source")
 
-    def __init__(self, peer: int, key: tuple, sig: tuple, view: memoryview, callback=None):
+    def __init__(self, peer: int, key: tuple, sig: tuple, view: memoryview, callback=None,
+                 borrow: bool = False):
         self.peer, self.key, self.sig, self.view = peer, key, sig, view
         self.event = threading.Event()
         self.error: BaseException | None = None
         self.callback = callback
+        # a receive whose reader only reads the data (a reduction's operand) may borrow
+        # the stash's copy of a message that came first, instead of a second copy into
+        # `view`: `source` is then that copy (None: the data is in `view`)
+        self.borrow = borrow
+        self.source: bytearray | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.event.is_set():
@@ -367,7 +374,10 @@ class Link:
     def _land(self, req: Request, sig: tuple, data: bytearray) -> None:
         error = self._check(req, sig, len(data))
         if error is None:
-            req.view[:] = data
+            if req.borrow:
+                req.source = data
+            else:
+                req.view[:] = data
         req.finish(error)
         if error is not None:
             self.transport.fail(error)
@@ -573,8 +583,8 @@ class Transport:
         return req
 
     def irecv(self, peer: int, kind: int, sig: tuple, seq: int, step: int, seg: int,
-              view: memoryview, callback=None) -> Request:
-        req = Request(peer, (kind, seq, step, seg), sig, view, callback)
+              view: memoryview, callback=None, borrow: bool = False) -> Request:
+        req = Request(peer, (kind, seq, step, seg), sig, view, callback, borrow)
         self.links[peer].post(req)
         return req
 
