@@ -42,7 +42,7 @@ from kiln.distributed.errors import (
 from kiln.distributed.flight_recorder import recorder
 from kiln.ir import dtypes as kd
 
-STATE_TAG = 0xFFFFFF00  # the p2p tag of state transfer (user tags should stay below it)
+STATE_TAG = 0xFFFFFF00  # the p2p tag of state transfer (user tags stay below: process_group)
 _NEEDS_STATE = "ft/needs_state/"
 
 
@@ -169,15 +169,17 @@ class FaultTolerance:
         head = np.frombuffer(manifest, np.uint8)
         for uid in self._waiting_joiners(self.view):
             dst = self.view.rank_of(uid)
-            pg.send(np.array([head.size], np.int64), dst, STATE_TAG)
-            pg.send(head, dst, STATE_TAG)
+            pg._p2p_call("send", np.array([head.size], np.int64), dst, STATE_TAG, None, True)
+            pg._p2p_call("send", head, dst, STATE_TAG, None, True)
             for a in arrays.values():
-                pg.send(a.reshape(-1), dst, STATE_TAG)
+                pg._p2p_call("send", a.reshape(-1), dst, STATE_TAG, None, True)
 
     def receive_state(self, timeout: float | None = None) -> int:
-        """(A joiner) wait for the state from rank 0, load it; the committed step."""
+        """(A joiner) wait for the state from rank 0, load it; the committed step.
+        Rank 0 sends it at its next call, which may be a whole step away: the default
+        deadline is max(6 * timeout, 60 s)."""
         pg = self.group
-        deadline = time.monotonic() + (pg.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + (max(6 * pg.timeout, 60.0) if timeout is None else timeout)
         while True:
             try:
                 return self._receive_state_once(max(deadline - time.monotonic(), 0.1))
@@ -190,14 +192,14 @@ class FaultTolerance:
     def _receive_state_once(self, timeout: float) -> int:
         pg = self.group
         n = np.zeros(1, np.int64)
-        pg.recv(n, 0, STATE_TAG, timeout=timeout).wait()
+        pg._p2p_call("recv", n, 0, STATE_TAG, timeout, True).wait()
         head = np.zeros(int(n[0]), np.uint8)
-        pg.recv(head, 0, STATE_TAG, timeout=timeout).wait()
+        pg._p2p_call("recv", head, 0, STATE_TAG, timeout, True).wait()
         manifest = json.loads(head.tobytes())
         arrays = {}
         for name, short, shape in manifest["arrays"]:
             a = np.empty(shape, kd.from_short(short).np_dtype)
-            pg.recv(a.reshape(-1), 0, STATE_TAG, timeout=timeout).wait()
+            pg._p2p_call("recv", a.reshape(-1), 0, STATE_TAG, timeout, True).wait()
             arrays[name] = a
         if self._state is not None:
             self._state[1](arrays)

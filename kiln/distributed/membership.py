@@ -84,6 +84,10 @@ class Membership:
         if self._announced:  # the dropped connection took the live key along
             self.announce()
 
+    def close(self) -> None:
+        """Leave: the live key goes with the connection."""
+        self.store._store.close()
+
     def drop_connection(self) -> None:
         """Close the store connection (a simulated network blip: see elastic.drop-conn);
         the next operation reconnects and announces this process again."""

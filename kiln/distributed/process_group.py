@@ -73,6 +73,7 @@ from kiln.distributed.work import Work
 # after a quiet period
 _TICK = 0.25
 _PARK = float("-inf")  # `soft` of a thread that must not block at all: park at once
+_RESERVED_TAGS = 0xFFFFFF00  # p2p tags from here to 2**32 are kiln's (state transfer)
 _DTYPE_CODES: dict = {}  # numpy dtype -> wire code (dtype_of costs a dict and a lookup)
 _RECORDER = recorder()  # the process-wide Flight Recorder (bound once: called per call)
 _started, _completed = FlightRecorder.started, FlightRecorder.completed
@@ -390,13 +391,16 @@ class ProcessGroup:
         """
         return self._p2p_call("recv", tensor, src, tag, timeout)
 
-    def _p2p_call(self, op: str, tensor, peer: int, tag: int, timeout: float | None) -> Work:
+    def _p2p_call(self, op: str, tensor, peer: int, tag: int, timeout: float | None,
+                  reserved: bool = False) -> Work:
         buf = args.buffer(op, "tensor", tensor, writeable=(op == "recv"))
         peer = args.rank(op, "dst" if op == "send" else "src", peer, self.world_size)
         if peer == self.rank:
             raise CollectiveArgumentError("%s: rank %d cannot %s itself" % (op, peer, op))
-        if not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) < 2 ** 32:
-            raise CollectiveArgumentError("%s: tag=%r must be an int in [0, 2**32)" % (op, tag))
+        limit = 2 ** 32 if reserved else _RESERVED_TAGS
+        if not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) < limit:
+            raise CollectiveArgumentError("%s: tag=%r must be an int in [0, %d) (tags from "
+                                          "there up are kiln's own)" % (op, tag, _RESERVED_TAGS))
         timeout = self.timeout if timeout is None else float(timeout)
         with self._lock:
             seq = self._p2p_seq

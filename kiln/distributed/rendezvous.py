@@ -188,6 +188,8 @@ def destroy_process_group() -> None:
         _WORLD.destroy()
         if _WORLD.store is not None:
             _WORLD.store.close()
+        if _WORLD._ft is not None:
+            _WORLD._ft.membership.close()
         _WORLD = None
     if _SERVER is not None:
         _SERVER.close()

@@ -50,7 +50,9 @@ def start(pg, kind: str, g: np.ndarray):
 
 def trainer(uid, world, addr, args):
     joiner = uid < 0
-    pg = dist.init_process_group(rank=max(uid, 0), world_size=world, store=addr,
+    # a joiner is started "by hand": the job's store and token, no rank or world size
+    pg = dist.init_process_group(rank=None if joiner else uid,
+                                 world_size=None if joiner else world, store=addr,
                                  token=os.environ["KILN_TOKEN"], timeout=args.get("timeout", 10),
                                  host_store=False, fault_tolerant=True, join=joiner,
                                  min_size=args.get("min_size", 1))

@@ -28,6 +28,7 @@ def test_bad_input_splits_and_sigusr1_dump(tmp_path, world):
     assert "sum to 8" in errors["a2a_split"] or "sum to" in errors["a2a_split"]
     assert "cannot send itself" in errors["send_self"]
     assert "tag=-1" in errors["tag"]
+    assert "kiln's own" in errors["tag_reserved"]
     assert "distinct" in errors["split"]
     for d in data:
         assert d["dump_reason"] == "SIGUSR1"

@@ -251,6 +251,7 @@ def basic(rank, world, addr, args):
     expect("a2a_split", lambda: pg.all_to_all(f32, f32, [8] + [0] * (world - 1), [1] * world))
     expect("send_self", lambda: pg.send(f32, dst=rank))
     expect("tag", lambda: pg.send(f32, dst=(rank + 1) % world, tag=-1))
+    expect("tag_reserved", lambda: pg.recv(f32, src=(rank + 1) % world, tag=0xFFFFFF00))
     expect("split", lambda: pg.split([0, 0]))
     assert len(dist.recorder().snapshot("x")["records"]) == records_before, "a bad call recorded"
     # nothing was sent: the first real collective still lines up (seq 0 on every rank)
