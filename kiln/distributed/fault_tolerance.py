@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from kiln.distributed import membership as ms
-from kiln.distributed.buffers import as_array, dtype_of
+from kiln.distributed.buffers import dtype_of
 from kiln.distributed.errors import (
     DistributedError, GroupAborted, RendezvousError, StoreError,
 )
@@ -160,8 +160,8 @@ class FaultTolerance:
         pg = self.group
         arrays = {}
         if self._state is not None:
-            arrays = {str(k): np.ascontiguousarray(as_array(v, "register_state", str(k),
-                                                            writeable=False))
+            # copies: the sends are nonblocking and the next commit updates the originals
+            arrays = {str(k): np.array(np.asarray(v), copy=True, order="C")
                       for k, v in self._state[0]().items()}
         manifest = json.dumps({"step": self.committed_step, "epoch": self.view.epoch,
                                "arrays": [[k, dtype_of(a).short, list(a.shape)]

@@ -12,8 +12,9 @@ the first epoch, a fresh number from `ft/next_uid` for every joiner. Keys:
     ft/live/<uid>            ephemeral: gone the moment the process's store connection
                              closes (it died, even by SIGKILL)
     ft/ready/<e>/<uid>       a member of epoch e about to connect its mesh
-    ft/vote/<e>/<step>/<uid> "1" (finished the step) or "0"
-    ft/decision/<e>/<step>   "commit", "commit+grow" or "rollback"; first writer wins
+    ft/step/<e>/<s>/vote/<uid>  "1" (finished step s) or "0"
+    ft/step/<e>/<s>/decision    "commit", "commit+grow" or "rollback"; first writer wins
+                                (the keys of step s-2 are deleted once s is decided)
 
 Forming epoch e+1: every member that takes part posts `alive`; the coordinator (the
 lowest uid that posted) waits until every member not known dead (its `live` key gone,
@@ -22,8 +23,9 @@ joiners. The survivors must be a strict majority of the members not known dead a
 least `min_size`. A member left out (it came after the window) is told so.
 
 Committing step s of epoch e: every member votes; once all votes are in, whoever sees
-that first writes the decision (commit when every vote is "1"); a member whose group
-failed before the decision was written writes "rollback" instead. The decision is
+that first writes the decision, commit (a member that votes "0" writes "rollback"
+before its vote, so the last vote always finds it); a member whose group failed before
+the decision was written writes "rollback" instead. The decision is
 written once, so every member, and a member that looks later, reads the same one: a
 step is committed everywhere or nowhere.
 """
@@ -253,17 +255,19 @@ class Membership:
 
         `failed()` says whether this member's group failed meanwhile: then, if no
         decision was written yet, the step is rolled back."""
-        prefix = "ft/vote/%d/%d/" % (view.epoch, step)
-        key = "ft/decision/%d/%d" % (view.epoch, step)
-        self.store.set(prefix + str(self.me), "1" if ok else "0")
-        if not ok:
-            return self._decide(key, ROLLBACK)
+        prefix = _step_prefix(view.epoch, step)
+        key = prefix + "decision"
+        if not ok:  # decide before voting: whoever sees every vote in finds this decision
+            decision = self._decide(key, ROLLBACK)
+            self.store.set(prefix + "vote/%d" % self.me, "0")
+            return decision
+        self.store.set(prefix + "vote/%d" % self.me, "1")
         while True:
-            votes = self.store.list_keys(prefix)
-            if len(votes) == len(view.members):
-                if all(self.store.get(k) == b"1" for k in votes):
-                    return self._decide(key, COMMIT_GROW if self.pending_joins() else COMMIT)
-                return self._decide(key, ROLLBACK)
+            if len(self.store.list_keys(prefix + "vote/")) == len(view.members):
+                decision = self._decide(key, COMMIT_GROW if self.pending_joins() else COMMIT)
+                if self.me == view.members[0] and step > 2:  # keep the store small
+                    self.store.delete_prefix(_step_prefix(view.epoch, step - 2))
+                return decision
             if failed() or time.monotonic() > deadline:
                 return self._decide(key, ROLLBACK)
             try:  # the last voter writes the decision: wake on it
@@ -274,11 +278,15 @@ class Membership:
 
     def decision(self, epoch: int, step: int, default: str = ROLLBACK) -> str:
         """The decision on `step` of `epoch`, writing `default` if there is none yet."""
-        return self._decide("ft/decision/%d/%d" % (epoch, step), default)
+        return self._decide(_step_prefix(epoch, step) + "decision", default)
 
     def _decide(self, key: str, value: str) -> str:
         got = self.store.compare_and_set(key, None, value)
         return (got or value.encode()).decode()
+
+
+def _step_prefix(epoch: int, step: int) -> str:
+    return "ft/step/%d/%d/" % (epoch, step)
 
 
 class RetryingStore:
@@ -288,7 +296,7 @@ class RetryingStore:
     runs: ephemeral keys died with the old connection."""
 
     _IDEMPOTENT = frozenset({"set", "get", "check", "wait", "list_keys", "compare_and_set",
-                             "delete"})
+                             "delete", "delete_prefix"})
 
     def __init__(self, store, attempts: int = 3, on_reconnect=None):
         self._store, self._attempts = store, attempts

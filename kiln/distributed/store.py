@@ -177,6 +177,14 @@ class StoreServer:
             with self._cond:
                 self._owner.pop(key, None)
                 return {"ok": True, "value": self._data.pop(key, None) is not None}, b""
+        if op == "delete_prefix":
+            prefix = str(h.get("prefix", ""))
+            with self._cond:
+                keys = [k for k in self._data if k.startswith(prefix)]
+                for k in keys:
+                    del self._data[k]
+                    self._owner.pop(k, None)
+            return {"ok": True, "value": len(keys)}, b""
         if op == "list":
             prefix = str(h.get("prefix", ""))
             with self._cond:
@@ -262,6 +270,12 @@ class Store:
     def delete(self, key: str) -> bool:
         """Delete `key`; True if it existed."""
         return bool(self._call({"op": "delete", "key": key})[0]["value"])
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with `prefix` (not empty); how many there were."""
+        if not prefix:
+            raise StoreError("delete_prefix needs a non-empty prefix")
+        return int(self._call({"op": "delete_prefix", "prefix": prefix})[0]["value"])
 
     def list_keys(self, prefix: str = "") -> list[str]:
         """Every key starting with `prefix`, sorted."""

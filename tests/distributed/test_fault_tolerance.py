@@ -180,7 +180,7 @@ def test_joiner_that_dies_before_receiving_state(tmp_path):
     job = Job(tmp_path, 3, {"steps": 40, "sleep": 0.03, "joiner_dies": "before_state"})
     for uid in range(3):
         job.start(uid)
-    job.store().wait(["ft/decision/0/2"], timeout=40)
+    job.store().wait(["ft/step/0/2/decision"], timeout=40)
     job.start(-1)
     done = check_survivors(job.finish(), 40, 3)
     assert done[0]["members"] == [0, 1, 2]

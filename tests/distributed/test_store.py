@@ -38,6 +38,37 @@ def test_operations(server):
     assert store.list_keys("p/") == ["p/2"]
 
 
+def test_delete_prefix(server):
+    store = Store(server.address, "right", timeout=5)
+    for key in ("s/1/a", "s/1/b", "s/10/a", "t"):
+        store.set(key, "x")
+    assert store.delete_prefix("s/1/") == 2
+    assert store.list_keys("") == ["s/10/a", "t"]
+    with pytest.raises(StoreError, match="non-empty"):
+        store.delete_prefix("")
+
+
+def test_ephemeral_keys_die_with_their_connection(server):
+    store = Store(server.address, "right", timeout=5)
+    owner = store.clone()
+    owner.set("live/1", "1", ephemeral=True)
+    owner.set("kept", "1")
+    store.set("live/2", "1", ephemeral=True)
+    assert store.list_keys("live/") == ["live/1", "live/2"]
+    generation = owner.generation
+    owner.close()  # as a killed process's socket closes
+    deadline = time.monotonic() + 5
+    while store.check(["live/1"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.list_keys("live/") == ["live/2"] and store.check(["kept"])
+    owner.set("live/1", "again", ephemeral=True)  # reconnects by itself
+    assert owner.generation == generation + 1 and store.get("live/1") == b"again"
+    store.set("live/2", "plain")  # a plain set makes the key outlive its writer
+    store.close()
+    time.sleep(0.2)
+    assert owner.get("live/2") == b"plain"
+
+
 def test_wait_blocks_until_set_and_times_out(server):
     store = Store(server.address, "right", timeout=5)
     other = store.clone()
