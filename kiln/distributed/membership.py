@@ -12,7 +12,7 @@ the first epoch, a fresh number from `ft/next_uid` for every joiner. Keys:
     ft/live/<uid>            ephemeral: gone the moment the process's store connection
                              closes (it died, even by SIGKILL)
     ft/ready/<e>/<uid>       a member of epoch e about to connect its mesh
-    ft/step/<e>/<s>/vote/<uid>  "1" (finished step s) or "0"
+    ft/step/<e>/<s>/votes       how many members voted on step s (an add counter)
     ft/step/<e>/<s>/decision    "commit", "commit+grow" or "rollback"; first writer wins
                                 (the keys of step s-2 are deleted once s is decided)
 
@@ -22,10 +22,10 @@ or its heartbeat stopped) has posted, or a join window passed, then writes the v
 joiners. The survivors must be a strict majority of the members not known dead and at
 least `min_size`. A member left out (it came after the window) is told so.
 
-Committing step s of epoch e: every member votes; once all votes are in, whoever sees
-that first writes the decision, commit (a member that votes "0" writes "rollback"
-before its vote, so the last vote always finds it); a member whose group failed before
-the decision was written writes "rollback" instead. The decision is
+Committing step s of epoch e: every member votes (counts itself in); the last vote
+writes the decision, commit, unless one was written already: a member that votes "no"
+writes "rollback" before it counts itself, and a member whose group failed before the
+decision was written writes "rollback" instead. The decision is
 written once, so every member, and a member that looks later, reads the same one: a
 step is committed everywhere or nowhere.
 """
@@ -228,7 +228,8 @@ class Membership:
 
     def pending_joins(self) -> list[int]:
         """Joiners waiting to be admitted (and still alive)."""
-        return sorted(self._uids("ft/join/") & self.live())
+        joins = self._uids("ft/join/")
+        return sorted(joins & self.live()) if joins else []
 
     def wait_admitted(self, deadline: float) -> View:
         """Block until a view admits this joiner; returns it."""
@@ -257,24 +258,28 @@ class Membership:
         decision was written yet, the step is rolled back."""
         prefix = _step_prefix(view.epoch, step)
         key = prefix + "decision"
-        if not ok:  # decide before voting: whoever sees every vote in finds this decision
+        if not ok:  # decide before voting: the last vote then finds this decision
             decision = self._decide(key, ROLLBACK)
-            self.store.set(prefix + "vote/%d" % self.me, "0")
+            self._vote(prefix)
             return decision
-        self.store.set(prefix + "vote/%d" % self.me, "1")
+        try:
+            votes = self._vote(prefix)
+        except StoreError:  # the vote may or may not have counted: roll back, unless decided
+            return self._decide(key, ROLLBACK)
+        if votes == len(view.members):  # the last vote decides
+            decision = self._decide(key, COMMIT_GROW if self.pending_joins() else COMMIT)
+            if step > 2:  # keep the store small: nobody looks back two steps
+                self.store.delete_prefix(_step_prefix(view.epoch, step - 2))
+            return decision
         while True:
-            if len(self.store.list_keys(prefix + "vote/")) == len(view.members):
-                decision = self._decide(key, COMMIT_GROW if self.pending_joins() else COMMIT)
-                if self.me == view.members[0] and step > 2:  # keep the store small
-                    self.store.delete_prefix(_step_prefix(view.epoch, step - 2))
-                return decision
-            if failed() or time.monotonic() > deadline:
-                return self._decide(key, ROLLBACK)
-            try:  # the last voter writes the decision: wake on it
-                self.store.wait([key], timeout=_POLL_MAX)
-                return self.store.get(key).decode()
+            try:
+                return self.store.get(key, timeout=_POLL_MAX).decode()
             except StoreTimeout:
-                continue
+                if failed() or time.monotonic() > deadline:
+                    return self._decide(key, ROLLBACK)
+
+    def _vote(self, prefix: str) -> int:
+        return self.store.add(prefix + "votes", 1)
 
     def decision(self, epoch: int, step: int, default: str = ROLLBACK) -> str:
         """The decision on `step` of `epoch`, writing `default` if there is none yet."""
