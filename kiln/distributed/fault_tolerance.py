@@ -64,17 +64,19 @@ class FaultTolerance:
         self.needs_state = joiner
         self.history: list[dict] = []  # one entry per reconfiguration (for reports)
         self.rolled_back = 0  # steps that should_commit dropped
+        self.round = 0  # should_commit calls in this epoch (membership's commit round)
 
     # -- step commit ---------------------------------------------------------------
     def should_commit(self, ok: bool = True, timeout: float | None = None) -> bool:
         pg = self.group
         self.before_call()
         step = self.committed_step + 1
+        round, self.round = self.round, self.round + 1
         deadline = time.monotonic() + (pg.timeout if timeout is None else timeout)
         if pg.is_aborted:
-            decision = self.membership.decision(self.view.epoch, step)
+            decision = self.membership.decision(self.view.epoch, round)
         else:
-            decision = self.membership.decide(self.view, step, bool(ok),
+            decision = self.membership.decide(self.view, round, bool(ok),
                                               failed=lambda: pg.is_aborted, deadline=deadline)
         if decision != ms.ROLLBACK:
             self.committed_step = step
@@ -115,7 +117,7 @@ class FaultTolerance:
         agreed = time.monotonic()
         me = self.membership.me
         previous = self.view
-        self.view = view
+        self.view, self.round = view, 0
         pg._install(backend, rank=view.rank_of(me), global_ranks=list(view.members),
                     epoch=view.epoch)
         if self.heartbeat is not None:

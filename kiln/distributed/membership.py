@@ -12,9 +12,9 @@ the first epoch, a fresh number from `ft/next_uid` for every joiner. Keys:
     ft/live/<uid>            ephemeral: gone the moment the process's store connection
                              closes (it died, even by SIGKILL)
     ft/ready/<e>/<uid>       a member of epoch e about to connect its mesh
-    ft/step/<e>/<s>/votes       how many members voted on step s (an add counter)
-    ft/step/<e>/<s>/decision    "commit", "commit+grow" or "rollback"; first writer wins
-                                (the keys of step s-2 are deleted once s is decided)
+    ft/commit/<e>/<r>/votes     how many members voted in commit round r (an add counter)
+    ft/commit/<e>/<r>/decision  "commit", "commit+grow" or "rollback"; first writer wins
+                                (the keys of round r-2 are deleted once r is decided)
 
 Forming epoch e+1: every member that takes part posts `alive`; the coordinator (the
 lowest uid that posted) waits until every member not known dead (its `live` key gone,
@@ -22,7 +22,9 @@ or its heartbeat stopped) has posted, or a join window passed, then writes the v
 joiners. The survivors must be a strict majority of the members not known dead and at
 least `min_size`. A member left out (it came after the window) is told so.
 
-Committing step s of epoch e: every member votes (counts itself in); the last vote
+Committing: the r-th `should_commit` of epoch e is commit round r on every member (a
+step rolled back without a new epoch is tried again in round r+1). Every member votes
+(counts itself in); the last vote
 writes the decision, commit, unless one was written already: a member that votes "no"
 writes "rollback" before it counts itself, and a member whose group failed before the
 decision was written writes "rollback" instead. The decision is
@@ -251,12 +253,13 @@ class Membership:
             poll = min(poll * 2, _POLL_MAX)
 
     # -- step commit ---------------------------------------------------------------
-    def decide(self, view: View, step: int, ok: bool, *, failed, deadline: float) -> str:
-        """This member's vote on `step` of `view`'s epoch; returns the decision.
+    def decide(self, view: View, round: int, ok: bool, *, failed, deadline: float) -> str:
+        """This member's vote in commit round `round` of `view`'s epoch (the round-th
+        should_commit of the epoch, the same on every member); returns the decision.
 
         `failed()` says whether this member's group failed meanwhile: then, if no
         decision was written yet, the step is rolled back."""
-        prefix = _step_prefix(view.epoch, step)
+        prefix = _round_prefix(view.epoch, round)
         key = prefix + "decision"
         if not ok:  # decide before voting: the last vote then finds this decision
             decision = self._decide(key, ROLLBACK)
@@ -268,8 +271,8 @@ class Membership:
             return self._decide(key, ROLLBACK)
         if votes == len(view.members):  # the last vote decides
             decision = self._decide(key, COMMIT_GROW if self.pending_joins() else COMMIT)
-            if step > 2:  # keep the store small: nobody looks back two steps
-                self.store.delete_prefix(_step_prefix(view.epoch, step - 2))
+            if round >= 2:  # keep the store small: nobody looks back two rounds
+                self.store.delete_prefix(_round_prefix(view.epoch, round - 2))
             return decision
         while True:
             try:
@@ -281,17 +284,18 @@ class Membership:
     def _vote(self, prefix: str) -> int:
         return self.store.add(prefix + "votes", 1)
 
-    def decision(self, epoch: int, step: int, default: str = ROLLBACK) -> str:
-        """The decision on `step` of `epoch`, writing `default` if there is none yet."""
-        return self._decide(_step_prefix(epoch, step) + "decision", default)
+    def decision(self, epoch: int, round: int, default: str = ROLLBACK) -> str:
+        """The decision of commit round `round` of `epoch`, writing `default` if there is
+        none yet."""
+        return self._decide(_round_prefix(epoch, round) + "decision", default)
 
     def _decide(self, key: str, value: str) -> str:
         got = self.store.compare_and_set(key, None, value)
         return (got or value.encode()).decode()
 
 
-def _step_prefix(epoch: int, step: int) -> str:
-    return "ft/step/%d/%d/" % (epoch, step)
+def _round_prefix(epoch: int, round: int) -> str:
+    return "ft/commit/%d/%d/" % (epoch, round)
 
 
 class RetryingStore:

@@ -71,6 +71,7 @@ def trainer(uid, world, addr, args):
     win = pg.window(np.zeros(4, np.float32)) if args.get("window") else None
     kills = {(k["uid"], k["step"]): k for k in args.get("kills", [])}
     steps, epochs, failures, store_drops, sub_sums = args["steps"], [], 0, 0, []
+    vetoed = False
     began = time.monotonic()
     while pg.committed_step < steps:
         step = pg.committed_step + 1
@@ -104,13 +105,17 @@ def trainer(uid, world, addr, args):
             for client in (pg.store, pg._ft.membership.store._store):
                 client._sock.shutdown(socket.SHUT_RDWR)
             store_drops += 1
-        if pg.should_commit():
+        veto = args.get("veto")  # this member says no once: the step is done again
+        ok = not (veto and veto["uid"] == me and veto["step"] == step and not vetoed)
+        vetoed = vetoed or not ok
+        if pg.should_commit(ok):
             state["x"] += g[:4]
             state["step"][0] = step
         epochs.append(pg.epoch)
     data = {"uid": me, "rank": pg.rank, "world_size": pg.world_size, "epoch": pg.epoch,
             "x": state["x"].tolist(), "step": int(state["step"][0]),
             "committed": pg.committed_step, "failures": failures, "store_drops": store_drops,
+            "rolled_back": pg._ft.rolled_back,
             "members": list(pg.global_ranks), "history": pg._ft.history,
             "seconds": time.monotonic() - began}
     if sub is not None:

@@ -112,6 +112,14 @@ def test_sigkill_before_during_and_after_each_collective(tmp_path, kind):
     fr_names(tmp_path, [4, 3, 1])
 
 
+def test_a_no_vote_rolls_the_step_back_everywhere_and_it_is_done_again(tmp_path):
+    job = Job(tmp_path, 3, {"steps": 6, "veto": {"uid": 1, "step": 3}})
+    for uid in range(3):
+        job.start(uid)
+    done = check_survivors(job.finish(), 6, 3)
+    assert all(r["rolled_back"] == 1 and r["epoch"] == 0 for r in done)
+
+
 def test_sigkill_while_the_step_commits(tmp_path):
     job = Job(tmp_path, 3, {"steps": 8, "kills": [{"uid": 2, "step": 4, "when": "commit"}]})
     for uid in range(3):
@@ -180,7 +188,7 @@ def test_joiner_that_dies_before_receiving_state(tmp_path):
     job = Job(tmp_path, 3, {"steps": 40, "sleep": 0.03, "joiner_dies": "before_state"})
     for uid in range(3):
         job.start(uid)
-    job.store().wait(["ft/step/0/2/decision"], timeout=40)
+    job.store().wait(["ft/commit/0/2/decision"], timeout=40)
     job.start(-1)
     done = check_survivors(job.finish(), 40, 3)
     assert done[0]["members"] == [0, 1, 2]
