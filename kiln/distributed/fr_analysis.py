@@ -84,6 +84,9 @@ def analyze(dumps: dict[int, dict]) -> dict:
         if len(counts) > 1:
             report["membership"].append({"group": name, "views": {str(r): v for r, v in
                                                                   sorted(by_rank.items())}})
+    # members of any epoch (a fault-tolerant group's joiners have uids past the world size)
+    everyone = set(range(world)).union(*members_of.values())
+    report["missing_dumps"] = sorted(everyone - set(dumps))
     for name, members in sorted(members_of.items()):
         by_rank = {}
         for rank in members:

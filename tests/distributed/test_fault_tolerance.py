@@ -126,6 +126,7 @@ def test_sigkill_while_the_step_commits(tmp_path):
         job.start(uid)
     done = check_survivors(job.finish(), 8, 2)
     assert done[0]["epoch"] == 1
+    fr_names(tmp_path, [2])
 
 
 def test_two_of_five_die_at_once(tmp_path):
@@ -153,6 +154,7 @@ def test_hung_peer_is_caught_by_heartbeat_and_left_out(tmp_path):
     done = check_survivors(job.finish(), 10, 2)
     assert done[0]["members"] == [0, 2]
     assert "stopped heartbeating" in (done[0]["history"][0]["failure"] or "")
+    fr_names(tmp_path, [1])
 
 
 def test_sigkill_during_a_reconfiguration(tmp_path):
@@ -166,6 +168,7 @@ def test_sigkill_during_a_reconfiguration(tmp_path):
     job.procs[1].send_signal(signal.SIGKILL)
     done = check_survivors(job.finish(), 10, 2)
     assert done[0]["members"] == [0, 2]
+    fr_names(tmp_path, [3, 1])
 
 
 def test_replacement_joins_receives_state_and_takes_part(tmp_path):
@@ -194,6 +197,7 @@ def test_joiner_that_dies_before_receiving_state(tmp_path):
     assert done[0]["members"] == [0, 1, 2]
     reasons = [h["reason"] for h in done[0]["history"]]
     assert reasons[0] == "grow" and reasons[1].startswith("failure"), reasons
+    fr_names(tmp_path, [3])
 
 
 def test_store_connection_dropped_and_reestablished(tmp_path):
