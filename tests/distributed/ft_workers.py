@@ -1,6 +1,6 @@
 """Processes of the fault-tolerance tests (see test_fault_tolerance.py).
 
-    python ft_workers.py SCENARIO UID_OR_JOIN WORLD STORE_ADDR RESULT_JSON ARGS_JSON
+    python ft_workers.py trainer UID WORLD STORE_ADDR RESULT_JSON ARGS_JSON   (UID -1: a joiner)
 
 `trainer` runs a data-parallel loop whose result is known exactly: the state after
 n committed steps is sum(1..n) (every rank contributes the step number, averaged),
@@ -10,17 +10,16 @@ and point (before, during or after a chosen collective, during the commit).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import sys
 import time
-import traceback
 
 import numpy as np
 
 import kiln.distributed as dist
+from workers import SCENARIOS, main
 from kiln.distributed import DistributedError
 
 
@@ -138,20 +137,7 @@ def trainer(uid, world, addr, args):
     return data
 
 
-SCENARIOS = {"trainer": trainer}
-
-
-def main() -> None:
-    name, uid, world, addr, out, args = sys.argv[1:7]
-    try:
-        result = {"ok": True, "data": SCENARIOS[name](int(uid), int(world), addr,
-                                                      json.loads(args))}
-    except BaseException as err:  # reported to the test, which fails with it
-        result = {"ok": False, "type": type(err).__name__, "error": traceback.format_exc()}
-    with open(out, "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-
+SCENARIOS["trainer"] = trainer
 
 if __name__ == "__main__":
     main()

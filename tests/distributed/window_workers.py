@@ -16,7 +16,7 @@ import numpy as np
 
 import kiln.distributed as dist
 from kiln.ir import dtypes as kd
-from workers import check, join, main, scenario
+from workers import check, expecter, join, main, scenario
 
 DTYPES = ["float32", "int32", "bfloat16", "float64", "float8_e4m3fn", "uint8"]
 
@@ -150,13 +150,7 @@ def argument_errors(pg, win) -> dict:
     small_win = pg.window(np.zeros(size_of(r), np.float32))
     last = n - 1  # rank n-1 has the largest window; rank 0 the smallest
 
-    def expect(name, fn):
-        try:
-            fn()
-        except dist.CollectiveArgumentError as err:
-            errors[name] = str(err)
-        else:
-            raise AssertionError("%s: no error" % name)
+    expect = expecter(errors)
 
     records = len(dist.recorder().snapshot("x")["records"])
     f32 = np.ones(8, np.float32)

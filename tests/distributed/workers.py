@@ -35,6 +35,18 @@ def join(rank, world, addr, timeout=20.0, **kw):
                                    host_store=kw.pop("host_store", False), **kw)
 
 
+def expecter(errors: dict):
+    """expect(name, fn): fn() must raise CollectiveArgumentError; its text goes to errors."""
+    def expect(name, fn):
+        try:
+            fn()
+        except dist.CollectiveArgumentError as err:
+            errors[name] = str(err)
+        else:
+            raise AssertionError("%s: no error" % name)
+    return expect
+
+
 # -- inputs and references ---------------------------------------------------------------
 LOWP = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float16"}
 
@@ -227,14 +239,7 @@ def basic(rank, world, addr, args):
     """Bad input, splits, the SIGUSR1 dump and sequence numbers on 2..4 ranks."""
     pg = join(rank, world, addr)
     errors = {}
-
-    def expect(name, fn):
-        try:
-            fn()
-        except dist.CollectiveArgumentError as err:
-            errors[name] = str(err)
-        else:
-            raise AssertionError("%s: no error" % name)
+    expect = expecter(errors)
 
     f32 = np.zeros(8, np.float32)
     records_before = len(dist.recorder().snapshot("x")["records"])
