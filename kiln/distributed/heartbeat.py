@@ -85,8 +85,13 @@ class Heartbeat:
             self._declare_dead(peer, silent)
 
     def watch(self, members) -> None:
-        """Watch these members from now on (a fault-tolerant group's new epoch)."""
-        self._peers = [m for m in members if m != self._me and m not in self.dead]
+        """Watch these members from now on (a fault-tolerant group's new epoch: one taken
+        for dead that made it into the epoch is alive after all, and watched afresh)."""
+        members = set(members)
+        for uid in members & self.dead:
+            self._seen.pop(uid, None)
+        self.dead -= members
+        self._peers = sorted(m for m in members if m != self._me)
 
     def _declare_dead(self, peer: int, silent: float) -> None:
         self.dead.add(peer)
