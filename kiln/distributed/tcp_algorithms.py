@@ -123,9 +123,23 @@ class Call:
 
     @staticmethod
     def received(req, arr: np.ndarray) -> np.ndarray:
-        """The data of a waited-for receive into `arr` (see `recv`'s `borrow`)."""
+        """The data of a waited-for receive into `arr` (see `recv`'s `borrow`): `arr`,
+        the stash's copy, or the shared-memory slot it came in, which stays the
+        caller's until `release(req)`."""
         source = getattr(req, "source", None)
-        return arr if source is None else np.frombuffer(source, arr.dtype)
+        if source is None:
+            return arr
+        if isinstance(source, bytearray):
+            return np.frombuffer(source, arr.dtype)
+        return source.claim().view(arr.dtype)
+
+    @staticmethod
+    def release(req) -> None:
+        """Done reading what `received(req, ...)` returned: its shared-memory slot (if
+        any) goes back to the sender."""
+        source = getattr(req, "source", None)
+        if source is not None and not isinstance(source, bytearray):
+            source.release()
 
     def wait(self, req) -> None:
         if req is None:  # a direct send: already written
@@ -221,9 +235,11 @@ def ring_reduce_scatter(call: Call, work: np.ndarray, chunks: list[tuple[int, in
         c = (r + shift - s - 1) % n
         off = chunks[c][0]
         for j, (lo, hi) in enumerate(segs[c]):
-            call.wait(pending[s][j])
+            req = pending[s][j]
+            call.wait(req)
             reducer.combine(work[lo:hi], work[lo:hi],
-                            call.received(pending[s][j], rbuf[s % 2, lo - off:hi - off]))
+                            call.received(req, rbuf[s % 2, lo - off:hi - off]))
+            call.release(req)
             if s + 1 < n - 1:
                 call.send(right, step0 + s + 1, j, work[lo:hi])
         del pending[s]
@@ -318,6 +334,7 @@ def allreduce_halving_doubling(call: Call, buf: np.ndarray, reducer: Reducer) ->
         for lo, hi, so, req in order:
             call.wait(req)
             reducer.combine(buf[lo:hi], buf[lo:hi], call.received(req, scratch[so:so + hi - lo]))
+            call.release(req)
             if first[0] <= lo < first[1]:
                 # segments of one block run align: forward the ones now complete
                 while sent < len(out_segs) and out_segs[sent][1] <= hi:

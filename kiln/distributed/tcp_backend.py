@@ -29,6 +29,17 @@ message takes) and well below the direct lanes' socket buffers (at least 1 MiB
 asked for). Measured on 2 cores, 2 ranks: a 256 KiB all_reduce took 0.09 ms on the
 direct lane against 0.27-0.35 ms on the threaded one; 4 ranks 0.53-0.61 ms against
 1.05-1.45 ms.
+
+Ranks on the same host also get a shared-memory lane per pair (shm_lane; set up at
+rendezvous over the authenticated sockets): the threaded lane's DATA and P2P payloads
+over 64 KiB and up to one ring segment go through a ring of 4 slots per direction,
+each one ring segment large (KILN_TCP_SEGMENT_BYTES times the ring scale), instead of
+through the socket. KILN_TCP_SHM=0 turns it off (for A/B runs, or as an escape
+hatch); a pair where either side has it off, or cannot open the other's segment,
+uses TCP only. Measured on 2 cores against KILN_TCP_SHM=0, medians of 3 runs of
+bench_allreduce.py (3 rounds each): 4 ranks 1.03x at 1 MB, 1.22x at 4 MB, 1.31x at
+16 MB, 1.50x at 64 MB; 2 ranks 0.97x, 1.50x, 1.63x, 1.32x. Against Gloo that took 4
+ranks from 0.94-1.00x to 1.22-1.53x at 4-64 MB (benchmarks/results/distributed.md).
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import time
 
 import numpy as np
 
+from kiln.distributed import shm_lane
 from kiln.distributed import tcp_algorithms as alg
 from kiln.distributed.backend import OP_CODES, OP_NAMES, Backend, CallContext
 from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, Reducer
@@ -93,6 +105,13 @@ def _ring_segment_scale(world_size: int) -> int:
     return 4 if world_size > cores else 1
 
 
+def _segment_sizes(world_size: int) -> tuple[int, int]:
+    """(segment bytes, ring segment scale): the scale is 1 when the env var is set."""
+    segment = int(os.environ.get("KILN_TCP_SEGMENT_BYTES", 1 << 20))
+    return segment, 1 if "KILN_TCP_SEGMENT_BYTES" in os.environ else \
+        _ring_segment_scale(world_size)
+
+
 class TcpBackend(Backend):
     """Full mesh of authenticated TCP sockets among the ranks of one group.
 
@@ -102,16 +121,14 @@ class TcpBackend(Backend):
     name = "tcp"
 
     def __init__(self, group: str, rank: int, world_size: int, socks: dict[int, socket.socket],
-                 direct: dict[int, socket.socket] | None = None):
+                 direct: dict[int, socket.socket] | None = None, shm: dict | None = None):
         self.group, self.rank, self.world_size = group, rank, world_size
         self.ring_bytes = int(os.environ.get("KILN_TCP_RING_BYTES", 256 << 10))
         # messages up to this size use the direct lanes (-1: none, e.g. no direct sockets)
         self.direct_bytes = int(os.environ.get("KILN_TCP_DIRECT_BYTES", 256 << 10)) \
             if direct else -1
-        self.segment_bytes = int(os.environ.get("KILN_TCP_SEGMENT_BYTES", 1 << 20))
-        # the rings cut segments this many times larger (1 when the env var is set)
-        self.ring_segment_scale = 1 if "KILN_TCP_SEGMENT_BYTES" in os.environ else \
-            _ring_segment_scale(world_size)
+        # the rings cut segments `ring_segment_scale` times larger
+        self.segment_bytes, self.ring_segment_scale = _segment_sizes(world_size)
         # all_reduce of at most this many bytes past ring_bytes uses halving-doubling on
         # power-of-two groups of 4 or more ranks (0: always the ring)
         self.halving_bytes = int(os.environ.get("KILN_TCP_HALVING_BYTES", 8 << 20))
@@ -119,7 +136,7 @@ class TcpBackend(Backend):
         self._pool = alg.ScratchPool()
         self._starters = {op: self._starter(fn) for op, fn in alg.STARTERS.items()}
         self.transport = Transport(group, rank, world_size, socks, describe_sig=_describe_sig,
-                                   direct=direct)
+                                   direct=direct, shm=shm)
         self.transport.on_failure = self._on_failure
         self._rma = self.transport.rma = RmaEngine(self.transport)
 
@@ -130,6 +147,7 @@ class TcpBackend(Backend):
         host = os.environ.get("KILN_BIND_ADDR") or store.local_address()
         listener = socket.create_server((host, 0), backlog=max(2 * world_size, 8))
         lanes: tuple[dict[int, socket.socket], dict[int, socket.socket]] = ({}, {})
+        shm: dict = {}
         hello = {"group": prefix, "rank": rank, "epoch": epoch}
         try:
             store.set("%s/addr/%d" % (prefix, rank), "%s:%d" % listener.getsockname()[:2])
@@ -160,6 +178,10 @@ class TcpBackend(Backend):
                     sock.close()
                     raise RendezvousError("group '%s': unexpected connection %r" % (prefix, theirs))
                 lanes[lane][peer] = sock
+            # a shared-memory lane with each peer on this host, the slots one ring
+            # segment each (the largest messages the rings and chains send)
+            segment, scale = _segment_sizes(world_size)
+            shm = shm_lane.connect(lanes[0], rank, token, segment * scale, deadline)
         except (OSError, StoreError) as err:
             for sock in list(lanes[0].values()) + list(lanes[1].values()):
                 sock.close()
@@ -171,7 +193,7 @@ class TcpBackend(Backend):
         finally:
             listener.close()
         _tune(*lanes)
-        return cls(prefix, rank, world_size, *lanes)
+        return cls(prefix, rank, world_size, *lanes, shm=shm)
 
     def _on_failure(self, error: BaseException) -> None:
         if self._failure_handler is not None:

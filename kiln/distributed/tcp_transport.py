@@ -41,6 +41,15 @@ Why one reader is enough, and safe:
   receiver thread (`check_active`), and a threaded-lane wait that lasts peeks at the
   direct lanes for a message of the running call with another signature.
 
+The *shared-memory lane* (shm_lane), which a pair of ranks on one host has unless
+KILN_TCP_SHM=0, carries the payloads of the threaded lane's large DATA and P2P
+messages (over 64 KiB, up to a slot: the ring segment): the sender thread copies the
+payload into a slot of the segment both processes map and sends only the header,
+with the slot in the high bits of its kind; the receiver thread lands it from there
+(or lends the slot to a reduction, `Request.borrow`), in the same order and with the
+same matching as a payload read from the socket. Smaller messages, larger ones, RMA
+and notices stay on the socket, whose EOF still reports a dead peer.
+
 A message header carries the sender's view of the call (op, dtype, reduce op, element
 count), so ranks that disagree about a collective fail with `CollectiveMismatch`
 instead of silently mixing bytes. A peer's EOF fails everything with `PeerFailure`
@@ -112,9 +121,10 @@ class Link:
     threads, and the direct lane (module docstring)."""
 
     def __init__(self, transport: "Transport", peer: int, sock: socket.socket,
-                 direct: socket.socket | None = None):
+                 direct: socket.socket | None = None, shm=None):
         self.transport, self.peer, self.sock = transport, peer, sock
         self.direct = direct  # the direct lane (module docstring); None: threaded only
+        self.shm = shm  # the shared-memory lane (shm_lane.ShmLane); None: payloads on TCP
         self._head = bytearray(HEADER.size)  # direct-lane header, read in place
         self._poller = None  # select.poll of the direct lane, for bounded waits
         self.departed = False  # the peer said goodbye: its EOF is not a crash
@@ -189,16 +199,26 @@ class Link:
                 parts, req = self._queue.popleft()
                 self._busy = True
             try:
-                parts = [parts, req.view] if isinstance(parts, bytes) else parts
+                if isinstance(parts, bytes):  # a whole message (a list: the rest of one)
+                    shm = self.shm
+                    if shm is not None and parts[0] in (DATA, P2P) and \
+                            shm.carries(len(req.view)):
+                        # payload into a shared-memory slot, only the header goes out
+                        parts = [shm.put(parts, req.view, self._alive)]
+                    else:
+                        parts = [parts, req.view]
                 while parts:
                     parts = _advance(parts, self.sock.sendmsg(parts))
                 error = None
-            except OSError as err:
+            except (OSError, EOFError) as err:
                 error = self._link_error(err)
             self._release()
             req.finish(error)
             if error is not None:
                 return
+
+    def _alive(self) -> bool:
+        return self.transport.error is None and not self.transport.closing
 
     def send_notice(self, kind: int, info: dict | None = None) -> None:
         """Best effort, non-blocking: an abort or goodbye notice."""
@@ -375,9 +395,11 @@ class Link:
         error = self._check(req, sig, len(data))
         if error is None:
             if req.borrow:
-                req.source = data
-            else:
+                req.source = data  # read in place; a ShmMessage is released by the reader
+            elif isinstance(data, bytearray):
                 req.view[:] = data
+            else:
+                data.copy_to(req.view)
         req.finish(error)
         if error is not None:
             self.transport.fail(error)
@@ -413,6 +435,9 @@ class Link:
             while True:
                 self._read(head_view)
                 kind, op, dt, rop, seq, step, seg, count, nbytes = HEADER.unpack(head)
+                slot, kind = kind >> 4, kind & 15  # slot: payload in shared memory (+1)
+                if slot and (self.shm is None or kind not in (DATA, P2P)):
+                    raise ValueError("shared-memory message without a lane")
                 if kind >= RMA_PUT:  # applied here: the target's user code takes no part
                     rma = self.transport.rma
                     if rma is None or kind > RMA_REPLY:
@@ -428,6 +453,10 @@ class Link:
                                                         group=self.transport.group))
                     return
                 key, sig = (kind, seq, step, seg), (op, dt, rop, count)
+                if slot:
+                    self._arrived(key, sig, self.shm.arrived(slot - 1, nbytes))
+                    self.shm.relieve()
+                    continue
                 with self._cond:
                     req = self._take_posted(key)
                 if req is not None:
@@ -445,20 +474,7 @@ class Link:
                     self.transport.fail(self._mismatch(seq, active[1], sig,
                                                        "message of %d bytes" % nbytes))
                     return
-                data = self._read_new(nbytes)
-                with self._cond:  # a receive may have been posted while we read
-                    req = self._take_posted(key)
-                    if req is None:
-                        self.stash.setdefault(key, collections.deque()).append((sig, data))
-                if req is not None:
-                    self._land(req, sig, data)
-                elif kind == DATA:
-                    # the call may have become active while we read; `activate` checks
-                    # the stash after setting it, this checks it after stashing: one sees
-                    error = self.transport.check_active(seq, sig, self.peer)
-                    if error is not None:
-                        self.transport.fail(error)
-                        return
+                self._arrived(key, sig, self._read_new(nbytes))
         except (OSError, EOFError) as err:
             if not self.transport.closing:
                 self.transport.fail(self._link_error(err))
@@ -467,6 +483,22 @@ class Link:
                 self.transport.fail(PeerFailure(
                     self.peer, "rank %d sent a malformed message" % self.peer,
                     group=self.transport.group))
+
+    def _arrived(self, key: tuple, sig: tuple, data) -> None:
+        """Land a message whose payload is in hand (a bytearray or a ShmMessage) in the
+        receive posted for it, or stash it until one is."""
+        with self._cond:  # a receive may have been posted while we read
+            req = self._take_posted(key)
+            if req is None:
+                self.stash.setdefault(key, collections.deque()).append((sig, data))
+        if req is not None:
+            self._land(req, sig, data)
+        elif key[0] == DATA:
+            # the call may have become active while we read; `activate` checks the
+            # stash after setting it, this checks it after stashing: one of them sees
+            error = self.transport.check_active(key[1], sig, self.peer)
+            if error is not None:
+                self.transport.fail(error)
 
     def _read(self, view: memoryview) -> None:
         got, n = 0, len(view)
@@ -532,7 +564,8 @@ class Transport:
     """All links of one group (full mesh) plus its failure state."""
 
     def __init__(self, group: str, rank: int, world_size: int, socks: dict[int, socket.socket],
-                 describe_sig=repr, direct: dict[int, socket.socket] | None = None):
+                 describe_sig=repr, direct: dict[int, socket.socket] | None = None,
+                 shm: dict | None = None):
         # errors name the group as users know it: "pg/<name>/e<epoch>" -> "<name>"
         parts = group.split("/")
         self.group = parts[1] if len(parts) == 3 and parts[0] == "pg" else group
@@ -546,8 +579,9 @@ class Transport:
         self.active: tuple | None = None  # (seq, signature) of the call in progress
         self.rma = None  # the backend's tcp_rma.RmaEngine: serves RMA_* messages
         self._lock = threading.Lock()
-        direct = direct or {}
-        self.links = {peer: Link(self, peer, s, direct.get(peer)) for peer, s in socks.items()}
+        direct, shm = direct or {}, shm or {}
+        self.links = {peer: Link(self, peer, s, direct.get(peer), shm.get(peer))
+                      for peer, s in socks.items()}
         for link in self.links.values():
             link.start()
 
@@ -665,3 +699,5 @@ class Transport:
             link.sock.close()
             if link.direct is not None:
                 link.direct.close()
+            if link.shm is not None:
+                link.shm.close()
