@@ -60,6 +60,7 @@ class FaultTolerance:
         self.window = window
         self.pending = False  # something must run before the group's next call
         self._send_state = False
+        self._sends: list = []  # the Works of state sent to joiners
         self._state = None  # (get_state, set_state)
         self.needs_state = joiner
         self.history: list[dict] = []  # one entry per reconfiguration (for reports)
@@ -169,12 +170,24 @@ class FaultTolerance:
                                "arrays": [[k, dtype_of(a).short, list(a.shape)]
                                           for k, a in arrays.items()]}).encode()
         head = np.frombuffer(manifest, np.uint8)
+        self._sends = [w for w in self._sends if not w.is_completed()]
         for uid in self._waiting_joiners(self.view):
             dst = self.view.rank_of(uid)
-            pg._p2p_call("send", np.array([head.size], np.int64), dst, STATE_TAG, None, True)
-            pg._p2p_call("send", head, dst, STATE_TAG, None, True)
-            for a in arrays.values():
-                pg._p2p_call("send", a.reshape(-1), dst, STATE_TAG, None, True)
+            for buf in [np.array([head.size], np.int64), head] + [a.reshape(-1) for a in
+                                                                  arrays.values()]:
+                self._sends.append(pg._p2p_call("send", buf, dst, STATE_TAG, None, True))
+
+    def finish(self, timeout: float = 10.0) -> None:
+        """Before the group is destroyed: joiners admitted at the last commit still get
+        the state (rank 0 makes no further call), and it leaves before the goodbye."""
+        try:
+            self.before_call()
+            deadline = time.monotonic() + timeout
+            for work in self._sends:
+                work.wait(max(deadline - time.monotonic(), 0.0))
+        except DistributedError:
+            pass  # the joiner or the group failed: nothing more to hand over
+        self._sends.clear()
 
     def receive_state(self, timeout: float | None = None) -> int:
         """(A joiner) wait for the state from rank 0, load it; the committed step.

@@ -28,12 +28,15 @@ has *died*; the launcher records it and applies `--on-failure`:
 
 With `shrink` and `replace` the job fails when fewer than --min-size workers are live
 (not dead: running or finished). The job succeeds (exit 0) when every live worker has
-exited 0; otherwise the launcher exits non-zero with the death that ended it.
+exited 0; otherwise the launcher exits non-zero with the death that ended it. A
+replacement still waiting to be admitted (its `ft/join/<uid>` request in the store)
+when every other worker has finished is stopped and *released*, not counted as dead:
+no epoch will admit it any more.
 
 Every membership change is posted to the store as JSON under `launcher/event/<n>`
 (n = 1, 2, ...; `launcher/event_count` holds the count; `elastic.read_events` reads
-them): {"kind": "died"|"replaced"|"exited"|"injected"|"reconnected", "rank": launch
-rank, "pid", "time" (Unix), "since_start" (s), ...}. At the end the launcher prints a
+them): {"kind": "died"|"replaced"|"exited"|"injected"|"reconnected"|"released", "rank":
+launch rank, "pid", "time" (Unix), "since_start" (s), ...}. At the end the launcher prints a
 summary of the events to stderr, and writes it as JSON with --events-json PATH.
 
 `--inject SPEC` (repeatable) injects faults for tests; see `elastic.parse_fault` and
@@ -175,7 +178,7 @@ class _Slot:
     local: int
     proc: subprocess.Popen
     env: dict
-    state: str = "running"            # running | exited (0) | dead
+    state: str = "running"            # running | exited (0) | dead | released
     resume_at: float | None = None    # a `stop ...,for=D` fault: when to SIGCONT
     stopped: bool = False             # SIGSTOPped by a fault and not resumed
 
@@ -335,12 +338,37 @@ class _Job:
                     if outcome is not None:
                         return outcome
                 running = self._running()
+            if running and any(s.state == "exited" for s in self.slots) and \
+                    self._only_waiting_joiners(running):
+                # the job finished while replacements still waited to join it: nobody
+                # will admit them any more, so they are stopped, not counted as dead
+                for slot in running:
+                    _log("rank %d (pid %d) was still waiting to join when the job finished; "
+                         "stopping it" % (slot.rank, slot.proc.pid))
+                    self._signal(slot, signal.SIGKILL)
+                    slot.proc.wait(timeout=_REAP_TIMEOUT)
+                    slot.state = "released"
+                    self._event("released", slot)
+                running = self._running()
             if not running:
                 dead = sum(s.state == "dead" for s in self.slots)
                 return 0, ("all %d workers finished" % len(self.slots) if not dead else
                            "%d of %d workers finished, %d died (--on-failure %s)"
                            % (len(self.slots) - dead, len(self.slots), dead, self.cfg.on_failure))
             time.sleep(_TICK)
+
+    def _only_waiting_joiners(self, running: list[_Slot]) -> bool:
+        """Whether every running worker is a replacement still waiting to be admitted
+        by the fault-tolerant group (its `ft/join/<uid>` request names its pid)."""
+        if not all(s.env.get("KILN_JOIN") == "1" for s in running):
+            return False
+        try:
+            pids = set()
+            for key in self.store.list_keys("ft/join/"):
+                pids.add(json.loads(self.store.get(key, timeout=_STORE_TIMEOUT)).get("pid"))
+        except (DistributedError, ValueError):
+            return False
+        return all(s.proc.pid in pids for s in running)
 
     def _died(self, slot: _Slot, returncode: int) -> tuple[int, str] | None:
         """Record a death and apply the policy; (code, outcome) when the job must end."""
@@ -540,6 +568,9 @@ def _describe(event: dict) -> str:
         return "rank %d (pid %d) finished" % (rank, pid)
     if kind == "reconnected":
         return "rank %d (pid %d) dropped and reopened its store connection" % (rank, pid)
+    if kind == "released":
+        return "rank %d (pid %d), a replacement still waiting to join, stopped: the job " \
+               "had finished" % (rank, pid)
     what = {"kill": "SIGKILL", "stop": "SIGSTOP", "cont": "SIGCONT",
             "drop-conn": "drop-conn request"}[event["fault"]]
     at = " at step %d" % event["step"] if "step" in event else ""

@@ -185,6 +185,8 @@ def destroy_process_group() -> None:
         _WATCHER.stop()
         _WATCHER = None
     if _WORLD is not None:
+        if _WORLD._ft is not None:
+            _WORLD._ft.finish()
         _WORLD.destroy()
         if _WORLD.store is not None:
             _WORLD.store.close()
