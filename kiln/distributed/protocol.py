@@ -33,8 +33,12 @@ MAX_FRAME = 1 << 30
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
-    """Fill `view` from `sock`, or raise StoreTimeout at `deadline` / StoreError on EOF."""
+    """Fill `view` from `sock`, or raise StoreTimeout at `deadline` / StoreError on EOF.
+    Without a deadline it blocks however long the peer is idle (the store server waits
+    for a client's next request so)."""
     got, n = 0, len(view)
+    if deadline is None:
+        sock.settimeout(None)
     while got < n:
         if deadline is not None:
             remaining = deadline - time.monotonic()
@@ -57,8 +61,9 @@ def send_frame(sock: socket.socket, header: dict, body: bytes | memoryview = b""
     """Send one frame; the JSON header must be an object."""
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     prefix = _FRAME.pack(_FRAME.size + len(hbytes) + len(body), len(hbytes))
-    if deadline is not None:
-        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    # no deadline: block (a timeout left on the socket by an earlier call, e.g. the
+    # handshake's, would otherwise end an idle connection)
+    sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
     try:
         if len(body) > 65536:
             sock.sendall(prefix + hbytes)

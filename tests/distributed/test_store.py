@@ -38,6 +38,19 @@ def test_operations(server):
     assert store.list_keys("p/") == ["p/2"]
 
 
+def test_an_idle_connection_stays_open(server):
+    # the server must wait for a client's next request however long it takes (a
+    # timeout left over from the handshake once closed connections idle for 5 s)
+    srv = StoreServer("127.0.0.1", 0, token="right", handshake_timeout=0.3)
+    try:
+        store = Store(srv.address, "right", timeout=5)
+        store.set("a", "1")
+        time.sleep(0.8)
+        assert store.get("a") == b"1"
+    finally:
+        srv.close()
+
+
 def test_delete_prefix(server):
     store = Store(server.address, "right", timeout=5)
     for key in ("s/1/a", "s/1/b", "s/10/a", "t"):
