@@ -72,7 +72,14 @@ def trainer(uid, world, addr, args):
     steps, epochs, failures, store_drops, sub_sums = args["steps"], [], 0, 0, []
     vetoed = False
     began = time.monotonic()
-    while pg.committed_step < steps:
+    while True:
+        if pg.epoch >= args.get("finish_after_epoch", 1 << 30) and steps == args["steps"]:
+            # three more steps once the awaited membership changes happened (whenever a
+            # loaded machine lets them); every member, a joiner too, sees the new epoch
+            # first at the same committed step, so they agree on the last step
+            steps = pg.committed_step + 3
+        if pg.committed_step >= steps:
+            break
         step = pg.committed_step + 1
         kill = kills.get((me, step))
         g = np.full(args.get("numel", 4), float(step))
@@ -110,6 +117,7 @@ def trainer(uid, world, addr, args):
         if pg.should_commit(ok):
             state["x"] += g[:4]
             state["step"][0] = step
+
         epochs.append(pg.epoch)
     data = {"uid": me, "rank": pg.rank, "world_size": pg.world_size, "epoch": pg.epoch,
             "x": state["x"].tolist(), "step": int(state["step"][0]),

@@ -71,7 +71,8 @@ def test_dead_peer_fails_pending_window_operations(tmp_path):
 def test_operation_past_its_deadline_times_out_and_aborts(tmp_path):
     data = check_all_ok(run_scenario("window_timeout", 2, tmp_path, workers=WORKERS))
     assert data[0]["error"] == "CollectiveTimeout" and data[0]["rank"] == 1, data[0]
-    assert "window.put" in data[0]["message"] and data[0]["elapsed"] < 3, data[0]
+    # its own 0.5 s deadline, well before the 20 s wait (slack for a loaded machine)
+    assert "window.put" in data[0]["message"] and data[0]["elapsed"] < 10, data[0]
     assert data[0]["later"] == "CollectiveTimeout"  # the group is aborted: at once
     assert data[1]["aborted"]
 
