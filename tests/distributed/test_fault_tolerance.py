@@ -74,6 +74,14 @@ class Job:
         return results
 
 
+def run_job(tmp_path: Path, world: int, args: dict, steps: int | None, alive: int) -> list:
+    """Run `world` trainers to the end; the survivors' results, checked."""
+    job = Job(tmp_path, world, args)
+    for uid in range(world):
+        job.start(uid)
+    return check_survivors(job.finish(), steps, alive)
+
+
 def check_survivors(results: list, steps: int | None, alive: int) -> list[dict]:
     """`steps`: how many steps every survivor committed (None: whatever they agree on)."""
     done = [r for r in results if r is not None]
@@ -103,39 +111,29 @@ def test_sigkill_before_during_and_after_each_collective(tmp_path, kind):
     # five ranks lose one at a time: before, during and after the step's collective
     kills = [{"uid": 4, "step": 3, "when": "before"}, {"uid": 3, "step": 6, "when": "during"},
              {"uid": 1, "step": 9, "when": "after"}]
-    job = Job(tmp_path, 5, {"steps": 12, "kind": kind, "kills": kills,
-                            "numel": 1 << 16 if kind != "barrier" else 4})
-    for uid in range(5):
-        job.start(uid)
-    done = check_survivors(job.finish(), 12, 2)
+    done = run_job(tmp_path, 5, {"steps": 12, "kind": kind, "kills": kills,
+                              "numel": 1 << 16 if kind != "barrier" else 4},
+                   12, 2)
     assert done[0]["epoch"] == 3 and done[0]["members"] == [0, 2]
     assert [h["removed"] for h in done[0]["history"]] == [[4], [3], [1]]
     fr_names(tmp_path, [4, 3, 1])
 
 
 def test_a_no_vote_rolls_the_step_back_everywhere_and_it_is_done_again(tmp_path):
-    job = Job(tmp_path, 3, {"steps": 6, "veto": {"uid": 1, "step": 3}})
-    for uid in range(3):
-        job.start(uid)
-    done = check_survivors(job.finish(), 6, 3)
+    done = run_job(tmp_path, 3, {"steps": 6, "veto": {"uid": 1, "step": 3}}, 6, 3)
     assert all(r["rolled_back"] == 1 and r["epoch"] == 0 for r in done)
 
 
 def test_sigkill_while_the_step_commits(tmp_path):
-    job = Job(tmp_path, 3, {"steps": 8, "kills": [{"uid": 2, "step": 4, "when": "commit"}]})
-    for uid in range(3):
-        job.start(uid)
-    done = check_survivors(job.finish(), 8, 2)
+    done = run_job(tmp_path, 3, {"steps": 8, "kills": [{"uid": 2, "step": 4, "when": "commit"}]},
+                   8, 2)
     assert done[0]["epoch"] == 1
     fr_names(tmp_path, [2])
 
 
 def test_two_of_five_die_at_once(tmp_path):
     kills = [{"uid": 1, "step": 5, "when": "during"}, {"uid": 3, "step": 5, "when": "before"}]
-    job = Job(tmp_path, 5, {"steps": 10, "kills": kills, "numel": 1 << 16})
-    for uid in range(5):
-        job.start(uid)
-    done = check_survivors(job.finish(), 10, 3)
+    done = run_job(tmp_path, 5, {"steps": 10, "kills": kills, "numel": 1 << 16}, 10, 3)
     assert done[0]["members"] == [0, 2, 4] and done[0]["epoch"] == 1
     assert done[0]["history"][0]["removed"] == [1, 3]
     fr_names(tmp_path, [1, 3])
@@ -202,20 +200,16 @@ def test_joiner_that_dies_before_receiving_state(tmp_path):
 
 
 def test_store_connection_dropped_and_reestablished(tmp_path):
-    job = Job(tmp_path, 3, {"steps": 12, "drop_store_at": 3,
-                            "kills": [{"uid": 2, "step": 6, "when": "during"}]})
-    for uid in range(3):
-        job.start(uid)
-    done = check_survivors(job.finish(), 12, 2)
+    done = run_job(tmp_path, 3, {"steps": 12, "drop_store_at": 3,
+                              "kills": [{"uid": 2, "step": 6, "when": "during"}]},
+                   12, 2)
     assert all(r["store_drops"] == 1 for r in done)
 
 
 def test_sub_groups_are_rederived_from_the_survivors(tmp_path):
-    job = Job(tmp_path, 5, {"steps": 10, "subgroup": True,
-                            "kills": [{"uid": 2, "step": 4, "when": "during"}]})
-    for uid in range(5):
-        job.start(uid)
-    done = check_survivors(job.finish(), 10, 4)
+    done = run_job(tmp_path, 5, {"steps": 10, "subgroup": True,
+                              "kills": [{"uid": 2, "step": 4, "when": "during"}]},
+                   10, 4)
     for r in done:
         parity = [u for u in (0, 1, 3, 4) if u % 2 == r["uid"] % 2]
         assert r["sub"]["members"] == parity and r["sub"]["epoch"] == 1
@@ -224,19 +218,14 @@ def test_sub_groups_are_rederived_from_the_survivors(tmp_path):
 
 
 def test_explicit_shrink_keeps_every_live_member(tmp_path):
-    job = Job(tmp_path, 3, {"steps": 4, "explicit": True})
-    for uid in range(3):
-        job.start(uid)
-    done = check_survivors(job.finish(), 4, 3)
+    done = run_job(tmp_path, 3, {"steps": 4, "explicit": True}, 4, 3)
     assert all(r["explicit"] == [3, 1] for r in done)  # same members, next epoch
 
 
 def test_rma_windows_are_invalidated_by_a_shrink_and_can_be_recreated(tmp_path):
-    job = Job(tmp_path, 3, {"steps": 8, "window": True,
-                            "kills": [{"uid": 1, "step": 3, "when": "during"}]})
-    for uid in range(3):
-        job.start(uid)
-    done = check_survivors(job.finish(), 8, 2)
+    done = run_job(tmp_path, 3, {"steps": 8, "window": True,
+                              "kills": [{"uid": 1, "step": 3, "when": "during"}]},
+                   8, 2)
     for r in done:
         assert "reconfigured to epoch 1" in r["old_window"], r["old_window"]
         left = r["members"][(r["rank"] - 1) % 2]  # its left neighbour put its uid here
