@@ -279,7 +279,9 @@ class Module:
         return self
 
     def forward(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} does not define forward()")
+        """What calling the module computes; every subclass defines it."""
+        raise KilnArgumentError(f"{type(self).__name__} was called, but it does not define "
+                                "forward(); a Module subclass computes in forward(self, ...)")
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)

@@ -234,3 +234,13 @@ def test_nested_functional_call_under_grad():
         dict(m.named_parameters()))
     np.testing.assert_allclose(grads["sub.bias"].numpy(), [2.0, 2.0, 2.0])
     np.testing.assert_allclose(grads["sub.weight"].numpy(), np.ones((3, 3)))
+
+
+def test_a_module_without_forward_says_so():
+    from kiln.errors import KilnArgumentError
+
+    class Empty(nn.Module):
+        pass
+
+    with pytest.raises(KilnArgumentError, match="Empty was called, but it does not define"):
+        Empty()(1)
