@@ -15,14 +15,11 @@ from kiln.ir import dtypes as dt
 from kiln.ir.shapes import symbol
 
 from tests.codegen.cpu_helpers import BACKEND, check, make_arrays, single_threaded
+from tests.codegen.ir_builders import op
 
 B, N = symbol("B"), symbol("N")
 i0, i1, r0 = loop_var("i0"), loop_var("i1"), loop_var("r0")
 f32, f64 = dt.float32, dt.float64
-
-
-def op(name, *args, dtype=None):
-    return Op(name, tuple(args), dtype or args[0].dtype)
 
 
 def broadcast_chain(d=f32, width=64):

@@ -5,8 +5,6 @@ fresh outputs, pytrees and Python scalars, and the CLI over an exported file.
 
 LLVM compiles cost 0.1-1 s each here, so each test batches many ops into one function."""
 
-import io
-import contextlib
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 
 import kiln as kn
 from kiln.frontend.compile import KilnRecompileLimitError
+from tests.cli_helpers import kiln_cli
 
 BACKENDS = ["cpu", "reference"]
 NP = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
@@ -258,15 +257,6 @@ def exported(tmp_path_factory):
     kn.export(lambda x, w, b: kn.softmax(kn.gelu(x @ w + b), dim=-1).sum(dim=0),
               (kn.randn(4, 8, seed=0), kn.randn(8, 6, seed=1), kn.randn(6, seed=2))).save(path)
     return path
-
-
-def kiln_cli(*argv):
-    from kiln.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_kiln_dump_prints_every_stage(exported):

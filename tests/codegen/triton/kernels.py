@@ -11,15 +11,12 @@ from kiln.codegen.kernel_ir import (
 )
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import evaluate, symbol
+from tests.codegen.ir_builders import op
 
 B, N, M = symbol("B"), symbol("N"), symbol("M")
 i0, i1, r0, r1 = loop_var("i0"), loop_var("i1"), loop_var("r0"), loop_var("r1")
 gb, gi, gj = loop_var("gb"), loop_var("gi"), loop_var("gj")
 f32, f64 = dt.float32, dt.float64
-
-
-def op(name, *args, dtype=None):
-    return Op(name, tuple(args), dtype or args[0].dtype)
 
 
 def pointwise(d=f32, width=64):

@@ -4,8 +4,6 @@ GPU can run the kernels."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import subprocess
 import sys
 
@@ -20,6 +18,7 @@ from kiln.codegen.triton.targets import KilnNoGpuError, resolve_arch, split_spec
 from kiln.errors import KilnArgumentError, KilnDTypeError
 from tests.codegen.triton import kernels as K
 from tests.codegen.triton.conftest import ROOT
+from tests.cli_helpers import kiln_cli
 
 def _triton():
     return pytest.importorskip("triton", reason="this test compiles with the triton package")
@@ -123,15 +122,6 @@ def exported_kir(tmp_path_factory):
     kn.export(lambda x, w, b: kn.softmax(kn.relu(x @ w + b), dim=-1),
               (kn.randn(4, 32, seed=0), kn.randn(32, 16, seed=1), kn.randn(16, seed=2))).save(path)
     return path
-
-
-def kiln_cli(*argv):
-    from kiln.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_kiln_dump_source_for_cuda(exported_kir):
