@@ -114,7 +114,7 @@ class FaultTolerance:
             self.membership, self.view, name=pg.name, factory=pg._backend_factory,
             store=pg.store, token=pg._token, committed=self.committed_step,
             window=self.window, min_size=self.min_size, deadline=deadline,
-            heartbeat_dead=self._hb_dead, reason=reason)
+            heartbeat_dead=self._hb_dead)
         agreed = time.monotonic()
         me = self.membership.me
         previous = self.view
@@ -229,8 +229,7 @@ class FaultTolerance:
 
 def connect_next(membership: ms.Membership, view: ms.View, *, name: str, factory, store,
                  token: str, committed: int, window: float, min_size: int,
-                 deadline: float, heartbeat_dead=lambda: set(), reason: str = "",
-                 form: bool = True):
+                 deadline: float, heartbeat_dead=lambda: set(), form: bool = True):
     """Form the epoch after `view` (or, `form=False`, connect `view` itself, as a joiner
     admitted to it does) and connect its mesh; when a member never connects, form the
     next one without it. Returns (view, backend)."""
@@ -239,7 +238,7 @@ def connect_next(membership: ms.Membership, view: ms.View, *, name: str, factory
         if form:
             view = membership.form_next(view, committed=committed,
                                         window=window, min_size=min_size, deadline=deadline,
-                                        heartbeat_dead=heartbeat_dead, reason=reason)
+                                        heartbeat_dead=heartbeat_dead)
         form = True
         if membership.await_members(view, deadline):
             continue  # a member died before connecting: form the next epoch without it

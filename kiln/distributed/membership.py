@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kiln.distributed.errors import GroupAborted, RendezvousError, StoreError, StoreTimeout
 
@@ -67,13 +67,6 @@ class View:
         d = json.loads(raw)
         return cls(int(d["epoch"]), tuple(d["members"]), int(d.get("step", 0)),
                    tuple(d.get("joined", ())), tuple(d.get("removed", ())))
-
-
-@dataclass
-class Evidence:
-    """What this member knows about deaths, gathered while forming the next epoch."""
-
-    dead: set[int] = field(default_factory=set)
 
 
 class Membership:
@@ -130,8 +123,7 @@ class Membership:
             found, epoch = v, epoch + 1
 
     def form_next(self, current: View, *, committed: int, window: float,
-                  min_size: int, deadline: float, heartbeat_dead=lambda: set(),
-                  admit_joins: bool = True, reason: str = "") -> View:
+                  min_size: int, deadline: float, heartbeat_dead=lambda: set()) -> View:
         """Take part in forming the epoch after `current`; returns its view (this
         member is in it) or raises GroupAborted (left out, or too few survivors)."""
         e = current.epoch + 1
@@ -159,10 +151,8 @@ class Membership:
             expected = set(current.members) - dead
             if min(alive - dead, default=self.me) == self.me and (
                     alive >= expected or now - began > window):
-                view = self._write(current, e, alive, dead, committed, min_size,
-                                   admit_joins, reason)
-                if view is not None:
-                    continue  # written (by us or a racing coordinator): read it back
+                self._write(current, e, alive, dead, committed, min_size)
+                continue  # written (by us or a racing coordinator): read it back
             time.sleep(poll)
             poll = min(poll * 2, _POLL_MAX)
 
@@ -188,13 +178,15 @@ class Membership:
             poll = min(poll * 2, _POLL_MAX)
 
     def _write(self, current: View, e: int, alive: set, dead: set, committed: int,
-               min_size: int, admit_joins: bool, reason: str) -> View | None:
+               min_size: int) -> None:
+        """As the coordinator: write epoch e's view (compare-and-set: a racing
+        coordinator's view may win), or raise GroupAborted when it may not form."""
         survivors = [u for u in current.members if u in alive]
         live = [u for u in current.members if u not in dead]
         if 2 * len(survivors) <= len(live):
             raise GroupAborted("epoch %d: only %d of the %d live members %s took part; a new "
                                "epoch needs a majority" % (e, len(survivors), len(live), live))
-        joiners = self.pending_joins() if admit_joins else []
+        joiners = self.pending_joins()
         members = survivors + joiners
         if len(members) < min_size:
             raise GroupAborted("epoch %d would have %d members, fewer than min_size=%d"
@@ -205,11 +197,10 @@ class Membership:
                     tuple(u for u in current.members if u not in alive))
         for uid in joiners:  # before the view: rank 0 looks for these once it sees it
             self.store.set("ft/needs_state/%d" % uid, str(e))
-        won = self.store.compare_and_set("ft/view/%d" % e, None, view.to_json())
-        if won == view.to_json().encode():
+        text = view.to_json()
+        if self.store.compare_and_set("ft/view/%d" % e, None, text) == text.encode():
             for uid in joiners:
                 self.store.delete("ft/join/%d" % uid)
-        return view
 
     def _uids(self, prefix: str) -> set[int]:
         return {int(k[len(prefix):]) for k in self.store.list_keys(prefix)}
