@@ -22,7 +22,8 @@ update:
 
 State for joiners. `pg.register_state(get_state, set_state)`; `get_state()` returns a
 dict of arrays. Rank 0 of the new epoch sends it (at its next call, after it applied
-the step's update) to every joiner that has not received it yet; a joiner's
+the step's update, or in destroy_process_group when the job ends there) to every
+joiner that has not received it yet; a joiner's
 `register_state` (or `receive_state`) waits for it, loads it with `set_state`, and
 learns the committed step. Mutate the state only after `should_commit()` returned True.
 """
