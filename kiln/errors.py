@@ -117,6 +117,39 @@ class KilnGradientError(KilnError, ValueError):
     title = "cannot differentiate this function"
 
 
+# -- ecosystem: safetensors, torch import, profiler, compile reports (K340-K359) ------------
+
+
+class KilnSafetensorsError(KilnFormatError):
+    code = "K340"
+    title = "malformed or hostile safetensors file"
+
+
+class KilnStateDictError(KilnArgumentError):
+    code = "K341"
+    title = "a state dict that cannot be saved"
+
+
+class KilnTorchImportError(KilnError, ValueError):
+    code = "K345"
+    title = "a PyTorch module could not be imported"
+
+
+class KilnUnsupportedTorchOpError(KilnTorchImportError):
+    code = "K346"
+    title = "an ATen op kiln has no mapping for"
+
+
+class KilnProfilerError(KilnError, RuntimeError):
+    code = "K350"
+    title = "profiler misuse"
+
+
+class KilnReportError(KilnError, ValueError):
+    code = "K355"
+    title = "no compile trace to report on"
+
+
 def all_error_classes() -> dict[str, type[KilnError]]:
     """Every registered error class by code (the registry `docs/errors.md` mirrors)."""
     return dict(sorted(_REGISTRY.items()))
