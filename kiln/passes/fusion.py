@@ -70,13 +70,25 @@ def is_gemm(node: Node) -> bool:
 
 
 class _Analysis:
+    """Producers and consumers of one region's values. A node's *inputs* are its
+    operands and the values its regions read from this one (a `cond` branch or loop body
+    that was not closed reads them directly): both are dependencies."""
+
     def __init__(self, region: Region):
         self.region = region
         self.consumers: dict[int, list[Node]] = defaultdict(list)
         self.producer: dict[int, Node] = {}
+        self.inputs: dict[int, list[Value]] = {}
         self.position = {id(n): i for i, n in enumerate(region.nodes)}
         for node in region.nodes:
-            for v in node.operands:
+            inputs = list(node.operands)
+            if node.regions:
+                from kiln.passes.licm import captured_values
+
+                inputs += [v for v in captured_values(node.regions)
+                           if all(v is not o for o in node.operands)]
+            self.inputs[id(node)] = inputs
+            for v in inputs:
                 self.consumers[id(v)].append(node)
             for r in node.results:
                 self.producer[id(r)] = node
@@ -91,7 +103,7 @@ class _Analysis:
         mat = set(self.outputs)
         for node in self.region.nodes:
             if not self.fusible(node):
-                mat.update(id(v) for v in node.operands)
+                mat.update(id(v) for v in self.inputs[id(node)])
                 if not is_gemm(node):
                     mat.update(id(r) for r in node.results)
         return mat
@@ -351,7 +363,7 @@ def _source_groups(values: set[int], owner: dict, analysis: _Analysis) -> list:
         node = analysis.producer.get(v)
         if node is None:
             continue
-        for o in node.operands:
+        for o in analysis.inputs[id(node)]:
             if id(o) not in seen:
                 seen.add(id(o))
                 stack.append(id(o))
@@ -377,9 +389,13 @@ def _prune(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> None:
 def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Group]:
     """Groups in dependence order; merges that would make a cycle are undone.
 
-    The group dependency graph is small; the standard library's graphlib sorts it and
-    reports a cycle (networkx would do the same at 250 ms of import time). It reports
-    one cycle at a time, so splitting repeats until none is left."""
+    A group depends on the groups whose buffers its kernel reads, and, through every
+    node no group owns (control flow, library calls, collectives, and the values their
+    regions capture), on the groups those nodes read. A group may so depend on itself:
+    `cond(x.sum() > 0, ...).sum()` groups both sums (one domain), but the second reads
+    the `cond`, which reads the first. The standard library's graphlib sorts the small
+    group graph and reports one cycle at a time; each group on it is split into the
+    values that do not wait on the group and those that do, until no cycle is left."""
     while True:
         deps: dict[int, set[int]] = {k: set() for k in range(len(groups))}
         owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
@@ -393,28 +409,74 @@ def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Gr
                         deps[k].add(j)
                     elif j is None:  # made by an unfused node: depend on what it reads
                         deps[k].update(index[id(h)] for h in
-                                       _source_groups({id(operand)}, by_group, analysis)
-                                       if h is not g)
+                                       _source_groups({id(operand)}, by_group, analysis))
         try:
             order = list(graphlib.TopologicalSorter(deps).static_order())
             return [groups[k] for k in order]
         except graphlib.CycleError as exc:
             cyclic = set(exc.args[1])
-        # a cycle through a merged reduction group: give each of its values its own group
         split: list[_Group] = []
         for k, g in enumerate(groups):
-            if k in cyclic and g.kind == "reduction" and len(g.values) > 1:
-                for v in g.values:
-                    single = _Group("reduction")
-                    single.values = [v]
-                    single.reduces = [r for r in g.reduces
-                                      if any(r is n for n in _cone(v, analysis, mat - {id(v)}))]
-                    split.append(single)
-            else:
-                split.append(g)
+            split.extend(_split(g, analysis, mat, by_group) if k in cyclic else [g])
         if len(split) == len(groups):
             raise KilnError("internal: fusion groups depend on each other in a cycle")
         groups = split
+
+
+def _split(g: _Group, analysis: _Analysis, mat: set[int], owner: dict) -> list[_Group]:
+    """`g` as two groups: the values that wait (through other groups or unfused nodes)
+    on a value of `g`, and the rest, which then run first. Values that only the split
+    leaves read from outside their new kernel get buffers."""
+    own = {id(v) for v in g.values}
+
+    def waits(v: Value) -> bool:
+        stop = mat - {id(v)}
+        if g.root is not None:
+            stop = stop | {id(g.root)}
+        cone = _cone(v, analysis, stop)
+        made = {id(r) for n in cone for r in n.results}
+        outside = {id(o) for n in cone for o in n.operands if id(o) not in made}
+        stack, seen = list(outside), set(outside)
+        while stack:
+            vid = stack.pop()
+            if vid in own and vid != id(v):
+                return True
+            h = owner.get(vid)
+            if h is g:
+                continue  # a value of `g` itself read directly: `own` decided above
+            if h is not None:
+                inputs = {id(o) for n in h.nodes(analysis, mat) for o in n.operands}
+            else:
+                node = analysis.producer.get(vid)
+                inputs = {id(o) for o in analysis.inputs[id(node)]} if node is not None else set()
+            for i in inputs - seen:
+                seen.add(i)
+                stack.append(i)
+        return False
+
+    late = [v for v in g.values if v is not g.root and waits(v)]
+    early = [v for v in g.values if all(v is not w for w in late)]
+    if not late or not early:
+        return [g]
+    parts = []
+    for values in (early, late):
+        part = _Group(g.kind if any(v is g.root for v in values) else "loop")
+        part.values = list(values)
+        if g.root is not None and any(v is g.root for v in values):
+            part.root = g.root
+        for v in values:
+            for n in _cone(v, analysis, mat - {id(v)}):
+                if is_reduction(n) and all(n is not r for r in part.reduces):
+                    part.reduces.append(n)
+        if part.reduces and part.root is None:
+            part.kind = "reduction"
+        parts.append(part)
+    if g.root is not None:
+        mat.add(id(g.root))  # the epilogue that waited now reads the GEMM's buffer
+        if all(v is not g.root for v in early):
+            parts[0].values.insert(0, g.root)
+            parts[0].root, parts[0].kind = g.root, "gemm"
+    return parts
 
 
 def fuse(graph: Graph) -> Graph:
@@ -488,9 +550,12 @@ def _fuse_region(region: Region, builder: GraphBuilder, env: dict[int, Value]) -
         node = analysis.producer.get(id(v))
         if node is None:  # defined in an enclosing region
             return v
+        operands = [resolve(o) for o in node.operands]
+        for captured in analysis.inputs[id(node)][len(node.operands):]:
+            resolve(captured)  # emitted before the regions that read it are fused
         regions = [_fuse_nested(r, builder, env) for r in node.regions] \
             if node.op in CONTROL_FLOW else node.regions
-        copy = Node(node.op, [resolve(o) for o in node.operands], node.attrs,
+        copy = Node(node.op, operands, node.attrs,
                     [r.type for r in node.results], regions)
         builder.append(copy)
         for old_r, new_r in zip(node.results, copy.results):
