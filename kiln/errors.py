@@ -150,6 +150,31 @@ class KilnReportError(KilnError, ValueError):
     title = "no compile trace to report on"
 
 
+class KilnUnknownBackendError(KilnArgumentError):
+    code = "K370"
+    title = "no registered backend serves this target"
+
+
+class KilnBackendContractError(KilnError, TypeError):
+    code = "K371"
+    title = "a backend breaks the backend contract"
+
+
+class KilnNotLegalizableError(KilnError, TypeError):
+    code = "K372"
+    title = "a scalar op is neither native to a backend nor legalizable"
+
+
+class KilnUnknownStageError(KilnArgumentError):
+    code = "K373"
+    title = "unknown compiler stage"
+
+
+class KilnTemplateError(KilnArgumentError):
+    code = "K374"
+    title = "unknown Kernel IR template kind"
+
+
 def all_error_classes() -> dict[str, type[KilnError]]:
     """Every registered error class by code (the registry `docs/errors.md` mirrors)."""
     return dict(sorted(_REGISTRY.items()))
