@@ -35,4 +35,5 @@ from kiln.frontend import collectives  # noqa: F401  (also registers `kiln dump 
 from kiln.frontend.control_flow import cond, nonzero, switch, while_loop  # noqa: F401
 from kiln.frontend.autodiff import grad, stop_gradient, value_and_grad, vjp  # noqa: F401
 from kiln.frontend.moe import grouped_matmul  # noqa: F401
+from kiln.io import load_state_dict, save_state_dict  # noqa: F401  (safetensors)
 from kiln import nn, optim  # noqa: F401,E402
