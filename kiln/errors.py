@@ -117,6 +117,19 @@ class KilnGradientError(KilnError, ValueError):
     title = "cannot differentiate this function"
 
 
+# -- PyTorch idioms: mutation and tape autograd (K300-K319) --------------------------------
+
+
+class KilnInPlaceError(KilnError, ValueError):
+    code = "K300"
+    title = "an in-place op cannot keep the tensor's shape or dtype"
+
+
+class KilnBackwardError(KilnError, RuntimeError):
+    code = "K301"
+    title = "tape autograd misuse"
+
+
 # -- ecosystem: safetensors, torch import, profiler, compile reports (K340-K359) ------------
 
 
