@@ -118,7 +118,7 @@ def dump_command(args: argparse.Namespace) -> int:
 
             text = render_stage(archive.graph, args.stage, args.target)
     except KilnError as exc:
-        return _fail("dump", f"{args.file}: {exc.message}")
+        return _fail("dump", f"{args.file}: [{exc.code}] {exc.message}")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -177,7 +177,7 @@ def run_command(args: argparse.Namespace) -> int:
                          f"({', '.join(str(v.type) for v in graph.inputs)}), got {len(arrays)}")
         outputs = compile_graph(graph, args.backend).run(arrays)
     except KilnError as exc:
-        return _fail("run", exc.message)
+        return _fail("run", f"[{exc.code}] {exc.message}")
     for i, out in enumerate(outputs):
         if args.out:
             os.makedirs(args.out, exist_ok=True)
@@ -230,7 +230,7 @@ def bench_command(args: argparse.Namespace) -> int:
         ms_compiled = median(lambda: compiled.run(arrays))
         ms_interp = median(lambda: run_graph(graph, *arrays))
     except KilnError as exc:
-        return _fail("bench", exc.message)
+        return _fail("bench", f"[{exc.code}] {exc.message}")
     print(f"{args.file}: sizes {sizes or '{}'}, backend {args.backend}")
     print(f"  compile + first run  {compile_ms:10.3f} ms")
     print(f"  compiled (median)    {ms_compiled:10.3f} ms")

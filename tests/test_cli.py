@@ -126,7 +126,7 @@ def test_python_dash_m_kiln_reports_a_bad_file_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"kiln dump: error: {bad}: not a valid zip")
+    assert len(lines) == 1 and lines[0].startswith(f"kiln dump: error: {bad}: [K130] not a valid zip")
     assert "Traceback" not in proc.stderr
 
 

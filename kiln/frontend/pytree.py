@@ -54,15 +54,27 @@ def unflatten(spec, leaves: list):
     return build(spec)
 
 
-def count_leaves(spec) -> int:
+_MAX_DEPTH = 200
+
+
+def count_leaves(spec, _depth: int = 0) -> int:
+    """The number of leaves of a structure spec, checking its whole shape on the way (a
+    spec read from a file is untrusted): dict keys are strings, items are lists."""
     if spec == "*":
         return 1
     if spec is None:
         return 0
+    if _depth > _MAX_DEPTH:
+        raise KilnArgumentError(f"pytree: structure spec nested deeper than {_MAX_DEPTH} levels")
     if isinstance(spec, dict) and len(spec) == 1:
         (kind, items), = spec.items()
-        if kind == "dict":
-            return sum(count_leaves(v) for _, v in items)
-        if kind in ("tuple", "list"):
-            return sum(count_leaves(x) for x in items)
-    raise KilnArgumentError(f"pytree: malformed structure spec {spec!r}")
+        if isinstance(items, list):
+            if kind == "dict":
+                if not all(isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], str)
+                           for kv in items):
+                    raise KilnArgumentError(f"pytree: a dict spec's items must be [string key, "
+                                            f"spec] pairs, got {items!r:.200}")
+                return sum(count_leaves(v, _depth + 1) for _, v in items)
+            if kind in ("tuple", "list"):
+                return sum(count_leaves(x, _depth + 1) for x in items)
+    raise KilnArgumentError(f"pytree: malformed structure spec {spec!r:.200}")

@@ -9,7 +9,7 @@ import sympy
 from kiln.errors import KilnArgumentError, KilnShapeError
 from kiln.ir.shapes import dim as as_dim
 from kiln.ir.shapes import dims_equal, format_shape, normalize_axis, numel
-from kiln.frontend.dispatch import apply, emitter_for, raw, wrap
+from kiln.frontend.dispatch import apply, op_emitter as emitter_for, raw, wrap
 from kiln.frontend.functional import _tensor
 
 
@@ -185,6 +185,8 @@ def split(x, split_size_or_sections, dim: int = 0):
 
 def chunk(x, chunks: int, dim: int = 0):
     x = _tensor(x)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise KilnArgumentError(f"chunk: chunks must be a positive int, got {chunks!r}")
     size = x.shape[normalize_axis("chunk", dim, x.ndim, "dim")]
     if not isinstance(size, int):
         raise KilnShapeError(f"chunk: dim {dim} has symbolic size {size}")

@@ -15,6 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from kiln.errors import KilnDTypeError, KilnError
+from kiln import memory_limits
+from kiln.memory_limits import check_request, nbytes_of
 from kiln.ir import dtypes as dt
 from kiln.ir import registry
 from kiln.ir.graph import Graph, Node, Region, Value
@@ -160,6 +162,11 @@ class EagerEmitter(Emitter):
         opdef = registry.get(op)
         attrs = opdef.normalize_attrs(attrs)
         types = opdef.infer([self.type_of(x) for x in operands], attrs)
+        for t in types:  # refuse an absurd result before numpy tries to allocate it
+            if all(isinstance(d, int) for d in t.shape):
+                nbytes = nbytes_of(t.shape, t.dtype.np_dtype.itemsize)
+                if nbytes > memory_limits.process_limit():
+                    check_request(f"{op}: the result {t}", nbytes)
         if opdef.reference is None:
             results = self.decompose(op, operands, attrs)
         else:

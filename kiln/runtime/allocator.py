@@ -9,24 +9,15 @@ kiln held at once. Tracking costs a counter update, not a finalizer per array.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.memory_limits import KilnMemoryError, check_request, limit_for, nbytes_of, \
+    set_process_fraction
 
-
-class KilnMemoryError(KilnError, MemoryError):
-    code = "K170"
-    title = "allocation beyond the memory fraction"
-
-
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
+__all__ = ["Allocator", "KilnMemoryError", "default_allocator", "memory_stats",
+           "set_memory_fraction"]
 
 
 class Allocator:
@@ -41,21 +32,17 @@ class Allocator:
         self.set_memory_fraction(memory_fraction)
 
     def set_memory_fraction(self, fraction: float) -> None:
-        if not 0.0 < fraction <= 1.0:
-            raise KilnError(f"memory fraction must be in (0, 1], got {fraction}")
+        self.limit = limit_for(fraction)
         self.fraction = fraction
-        self.limit = int(_physical_memory() * fraction)
 
     def empty(self, shape, dtype, persistent: bool = False) -> np.ndarray:
-        array = np.empty(shape, dtype)
-        nbytes = array.nbytes
+        """A buffer of `shape`, refused (K170, nothing allocated) past the limit."""
+        nbytes = nbytes_of(shape, np.dtype(dtype).itemsize)
         with self._lock:
             current = self.persistent + self.transient + nbytes
-            if current > self.limit:
-                raise KilnMemoryError(
-                    f"allocating {nbytes} bytes would hold {current} bytes, over the limit of "
-                    f"{self.limit} ({self.fraction:.0%} of physical memory)",
-                    hint="lower the batch size or raise kiln.runtime.set_memory_fraction()")
+            check_request(f"allocating a {np.dtype(dtype).name} buffer of shape {tuple(shape)}",
+                          nbytes, self.persistent + self.transient, self.limit, self.fraction)
+            array = np.empty(shape, dtype)
             if persistent:
                 self.persistent += nbytes
             else:
@@ -95,5 +82,7 @@ def memory_stats() -> dict:
 
 
 def set_memory_fraction(fraction: float) -> None:
-    """Cap kiln's runtime allocations at `fraction` of physical memory."""
+    """Cap kiln's runtime allocations, and every eager result, at `fraction` of physical
+    memory."""
     _DEFAULT.set_memory_fraction(fraction)
+    set_process_fraction(fraction)

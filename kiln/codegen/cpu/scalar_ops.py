@@ -203,9 +203,12 @@ def convert(fn: Fn, x: V, src: DType, dst: DType) -> V:
         if dst == dt.float64 or dst == dt.float32:
             return fn.cast(op, x, out_ty)
         return round_to(fn, fn.cast(op, x, "float"), dst)
-    if dst.is_integer:  # float -> int truncates; out-of-range is undefined, so freeze
-        wide = fn.freeze(fn.cast("fptosi", x, "i64"))
-        return fn.cast("trunc", wide, out_ty)
+    if dst.is_integer:  # float -> int truncates; NaN/out-of-range as the reference says
+        wide = dst.bits >= 64 or dst == dt.uint32
+        inter, bound = ("i64", 2.0 ** 63) if wide else ("i32", 2.0 ** 31)
+        ok = fn.bin("and", fn.fcmp("oge", x, const(x.ty, -bound)), fn.fcmp("olt", x, const(x.ty, bound)))
+        r = fn.select(ok, fn.freeze(fn.cast("fptosi", x, inter)), const(inter, -(1 << (int_bits(inter) - 1))))
+        return r if int_bits(out_ty) == int_bits(inter) else fn.cast("trunc", r, out_ty)
     # float -> float
     if dst == dt.float64:
         return fn.cast("fpext", x, "double")

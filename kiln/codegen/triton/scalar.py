@@ -12,7 +12,7 @@ Semantics follow the registry's numpy references, as the CPU backend does
   for the hardware approximations (`/`, `tl.sqrt`, `tl.exp`, `tl.rsqrt`, ...).
 - max/min propagate NaN; integer div truncates with x/0 == 0 and INT_MIN/-1 == INT_MIN;
   rem takes the dividend's sign; shifts by >= the width give 0 (or the sign); round is
-  half-to-even; float -> int truncates (through int64, as the CPU backend does).
+  half-to-even; float -> int truncates (NaN/out-of-range as the CPU backend does).
 
 Every function here returns source text and pulls operand text from its arguments;
 operands are always temporaries or literals, so repeating one costs nothing.
@@ -301,9 +301,14 @@ class ScalarOps:
             return round_to(f"{x}.to({tl_dtype(dst)})", dst) if dst.is_floating else f"{x}.to({tl_dtype(dst)})"
         if src.is_integer:  # -> float: one rounding, straight to the destination format
             return round_to(f"{x}.to({tl_dtype(dst)})", dst)
-        if dst.is_integer:  # float -> int truncates toward zero, through int64 like the cpu
-            wide = f"{x}.to(tl.int64)"
-            return wide if dst == dt.int64 else f"{wide}.to({tl_dtype(dst)})"
+        if dst.is_integer:  # float -> int truncates; NaN/out-of-range as the reference says
+            wide = dst.bits >= 64 or dst == dt.uint32
+            inter, bound = ("tl.int64", 2.0 ** 63) if wide else ("tl.int32", 2.0 ** 31)
+            lowest = -(1 << 63) if wide else -(1 << 31)
+            r = self.temp()
+            self.emit(f"{r} = tl.where(({x} >= {-bound!r}) & ({x} < {bound!r}), {x}, 0.0).to({inter})")
+            self.emit(f"{r} = tl.where(({x} >= {-bound!r}) & ({x} < {bound!r}), {r}, {lowest}).to({inter})")
+            return r if tl_dtype(dst) == inter else f"{r}.to({tl_dtype(dst)})"
         # float -> float
         if dst == dt.float32 and is_low_precision(src):
             return x  # a low-precision value is already an exact float32 register

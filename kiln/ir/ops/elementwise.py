@@ -429,12 +429,28 @@ def _clamp(x, lo, hi):
     return via_f32(lambda a, b, c: np.minimum(np.maximum(a, b), c))(x, lo, hi)
 
 
+def float_to_int(x: np.ndarray, target: np.dtype) -> np.ndarray:
+    """Truncate floats to `target` the way every kiln backend does (see `convert`):
+    through int64 for 64-bit and uint32 targets, through int32 otherwise; NaN and values
+    out of the intermediate's range become its minimum, then wrap to the target width."""
+    wide = target.itemsize >= 8 or target == np.uint32
+    inter, bound = (np.int64, 2.0 ** 63) if wide else (np.int32, 2.0 ** 31)
+    t = np.trunc(x.astype(np.float64))
+    with np.errstate(invalid="ignore"):
+        ok = (t >= -bound) & (t < bound)
+    out = np.where(ok, t, 0.0).astype(inter)
+    out[~ok] = np.iinfo(inter).min
+    return out.astype(target)
+
+
 @defop("convert", family="elementwise", kind=ELEMENTWISE, num_operands=1,
        attrs={"dtype": None})
 class convert:
-    """Value conversion to `dtype`: floats to ints truncate toward zero (NaN and
-    out-of-range values are undefined, as in C); to bool is `x != 0`. The gradient is
-    the cotangent converted back (its real part for a real operand)."""
+    """Value conversion to `dtype`: floats to ints truncate toward zero; to bool is
+    `x != 0`. NaN and out-of-range floats give PyTorch's (x86) result on every backend:
+    64-bit and uint32 targets convert through int64 and get INT64_MIN's low bits, the
+    narrower ones through int32 and get INT_MIN's (so int32 is -2**31, int8 is 0). The
+    gradient is the cotangent converted back (its real part for a real operand)."""
 
     def type(op, x, *, dtype):
         if dtype is None:
@@ -451,8 +467,7 @@ class convert:
             return x != 0
         if x.dtype.kind == "f" or x.dtype.kind == "V" or x.dtype in LOW_PRECISION:
             if target.kind in "iu":
-                with np.errstate(all="ignore"):
-                    return np.trunc(x.astype(np.float64)).astype(target)
+                return float_to_int(x, target)
             if x.dtype in LOW_PRECISION and target in LOW_PRECISION:
                 return x.astype(np.float32).astype(target)
         return x.astype(target)

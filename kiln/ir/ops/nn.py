@@ -554,7 +554,7 @@ def _sdpa_reference(q, k, v, *mask, is_causal, scale, has_mask):
     if has_mask:
         m = mask[0]
         scores = np.where(m, scores, -np.inf) if m.dtype == np.bool_ else scores + m
-    top = np.max(scores, axis=-1, keepdims=True)
+    top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # no keys: a zero row
     e = np.exp(scores - top)
     p = np.where(top == -np.inf, 0, e / np.sum(e, axis=-1, keepdims=True))
     return np.matmul(p, v)
