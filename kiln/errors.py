@@ -163,6 +163,19 @@ class KilnReportError(KilnError, ValueError):
     title = "no compile trace to report on"
 
 
+# -- the compile cache (K360-K364) -----------------------------------------------------------
+
+
+class KilnCacheError(KilnError, PermissionError):
+    code = "K360"
+    title = "unsafe compile cache directory"
+
+
+class KilnCacheWarning(UserWarning):
+    """The compile cache is disabled for this process (unsafe or unwritable folder);
+    compiling still works, without reusing machine code across processes."""
+
+
 class KilnUnknownBackendError(KilnArgumentError):
     code = "K370"
     title = "no registered backend serves this target"
