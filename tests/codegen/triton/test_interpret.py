@@ -219,3 +219,15 @@ def test_grouped_matmul_and_its_gradient_run_the_persistent_kernel(triton_interp
         "from kiln.codegen.backends import get_backend\n"
         "result = sorted(get_backend('cuda').externs())"))
     assert used == ["grouped_matmul", "grouped_matmul_dw"]
+
+
+def test_float_to_int_edges_match_the_reference(triton_interp):
+    """NaN, infinities and out-of-range floats convert as eager mode (and torch) do."""
+    edges = np.array([np.nan, np.inf, -np.inf, 1e20, -1e20, 3e9, -3e9, 2.0 ** 31, 300.7, -300.7,
+                      70000.5, -129.9, 255.9, -0.5], np.float32)
+    x = kn.tensor(edges)
+    fn = lambda x: (x.to(kn.int8), x.to(kn.uint8), x.to(kn.int16), x.to(kn.int32), x.to(kn.int64))  # noqa: E731
+    graph = kn.trace(fn, x)
+    got = triton_interp.run_graph(graph, [edges], "cuda")
+    for g, w in zip(got, fn(x)):
+        np.testing.assert_array_equal(g, w.numpy())
