@@ -12,7 +12,8 @@ from kiln.distributed.backend import Backend, CallContext
 from kiln.distributed.buffers import REDUCE_OPS
 from kiln.distributed.errors import (
     CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
-    FaultInjectionError, FlightRecorderError, GroupAborted, LaunchError, PeerFailure, RendezvousError, StoreAuthError,
+    FaultInjectionError, FlightRecorderError, GroupAborted, InvalidTimeout, LaunchError,
+    MalformedFrame, PeerFailure, RendezvousError, StoreAuthError, StoreBadRequest,
     StoreError, StoreTimeout, WindowInvalidated,
 )
 from kiln.distributed.flight_recorder import FlightRecorder, recorder
@@ -28,7 +29,8 @@ from kiln.distributed.work import Work
 __all__ = [
     "Backend", "CallContext", "CollectiveArgumentError", "CollectiveMismatch",
     "CollectiveTimeout", "DistributedError", "FaultInjectionError", "FlightRecorder", "FlightRecorderError",
-    "GroupAborted", "LaunchError", "PeerFailure", "ProcessGroup", "REDUCE_OPS",
+    "GroupAborted", "InvalidTimeout", "LaunchError", "MalformedFrame", "StoreBadRequest",
+    "PeerFailure", "ProcessGroup", "REDUCE_OPS",
     "RendezvousError", "Store", "StoreAuthError", "StoreError", "StoreServer", "StoreTimeout",
     "TcpBackend", "Window", "WindowInvalidated", "Work", "destroy_process_group", "get_world",
     "init_process_group", "is_initialized", "recorder",

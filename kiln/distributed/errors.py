@@ -146,6 +146,34 @@ class WindowInvalidated(DistributedError):
                          "or free(): call pg.window(buffer) again on every rank of the group")
 
 
+class InvalidTimeout(DistributedError, ValueError):
+    """A timeout that is not a finite number of seconds in (0, 7 days] (NaN, inf, a
+    negative or zero value, a string), given to the store, its server or a group."""
+
+    code = "K220"
+    title = "invalid timeout"
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint or "pass a finite number of seconds greater than "
+                         "0 and at most 604800 (7 days), e.g. timeout=30.0")
+
+
+class StoreBadRequest(StoreError):
+    """The store refused a request as malformed (unknown op, a field of the wrong type,
+    a bad timeout); the connection stays usable."""
+
+    code = "K221"
+    title = "store refused a malformed request"
+
+
+class MalformedFrame(StoreError, ValueError):
+    """A peer sent a frame outside the wire protocol's limits: too large, a header that
+    is not a JSON object, nested too deeply, or holding NaN/Infinity."""
+
+    code = "K222"
+    title = "malformed frame"
+
+
 _WIRE_CLASSES = {
     cls.__name__: cls
     for cls in (DistributedError, CollectiveTimeout, CollectiveMismatch, GroupAborted)

@@ -13,6 +13,12 @@ token (the token itself never crosses the wire):
 
 Until the server accepts the client's MAC it reads at most one small frame and
 applies nothing.
+
+Every header is parsed under limits, before and after authentication: at most
+HANDSHAKE_MAX_FRAME bytes before it, MAX_HEADER after; nesting at most MAX_DEPTH
+deep (checked before the JSON parser runs, so no frame can exhaust the stack); no
+NaN or Infinity (not JSON). A header that breaks them raises `MalformedFrame`; the
+frame was read whole, so a server may answer it and go on (the store does).
 """
 
 from __future__ import annotations
@@ -20,16 +26,26 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
+import numbers
+import re
 import secrets
 import socket
 import struct
 import time
 
-from kiln.distributed.errors import StoreAuthError, StoreError, StoreTimeout
+from kiln.distributed.errors import (
+    InvalidTimeout, MalformedFrame, StoreAuthError, StoreError, StoreTimeout,
+)
 
 _FRAME = struct.Struct("!II")
 HANDSHAKE_MAX_FRAME = 4096  # before authentication a peer may send no more than this
 MAX_FRAME = 1 << 30
+MAX_HEADER = 16 << 20  # a JSON header (values travel in the body)
+MAX_DEPTH = 32  # nesting of a header: kiln's own use at most 3
+MAX_TIMEOUT = 7 * 24 * 3600.0  # the longest wait a store or a group accepts, in seconds
+# a whole string, a lone quote (an unterminated string: the rest is not JSON), or a bracket
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*+"|"|[\[\]{}]', re.S)
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
@@ -76,23 +92,92 @@ def send_frame(sock: socket.socket, header: dict, body: bytes | memoryview = b""
         raise StoreError("connection lost while sending: %s" % err) from None
 
 
-def recv_frame(sock: socket.socket, deadline: float | None = None,
-               max_size: int = MAX_FRAME) -> tuple[dict, bytes]:
-    """Receive one frame: (header dict, body bytes). Malformed frames raise StoreError."""
+def recv_raw_frame(sock: socket.socket, deadline: float | None = None,
+                   max_size: int = MAX_FRAME) -> tuple[bytes, bytes]:
+    """Receive one frame unparsed: (header bytes, body bytes). A size over the limits
+    raises MalformedFrame before anything past the prefix is read (the stream is then
+    out of step: close it)."""
     head = bytearray(_FRAME.size)
     recv_exact_into(sock, memoryview(head), deadline)
     total, hlen = _FRAME.unpack(head)
-    if total > max_size or hlen > total - _FRAME.size:
-        raise StoreError("malformed frame (size %d, header %d)" % (total, hlen))
+    if total > max_size or total < _FRAME.size or hlen > total - _FRAME.size or \
+            hlen > MAX_HEADER:
+        raise MalformedFrame("malformed frame (size %d, header %d; at most %d and %d)"
+                             % (total, hlen, max_size, min(max_size, MAX_HEADER)))
     rest = bytearray(total - _FRAME.size)
     recv_exact_into(sock, memoryview(rest), deadline)
+    return bytes(rest[:hlen]), bytes(rest[hlen:])
+
+
+def recv_frame(sock: socket.socket, deadline: float | None = None,
+               max_size: int = MAX_FRAME) -> tuple[dict, bytes]:
+    """Receive one frame: (header dict, body bytes). Malformed frames raise
+    MalformedFrame (a StoreError)."""
+    raw, body = recv_raw_frame(sock, deadline, max_size)
+    return loads_object(raw), body
+
+
+def loads_object(raw: bytes | bytearray, max_depth: int = MAX_DEPTH) -> dict:
+    """Parse a JSON object from an untrusted peer, or raise MalformedFrame.
+
+    The nesting depth is measured first (strings removed, then brackets counted), so
+    a frame of `[[[[...` is refused without recursing; NaN and Infinity are refused
+    as the JSON standard does.
+
+        >>> loads_object(b'{"op": "get", "key": "a"}')
+        {'op': 'get', 'key': 'a'}
+    """
+    raw = bytes(raw)
+    depth = _depth(raw)
+    if depth > max_depth:
+        raise MalformedFrame("malformed frame header (nested %d deep, at most %d)"
+                             % (depth, max_depth))
     try:
-        header = json.loads(bytes(rest[:hlen]).decode())
-    except (UnicodeDecodeError, ValueError):
-        raise StoreError("malformed frame header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise StoreError("malformed frame header (not a JSON object)")
-    return header, bytes(rest[hlen:])
+        value = json.loads(raw.decode(), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise MalformedFrame("malformed frame header (not JSON)") from None
+    if not isinstance(value, dict):
+        raise MalformedFrame("malformed frame header (not a JSON object)")
+    return value
+
+
+def _depth(raw: bytes) -> int:
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:  # too few brackets to go deep
+        return 0
+    depth = deepest = 0
+    for token in _TOKEN.finditer(raw):  # one pass, left to right: linear in the size
+        t = token.group()
+        if t == b"[" or t == b"{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif t == b"]" or t == b"}":
+            depth -= 1
+        elif t == b'"':
+            break
+    return deepest
+
+
+def _refuse_constant(name: str):
+    raise ValueError("%s is not JSON" % name)
+
+
+def check_timeout(value, what: str = "timeout") -> float:
+    """`value` as float seconds if it is a finite number in (0, MAX_TIMEOUT], else
+    InvalidTimeout naming `what`.
+
+        >>> check_timeout(2)
+        2.0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidTimeout("%s=%.60r is not a number of seconds" % (what, value))
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if not (0.0 < seconds <= MAX_TIMEOUT):  # False for NaN too
+        raise InvalidTimeout("%s=%.60r: a timeout must be a finite number of seconds in "
+                             "(0, %d]" % (what, value, MAX_TIMEOUT))
+    return seconds
 
 
 def _mac(token: str, *parts: str) -> str:

@@ -20,7 +20,7 @@ from kiln.distributed.fault_tolerance import FaultTolerance, connect_next
 from kiln.distributed.heartbeat import Heartbeat, intervals
 from kiln.distributed.membership import Membership, View
 from kiln.distributed.process_group import ProcessGroup, flush_dump_requests
-from kiln.distributed.protocol import parse_address
+from kiln.distributed.protocol import check_timeout, parse_address
 from kiln.distributed.store import Store, StoreServer
 from kiln.distributed.tcp_backend import TcpBackend
 
@@ -69,6 +69,7 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
     if _WORLD is not None and not _WORLD.is_aborted:
         raise RendezvousError("init_process_group was already called in this process",
                               hint="use the group it returned, or destroy_process_group() first")
+    timeout = check_timeout(timeout, "init_process_group timeout")
     if _HEARTBEAT is not None:  # a new world after an aborted one: the old beat ends
         _HEARTBEAT.stop()
         _HEARTBEAT = None

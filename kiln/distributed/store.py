@@ -19,13 +19,17 @@ import socket
 import threading
 import time
 
-from kiln.distributed.errors import StoreAuthError, StoreError, StoreTimeout
+from kiln.distributed.acceptor import HANDSHAKE_TIMEOUT, Acceptor
+from kiln.distributed.errors import (
+    InvalidTimeout, MalformedFrame, StoreAuthError, StoreBadRequest, StoreError, StoreTimeout,
+)
 from kiln.distributed.protocol import (
-    client_handshake, parse_address, recv_frame, send_frame, server_handshake,
+    check_timeout, client_handshake, loads_object, parse_address, recv_frame, recv_raw_frame,
+    send_frame, server_handshake,
 )
 
 ROLE = "store"
-_MAX_WAIT = 7 * 24 * 3600.0
+_INT64 = 1 << 63
 
 
 class StoreServer:
@@ -34,23 +38,27 @@ class StoreServer:
         >>> server = StoreServer("127.0.0.1", 0, token="t"); server.port > 0
         True
         >>> server.close()
+
+    It keeps serving whatever its clients do (see `acceptor`): strangers, too many
+    connections for the process's file limit, malformed or hostile requests. A
+    request it cannot apply gets the reply `bad_request` and the connection stays
+    usable; a frame that breaks the protocol's limits ends that connection only.
     """
 
-    def __init__(self, host: str, port: int, token: str, *, handshake_timeout: float = 5.0):
+    def __init__(self, host: str, port: int, token: str, *,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT):
         if not token:
             raise StoreAuthError("a store needs a job token", hint="set KILN_TOKEN")
         self._token = token
-        self._handshake_timeout = handshake_timeout
+        self._handshake_timeout = check_timeout(handshake_timeout, "handshake_timeout")
         self._data: dict[str, bytes] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._owner: dict[str, socket.socket] = {}  # ephemeral key -> the connection it lives on
-        self._listener = socket.create_server((host, port), backlog=128)
-        self._listener.settimeout(0.2)  # lets the accept loop notice close()
-        self.host, self.port = self._listener.getsockname()[:2]
-        self._thread = threading.Thread(target=self._accept_loop, name="kiln-store", daemon=True)
-        self._thread.start()
+        listener = socket.create_server((host, port), backlog=128)
+        self.host, self.port = listener.getsockname()[:2]
+        self._acceptor = Acceptor(listener, "store", self._handshake, self._serve)
 
     @property
     def address(self) -> str:
@@ -64,32 +72,19 @@ class StoreServer:
             conns = list(self._conns)
         for conn in conns:
             _shutdown(conn)
-        self._listener.close()
-        self._thread.join(timeout=2.0)
+        self._acceptor.close()
 
     def serve_forever(self) -> None:
         """Block the calling thread until close() (used by `kiln store`)."""
-        while self._thread.is_alive():
-            self._thread.join(timeout=0.5)
+        while self._acceptor.is_alive():
+            time.sleep(0.5)
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="kiln-store-conn",
-                             daemon=True).start()
+    def _handshake(self, conn: socket.socket) -> dict:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return server_handshake(conn, self._token, ROLE, self._handshake_timeout)
 
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            server_handshake(conn, self._token, ROLE, self._handshake_timeout)
-        except StoreError:
-            conn.close()  # unauthenticated: nothing it sent is read past the handshake
-            return
+    def _serve(self, conn: socket.socket, hello: dict) -> None:
+        """One authenticated client's requests, in order, until it hangs up."""
         with self._cond:
             if self._closed:
                 conn.close()
@@ -97,11 +92,23 @@ class StoreServer:
             self._conns.add(conn)
         try:
             while True:
-                header, body = recv_frame(conn, deadline=None)
-                reply, value = self._apply(header, body, conn)
+                try:
+                    raw, body = recv_raw_frame(conn, deadline=None)
+                except MalformedFrame as err:  # a size out of bounds: the stream is lost
+                    send_frame(conn, _bad(err.message), deadline=time.monotonic() + 1.0)
+                    return
+                try:
+                    reply, value = self._apply(loads_object(raw), body, conn)
+                except MalformedFrame as err:  # read whole: answer it, serve the next
+                    reply, value = _bad(err.message), b""
+                except Exception as err:  # noqa: BLE001 - a bug here must not end the server
+                    self._acceptor.log("internal", "a request failed: %s: %s"
+                                       % (type(err).__name__, err))
+                    reply, value = {"ok": False, "error": "internal",
+                                    "message": "%s: %s" % (type(err).__name__, err)}, b""
                 send_frame(conn, reply, value)
         except StoreError:
-            pass
+            pass  # the client hung up, or vanished mid-frame
         finally:
             with self._cond:
                 self._conns.discard(conn)
@@ -111,88 +118,163 @@ class StoreServer:
                 self._cond.notify_all()
             conn.close()
 
-    def _wait_for(self, keys: list[str], timeout: float) -> bool:
-        deadline = time.monotonic() + min(max(timeout, 0.0), _MAX_WAIT)
-        with self._cond:
-            while not all(k in self._data for k in keys):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed:
-                    return False
-                self._cond.wait(remaining)
-            return True
-
     def _apply(self, h: dict, body: bytes, conn: socket.socket | None = None) -> tuple[dict, bytes]:
-        op, key = h.get("op"), h.get("key")
-        if op in ("set", "get", "add", "cas", "delete") and not isinstance(key, str):
-            return {"ok": False, "error": "bad_request", "message": "missing key"}, b""
-        if op == "set":
-            with self._cond:
-                self._data[key] = body
-                if h.get("ephemeral") and conn is not None:
-                    self._owner[key] = conn
-                else:
-                    self._owner.pop(key, None)
-                self._cond.notify_all()
-            return {"ok": True}, b""
-        if op == "get":
-            if not self._wait_for([key], float(h.get("timeout", 0.0))):
+        """The reply to request `h` (its value bytes in `body`). Every field is checked
+        before anything is applied; a request that breaks a rule gets `bad_request`."""
+        op = h.get("op")
+        rule = _REQUESTS.get(op) if isinstance(op, str) else None
+        if rule is None:
+            return _bad("unknown op %.60r" % (op,)), b""
+        for field, (kinds, required) in rule.items():
+            if field not in h:
+                if required:
+                    return _bad("%s needs the field %r" % (op, field)), b""
+                continue
+            value = h[field]
+            if not _is(value, kinds):
+                return _bad("%s: field %r must be %s, not %.60r"
+                            % (op, field, _KIND_NAMES[kinds], value)), b""
+        timeout = 0.0
+        if "timeout" in h:
+            try:
+                timeout = check_timeout(h["timeout"])
+            except InvalidTimeout as err:
+                return _bad("%s: %s" % (op, err.message)), b""
+        return getattr(self, "_op_" + op)(h, body, conn, timeout)
+
+    # -- the operations (fields already checked) ---------------------------------------
+    def _op_set(self, h, body, conn, timeout):
+        key = h["key"]
+        with self._cond:
+            self._data[key] = body
+            if h.get("ephemeral") and conn is not None:
+                self._owner[key] = conn
+            else:
+                self._owner.pop(key, None)
+            self._cond.notify_all()
+        return {"ok": True}, b""
+
+    def _op_get(self, h, body, conn, timeout):
+        key = h["key"]
+        with self._cond:  # the value is read under the lock that saw it set
+            if not self._wait_locked([key], timeout):
                 return {"ok": False, "error": "timeout", "message": "key %r not set" % key}, b""
-            with self._cond:
-                return {"ok": True}, self._data[key]
-        if op == "add":
-            with self._cond:
-                try:
-                    value = int(self._data.get(key, b"0")) + int(h.get("amount", 0))
-                except ValueError:
-                    return {"ok": False, "error": "bad_request",
-                            "message": "key %r does not hold an integer" % key}, b""
-                self._data[key] = str(value).encode()
-                self._cond.notify_all()
-            return {"ok": True, "value": value}, b""
-        if op == "wait":
-            keys = h.get("keys")
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                return {"ok": False, "error": "bad_request", "message": "keys must be a list"}, b""
-            if not self._wait_for(keys, float(h.get("timeout", 0.0))):
-                with self._cond:
-                    missing = [k for k in keys if k not in self._data]
+            return {"ok": True}, self._data[key]
+
+    def _op_add(self, h, body, conn, timeout):
+        key = h["key"]
+        amount = h.get("amount", 0)
+        if not -_INT64 <= amount < _INT64:
+            return _bad("add: amount %d is not a 64-bit integer" % amount), b""
+        with self._cond:
+            try:
+                value = int(self._data.get(key, b"0")) + amount
+                text = str(value).encode()
+            except ValueError:
+                return _bad("key %r does not hold an integer" % key), b""
+            self._data[key] = text
+            self._cond.notify_all()
+        return {"ok": True, "value": value}, b""
+
+    def _op_wait(self, h, body, conn, timeout):
+        keys = h["keys"]
+        with self._cond:
+            if not self._wait_locked(keys, timeout):
+                missing = [k for k in keys if k not in self._data]
                 return {"ok": False, "error": "timeout",
                         "message": "keys not set: %s" % ", ".join(missing)}, b""
-            return {"ok": True}, b""
-        if op == "check":
-            keys = h.get("keys") or []
-            with self._cond:
-                return {"ok": True, "value": all(k in self._data for k in keys)}, b""
-        if op == "cas":
-            expected_len = h.get("expected_len")  # None: swap only when the key is absent
-            expected, desired = body[:expected_len or 0], body[expected_len or 0:]
-            with self._cond:
-                current = self._data.get(key)
-                if (expected_len is None and current is None) or (
-                        expected_len is not None and current == expected):
-                    self._data[key] = current = desired
-                    self._cond.notify_all()
-                return {"ok": True, "present": current is not None}, current or b""
-        if op == "delete":
-            with self._cond:
-                self._owner.pop(key, None)
-                return {"ok": True, "value": self._data.pop(key, None) is not None}, b""
-        if op == "delete_prefix":
-            prefix = str(h.get("prefix", ""))
-            with self._cond:
-                keys = [k for k in self._data if k.startswith(prefix)]
-                for k in keys:
-                    del self._data[k]
-                    self._owner.pop(k, None)
-            return {"ok": True, "value": len(keys)}, b""
-        if op == "list":
-            prefix = str(h.get("prefix", ""))
-            with self._cond:
-                keys = sorted(k for k in self._data if k.startswith(prefix))
-            return {"ok": True, "keys": keys}, b""
-        if op == "ping":
-            return {"ok": True}, b""
-        return {"ok": False, "error": "bad_request", "message": "unknown op %r" % op}, b""
+        return {"ok": True}, b""
+
+    def _op_check(self, h, body, conn, timeout):
+        with self._cond:
+            return {"ok": True, "value": all(k in self._data for k in h["keys"])}, b""
+
+    def _op_cas(self, h, body, conn, timeout):
+        key, expected_len = h["key"], h.get("expected_len")  # None: swap only when absent
+        if expected_len is not None and not 0 <= expected_len <= len(body):
+            return _bad("cas: expected_len=%d outside the body's %d bytes"
+                        % (expected_len, len(body))), b""
+        expected, desired = body[:expected_len or 0], body[expected_len or 0:]
+        with self._cond:
+            current = self._data.get(key)
+            if (expected_len is None and current is None) or (
+                    expected_len is not None and current == expected):
+                self._data[key] = current = desired
+                self._cond.notify_all()
+            return {"ok": True, "present": current is not None}, current or b""
+
+    def _op_delete(self, h, body, conn, timeout):
+        with self._cond:
+            self._owner.pop(h["key"], None)
+            return {"ok": True, "value": self._data.pop(h["key"], None) is not None}, b""
+
+    def _op_delete_prefix(self, h, body, conn, timeout):
+        prefix = h["prefix"]
+        if not prefix:
+            return _bad("delete_prefix needs a non-empty prefix"), b""
+        with self._cond:
+            keys = [k for k in self._data if k.startswith(prefix)]
+            for k in keys:
+                del self._data[k]
+                self._owner.pop(k, None)
+        return {"ok": True, "value": len(keys)}, b""
+
+    def _op_list(self, h, body, conn, timeout):
+        prefix = h.get("prefix", "")
+        with self._cond:
+            keys = sorted(k for k in self._data if k.startswith(prefix))
+        return {"ok": True, "keys": keys}, b""
+
+    def _op_ping(self, h, body, conn, timeout):
+        return {"ok": True}, b""
+
+    def _wait_locked(self, keys: list[str], timeout: float) -> bool:
+        """With self._cond held: wait until every key is set, at most `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while not all(k in self._data for k in keys):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closed:
+                return False
+            self._cond.wait(remaining)
+        return True
+
+
+# field kinds of a request; a timeout is checked apart (finite, in (0, 7 days])
+_STR, _INT, _BOOL, _KEYS, _INT_OR_NULL, _NUMBER = "str", "int", "bool", "keys", "int?", "num"
+_KIND_NAMES = {_STR: "a string", _INT: "an integer", _BOOL: "true or false",
+               _KEYS: "a list of strings", _INT_OR_NULL: "an integer or null",
+               _NUMBER: "a number of seconds"}
+_KEY = {"key": (_STR, True)}
+_TIMEOUT = {"timeout": (_NUMBER, False)}
+_REQUESTS: dict[str, dict[str, tuple[str, bool]]] = {
+    "set": {**_KEY, "ephemeral": (_BOOL, False)},
+    "get": {**_KEY, **_TIMEOUT},
+    "add": {**_KEY, "amount": (_INT, False)},
+    "wait": {"keys": (_KEYS, True), **_TIMEOUT},
+    "check": {"keys": (_KEYS, True)},
+    "cas": {**_KEY, "expected_len": (_INT_OR_NULL, False)},
+    "delete": dict(_KEY),
+    "delete_prefix": {"prefix": (_STR, True)},
+    "list": {"prefix": (_STR, False)},
+    "ping": {},
+}
+
+
+def _is(value, kind: str) -> bool:
+    if kind == _STR:
+        return isinstance(value, str)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _INT or kind == _INT_OR_NULL:
+        return (value is None and kind == _INT_OR_NULL) or (
+            isinstance(value, int) and not isinstance(value, bool))
+    if kind == _KEYS:
+        return isinstance(value, list) and all(isinstance(k, str) for k in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # _NUMBER
+
+
+def _bad(message: str) -> dict:
+    return {"ok": False, "error": "bad_request", "message": message}
 
 
 class Store:
@@ -209,12 +291,21 @@ class Store:
         self.address = address
         self.host, self.port = parse_address(address)
         self._token = token
-        self.timeout = timeout
+        self.timeout = timeout  # checked: finite, in (0, 7 days]
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self.generation = 0  # connections made so far (a change means a reconnect)
         with self._lock:
-            self._connect(time.monotonic() + timeout)
+            self._connect(time.monotonic() + self.timeout)
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline of every operation, in seconds."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = check_timeout(value, "Store timeout")
 
     def clone(self) -> "Store":
         """A second connection to the same server (for a thread that blocks in wait)."""
@@ -305,7 +396,8 @@ class Store:
 
     def _call(self, header: dict, body: bytes = b"",
               timeout: float | None = None) -> tuple[dict, bytes]:
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else check_timeout(
+            timeout, "store %s timeout" % header["op"])
         if header["op"] in ("get", "wait"):
             header["timeout"] = timeout
         # the server answers a wait at its deadline; allow for the round trip on top
@@ -326,6 +418,8 @@ class Store:
                                            reply.get("message", reply.get("error")))
             if reply.get("error") == "timeout":
                 raise StoreTimeout(message + " within %.1f s" % timeout)
+            if reply.get("error") == "bad_request":
+                raise StoreBadRequest(message)
             raise StoreError(message)
         return reply, value
 

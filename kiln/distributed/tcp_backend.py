@@ -5,7 +5,10 @@ store from (or KILN_BIND_ADDR), publishes `host:port` under the group's prefix, 
 connects to every lower rank and accepts every higher one, twice: the threaded lane
 and the direct lane of each pair (see tcp_transport). Each data connection is
 authenticated with the job token (the same HMAC handshake as the store) and names
-its group, epoch and lane, so a stray or hostile connection is refused.
+its group, epoch and lane, so a stray or hostile connection is refused: each
+connection has its own handshake thread and deadline (`acceptor`), so strangers on
+the port — idle, slow, sending garbage or deep JSON, or enough of them to exhaust
+the file limit — never delay or fail the rendezvous of the real peers.
 
 Algorithm choice by size (bytes per rank; tuned with benchmarks/bench_allreduce.py):
 KILN_TCP_RING_BYTES (default 256 KiB) switches all_reduce, reduce_scatter,
@@ -55,12 +58,14 @@ from kiln.distributed import shm_lane
 from kiln.distributed import tcp_algorithms as alg
 from kiln.distributed.backend import OP_CODES, OP_NAMES, Backend, CallContext
 from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, Reducer
-from kiln.distributed.errors import RendezvousError, StoreError
+from kiln.distributed.acceptor import HANDSHAKE_TIMEOUT, Acceptor
+from kiln.distributed.errors import RendezvousError, StoreAuthError, StoreError, StoreTimeout
 from kiln.distributed.protocol import client_handshake, parse_address, server_handshake
 from kiln.distributed.tcp_rma import RmaEngine
 from kiln.distributed.tcp_transport import _DIRECT_TICK, P2P, Transport
 
 DATA_ROLE = "kiln-data"
+_CONNECT_ATTEMPTS = 5  # per data connection: see _connect_peer
 _DTYPE_NAMES = {code: short for short, code in DTYPE_CODES.items()}
 _REDUCE_NAMES = {code: name for name, code in REDUCE_CODES.items()}
 
@@ -112,6 +117,60 @@ def _segment_sizes(world_size: int) -> tuple[int, int]:
         _ring_segment_scale(world_size)
 
 
+def _connect_peer(host: str, port: int, token: str, hello: dict,
+                  deadline: float) -> socket.socket:
+    """One authenticated data connection to a lower rank. A connection the peer
+    dropped during the handshake (its data port sheds the oldest handshakes when
+    strangers crowd it) is made again, a few times; a refused connect or a wrong
+    token is final."""
+    for attempt in range(_CONNECT_ATTEMPTS):
+        sock = socket.create_connection((host, port),
+                                        timeout=max(deadline - time.monotonic(), 0.01))
+        try:
+            client_handshake(sock, token, DATA_ROLE, max(deadline - time.monotonic(), 0.01),
+                             hello=hello)
+            return sock
+        except (StoreAuthError, StoreTimeout):
+            sock.close()
+            raise
+        except StoreError:
+            sock.close()
+            if attempt == _CONNECT_ATTEMPTS - 1 or time.monotonic() >= deadline:
+                raise
+            time.sleep(min(0.01 * 2 ** attempt, max(deadline - time.monotonic(), 0.0)))
+    raise AssertionError("unreachable")
+
+
+def _accept_peers(acceptor: Acceptor, lanes: tuple[dict, dict], prefix: str, rank: int,
+                  world_size: int, epoch: int, deadline: float) -> None:
+    """Take both lanes from every higher rank. A connection that knows the token but
+    belongs elsewhere (another group or epoch: a late member of an earlier
+    reconfiguration) is closed and the wait goes on; a second connection for the
+    same peer and lane replaces the first (the peer made it again)."""
+    wanted = {(peer, lane) for peer in range(rank + 1, world_size) for lane in (0, 1)}
+    while not wanted <= {(p, lane) for lane in (0, 1) for p in lanes[lane]}:
+        got = acceptor.next_ready(deadline)
+        if got is None:
+            missing = sorted(wanted - {(p, lane) for lane in (0, 1) for p in lanes[lane]})
+            raise StoreTimeout("ranks %s never connected to this rank's data port (%d "
+                               "other connections refused)"
+                               % (sorted({p for p, _ in missing}), acceptor.refused))
+        sock, theirs = got
+        peer, lane = theirs.get("rank"), theirs.get("lane")
+        if (theirs.get("group"), theirs.get("epoch")) != (prefix, epoch) or \
+                (peer, lane) not in wanted or type(peer) is not int or type(lane) is not int:
+            sock.close()
+            acceptor.log("stale", "closed a connection of group %.80r epoch %.20r rank %.20r "
+                         "(this is group %r epoch %d)" % (theirs.get("group"),
+                                                          theirs.get("epoch"), peer, prefix,
+                                                          epoch))
+            continue
+        old = lanes[lane].get(peer)
+        if old is not None:
+            old.close()
+        lanes[lane][peer] = sock
+
+
 class TcpBackend(Backend):
     """Full mesh of authenticated TCP sockets among the ranks of one group.
 
@@ -145,10 +204,17 @@ class TcpBackend(Backend):
                    timeout: float, epoch: int = 0) -> "TcpBackend":
         deadline = time.monotonic() + timeout
         host = os.environ.get("KILN_BIND_ADDR") or store.local_address()
-        listener = socket.create_server((host, 0), backlog=max(2 * world_size, 8))
+        listener = socket.create_server((host, 0), backlog=max(2 * world_size, 64))
         lanes: tuple[dict[int, socket.socket], dict[int, socket.socket]] = ({}, {})
         shm: dict = {}
         hello = {"group": prefix, "rank": rank, "epoch": epoch}
+        # every connection gets its own handshake thread and deadline: a stranger,
+        # however idle or hostile, never holds up a peer (see acceptor)
+        acceptor = Acceptor(listener, "data port (rank %d of %s)" % (rank, prefix),
+                            handshake=lambda conn: server_handshake(
+                                conn, token, DATA_ROLE,
+                                max(min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()), 0.01)),
+                            max_pending=64)
         try:
             store.set("%s/addr/%d" % (prefix, rank), "%s:%d" % listener.getsockname()[:2])
             keys = ["%s/addr/%d" % (prefix, r) for r in range(world_size)]
@@ -156,28 +222,9 @@ class TcpBackend(Backend):
             for peer in range(rank):
                 peer_host, port = parse_address(store.get(keys[peer]).decode())
                 for lane in (0, 1):
-                    sock = socket.create_connection(
-                        (peer_host, port), timeout=max(deadline - time.monotonic(), 0.01))
-                    lanes[lane][peer] = sock
-                    client_handshake(sock, token, DATA_ROLE,
-                                     max(deadline - time.monotonic(), 0.01),
-                                     hello=dict(hello, lane=lane))
-            while len(lanes[0]) + len(lanes[1]) < 2 * (world_size - 1):
-                listener.settimeout(max(deadline - time.monotonic(), 0.01))
-                sock, _ = listener.accept()
-                try:
-                    theirs = server_handshake(sock, token, DATA_ROLE,
-                                              max(deadline - time.monotonic(), 0.01))
-                except StoreError:
-                    sock.close()  # a stranger: refuse and keep waiting for the real peers
-                    continue
-                peer, lane = theirs.get("rank"), theirs.get("lane")
-                if (theirs.get("group"), theirs.get("epoch")) != (prefix, epoch) or not (
-                        isinstance(peer, int) and rank < peer < world_size) or \
-                        lane not in (0, 1) or peer in lanes[lane]:
-                    sock.close()
-                    raise RendezvousError("group '%s': unexpected connection %r" % (prefix, theirs))
-                lanes[lane][peer] = sock
+                    lanes[lane][peer] = _connect_peer(peer_host, port, token,
+                                                      dict(hello, lane=lane), deadline)
+            _accept_peers(acceptor, lanes, prefix, rank, world_size, epoch, deadline)
             # a shared-memory lane with each peer on this host, the slots one ring
             # segment each (the largest messages the rings and chains send)
             segment, scale = _segment_sizes(world_size)
@@ -191,7 +238,7 @@ class TcpBackend(Backend):
                 hint="check that all %d ranks started and use the same store and KILN_TOKEN"
                 % world_size) from None
         finally:
-            listener.close()
+            acceptor.close()
         _tune(*lanes)
         return cls(prefix, rank, world_size, *lanes, shm=shm)
 

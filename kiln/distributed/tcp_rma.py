@@ -45,6 +45,7 @@ import numpy as np
 
 from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, dtype_of
 from kiln.distributed.errors import CollectiveArgumentError, DistributedError, WindowInvalidated
+from kiln.distributed.protocol import loads_object
 from kiln.distributed.tcp_transport import (
     _MAX_NOTICE, HEADER, RMA_ACC, RMA_GET, RMA_PUT, RMA_REPLY, RMA_SIGNAL, Request,
 )
@@ -240,7 +241,7 @@ class RmaEngine:
             _drain(link, nbytes)
             return
         if status != _DONE:
-            info = json.loads(link._read_new(min(nbytes, _MAX_NOTICE)) or b"{}")
+            info = loads_object(link._read_new(min(nbytes, _MAX_NOTICE)) or b"{}")
             _drain(link, nbytes - min(nbytes, _MAX_NOTICE))
             cls = _REFUSALS.get(info.get("type"), DistributedError)
             p.done(cls("%s to rank %d refused: %s" % (_OP_NAMES[p.kind], link.peer,

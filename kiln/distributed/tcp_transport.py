@@ -72,6 +72,7 @@ from kiln.distributed.errors import (
     CollectiveMismatch, CollectiveTimeout, DistributedError, PeerFailure, error_from_wire,
     error_to_wire,
 )
+from kiln.distributed.protocol import loads_object
 
 # kind, op, dtype, reduce op, seq (or tag), step, segment, count, payload bytes
 HEADER = struct.Struct("!BBBBIIIqQ")
@@ -445,7 +446,7 @@ class Link:
                     rma.serve(self, kind, op, dt, rop, seq, step, seg, count, nbytes)
                     continue
                 if kind in (ABORT, BYE):
-                    info = json.loads(self._read_new(min(nbytes, _MAX_NOTICE)) or b"{}")
+                    info = loads_object(self._read_new(min(nbytes, _MAX_NOTICE)) or b"{}")
                     if kind == BYE:
                         self.departed = True
                         return
