@@ -45,6 +45,7 @@ docs/fault-tolerance.md. Workers publish their step with `elastic.report_step`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -64,6 +65,10 @@ POLICIES = ("abort", "shrink", "replace")
 _TICK = 0.05          # how often the launcher polls its workers and the store
 _STORE_TIMEOUT = 5.0  # the deadline of the launcher's own store operations
 _REAP_TIMEOUT = 5.0   # after SIGKILL: how long to wait for the kernel to reap a worker
+_FIRST_VIEW = "ft/view/0"  # written once the fault-tolerant world's first rendezvous is done
+_VIEW = "ft/view/%d"       # epoch e's membership (kiln.distributed.membership)
+_JOIN_PREFIX = "ft/join/"  # a replacement waiting to be admitted: {"pid": ...}
+_PR_SET_PDEATHSIG = 1      # linux/prctl.h
 
 
 @dataclass
@@ -181,6 +186,7 @@ class _Slot:
     state: str = "running"            # running | exited (0) | dead | released
     resume_at: float | None = None    # a `stop ...,for=D` fault: when to SIGCONT
     stopped: bool = False             # SIGSTOPped by a fault and not resumed
+    uid: int | None = None            # its uid in the fault-tolerant group, once known
 
 
 class _Job:
@@ -202,6 +208,9 @@ class _Job:
         self.start = time.monotonic()
         self.received: list[int] = []
         self.store_failed = False
+        self.next_view = 0                  # the first epoch not read yet (ft/view/<e>)
+        self.removed: dict[int, int] = {}   # uid -> the epoch that shrank it away
+        self.die_with_me = _die_with_parent()
 
     # -- events ---------------------------------------------------------------------
 
@@ -250,9 +259,11 @@ class _Job:
         if any(f.kind == "drop-conn" for f in mine):
             env[elastic.ENV_POLL_DROP] = "1"
         # own session: a terminal's Ctrl-C reaches the launcher, which forwards it once;
-        # and an injected fault can signal the worker's whole process group
+        # and an injected fault can signal the worker's whole process group.
+        # die_with_me: the kernel SIGKILLs the worker if the launcher dies (even by
+        # SIGKILL), so a lost launcher never leaves workers running on their own
         return subprocess.Popen([sys.executable, self.cfg.script] + self.cfg.script_args,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, preexec_fn=self.die_with_me)
 
     def _signal(self, slot: _Slot, signum: int) -> None:
         # not reaped yet (poll() is None), so the pid, which is also the group id, is ours
@@ -273,7 +284,8 @@ class _Job:
             for local in range(self.cfg.nproc):
                 rank = self.cfg.node_rank * self.cfg.nproc + local
                 env = self._env(rank, local)
-                self.slots.append(_Slot(rank, local, self._spawn(rank, local, env), env))
+                self.slots.append(_Slot(rank, local, self._spawn(rank, local, env), env,
+                                        uid=rank))
             self._publish_alive()
             code, reason = self._watch()
         finally:
@@ -326,6 +338,9 @@ class _Job:
                 outcome = self._died(slot, code)
                 if outcome is not None:
                     return outcome
+            outcome = self._reap_removed()
+            if outcome is not None:
+                return outcome
             running = self._running()
             if running and all(s.stopped and s.resume_at is None for s in running):
                 # only workers stopped for good are left: they are hung, nobody will wake
@@ -371,13 +386,69 @@ class _Job:
             return False
         return all(s.proc.pid in pids for s in running)
 
-    def _died(self, slot: _Slot, returncode: int) -> tuple[int, str] | None:
+    def _reap_removed(self) -> tuple[int, str] | None:
+        """Kill the running workers that the fault-tolerant group shrank away (stopped or
+        hung from outside: SIGSTOP, a debugger) and count them as dead; (code, outcome)
+        when the policy ends the job. Without this the launcher would wait forever for
+        a process that no epoch will ever take back."""
+        self._read_views()
+        for slot in self._running():
+            if slot.uid is None or slot.uid not in self.removed or slot.proc.poll() is not None:
+                continue  # (one that exited meanwhile is handled at the next look)
+            epoch = self.removed[slot.uid]
+            _log("rank %d (pid %d) was removed from the group at epoch %d (its peers took it "
+                 "for dead: stopped or hung) and is still running; killing it"
+                 % (slot.rank, slot.proc.pid, epoch))
+            self._signal(slot, signal.SIGKILL)
+            try:
+                slot.proc.wait(timeout=_REAP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                _log("rank %d (pid %d) survived SIGKILL for %.0f s; counting it as dead"
+                     % (slot.rank, slot.proc.pid, _REAP_TIMEOUT))
+            code = slot.proc.returncode if slot.proc.returncode is not None else -signal.SIGKILL
+            outcome = self._died(slot, code, removed_at_epoch=epoch)
+            if outcome is not None:
+                return outcome
+        return None
+
+    def _read_views(self) -> None:
+        """Learn the epochs the group formed since the last look (who was removed), and
+        the uids of replacements from their join requests."""
+        if any(s.uid is None for s in self._running()):
+            def joins() -> dict[int, int]:
+                found = {}
+                for key in self.store.list_keys(_JOIN_PREFIX):
+                    raw = self.store.get(key, timeout=_STORE_TIMEOUT)
+                    found[json.loads(raw).get("pid")] = int(key[len(_JOIN_PREFIX):])
+                return found
+            try:
+                by_pid = self._store_call(joins, default={})
+            except ValueError:
+                by_pid = {}
+            for slot in self._running():
+                if slot.uid is None and slot.proc.pid in by_pid:
+                    slot.uid = by_pid[slot.proc.pid]
+        while True:
+            key = _VIEW % self.next_view
+            raw = self._store_call(lambda: self.store.get(key) if self.store.check([key])
+                                   else None)
+            if raw is None:
+                return
+            try:
+                removed = json.loads(raw).get("removed", [])
+            except ValueError:
+                removed = []
+            for uid in removed:
+                self.removed.setdefault(int(uid), self.next_view)
+            self.next_view += 1
+
+    def _died(self, slot: _Slot, returncode: int, **fields) -> tuple[int, str] | None:
         """Record a death and apply the policy; (code, outcome) when the job must end."""
         slot.state, slot.stopped, slot.resume_at = "dead", False, None
         failure = Failure(slot.rank, slot.local, slot.proc.pid, returncode)
         self._event("died", slot, returncode=returncode,
                     exit_code=returncode if returncode > 0 else None,
-                    signal=_signal_name(-returncode) if returncode < 0 else None)
+                    signal=_signal_name(-returncode) if returncode < 0 else None, **fields)
         # a later step-triggered fault for this slot must not fire on the old progress
         self._store_call(lambda: self.store.delete(elastic.PROGRESS_KEY % slot.rank))
         _log(failure.describe())
@@ -401,13 +472,24 @@ class _Job:
         if count > self.cfg.max_restarts:
             return self._fail(failure, "rank %d died and the --max-restarts %d replacements "
                               "are used up" % (slot.rank, self.cfg.max_restarts))
-        env = dict(slot.env, KILN_JOIN="1", KILN_REPLACES=str(slot.rank),
-                   KILN_RESTART_COUNT=str(count))
+        env = dict(slot.env, KILN_REPLACES=str(slot.rank), KILN_RESTART_COUNT=str(count))
+        # before the group's first rendezvous there is no running group to join: the
+        # replacement takes the dead worker's place in that rendezvous (the others are
+        # still waiting for its rank there) instead of waiting to be admitted
+        first = bool(self._store_call(lambda: self.store.check([_FIRST_VIEW]), default=True))
+        if first:
+            env["KILN_JOIN"] = "1"
+        else:
+            env.pop("KILN_JOIN", None)
         old_pid = slot.proc.pid
         slot.proc, slot.env, slot.state = self._spawn(slot.rank, slot.local, env), env, "running"
-        self._event("replaced", slot, replaces_pid=old_pid, restart_count=count)
-        _log("started a replacement for rank %d (pid %d, restart %d of %d)"
-             % (slot.rank, slot.proc.pid, count, self.cfg.max_restarts))
+        slot.uid = None if first else slot.rank
+        self._event("replaced", slot, replaces_pid=old_pid, restart_count=count,
+                    joins=first)
+        _log("started a replacement for rank %d (pid %d, restart %d of %d)%s"
+             % (slot.rank, slot.proc.pid, count, self.cfg.max_restarts,
+                "" if first else ": the group had not formed yet, so it takes rank %d's place "
+                "in the first rendezvous" % slot.rank))
         return None
 
     def _fail(self, failure: Failure, why: str) -> tuple[int, str]:
@@ -557,11 +639,36 @@ class _Job:
                 _log("cannot write --events-json %s: %s" % (self.cfg.events_json, err))
 
 
+def _die_with_parent():
+    """A `preexec_fn` that makes the kernel SIGKILL the child when the launcher dies
+    (Linux `prctl(PR_SET_PDEATHSIG)`); None where that does not exist. Made in the
+    parent: the child only calls an already resolved C function between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent, kill = os.getpid(), int(signal.SIGKILL)
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died between fork and prctl
+            os.kill(os.getpid(), kill)
+    return arm
+
+
 def _describe(event: dict) -> str:
     rank, pid, kind = event["rank"], event["pid"], event["kind"]
     if kind == "died":
         how = ("killed by signal %s" % event["signal"] if event["signal"]
                else "exit code %d" % event["exit_code"])
+        if "removed_at_epoch" in event:
+            how += " (by the launcher: the group removed it at epoch %d)" \
+                % event["removed_at_epoch"]
         return "rank %d (pid %d) died: %s" % (rank, pid, how)
     if kind == "replaced":
         return "rank %d replaced by pid %d (KILN_RESTART_COUNT=%d)" % (

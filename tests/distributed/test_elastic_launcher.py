@@ -28,6 +28,9 @@ from kiln.distributed import elastic
 out = sys.argv[1]
 cfg = json.loads(sys.argv[2])
 rank = int(os.environ["KILN_RANK"])
+if cfg.get("form_group") and rank == 0:  # as a fault-tolerant group's first rendezvous does
+    from kiln.distributed.store import Store
+    Store(os.environ["KILN_STORE"], os.environ["KILN_TOKEN"]).set("ft/view/0", "{}")
 hooks = []
 elastic.on_drop_conn(lambda: hooks.append(time.time()))
 log = open(os.path.join(out, "steps_%d_%d.log" % (rank, os.getpid())), "w", buffering=1)
@@ -119,7 +122,8 @@ def test_shrink_lets_the_others_finish_and_records_the_death(tmp_path):
 def test_replace_starts_a_joiner_with_the_contract_environment(tmp_path):
     report = tmp_path / "events.json"
     proc = launch(tmp_path, "--nproc", "2", "--on-failure", "replace", "--max-restarts", "1",
-                  "--inject", "kill:rank=1,step=3", "--events-json", str(report), steps=20)
+                  "--inject", "kill:rank=1,step=3", "--events-json", str(report), steps=20,
+                  form_group=True)
     assert proc.returncode == 0, proc.stderr
     finished = done(tmp_path)
     assert finished[0][0]["env"] == {"KILN_RANK": "0", "KILN_WORLD_SIZE": "2", "KILN_JOIN": None,
@@ -132,8 +136,25 @@ def test_replace_starts_a_joiner_with_the_contract_environment(tmp_path):
     [died] = events(report, "died")
     [replaced] = events(report, "replaced")
     assert replaced["pid"] == joiner["pid"] and replaced["replaces_pid"] == died["pid"]
-    assert replaced["restart_count"] == 1
+    assert replaced["restart_count"] == 1 and replaced["joins"] is True
     assert "started a replacement for rank 1" in proc.stderr
+
+
+@pytest.mark.timeout(30)
+def test_replace_before_the_group_formed_takes_the_dead_ranks_place(tmp_path):
+    # no first rendezvous yet (no ft/view/0): nobody could admit a joiner, so the
+    # replacement runs in the dead worker's place, without KILN_JOIN
+    report = tmp_path / "events.json"
+    proc = launch(tmp_path, "--nproc", "2", "--on-failure", "replace", "--max-restarts", "1",
+                  "--inject", "kill:rank=1,step=3", "--events-json", str(report), steps=20)
+    assert proc.returncode == 0, proc.stderr
+    [replacement] = done(tmp_path)[1]
+    assert replacement["env"] == {"KILN_RANK": "1", "KILN_WORLD_SIZE": "2", "KILN_JOIN": None,
+                                  "KILN_REPLACES": "1", "KILN_RESTART_COUNT": "1",
+                                  "KILN_LAUNCHER": "1"}
+    [replaced] = events(report, "replaced")
+    assert replaced["joins"] is False and replaced["pid"] == replacement["pid"]
+    assert "takes rank 1's place in the first rendezvous" in proc.stderr
 
 
 @pytest.mark.timeout(30)
