@@ -8,6 +8,12 @@
 A Work ends exactly once: completed, or failed with a `DistributedError`
 (`PeerFailure`, `CollectiveTimeout`, `CollectiveMismatch`, `GroupAborted`).
 
+A failed group fails every later call with the same stored error. `wait()` never
+raises that stored object itself: each raise is a fresh copy (same class, same fields,
+the original as its `__cause__` when it has a traceback of its own), so a retry loop
+over 10,000 failed calls does not grow one traceback by two frames per raise; and
+the copy says what to do next (`should_commit()` on a fault-tolerant group).
+
 A collective's Work knows its group (`_owner`): waiting on it, or polling it, lets the
 group make progress on that thread (`ProcessGroup._help`) instead of handing the work
 to the progress thread and being woken back. Nothing blocks unless the caller asked
@@ -19,7 +25,9 @@ from __future__ import annotations
 import threading
 import time
 
-from kiln.distributed.errors import CollectiveTimeout
+from kiln.distributed.errors import (
+    CollectiveArgumentError, CollectiveTimeout, DistributedError, WindowInvalidated,
+)
 
 # guards every Work's end and its lazily made Event: one process-wide lock held for a
 # few bytecodes is cheaper than a Lock and an Event per call, and a call that a
@@ -84,8 +92,40 @@ class Work:
                                                                    self.group, timeout),
                         hint="wait longer, or pass a larger `timeout=` to the collective")
         if self._error is not None:
-            raise self._error
+            raise self._fresh_error()
         return True
+
+    def _fresh_error(self) -> BaseException:
+        """A new exception object for this raise (see the module docstring)."""
+        error = self._error
+        cls = type(error)
+        try:
+            fresh = cls.__new__(cls, *error.args)
+            fresh.__dict__.update(error.__dict__)
+        except Exception:  # an exotic exception type: at least drop the old frames
+            return error.with_traceback(None)
+        if error.__traceback__ is not None:  # where it happened, kept once, never grown
+            fresh.__cause__ = error
+        advice = self._advice(error)
+        if advice and fresh.args and isinstance(fresh.args[0], str):
+            fresh.args = (fresh.args[0] + "\n  next: " + advice,) + fresh.args[1:]
+        return fresh
+
+    def _advice(self, error: BaseException) -> str | None:
+        """What a caller must do after a group failure, instead of retrying the call."""
+        if not isinstance(error, DistributedError) or isinstance(
+                error, (WindowInvalidated, CollectiveArgumentError)):
+            return None
+        tolerant = None if self._owner is None else self._owner._sync_ft is not None
+        if tolerant is False:
+            return ("group '%s' runs no more calls after a failure and is not fault-"
+                    "tolerant: end the job (or use init_process_group(..., fault_tolerant="
+                    "True), which survives failures)" % self.group)
+        text = ("every call of group '%s' fails with this error until the group is "
+                "reconfigured: end the step with pg.should_commit() (it returns False, the "
+                "step is dropped and the survivors go on at the next epoch) or call "
+                "pg.shrink(); retrying the call itself fails again" % self.group)
+        return text if tolerant else text + " (on a fault-tolerant group; others must end)"
 
     def add_done_callback(self, fn) -> None:
         """Call fn(work) when done (at once if already done), from the finishing thread."""
