@@ -36,4 +36,16 @@ from kiln.frontend.control_flow import cond, nonzero, switch, while_loop  # noqa
 from kiln.frontend.autodiff import grad, stop_gradient, value_and_grad, vjp  # noqa: F401
 from kiln.frontend.moe import grouped_matmul  # noqa: F401
 from kiln.io import load_state_dict, save_state_dict  # noqa: F401  (safetensors)
+from kiln.frontend.selection import (  # noqa: F401
+    clone, contiguous, einsum, masked_fill, multinomial, one_hot, topk, tril, triu,
+)
+from kiln.frontend.tape import (  # noqa: F401
+    enable_grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled,
+)
+from kiln.frontend.tensor import Device as device  # noqa: F401  (kn.device("cpu"), as torch)
+# torch's dtype aliases, so `dtype=torch.long` ports as `dtype=kn.long`
+from kiln.ir.dtypes import (  # noqa: F401,E402
+    complex64 as cfloat, float16 as half, float32 as float, float64 as double, int16 as short,
+    int32 as int, int64 as long,
+)
 from kiln import nn, optim  # noqa: F401,E402

@@ -17,6 +17,7 @@ import sympy
 from kiln.errors import KilnDTypeError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
+from kiln.frontend.tape import Dual, TapeEmitter, builder_of, taping
 
 _state = threading.local()
 
@@ -51,6 +52,11 @@ def emitter_for(*args) -> Emitter:
                                  hint="return it from the traced function instead of storing it")
         return found
     return EAGER
+
+
+def op_emitter(*args) -> Emitter:
+    """`emitter_for(*args)`, recording a tape when an operand requires grad."""
+    return taping(emitter_for(*args), args)
 
 
 def to_array(value) -> np.ndarray:
@@ -90,8 +96,13 @@ def raw(em: Emitter, value) -> Any:
         return value.item() if isinstance(value, np.generic) else value
     if isinstance(value, Tensor):
         if value._builder is not None:
-            return value._x
-        return em.constant(value._x) if em is not EAGER else value._x
+            primal = value._x
+        else:
+            primal = em.constant(value._x) if em is not EAGER else value._x
+        if isinstance(em, TapeEmitter):  # tape autograd (kiln/frontend/tape.py)
+            ref = value._grad_ref()
+            return Dual(primal, ref) if ref is not None else primal
+        return primal
     array = to_array(value)
     return em.constant(array) if em is not EAGER else array
 
@@ -99,21 +110,31 @@ def raw(em: Emitter, value) -> Any:
 def wrap(em: Emitter, result):
     from kiln.frontend.tensor import Tensor
 
-    builder = em if isinstance(em, GraphBuilder) else None
+    builder = builder_of(em)
     if isinstance(result, tuple):
-        return tuple(Tensor._make(r, builder) for r in result)
+        return tuple(_tensor_of(r, builder) for r in result)
+    return _tensor_of(result, builder)
+
+
+def _tensor_of(result, builder):
+    from kiln.frontend.tensor import Tensor
+
+    if isinstance(result, Dual):
+        t = Tensor._make(result.primal, builder)
+        t._node = result.ref
+        return t
     return Tensor._make(result, builder)
 
 
 def apply(op: str, *args, **attrs):
     """Run registered op `op` on tensors/arrays/scalars in the right mode."""
-    em = emitter_for(*args)
+    em = op_emitter(*args)
     return wrap(em, em.call(op, *(raw(em, a) for a in args), **attrs))
 
 
 def binary(op: str, x, y, dtype: dt.DType | None = None):
     """A binary primitive with numpy promotion, weak scalars and explicit broadcasting."""
-    em = emitter_for(x, y)
+    em = op_emitter(x, y)
     return wrap(em, em.binary(op, raw(em, x), raw(em, y), dtype=dtype))
 
 

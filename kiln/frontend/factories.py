@@ -21,7 +21,17 @@ from kiln.ir.shapes import dim as as_dim
 from kiln.frontend.dispatch import creation_emitter, to_array, wrap
 
 
-def tensor(data, dtype=None):
+def _finish(t, op: str, device=None, requires_grad: bool = False):
+    """Validate `device=` (tensors live on the CPU) and mark `requires_grad=`."""
+    from kiln.frontend.tensor import as_device
+
+    as_device(device, op)
+    if requires_grad:
+        t.requires_grad = True
+    return t
+
+
+def tensor(data, dtype=None, *, device=None, requires_grad: bool = False):
     """A new tensor holding a copy of `data` (nested lists, numpy arrays, scalars).
 
     >>> kn.tensor([[1, 2], [3, 4]]).dtype
@@ -29,13 +39,14 @@ def tensor(data, dtype=None):
     """
     from kiln.frontend.tensor import Tensor
 
-    return Tensor(data, dtype)
+    return Tensor(data, dtype, device=device, requires_grad=requires_grad)
 
 
-def asarray(data, dtype=None):
+def asarray(data, dtype=None, *, device=None):
     """A tensor sharing `data`'s memory when it can (numpy arrays, DLPack producers)."""
-    from kiln.frontend.tensor import Tensor
+    from kiln.frontend.tensor import Tensor, as_device
 
+    as_device(device, "asarray")
     if isinstance(data, Tensor) and (dtype is None or data.dtype == dt.dtype(dtype)):
         return data
     array = to_array(data)
@@ -73,24 +84,25 @@ def _shape(op: str, size) -> tuple:
     return dims
 
 
-def full(size, fill_value, dtype=None):
+def full(size, fill_value, dtype=None, *, device=None, requires_grad: bool = False):
     if dtype is None:
         dtype = dt.python_scalar_dtype(fill_value)
     em = creation_emitter()
-    return wrap(em, em.full(fill_value, dt.dtype(dtype), _shape("full", (size,))))
+    out = wrap(em, em.full(fill_value, dt.dtype(dtype), _shape("full", (size,))))
+    return _finish(out, "full", device, requires_grad)
 
 
-def zeros(*size, dtype=dt.float32):
-    return full(_shape("zeros", size), 0, dtype)
+def zeros(*size, dtype=dt.float32, device=None, requires_grad: bool = False):
+    return full(_shape("zeros", size), 0, dtype, device=device, requires_grad=requires_grad)
 
 
-def ones(*size, dtype=dt.float32):
-    return full(_shape("ones", size), 1, dtype)
+def ones(*size, dtype=dt.float32, device=None, requires_grad: bool = False):
+    return full(_shape("ones", size), 1, dtype, device=device, requires_grad=requires_grad)
 
 
-def empty(*size, dtype=dt.float32):
+def empty(*size, dtype=dt.float32, device=None, requires_grad: bool = False):
     """Uninitialized in PyTorch; zeros here (numpy and compiled code alike)."""
-    return full(_shape("empty", size), 0, dtype)
+    return full(_shape("empty", size), 0, dtype, device=device, requires_grad=requires_grad)
 
 
 def _like(x, dtype):
@@ -100,27 +112,30 @@ def _like(x, dtype):
     return x.shape, dt.dtype(dtype) if dtype is not None else x.dtype
 
 
-def zeros_like(x, dtype=None):
+def zeros_like(x, dtype=None, *, device=None, requires_grad: bool = False):
     shape, dtype = _like(x, dtype)
-    return full(shape, 0, dtype)
+    return full(shape, 0, dtype, device=device, requires_grad=requires_grad)
 
 
-def ones_like(x, dtype=None):
+def ones_like(x, dtype=None, *, device=None, requires_grad: bool = False):
     shape, dtype = _like(x, dtype)
-    return full(shape, 1, dtype)
+    return full(shape, 1, dtype, device=device, requires_grad=requires_grad)
 
 
-def full_like(x, fill_value, dtype=None):
+def full_like(x, fill_value, dtype=None, *, device=None, requires_grad: bool = False):
     shape, dtype = _like(x, dtype)
-    return full(shape, fill_value, dtype)
+    return full(shape, fill_value, dtype, device=device, requires_grad=requires_grad)
 
 
-def empty_like(x, dtype=None):
-    return zeros_like(x, dtype)
+def empty_like(x, dtype=None, *, device=None, requires_grad: bool = False):
+    return zeros_like(x, dtype, device=device, requires_grad=requires_grad)
 
 
-def arange(start, end=None, step=1, dtype=None):
+def arange(start, end=None, step=1, dtype=None, *, device=None, requires_grad: bool = False):
     """Values from start (inclusive) to end (exclusive), as torch.arange."""
+    from kiln.frontend.tensor import as_device
+
+    as_device(device, "arange")
     if end is None:
         start, end = 0, start
     if step == 0:
@@ -143,25 +158,29 @@ def arange(start, end=None, step=1, dtype=None):
         ramp = em.binary("mul", ramp, step)
     if start != 0:
         ramp = em.binary("add", ramp, start)
-    return wrap(em, em.convert(ramp, dtype))
+    return _finish(wrap(em, em.convert(ramp, dtype)), "arange", None, requires_grad)
 
 
-def linspace(start: float, end: float, steps: int, dtype=dt.float32):
+def linspace(start: float, end: float, steps: int, dtype=dt.float32, *, device=None,
+             requires_grad: bool = False):
     if steps < 0:
         raise KilnArgumentError(f"linspace: steps must be >= 0, got {steps}")
     em = creation_emitter()
     ramp = em.call("iota", dtype=dt.float64, shape=(steps,))
     delta = (end - start) / (steps - 1) if steps > 1 else 0.0
     values = em.binary("add", em.binary("mul", ramp, delta), float(start))
-    return wrap(em, em.convert(values, dt.dtype(dtype)))
+    return _finish(wrap(em, em.convert(values, dt.dtype(dtype))), "linspace", device,
+                   requires_grad)
 
 
-def eye(n: int, m: int | None = None, dtype=dt.float32):
+def eye(n: int, m: int | None = None, dtype=dt.float32, *, device=None,
+        requires_grad: bool = False):
     m = n if m is None else m
     em = creation_emitter()
     rows = em.call("iota", dtype=dt.int64, shape=(n, m), dimension=0)
     cols = em.call("iota", dtype=dt.int64, shape=(n, m), dimension=1)
-    return wrap(em, em.convert(em.call("eq", rows, cols), dt.dtype(dtype)))
+    return _finish(wrap(em, em.convert(em.call("eq", rows, cols), dt.dtype(dtype))), "eye",
+                   device, requires_grad)
 
 
 # -- randomness ------------------------------------------------------------------------
@@ -198,18 +217,33 @@ def _random(op: str, size, seed, dtype, **attrs):
     return wrap(em, em.call(op, key, shape=_shape(op, size), dtype=dtype, **attrs))
 
 
-def rand(*size, seed: int | None = None, dtype=dt.float32):
+def rand(*size, seed: int | None = None, dtype=dt.float32, device=None, requires_grad=False,
+         generator=None):
     """Uniform samples in [0, 1)."""
-    return _random("uniform", size, seed, dtype)
+    _no_generator("rand", generator)
+    return _finish(_random("uniform", size, seed, dtype), "rand", device, requires_grad)
 
 
-def randn(*size, seed: int | None = None, dtype=dt.float32):
+def randn(*size, seed: int | None = None, dtype=dt.float32, device=None, requires_grad=False,
+          generator=None):
     """Standard normal samples."""
-    return _random("normal", size, seed, dtype)
+    _no_generator("randn", generator)
+    return _finish(_random("normal", size, seed, dtype), "randn", device, requires_grad)
 
 
-def randint(low: int, high: int | None = None, size=(), seed: int | None = None, dtype=dt.int64):
+def _no_generator(op: str, generator) -> None:
+    if generator is not None:
+        raise KilnArgumentError(f"{op}: generator= is not supported; seed kiln's stream with "
+                                "kn.manual_seed(n) or pass seed=n")
+
+
+def randint(low: int, high: int | None = None, size=(), seed: int | None = None, dtype=dt.int64,
+            *, device=None, generator=None):
     """Integers uniform in [low, high)."""
+    from kiln.frontend.tensor import as_device
+
+    as_device(device, "randint")
+    _no_generator("randint", generator)
     if high is None:
         low, high = 0, low
     if high <= low:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from kiln.errors import KilnArgumentError, KilnDTypeError
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import normalize_axis
-from kiln.frontend.dispatch import apply, binary, emitter_for, raw, wrap
+from kiln.frontend.dispatch import apply, binary, op_emitter as emitter_for, raw, wrap
 
 
 def _dtype_of(x) -> dt.DType:

@@ -8,7 +8,9 @@ from __future__ import annotations
 from kiln.ir import dtypes as dt
 from kiln.frontend import functional as F
 from kiln.frontend import shape_ops as S
+from kiln.frontend import selection as SEL
 from kiln.frontend.indexing import getitem
+from kiln.frontend.mutation import bind as bind_inplace
 from kiln.frontend.tensor import Tensor
 
 
@@ -43,7 +45,20 @@ _METHODS.update({name: getattr(S, name) for name in (
     "reshape", "view", "flatten", "permute", "transpose", "movedim", "expand", "squeeze",
     "unsqueeze", "narrow", "split", "chunk", "gather", "scatter_add", "scatter", "index_select",
     "flip")})
+_METHODS.update({name: getattr(SEL, name) for name in (
+    "tril", "triu", "masked_fill", "topk", "clone", "contiguous", "multinomial")})
 _METHODS["where"] = lambda self, condition, other: F.where(condition, self, other)
+_METHODS["clamp_min"] = lambda self, min: F.maximum(self, min)  # noqa: A002
+_METHODS["clamp_max"] = lambda self, max: F.minimum(self, max)  # noqa: A002
+_METHODS["lerp"] = lambda self, end, weight: F.add(self, F.mul(F.sub(end, self), weight))
+_METHODS["addcmul"] = lambda self, t1, t2, value=1: F.add(self, F.mul(F.mul(t1, t2), value))
+_METHODS["addcdiv"] = lambda self, t1, t2, value=1: F.add(self, F.mul(F.div(t1, t2), value))
+_METHODS["t"] = lambda self: self if self.ndim < 2 else S.transpose(self, 0, 1)
+_METHODS["new_zeros"] = lambda self, *size, dtype=None, **kw: _new(self, size, 0, dtype)
+_METHODS["new_ones"] = lambda self, *size, dtype=None, **kw: _new(self, size, 1, dtype)
+_METHODS["new_full"] = lambda self, size, fill_value, dtype=None, **kw: _new(self, (size,),
+                                                                             fill_value, dtype)
+_METHODS["new_tensor"] = lambda self, data, dtype=None, **kw: Tensor(data, dtype or self.dtype)
 _METHODS["expand_as"] = lambda self, other: S.expand(self, *other.shape)
 _METHODS["reshape_as"] = lambda self, other: S.reshape(self, *other.shape)
 _METHODS["type_as"] = lambda self, other: F.to(self, other.dtype)
@@ -54,6 +69,39 @@ for _name, _dtype in (("float", dt.float32), ("double", dt.float64), ("half", dt
     _METHODS[_name] = (lambda d: lambda self: F.to(self, d))(_dtype)
 
 
+def _new(self, size, value, dtype):
+    from kiln.frontend.factories import _shape, full
+
+    return full(_shape("new_full", size), value, self.dtype if dtype is None else dtype)
+
+
+def _to(self, *args, dtype=None, device=None, copy: bool = False, non_blocking: bool = False,
+        **_):
+    """torch's `.to(dtype)`, `.to(device)`, `.to(device, dtype)`, `.to(other_tensor)`."""
+    from kiln.frontend.tensor import as_device
+
+    for a in args:
+        if isinstance(a, Tensor):
+            dtype = a.dtype
+        elif _is_device(a):
+            device = a
+        else:
+            dtype = a
+    as_device(device, "Tensor.to")
+    out = self if dtype is None else F.to(self, dtype)
+    return SEL.clone(out) if copy and out is self else out
+
+
+def _is_device(a) -> bool:
+    from kiln.frontend.tensor import _DEVICE_KINDS, Device
+
+    if isinstance(a, Device):
+        return True
+    if isinstance(a, str):
+        return a.split(":")[0] in _DEVICE_KINDS
+    return not isinstance(a, (dt.DType, type)) and hasattr(a, "type") and hasattr(a, "index")
+
+
 def _T(self):
     return S.permute(self, tuple(reversed(range(self.ndim))))
 
@@ -62,8 +110,10 @@ def _mT(self):
     return S.transpose(self, -2, -1)
 
 
+_METHODS["to"] = _to
 for _name, _fn in {**_OPERATORS, **_METHODS}.items():
     setattr(Tensor, _name, _fn)
+bind_inplace(Tensor)
 Tensor.T = property(_T)
 Tensor.mT = property(_mT)
 Tensor.__hash__ = object.__hash__  # __eq__ is elementwise

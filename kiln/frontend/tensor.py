@@ -25,10 +25,45 @@ class Device(str):
 
     @property
     def type(self) -> str:
-        return str(self)
+        return str(self).split(":")[0]
+
+    @property
+    def index(self):
+        _, _, n = str(self).partition(":")
+        return int(n) if n else None
 
 
 CPU = Device("cpu")
+_DEVICE_KINDS = ("cpu", "cuda", "rocm", "metal", "opencl", "xpu", "mps")
+
+
+def as_device(device, op: str = "tensor") -> Device:
+    """`device=` of a factory or `.to()`: None, "cpu", "cpu:0", a kiln Device, or an
+    object with a torch-style `.type` (torch.device("cpu")). Eager tensors live on the
+    CPU; another known device kind is refused with K105, naming it."""
+    from kiln.errors import KilnDeviceError
+
+    if device is None:
+        return CPU
+    text = str(device) if isinstance(device, str) else None
+    if text is None and hasattr(device, "type"):
+        index = getattr(device, "index", None)
+        text = f"{device.type}:{index}" if index is not None else str(device.type)
+    if text is None:
+        raise KilnDeviceError(f"{op}: device must be a string such as 'cpu' or a device, got "
+                              f"{type(device).__name__}")
+    kind, _, index = text.partition(":")
+    if kind not in _DEVICE_KINDS or (index and not index.isdigit()):
+        raise KilnDeviceError(f"{op}: unknown device {text!r}; devices are "
+                              f"{', '.join(k + '[:N]' for k in _DEVICE_KINDS)}")
+    if kind != "cpu":
+        raise KilnDeviceError(f"{op}: device {text!r} is not available to eager tensors here; "
+                              "eager tensors live on 'cpu'",
+                              hint="create the tensor on 'cpu' (compiled programs choose their "
+                                   "target with kn.compile(backend=...))")
+    if index not in ("", "0"):
+        raise KilnDeviceError(f"{op}: there is one cpu device ('cpu' or 'cpu:0'), got {text!r}")
+    return CPU
 
 
 class Tensor:
@@ -39,24 +74,113 @@ class Tensor:
     array([ 7., 15.], dtype=float32)
     """
 
-    __slots__ = ("_x", "_builder", "__weakref__")
+    # _node: the tape reference of a result computed from a tensor that requires grad
+    # (kiln/frontend/tape.py); _requires_grad/_grad: a leaf's flag and accumulated grad
+    __slots__ = ("_x", "_builder", "_node", "_requires_grad", "_grad", "__weakref__")
     __array_priority__ = 1000  # numpy defers `ndarray op Tensor` to us
 
-    def __init__(self, data, dtype=None):
+    def __init__(self, data, dtype=None, *, device=None, requires_grad: bool = False):
         from kiln.frontend.dispatch import to_array
 
+        as_device(device)
         array = np.array(to_array(data), copy=True)
         if dtype is not None:
             array = _convert_array(array, dt.dtype(dtype))
         self._x = array
         self._builder = None
+        self._node = self._grad = None
+        self._requires_grad = False
+        if requires_grad:
+            self.requires_grad = True
 
     @classmethod
     def _make(cls, x, builder: GraphBuilder | None = None) -> "Tensor":
         t = object.__new__(cls)
         t._x = x
         t._builder = builder
+        t._node = t._grad = None
+        t._requires_grad = False
         return t
+
+    # -- tape autograd (kiln/frontend/tape.py) -------------------------------------------
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether gradients flow to this tensor: a leaf marked so, or a result computed
+        from one while grad mode was on."""
+        return self._requires_grad or self._node is not None
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        if self._node is not None:
+            if flag:
+                return
+            from kiln.errors import KilnBackwardError
+
+            raise KilnBackwardError("requires_grad: only a leaf's flag can be cleared; use "
+                                    "t.detach() for a tensor computed from others")
+        if flag and not self.dtype.is_floating:
+            from kiln.errors import KilnBackwardError
+
+            raise KilnBackwardError(f"requires_grad: only float tensors can require grad, this "
+                                    f"one is {self.dtype}")
+        self._requires_grad = bool(flag)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Tensor":
+        self.requires_grad = requires_grad
+        return self
+
+    @property
+    def grad(self):
+        """The gradient `backward()` accumulated into this leaf (None before)."""
+        return self._grad
+
+    @grad.setter
+    def grad(self, value) -> None:
+        self._grad = value
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._node is None
+
+    @property
+    def grad_fn(self):
+        from kiln.frontend.tape import NodeRef
+
+        return self._node.node if isinstance(self._node, NodeRef) else None
+
+    def _grad_ref(self):
+        """The tape reference gradients flow back through, or None."""
+        if self._node is not None:
+            return self._node
+        if self._requires_grad:
+            from kiln.frontend.tape import LeafRef, is_grad_enabled
+
+            return LeafRef(self, self._x) if is_grad_enabled() else None
+        return None
+
+    def backward(self, gradient=None, retain_graph=None, create_graph: bool = False,
+                 inputs=None) -> None:
+        """Accumulate this tensor's gradient into `.grad` of every leaf it came from.
+
+        >>> w = kn.ones(3, requires_grad=True)
+        >>> (w * w).sum().backward(); w.grad     # 2 w
+        """
+        from kiln.frontend.tape import backward
+
+        backward(self, gradient, inputs)
+
+    def detach(self) -> "Tensor":
+        """The same values, cut from the tape (no gradient flows back through it)."""
+        return Tensor._make(self._x, self._builder)
+
+    def detach_(self) -> "Tensor":
+        self._node = None
+        self._requires_grad = False
+        return self
+
+    def retain_grad(self) -> None:
+        """Accepted for torch compatibility; non-leaf gradients are not kept."""
 
     # -- metadata ----------------------------------------------------------------
 
@@ -79,6 +203,21 @@ class Tensor:
     @property
     def device(self) -> Device:
         return CPU
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
+
+    def cpu(self) -> "Tensor":
+        return self
+
+    def cuda(self, device=None) -> "Tensor":
+        as_device("cuda" if device is None else f"cuda:{device}" if isinstance(device, int)
+                  else device, "Tensor.cuda")
+        return self
+
+    def element_size(self) -> int:
+        return self.dtype.bits // 8 if self.dtype.bits >= 8 else 1
 
     def dim(self) -> int:
         return self.ndim

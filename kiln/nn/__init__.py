@@ -18,5 +18,6 @@ from kiln.nn.layers import (  # noqa: F401
 from kiln.nn.module import (  # noqa: F401
     IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential, functional_call,
 )
+from kiln.nn.parameter import Parameter  # noqa: F401
 from kiln.nn.random import rng  # noqa: F401
 from kiln.nn.compiled import CompiledModule  # noqa: F401

@@ -1,8 +1,9 @@
 """`Module`: a model is an object whose attributes are its parameters and submodules.
 
 As in PyTorch, a layer is a class with `__init__` (make the weights) and `forward`.
-Unlike PyTorch there is no `Parameter` wrapper: every floating-point `kn.Tensor`
-attribute *is* a parameter, every `Module` attribute a submodule, and
+Every floating-point `kn.Tensor` attribute *is* a parameter (`nn.Parameter`, which
+PyTorch code writes, is accepted and changes nothing else) and requires grad, every
+`Module` attribute is a submodule, and
 `register_buffer` marks tensors that belong to the state but are not trained.
 Names are torch's dotted paths (`encoder.0.weight`), so `state_dict()` keys line up
 with a PyTorch model of the same layout.
@@ -62,6 +63,8 @@ class Module:
                 f"{type(self).__name__}.{name}: a plain {type(value).__name__} of modules hides "
                 "their parameters from named_parameters(), state_dict() and kn.compile",
                 hint=f"use self.{name} = nn.ModuleList([...]) (or nn.Sequential)")
+        if isinstance(value, Tensor) and name not in self.__dict__.get("_buffers", {}):
+            _trainable(value)
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
@@ -199,6 +202,9 @@ class Module:
             old = owner.__dict__.get(attr)
             updates.extend((o, a, new) for o, a in by_id.get(id(old), [(owner, attr)]))
         for owner, attr, new in updates:
+            old = owner.__dict__.get(attr)
+            if isinstance(old, Tensor) and old._requires_grad and isinstance(new, Tensor):
+                _trainable(new)
             object.__setattr__(owner, attr, new)
 
     def state_dict(self, prefix: str = "") -> "OrderedDict[str, Tensor]":
@@ -241,22 +247,68 @@ class Module:
                                      f"module but {_describe(new)} in the state dict",
                                      hint=f"convert it first: value.to(kn.{current.dtype.name})")
             loaded.append((name, new))
-        # copies, so later changes to the source do not leak in; tied weights stay tied
-        self._set_tensors({name: make_tensor(new) for name, new in loaded})
+        # copied into the existing tensors (torch's param.copy_): optimizers holding them
+        # and tied weights see the loaded values, and later changes to the source do not
+        # leak in
+        from kiln.frontend.mutation import rebind
+        from kiln.frontend.tape import no_grad
+
+        fresh = {}
+        with no_grad():
+            for name, new in loaded:
+                owner, attr = self._slot(name)
+                current = owner.__dict__.get(attr)
+                if isinstance(current, Tensor) and not current.is_traced:
+                    rebind(current, make_tensor(new), "load_state_dict")
+                else:
+                    fresh[name] = make_tensor(new)
+        if fresh:
+            self._set_tensors(fresh)
         return IncompatibleKeys(missing, unexpected)
 
-    def to(self, dtype) -> "Module":
-        """Convert every floating-point parameter and buffer to `dtype`, in place."""
+    def to(self, *args, dtype=None, device=None, **_) -> "Module":
+        """Convert every floating-point parameter and buffer to `dtype`, in place;
+        `model.to(device)` accepts the CPU (kiln's eager tensors live there), and
+        `model.to(device, dtype)` both, as torch."""
         from kiln.frontend.functional import to
+        from kiln.frontend.tensor import _DEVICE_KINDS, as_device
         from kiln.ir import dtypes as dt
 
+        for a in args:
+            if isinstance(a, str) and a.split(":")[0] in _DEVICE_KINDS or (
+                    not isinstance(a, (dt.DType, type)) and hasattr(a, "type")):
+                device = a
+            else:
+                dtype = a
+        as_device(device, "Module.to")
+        if dtype is None:
+            return self
         target = dt.dtype(dtype)
         if not target.is_floating:
             raise KilnDTypeError(f"Module.to: {target} is not a floating dtype")
         for module in self.modules():
             for name, tensor, _ in list(module._own_tensors()):
                 if tensor.dtype.is_floating:
-                    object.__setattr__(module, name, to(tensor, target))
+                    new = to(tensor, target)
+                    if tensor._requires_grad:
+                        _trainable(new)
+                    object.__setattr__(module, name, new)
+        return self
+
+    def cpu(self) -> "Module":
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear `.grad` of every parameter (torch.nn.Module.zero_grad)."""
+        from kiln.frontend.factories import zeros_like
+
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad = None if set_to_none else zeros_like(p.grad)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
         return self
 
     # -- modes and calls ----------------------------------------------------------------
@@ -432,6 +484,13 @@ class ModuleDict(Module):
 
     def items(self) -> list:
         return list(self.named_children())
+
+
+def _trainable(t: Tensor) -> None:
+    """A float leaf set as a module attribute is a parameter: it requires grad, as every
+    torch.nn.Parameter does, so `loss.backward()` fills its `.grad`."""
+    if not t.is_traced and t._node is None and t.dtype.is_floating:
+        t._requires_grad = True
 
 
 def _check_module(where: str, m) -> Module:

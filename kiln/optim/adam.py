@@ -10,6 +10,7 @@ from __future__ import annotations
 from kiln.errors import KilnArgumentError
 from kiln.ir import dtypes as dt
 from kiln.frontend import pytree
+from kiln.optim.stateful import is_params_argument
 from kiln.optim.optimizer import (
     Optimizer, align, check_lr, learning_rate, leaves_of, new_step, scalar, step_count,
     tree_leaves, zeros_tree,
@@ -28,9 +29,13 @@ class Adam(Optimizer):
 
     decoupled = False
 
-    def __init__(self, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False) -> None:
+    def __init__(self, params=None, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
+                 maximize: bool = False, *, foreach=None, fused=None,
+                 capturable: bool = False, differentiable: bool = False) -> None:
         super().__init__()
+        if not is_params_argument(params):  # kiln's functional form: Adam(lr) or Adam(lr=...)
+            params, lr = None, (lr if params is None else params)
         name = type(self).__name__
         check_lr(name, lr)
         beta1, beta2 = betas
@@ -42,6 +47,7 @@ class Adam(Optimizer):
         self.lr, self.betas = lr, (float(beta1), float(beta2))
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self.amsgrad, self.maximize = bool(amsgrad), bool(maximize)
+        self._attach(params, dict(self.hyperparameters(), maximize=self.maximize))
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
@@ -110,6 +116,8 @@ class AdamW(Adam):
 
     decoupled = True
 
-    def __init__(self, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False) -> None:
-        super().__init__(lr, betas, eps, weight_decay, amsgrad, maximize)
+    def __init__(self, params=None, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False,
+                 maximize: bool = False, *, foreach=None, fused=None,
+                 capturable: bool = False, differentiable: bool = False) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize)

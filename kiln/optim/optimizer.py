@@ -103,6 +103,47 @@ class Optimizer(abc.ABC):
 
     def __init__(self) -> None:
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._groups = None  # torch-style ParamGroups when built with params
+
+    def _attach(self, params, defaults: dict) -> None:
+        """Keep torch-style parameter groups (kiln/optim/stateful.py)."""
+        if params is not None:
+            from kiln.optim.stateful import ParamGroups
+
+            self._groups = ParamGroups(self, params, defaults)
+
+    @property
+    def param_groups(self) -> list:
+        return self._torch("param_groups").param_groups
+
+    @property
+    def state(self) -> dict:
+        return self._torch("state").state
+
+    @property
+    def defaults(self) -> dict:
+        return self._torch("defaults").defaults
+
+    def _torch(self, what: str):
+        if self._groups is None:
+            raise KilnArgumentError(
+                f"{type(self).__name__}.{what}: this optimizer was built without parameters "
+                "(the functional form); build it as torch does to use it: "
+                f"{type(self).__name__}(model.parameters(), lr=...)")
+        return self._groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear `.grad` of every parameter (torch.optim.Optimizer.zero_grad)."""
+        self._torch("zero_grad").zero_grad(set_to_none)
+
+    def add_param_group(self, group: dict) -> None:
+        self._torch("add_param_group").add_param_group(group)
+
+    def state_dict(self) -> dict:
+        return self._torch("state_dict").state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._torch("load_state_dict").load_state_dict(state_dict)
 
     @abc.abstractmethod
     def init(self, params) -> dict:
@@ -112,7 +153,20 @@ class Optimizer(abc.ABC):
     def update(self, grads, state, params):
         """(new params, new state) after one step: pure, traceable kiln ops."""
 
-    def step(self, module, grads: dict) -> None:
+    def step(self, *args, **kwargs):
+        """torch's `opt.step()` / `opt.step(closure)` for an optimizer built with
+        parameters (reads each `.grad`, updates in place, returns the closure's loss);
+        kiln's `opt.step(module, grads)` for a functional one (see `step_module`)."""
+        if self._groups is not None and (not args or callable(args[0])) and \
+                set(kwargs) <= {"closure"}:
+            from kiln.optim.stateful import run_closure
+
+            loss = run_closure(args[0] if args else kwargs.get("closure"))
+            self._groups.step()
+            return loss
+        return self.step_module(*args, **kwargs)
+
+    def step_module(self, module, grads: dict) -> None:
         """One eager update of `module`'s parameters from `grads` (dotted name -> tensor,
         e.g. `kn.grad` of a loss of `dict(module.named_parameters())`). The optimizer
         keeps the state for each module it has stepped; parameters absent from `grads`

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kiln.errors import KilnArgumentError
 from kiln.frontend import pytree
+from kiln.optim.stateful import is_params_argument
 from kiln.optim.optimizer import (
     Optimizer, align, check_lr, learning_rate, leaves_of, new_step, scalar, step_count,
     tree_leaves, zeros_tree,
@@ -23,9 +24,13 @@ class SGD(Optimizer):
     >>> params, state = opt.update(grads, state, params)
     """
 
-    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False, dampening: float = 0.0, maximize: bool = False) -> None:
+    def __init__(self, params=None, lr: float = 1e-3, momentum: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, dampening: float = 0.0,
+                 maximize: bool = False, *, foreach=None, fused=None,
+                 differentiable: bool = False) -> None:
         super().__init__()
+        if not is_params_argument(params):  # kiln's functional form: SGD(lr) or SGD(lr=...)
+            params, lr = None, (lr if params is None else params)
         check_lr("SGD", lr)
         if momentum < 0 or weight_decay < 0:
             raise KilnArgumentError(f"SGD: momentum ({momentum}) and weight_decay ({weight_decay}) "
@@ -34,6 +39,7 @@ class SGD(Optimizer):
             raise KilnArgumentError("SGD: nesterov momentum needs momentum > 0 and dampening 0")
         self.lr, self.momentum, self.weight_decay = lr, float(momentum), float(weight_decay)
         self.nesterov, self.dampening, self.maximize = bool(nesterov), float(dampening), bool(maximize)
+        self._attach(params, dict(self.hyperparameters(), maximize=self.maximize))
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,

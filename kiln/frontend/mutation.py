@@ -1,0 +1,167 @@
+"""In-place ops and item assignment: a tensor is a mutable handle over immutable values.
+
+kiln computes with immutable arrays (and SSA graph values when tracing), as JAX does;
+PyTorch code mutates. The two meet the way PyTorch's functionalization and JAX's
+`x.at[idx].set(v)` reconcile them: `x.add_(y)` computes `x + y` out of place and
+*rebinds* the handle `x` to the result, so every Python reference to that tensor object
+(a module attribute, a list, an optimizer's parameter list) sees the new value. While
+tracing, the rebinding simply moves the handle to a new graph value: mutation becomes
+pure graph ops.
+
+`x[idx] = v` works for int, slice, None, Ellipsis, integer-tensor and boolean-mask
+indices: the indexed positions are found by indexing an iota of x's flat positions with
+the same `idx` (so every index form `x[idx]` reads is also one it writes), then one
+scatter writes `v` (broadcast to the selection) there. A boolean mask of x's shape is
+a `where`, which keeps the shape and therefore also traces.
+
+The result of an in-place op must keep the tensor's shape and dtype: torch's rule
+(`x.add_(y)` cannot broadcast `x` up, a float result cannot go into an integer tensor);
+the rest is converted to x's dtype. A leaf that requires grad can only be changed in
+place under `kn.no_grad()` (optimizer steps, initialization), as in torch.
+"""
+
+from __future__ import annotations
+
+from kiln.errors import KilnInPlaceError
+from kiln.ir import dtypes as dt
+from kiln.ir.shapes import shapes_equal
+from kiln.frontend import functional as F
+from kiln.frontend.tensor import Tensor
+
+
+def _castable(src: dt.DType, dst: dt.DType) -> bool:
+    """torch's in-place rule: a result may go into a tensor of its kind or a higher one."""
+    if dst.is_bool:
+        return src.is_bool
+    if dst.is_integer:
+        return src.is_integer or src.is_bool
+    return True
+
+
+def rebind(x: Tensor, new, op: str) -> Tensor:
+    """Point the handle `x` at `new` (converted to x's dtype); x's shape must not change."""
+    from kiln.frontend.tape import is_grad_enabled
+
+    if not isinstance(new, Tensor):
+        new = F._tensor(new)
+    if not shapes_equal(tuple(new.shape), tuple(x.shape)):
+        raise KilnInPlaceError(f"{op}: the result {new.dtype.short}{list(new.shape)} does not "
+                               f"have the shape of the tensor it writes, {x.dtype.short}"
+                               f"{list(x.shape)}; an in-place op cannot broadcast its target",
+                               hint=f"compute out of place: x = x.{op.rstrip('_')}(...)")
+    if new.dtype != x.dtype:
+        if not _castable(new.dtype, x.dtype):
+            raise KilnInPlaceError(f"{op}: the result has dtype {new.dtype}, which cannot be "
+                                   f"written into a {x.dtype} tensor",
+                                   hint=f"convert the operand first: .to(kn.{x.dtype.name})")
+        new = F.to(new, x.dtype)
+    if x._requires_grad and x._node is None and is_grad_enabled() and new._node is not None:
+        raise KilnInPlaceError(f"{op}: a leaf tensor that requires grad is being changed in "
+                               "place while grad mode is on",
+                               hint="wrap the update in `with kn.no_grad():` (as optimizers and "
+                                    "nn.init do)")
+    x._x, x._builder, x._node = new._x, new._builder, new._node
+    return x
+
+
+def _inplace(name: str, fn):
+    def method(self, *args, **kwargs):
+        return rebind(self, fn(self, *args, **kwargs), name)
+
+    method.__name__ = name
+    method.__doc__ = f"In place: `x.{name}(...)` makes x `x.{name[:-1]}(...)` and returns x."
+    return method
+
+
+def copy_(x: Tensor, src, non_blocking: bool = False) -> Tensor:
+    """Write `src` (broadcast to x's shape, converted to x's dtype) into x."""
+    from kiln.frontend.shape_ops import expand
+
+    src = F._tensor(src)
+    return rebind(x, expand(F.to(src, x.dtype), *x.shape) if tuple(src.shape) != tuple(x.shape)
+                  else F.to(src, x.dtype), "copy_")
+
+
+def fill_(x: Tensor, value) -> Tensor:
+    from kiln.frontend.factories import full_like
+
+    if isinstance(value, Tensor):
+        return copy_(x, value)
+    return rebind(x, full_like(x, value), "fill_")
+
+
+def zero_(x: Tensor) -> Tensor:
+    return fill_(x, 0)
+
+
+def uniform_(x: Tensor, a: float = 0.0, b: float = 1.0, generator=None) -> Tensor:
+    from kiln.nn.init import uniform_ as init_uniform
+
+    return init_uniform(x, a, b)
+
+
+def normal_(x: Tensor, mean: float = 0.0, std: float = 1.0, generator=None) -> Tensor:
+    from kiln.nn.init import normal_ as init_normal
+
+    return init_normal(x, mean, std)
+
+
+def setitem(x: Tensor, index, value) -> None:
+    """`x[index] = value` (see the module docstring)."""
+    from kiln.frontend.indexing import _bool_mask, getitem
+    from kiln.frontend.shape_ops import expand, reshape
+    from kiln.frontend.factories import arange
+
+    value = F._tensor(value) if not isinstance(value, (bool, int, float)) else value
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) == 1 and _bool_mask(items[0]):
+        mask = F._tensor(items[0])
+        if tuple(mask.shape) == tuple(x.shape) and (not isinstance(value, Tensor) or value.ndim == 0):
+            rebind(x, F.where(mask, value if not isinstance(value, Tensor) else F.to(value, x.dtype),
+                              x), "__setitem__")
+            return
+    if isinstance(value, Tensor) and not _castable(value.dtype, x.dtype):
+        raise KilnInPlaceError(f"__setitem__: cannot write {value.dtype} values into a {x.dtype} "
+                               "tensor", hint=f"convert them first: .to(kn.{x.dtype.name})")
+    positions = reshape(arange(x.numel()), *x.shape)
+    selected = getitem(positions, index)
+    flat_index = reshape(selected, -1)
+    if isinstance(value, Tensor):
+        from kiln.ir.shapes import broadcast_shapes
+
+        try:
+            broadcast_shapes("__setitem__", value.shape, selected.shape)
+        except Exception:  # noqa: BLE001 - re-raised as the in-place rule it breaks
+            raise KilnInPlaceError(f"__setitem__: the value {value.dtype.short}{list(value.shape)}"
+                                   f" does not broadcast to the indexed region "
+                                   f"{list(selected.shape)}") from None
+        src = reshape(expand(F.to(value, x.dtype), *selected.shape), -1)
+    else:
+        from kiln.frontend.factories import full
+
+        src = full(tuple(flat_index.shape), value, x.dtype)
+    from kiln.frontend.shape_ops import scatter
+
+    flat = scatter(reshape(x, -1), 0, flat_index, src)
+    rebind(x, reshape(flat, *x.shape), "__setitem__")
+
+
+_OUT_OF_PLACE = ("add", "sub", "mul", "div", "pow", "neg", "abs", "exp", "log", "sqrt", "rsqrt",
+                 "sin", "cos", "tanh", "sigmoid", "relu", "floor", "ceil", "round", "trunc",
+                 "clamp", "clip", "remainder", "fmod", "maximum", "minimum", "masked_fill",
+                 "sign", "erf", "exp2", "floor_divide", "logical_not", "bitwise_not", "tril",
+                 "triu", "lerp", "addcmul", "addcdiv", "clamp_min", "clamp_max", "t")
+
+
+def bind(cls) -> None:
+    """Attach the in-place methods and `__setitem__` to `cls` (Tensor)."""
+    for name in _OUT_OF_PLACE:
+        fn = getattr(cls, name, None)
+        if fn is not None and not hasattr(cls, name + "_"):
+            setattr(cls, name + "_", _inplace(name + "_", fn))
+    for name, fn in (("copy_", copy_), ("fill_", fill_), ("zero_", zero_), ("uniform_", uniform_),
+                     ("normal_", normal_), ("__setitem__", setitem)):
+        setattr(cls, name, fn)
+    for op, name in (("__iadd__", "add_"), ("__isub__", "sub_"), ("__imul__", "mul_"),
+                     ("__itruediv__", "div_"), ("__ipow__", "pow_")):
+        setattr(cls, op, getattr(cls, name))
