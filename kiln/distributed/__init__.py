@@ -14,7 +14,7 @@ from kiln.distributed.errors import (
     CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
     FaultInjectionError, FlightRecorderError, GroupAborted, InvalidTimeout, LaunchError,
     MalformedFrame, PeerFailure, RendezvousError, StoreAuthError, StoreBadRequest,
-    StoreError, StoreTimeout, WindowInvalidated,
+    StoreError, StoreLost, StoreTimeout, WindowInvalidated,
 )
 from kiln.distributed.flight_recorder import FlightRecorder, recorder
 from kiln.distributed.process_group import ProcessGroup
@@ -31,7 +31,7 @@ __all__ = [
     "CollectiveTimeout", "DistributedError", "FaultInjectionError", "FlightRecorder", "FlightRecorderError",
     "GroupAborted", "InvalidTimeout", "LaunchError", "MalformedFrame", "StoreBadRequest",
     "PeerFailure", "ProcessGroup", "REDUCE_OPS",
-    "RendezvousError", "Store", "StoreAuthError", "StoreError", "StoreServer", "StoreTimeout",
+    "RendezvousError", "Store", "StoreAuthError", "StoreError", "StoreLost", "StoreServer", "StoreTimeout",
     "TcpBackend", "Window", "WindowInvalidated", "Work", "destroy_process_group", "get_world",
     "init_process_group", "is_initialized", "recorder",
 ]

@@ -174,6 +174,22 @@ class MalformedFrame(StoreError, ValueError):
     title = "malformed frame"
 
 
+# -- process lifetimes (kiln launch, heartbeat): K225..K229 -------------------------------
+class StoreLost(StoreError):
+    """No store operation succeeded for longer than a group may go on without its store
+    (its server died: `kiln store`, the launcher, or rank 0 that hosted it). The group
+    fails with it, so the job ends instead of running on unsupervised."""
+
+    code = "K225"
+    title = "the job's store was lost"
+
+    def __init__(self, message: str, *, address: str = "", hint: str | None = None):
+        self.address = address
+        super().__init__(message, hint=hint or "the store's host ended (kiln launch, kiln store "
+                         "or rank 0): a job cannot detect hangs, reconfigure or commit steps "
+                         "without it; restart the job (with kiln launch, workers end with it)")
+
+
 _WIRE_CLASSES = {
     cls.__name__: cls
     for cls in (DistributedError, CollectiveTimeout, CollectiveMismatch, GroupAborted)

@@ -23,6 +23,14 @@ a merely slow peer (alive, heartbeating, late to the collective) still gets the 
 `timeout` and a `CollectiveTimeout` (with a short timeout, under 8 s, that timeout may
 fire first: the floor of 2 s keeps a CPU-starved process from being taken for dead). A process that leaves cleanly writes `left` and is
 never declared dead.
+
+A lost store. The store is how hangs are seen (and, in a fault-tolerant group, how the
+group reconfigures and commits steps); a group that lost it is blind. When every store
+operation of the heartbeat has failed for `lost_after` seconds (2 x dead-after, at least
+5 s: a store that only blinked, or is reconnected, is not lost), the world group and its
+sub-groups fail with `StoreLost` (K225) naming the store: the next call raises, so a
+job whose store died (its `kiln store` or its launcher was killed) ends in bounded time
+instead of running on unsupervised.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kiln.distributed.errors import DistributedError, PeerFailure
+from kiln.distributed.errors import DistributedError, PeerFailure, StoreLost
 
 LEFT = -1  # the counter value of a process that left the group cleanly
 
@@ -47,10 +55,11 @@ class Heartbeat:
     """Publishes this process's liveness and watches the other members of `group`."""
 
     def __init__(self, store, group, *, interval: float | None = None,
-                 dead_after: float | None = None):
+                 dead_after: float | None = None, lost_after: float | None = None):
         default_interval, default_dead = intervals(group.timeout)
         self.interval = interval or default_interval
         self.dead_after = dead_after or default_dead
+        self.lost_after = lost_after or max(2 * self.dead_after, 5.0)
         self._group = group
         self._me = group.global_ranks[group.rank]
         self._peers = [r for r in group.global_ranks if r != self._me]
@@ -62,16 +71,32 @@ class Heartbeat:
         self._thread.start()
 
     def _loop(self) -> None:
+        failing_since = None  # when the store operations began failing, all of them
         while not self._stop.is_set():
             now = time.monotonic()
             try:
                 self._store.add("hb/%d" % self._me, 1)
                 for peer in self._peers:
                     self._observe(peer, self._store.add("hb/%d" % peer, 0), now)
-            except DistributedError:
-                pass  # the store is gone or slow: the data sockets still report crashes
+                failing_since = None
+            except DistributedError as err:
+                # the store is gone or slow: the data sockets still report crashes, and
+                # past lost_after the group is told (see the module docstring)
+                failing_since = now if failing_since is None else failing_since
+                if time.monotonic() - failing_since > self.lost_after:
+                    self._store_lost(err, time.monotonic() - failing_since)
+                    return
             if self._stop.wait(self.interval):
                 return
+
+    def _store_lost(self, err: DistributedError, silent: float) -> None:
+        address = getattr(self._store, "address", "?")
+        for group in [self._group] + _descendants(self._group):
+            if not group.is_aborted:
+                group._fail(StoreLost(
+                    "group '%s' lost its store at %s: no store operation succeeded for %.1f s "
+                    "(last: %s)" % (group.name, address, silent, getattr(err, "message", err)),
+                    address=address), None)
 
     def _observe(self, peer: int, counter: int, now: float) -> None:
         last = self._seen.get(peer)
