@@ -176,8 +176,8 @@ class Acceptor:
         try:
             hello = self._handshake(conn)
         except Exception as err:  # noqa: BLE001 - a stranger's connection may fail any way
-            self._discard(conn, refused=True)
-            self.log("refused", "refused a connection: %s" % _describe(err))
+            if self._discard(conn):  # not when dropped: that was logged already
+                self.log("refused", "refused a connection: %s" % _describe(err))
             return
         with self._lock:
             if self._pending.pop(conn, None) is None or self._closed:  # dropped meanwhile
@@ -193,11 +193,13 @@ class Acceptor:
             self.log("serve", "a connection failed: %s" % _describe(err))
             conn.close()
 
-    def _discard(self, conn: socket.socket, refused: bool = False) -> None:
+    def _discard(self, conn: socket.socket) -> bool:
+        """Close a connection that failed its handshake; False if it had been dropped."""
         with self._lock:  # closed under the lock: a drop never shuts a reused descriptor
-            if self._pending.pop(conn, None) is not None and refused:
-                self.refused += 1
+            was_pending = self._pending.pop(conn, None) is not None
+            self.refused += was_pending
             conn.close()
+        return was_pending
 
     def _drop_oldest(self) -> bool:
         with self._lock:

@@ -134,6 +134,8 @@ def loads_object(raw: bytes | bytearray, max_depth: int = MAX_DEPTH) -> dict:
                              % (depth, max_depth))
     try:
         value = json.loads(raw.decode(), parse_constant=_refuse_constant)
+    except _NotJson as err:
+        raise MalformedFrame("malformed frame header (%s)" % err) from None
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise MalformedFrame("malformed frame header (not JSON)") from None
     if not isinstance(value, dict):
@@ -157,8 +159,12 @@ def _depth(raw: bytes) -> int:
     return deepest
 
 
+class _NotJson(Exception):
+    pass
+
+
 def _refuse_constant(name: str):
-    raise ValueError("%s is not JSON" % name)
+    raise _NotJson("%s is not a JSON number" % name)
 
 
 def check_timeout(value, what: str = "timeout") -> float:
@@ -194,7 +200,10 @@ def server_handshake(sock: socket.socket, token: str, role: str, timeout: float)
     deadline = time.monotonic() + timeout
     nonce_s = secrets.token_hex(16)
     send_frame(sock, {"op": "challenge", "nonce": nonce_s, "role": role}, deadline=deadline)
-    header, _ = recv_frame(sock, deadline, max_size=HANDSHAKE_MAX_FRAME)
+    try:
+        header, _ = recv_frame(sock, deadline, max_size=HANDSHAKE_MAX_FRAME)
+    except MalformedFrame:
+        header = {}  # refused below, like a wrong MAC
     nonce_c, mac, hello = header.get("nonce"), header.get("mac"), header.get("hello", {})
     ok = (header.get("op") == "auth" and isinstance(nonce_c, str) and isinstance(mac, str)
           and isinstance(hello, dict))
