@@ -19,6 +19,7 @@ from kiln.errors import KilnError
 from kiln.ir.emitter import EAGER
 from kiln.ir.interpret import concrete_attrs
 from kiln.ir.shapes import dim_function
+from kiln.runtime import profiler as _profiler
 from kiln.runtime.allocator import Allocator, default_allocator
 from kiln.runtime.program import Collective, Constant, Control, Extern, Launch, Program, View
 
@@ -46,6 +47,7 @@ class Executable:
         self._returned: dict[int, list] = {}  # output slot -> arrays handed out before
         self._output_slots = frozenset(program.outputs)
         self._steps = [self._compile_step(i, step) for i, step in enumerate(program.steps)]
+        self._timed: list | None = None  # the steps with profiler timing, made on first use
         self._transient_set = frozenset(self._transient)
         self._uses_arena = bool(program.storage)
 
@@ -167,6 +169,8 @@ class Executable:
         `recycle` offers arrays (a loop's outputs from two trips ago, which nothing reads
         any more) to be overwritten as this run's outputs instead of allocating."""
         program = self.program
+        # one global read per run: a profile swaps in timed copies of the steps
+        steps = self._steps if _profiler.ACTIVE is None else self._timed_steps()
         env = [None] * self._nslots
         for slot, array in zip(program.inputs, arrays):
             env[slot] = array
@@ -177,7 +181,7 @@ class Executable:
             arena = self._take_arena(key)
             context = {**arena, **offered} if offered else arena
             try:
-                for step in self._steps:
+                for step in steps:
                     step(env, sizes, context)
             finally:
                 if offered:  # keep storages the run created; drop unused offers
@@ -185,7 +189,7 @@ class Executable:
                 self._return_arena(key, arena)
         else:
             context = offered or None
-            for step in self._steps:
+            for step in steps:
                 step(env, sizes, context)
         if self._transient:
             self.allocator.end_call(sum(env[s].nbytes for s in self._transient if env[s] is not None))
@@ -210,6 +214,28 @@ class Executable:
                     array = array.copy()
             result.append(array)
         return result
+
+    def _timed_steps(self) -> list:
+        """The step closures wrapped to record profiler events (kernels, externs, control
+        flow; collectives are recorded by the Flight Recorder, see kiln.runtime.profiler)."""
+        if self._timed is None:
+            from kiln.codegen.kernel_cost import flops_function
+            from kiln.runtime.profiler import timed_step
+
+            timed, name = [], self.program.name
+            for step, fn in zip(self.program.steps, self._steps):
+                if isinstance(step, Launch):
+                    kernel = self.program.kernels.get(step.kernel)
+                    stage = "gemm" if type(kernel).__name__ == "GemmKernel" else "kernel"
+                    flops = flops_function(kernel) if kernel is not None else None
+                    fn = timed_step(fn, step.kernel, stage, step.args, flops, name)
+                elif isinstance(step, Extern) and not isinstance(step, Collective):
+                    fn = timed_step(fn, step.op, "extern", step.inputs + step.outputs, None, name)
+                elif isinstance(step, Control):
+                    fn = timed_step(fn, step.op, "control", step.inputs + step.outputs, None, name)
+                timed.append(fn)
+            self._timed = timed
+        return self._timed
 
     # -- output reuse -----------------------------------------------------------------------
     # A large fresh output costs its page faults on every call (numpy's big buffers are

@@ -1,0 +1,401 @@
+"""The ATen op table of `kn.from_torch`: each core ATen op, by its packet name, as kiln ops.
+
+One entry per op, written with kiln's public functions (so it runs eagerly, traces,
+compiles and differentiates like user code). Arguments arrive as ATen's schema gives them
+(`aten.addmm(bias, a, b, beta=1, alpha=1)`). An op missing here is refused by the
+importer with K346 naming it. Pooling, which kiln has no primitive for, is a
+decomposition into strided slices and elementwise max / sum (exact, differentiable).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import kiln as kn
+from kiln.errors import KilnUnsupportedTorchOpError
+from kiln.nn import functional as nnf
+
+ATEN: dict[str, Callable] = {}
+_INT64_MAX = 2 ** 63 - 1
+
+
+def op(*names: str):
+    """Register one function for the ATen packets `names`."""
+    def register(fn):
+        for name in names:
+            ATEN[name] = fn
+        return fn
+    return register
+
+
+class Unsupported(Exception):
+    """An op variant (an argument value) the table cannot express; the importer turns it
+    into K346 with the op's name and source line."""
+
+
+def _unary(name: str, fn: Callable) -> None:
+    ATEN[name] = lambda x, *a, **k: fn(x)
+
+
+for _name, _fn in [("abs", kn.abs), ("neg", kn.neg), ("exp", kn.exp), ("log", kn.log),
+                   ("log1p", kn.log1p), ("expm1", kn.expm1), ("sqrt", kn.sqrt), ("rsqrt", kn.rsqrt),
+                   ("sin", kn.sin), ("cos", kn.cos), ("tan", kn.tan), ("tanh", kn.tanh),
+                   ("sinh", kn.sinh), ("cosh", kn.cosh), ("asin", kn.asin), ("acos", kn.acos),
+                   ("atan", kn.atan), ("sigmoid", kn.sigmoid), ("relu", kn.relu), ("erf", kn.erf),
+                   ("floor", kn.floor), ("ceil", kn.ceil), ("trunc", kn.trunc), ("sign", kn.sign),
+                   ("logical_not", kn.logical_not), ("bitwise_not", kn.bitwise_not),
+                   ("isnan", kn.isnan), ("isinf", kn.isinf), ("silu", kn.silu),
+                   ("clone", lambda x: x), ("alias", lambda x: x), ("detach", lambda x: x),
+                   ("lift_fresh_copy", lambda x: x), ("contiguous", lambda x: x),
+                   ("reciprocal", lambda x: 1.0 / x)]:
+    _unary(_name, _fn)
+
+for _name, _fn in [("mul", kn.mul), ("maximum", kn.maximum), ("minimum", kn.minimum),
+                   ("remainder", kn.remainder), ("fmod", kn.fmod), ("atan2", kn.atan2),
+                   ("eq", kn.eq), ("ne", kn.ne), ("lt", kn.lt), ("le", kn.le), ("gt", kn.gt),
+                   ("ge", kn.ge), ("logical_and", kn.logical_and), ("logical_or", kn.logical_or),
+                   ("logical_xor", kn.logical_xor), ("bitwise_and", kn.bitwise_and),
+                   ("bitwise_or", kn.bitwise_or), ("bitwise_xor", kn.bitwise_xor), ("pow", kn.pow)]:
+    ATEN[_name] = (lambda f: lambda a, b: f(a, b))(_fn)
+
+
+@op("add")
+def _add(a, b, alpha=1):
+    return a + (b if alpha == 1 else b * alpha)
+
+
+@op("sub")
+def _sub(a, b, alpha=1):
+    return a - (b if alpha == 1 else b * alpha)
+
+
+@op("rsub")
+def _rsub(a, b, alpha=1):
+    return b - (a if alpha == 1 else a * alpha)
+
+
+@op("div")
+def _div(a, b, rounding_mode=None):
+    if rounding_mode is None:
+        return kn.true_divide(a, b)
+    if rounding_mode == "floor":
+        return kn.floor_divide(a, b)
+    return kn.trunc(kn.true_divide(a, b)) if _is_float(a) or _is_float(b) else _trunc_div(a, b)
+
+
+def _trunc_div(a, b):
+    q = kn.floor_divide(a, b)
+    r = a - q * b
+    return kn.where(kn.logical_and(r != 0, (r < 0) != (b < 0)), q + 1, q)
+
+
+def _is_float(v) -> bool:
+    return isinstance(v, float) or (isinstance(v, kn.Tensor) and v.dtype.is_floating)
+
+
+@op("where")
+def _where(cond, a, b):
+    return kn.where(cond, a, b)
+
+
+@op("clamp")
+def _clamp(x, min=None, max=None):  # noqa: A002
+    return kn.clamp(x, min, max)
+
+
+ATEN["clamp_min"] = lambda x, m: kn.clamp(x, m, None)
+ATEN["clamp_max"] = lambda x, m: kn.clamp(x, None, m)
+ATEN["hardtanh"] = lambda x, lo=-1.0, hi=1.0: kn.clamp(x, lo, hi)
+
+
+# -- reductions -----------------------------------------------------------------------------
+
+
+def _dims(dim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return None
+    return tuple(dim) if isinstance(dim, (list, tuple)) else dim
+
+
+def _reduction(name, fn):
+    def reduce(x, dim=None, keepdim=False, dtype=None):
+        if dtype is not None:
+            x = x.to(dtype)
+        return fn(x, _dims(dim), keepdim)
+    ATEN[name] = reduce
+
+
+for _name, _fn in [("sum", kn.sum), ("mean", kn.mean), ("amax", kn.amax), ("amin", kn.amin),
+                   ("any", kn.any), ("all", kn.all), ("logsumexp", kn.logsumexp)]:
+    _reduction(_name, _fn)
+
+
+@op("prod")
+def _prod(x, dim=None, keepdim=False, dtype=None):
+    return kn.prod(x if dtype is None else x.to(dtype), dim, keepdim)
+
+
+def _max_or_min(fn):
+    def run(x, dim=None, keepdim=False):
+        if isinstance(dim, kn.Tensor):  # max.other: elementwise
+            return (kn.maximum if fn is kn.max else kn.minimum)(x, dim)
+        return fn(x) if dim is None else tuple(fn(x, dim, keepdim))
+    return run
+
+
+ATEN["max"] = _max_or_min(kn.max)
+ATEN["min"] = _max_or_min(kn.min)
+ATEN["argmax"] = lambda x, dim=None, keepdim=False: kn.argmax(x, dim, keepdim)
+ATEN["argmin"] = lambda x, dim=None, keepdim=False: kn.argmin(x, dim, keepdim)
+ATEN["cumsum"] = lambda x, dim, dtype=None: kn.cumsum(x if dtype is None else x.to(dtype), dim)
+
+
+def _moment(fn):
+    def run(x, dim=None, *args, correction=None, keepdim=False):
+        unbiased = None
+        if args:  # var.dim(x, dim, unbiased, keepdim)
+            unbiased = args[0]
+            keepdim = args[1] if len(args) > 1 else keepdim
+        if correction is None:
+            correction = 1 if unbiased in (None, True) else 0
+        return fn(x, _dims(dim), keepdim, correction=correction)
+    return run
+
+
+ATEN["var"] = _moment(kn.var)
+ATEN["std"] = _moment(kn.std)
+
+
+# -- neural-network ops ---------------------------------------------------------------------
+
+ATEN["_softmax"] = lambda x, dim, half_to_float=False: kn.softmax(x, dim)
+ATEN["_log_softmax"] = lambda x, dim, half_to_float=False: kn.log_softmax(x, dim)
+ATEN["softmax"] = lambda x, dim, dtype=None: kn.softmax(x, dim, dtype)
+ATEN["log_softmax"] = lambda x, dim, dtype=None: kn.log_softmax(x, dim, dtype)
+ATEN["gelu"] = lambda x, approximate="none": kn.gelu(x, approximate=approximate)
+ATEN["softplus"] = lambda x, beta=1.0, threshold=20.0: kn.softplus(x, beta, threshold)
+
+
+@op("native_layer_norm")
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    dims = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = kn.mean(x, dims, keepdim=True)
+    rstd = kn.rsqrt(kn.var(x, dims, keepdim=True, correction=0) + eps)
+    out = kn.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
+    return out, mean, rstd
+
+
+def layer_norm_output_only(x, normalized_shape, weight, bias, eps):
+    """native_layer_norm where the graph reads only the normalized output (inference)."""
+    return kn.layer_norm(x, tuple(normalized_shape), weight, bias, eps), None, None
+
+
+@op("_native_batch_norm_legit_no_training")
+def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    scale = kn.rsqrt(running_var + eps)
+    if weight is not None:
+        scale = scale * weight
+    out = (x - running_mean.reshape(*shape)) * scale.reshape(*shape)
+    if bias is not None:
+        out = out + bias.reshape(*shape)
+    return out, None, None
+
+
+@op("convolution")
+def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        raise Unsupported("transposed convolution (ConvTranspose) has no kiln op")
+    if x.ndim != 4:
+        raise Unsupported(f"a {x.ndim - 2}-d convolution: kiln has conv2d only")
+    return kn.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
+@op("embedding")
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return nnf.embedding(indices, weight, None if padding_idx < 0 else padding_idx)
+
+
+def _pair(v):
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _windows(x, kernel, stride, padding, dilation, fill):
+    """Each of the kh*kw strided views a 2-d pooling window reads, over padded x."""
+    (kh, kw), (ph, pw), (dh, dw) = _pair(kernel), _pair(padding), _pair(dilation)
+    sh, sw = _pair(stride) if stride else (kh, kw)
+    h, w = x.shape[-2], x.shape[-1]
+    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if ph or pw:
+        x = kn.pad(x, (pw, pw, ph, ph), value=fill)
+    lead = (slice(None),) * (x.ndim - 2)
+    for i in range(kh):
+        for j in range(kw):
+            yield x[lead + (slice(i * dh, i * dh + sh * (ho - 1) + 1, sh),
+                            slice(j * dw, j * dw + sw * (wo - 1) + 1, sw))]
+
+
+@op("max_pool2d_with_indices", "max_pool2d")
+def _max_pool2d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    if ceil_mode:
+        raise Unsupported("max_pool2d with ceil_mode=True")
+    out = None
+    for window in _windows(x, kernel_size, stride, padding, dilation, -math.inf):
+        out = window if out is None else kn.maximum(out, window)
+    return out, None  # the indices: an importer error if the graph reads them
+
+
+@op("avg_pool2d")
+def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    if ceil_mode:
+        raise Unsupported("avg_pool2d with ceil_mode=True")
+    total = None
+    for window in _windows(x, kernel_size, stride, padding, 1, 0.0):
+        total = window if total is None else total + window
+    if divisor_override:
+        return total / divisor_override
+    if count_include_pad or not any(_pair(padding)):
+        kh, kw = _pair(kernel_size)
+        return total / float(kh * kw)
+    count = None
+    ones = kn.ones(*x.shape[-2:], dtype=x.dtype)
+    for window in _windows(ones, kernel_size, stride, padding, 1, 0.0):
+        count = window if count is None else count + window
+    return total / count
+
+
+@op("_adaptive_avg_pool2d", "adaptive_avg_pool2d")
+def _adaptive_avg_pool2d(x, output_size):
+    (oh, ow), (h, w) = _pair(output_size), x.shape[-2:]
+    if h % oh or w % ow:
+        raise Unsupported(f"adaptive_avg_pool2d from {h}x{w} to {oh}x{ow} (sizes that do not divide)")
+    lead = tuple(x.shape[:-2])
+    x = x.reshape(*lead, oh, h // oh, ow, w // ow)
+    return kn.mean(x, (-3, -1))
+
+
+# -- linear algebra -------------------------------------------------------------------------
+
+ATEN["mm"] = ATEN["bmm"] = ATEN["matmul"] = lambda a, b: kn.matmul(a, b)
+
+
+@op("addmm", "baddbmm")
+def _addmm(bias, a, b, beta=1, alpha=1):
+    product = kn.matmul(a, b)
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product
+    return product + (bias if beta == 1 else bias * beta)
+
+
+# -- shapes ---------------------------------------------------------------------------------
+
+ATEN["view"] = ATEN["_unsafe_view"] = ATEN["reshape"] = lambda x, shape: kn.reshape(x, tuple(shape))
+ATEN["permute"] = lambda x, dims: kn.permute(x, *dims)
+ATEN["transpose"] = lambda x, d0, d1: kn.transpose(x, d0, d1)
+ATEN["t"] = lambda x: x if x.ndim < 2 else kn.transpose(x, 0, 1)
+ATEN["unsqueeze"] = lambda x, dim: kn.unsqueeze(x, dim)
+ATEN["flip"] = lambda x, dims: kn.flip(x, tuple(dims))
+ATEN["cat"] = lambda tensors, dim=0: kn.cat(list(tensors), dim)
+ATEN["stack"] = lambda tensors, dim=0: kn.stack(list(tensors), dim)
+ATEN["index_select"] = lambda x, dim, index: kn.index_select(x, dim, index)
+ATEN["gather"] = lambda x, dim, index, sparse_grad=False: kn.gather(x, dim, index)
+ATEN["constant_pad_nd"] = lambda x, pad, value=0.0: kn.pad(x, tuple(pad), value=value)
+
+
+@op("squeeze")
+def _squeeze(x, dim=None):
+    if dim is None:
+        return kn.squeeze(x)
+    dims = [d % x.ndim for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+    dims = [d for d in dims if x.shape[d] == 1]  # torch ignores dims that are not 1
+    return kn.reshape(x, tuple(n for i, n in enumerate(x.shape) if i not in dims)) if dims else x
+
+
+@op("expand")
+def _expand(x, size, implicit=False):
+    lead = len(size) - x.ndim
+    full = tuple(x.shape[i - lead] if (n == -1 and i >= lead) else n for i, n in enumerate(size))
+    return kn.expand(x, *full)
+
+
+@op("select")
+def _select(x, dim, index):
+    dim %= x.ndim
+    return x[(slice(None),) * dim + (index,)]
+
+
+@op("slice")
+def _slice(x, dim=0, start=None, end=None, step=1):
+    dim %= x.ndim
+    start = None if start in (None, 0) else start
+    end = None if end is None or end >= _INT64_MAX else end
+    return x[(slice(None),) * dim + (slice(start, end, step),)]
+
+
+@op("split_with_sizes")
+def _split_with_sizes(x, sizes, dim=0):
+    return kn.split(x, list(sizes), dim)
+
+
+@op("split")
+def _split(x, size, dim=0):
+    return kn.split(x, size if isinstance(size, int) else list(size), dim)
+
+
+@op("unbind")
+def _unbind(x, dim=0):
+    return [_select(x, dim, i) for i in range(x.shape[dim])]
+
+
+@op("_to_copy", "to")
+def _to_copy(x, dtype=None, **ignored):
+    return x if dtype is None else x.to(dtype)
+
+
+@op("index")
+def _index(x, indices):
+    axes = [i for i, ix in enumerate(indices) if ix is not None]
+    if len(axes) != 1:
+        raise Unsupported("advanced indexing with more than one index tensor")
+    axis, index = axes[0], indices[axes[0]]
+    if index.dtype == kn.bool:
+        raise Unsupported("boolean-mask indexing (its result's shape depends on the data)")
+    picked = kn.index_select(x, axis, index.reshape(-1))
+    shape = tuple(x.shape[:axis]) + tuple(index.shape) + tuple(x.shape[axis + 1:])
+    return picked.reshape(*shape)
+
+
+# -- creation -------------------------------------------------------------------------------
+
+
+def _dtype(dtype, default=None):
+    return default if dtype is None else dtype
+
+
+ATEN["full"] = lambda size, value, dtype=None, **k: kn.full(tuple(size), value, dtype=dtype)
+ATEN["zeros"] = lambda size, dtype=None, **k: kn.full(tuple(size), 0, dtype=_dtype(dtype, kn.float32))
+ATEN["ones"] = lambda size, dtype=None, **k: kn.full(tuple(size), 1, dtype=_dtype(dtype, kn.float32))
+ATEN["full_like"] = lambda x, value, dtype=None, **k: kn.full_like(x, value, dtype=dtype)
+ATEN["zeros_like"] = lambda x, dtype=None, **k: kn.full_like(x, 0, dtype=dtype)
+ATEN["ones_like"] = lambda x, dtype=None, **k: kn.full_like(x, 1, dtype=dtype)
+ATEN["scalar_tensor"] = lambda v, dtype=None, **k: kn.full((), v, dtype=_dtype(dtype, kn.float32))
+
+
+@op("arange")
+def _arange(*args, dtype=None, **ignored):
+    return kn.arange(*args, dtype=dtype)
+
+
+def lookup(packet: str) -> Callable:
+    """The kiln function for an ATen packet name; K346 if kiln has none (the importer
+    adds the source line)."""
+    fn = ATEN.get(packet)
+    if fn is None:
+        raise KilnUnsupportedTorchOpError(f"from_torch: aten.{packet} has no kiln mapping")
+    return fn
