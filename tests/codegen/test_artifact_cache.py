@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kiln.codegen import artifact_cache
+from kiln.errors import KilnCacheWarning
 
 WORKER = r"""
 import json, sys
@@ -45,21 +46,21 @@ def entries(cache: pathlib.Path) -> list[pathlib.Path]:
 def test_store_and_load_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     key = artifact_cache.content_key("a", "b")
-    assert artifact_cache.load(key) is None
-    assert artifact_cache.store(key, b"machine code")
-    assert artifact_cache.load(key) == b"machine code"
+    assert artifact_cache.load(key, "blobs") is None
+    assert artifact_cache.store(key, b"machine code", "blobs")
+    assert artifact_cache.load(key, "blobs") == b"machine code"
     assert key != artifact_cache.content_key("ab", "")  # parts are length-delimited
 
 
 def test_corrupt_entry_is_detected_and_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     key = artifact_cache.content_key("x")
-    artifact_cache.store(key, b"payload bytes")
+    artifact_cache.store(key, b"payload bytes", "blobs")
     (path,) = entries(tmp_path)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert artifact_cache.load(key) is None
+    assert artifact_cache.load(key, "blobs") is None
     assert not path.exists()
 
 
@@ -67,7 +68,8 @@ def test_unwritable_cache_is_not_an_error(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("KILN_CACHE_DIR", str(blocker))
-    assert artifact_cache.store(artifact_cache.content_key("y"), b"z") is False
+    with pytest.warns(KilnCacheWarning, match="is not a directory"):
+        assert artifact_cache.store(artifact_cache.content_key("y"), b"z") is False
 
 
 @pytest.mark.timeout(180)

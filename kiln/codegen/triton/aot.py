@@ -11,9 +11,10 @@ the CPU for any architecture its wheel ships a backend for. `aot_compile` wraps 
 and stores the result in kiln's artifact cache (kind "triton"), keyed by the kernel's
 source hash (triton's own, which covers the jit functions it calls), the signature,
 the constexprs, the target, the options and the triton version, so a second process
-loads it instead of compiling again. `fn` may be a `@triton.jit` function or Triton
-source text; text is written to a file first, because triton reads a kernel's source
-through `inspect`.
+loads it instead of compiling again (an entry is used only when the cache
+authenticates it as kiln's own and its GPU object is well-formed ELF). `fn` may be a
+`@triton.jit` function or Triton source text; text is executed from memory
+(`load_source`), never imported from a file.
 
 A kernel compiles whatever `TRITON_INTERPRET` says: a function decorated while the
 interpreter was on is re-wrapped as a real `JITFunction` here.
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
+import io
 import json
-import os
+import linecache
 import sys
-import tempfile
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,7 +39,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from kiln import __version__ as _KILN_VERSION
-from kiln.codegen import artifact_cache
+from kiln.codegen import artifact_cache, cache_elf
 from kiln.codegen.triton.targets import ARCHS, DEFAULT_ARCH, resolve_arch
 from kiln.errors import KilnArgumentError
 
@@ -104,26 +105,28 @@ def as_jit_function(fn: Any) -> JITFunction:
 
 def load_source(source: str, name: str | None = None) -> Callable:
     """The Python function named `name` (or the only @triton.jit function) defined by
-    Triton source text, imported from a file named by the text's hash.
+    Triton source text.
+
+    The text is executed from memory, never imported from a file: a file found on disk
+    could have been planted by someone else. triton reads a kernel's source through
+    `inspect`, so the text is registered with `linecache` under a name that no file can
+    supply (`<kiln-triton ...>`, which linecache never reads from disk).
 
     The returned object is the undecorated function: wrap it with `as_jit_function` to
     compile or with triton's `InterpretedFunction` to interpret."""
     digest = hashlib.sha256(source.encode()).hexdigest()
     module_name = f"kiln_triton_{digest[:24]}"
+    filename = f"<kiln-triton {digest[:24]}>"
+    # (re-)registered on every call: something may have cleared linecache since
+    linecache.cache[filename] = (len(source), None, io.StringIO(source).readlines(), filename)
     module = sys.modules.get(module_name)
-    if module is not None and not os.path.exists(module.__file__):
-        # triton re-reads a kernel's source through `inspect`: keep the file there
-        os.makedirs(os.path.dirname(module.__file__), exist_ok=True)
-        with open(module.__file__, "w") as f:
-            f.write(source)
     if module is None:
-        path = _source_path(digest, source)
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
+        code = compile(source, filename, "exec")
+        module = types.ModuleType(module_name)
         # registered before exec so `inspect` and triton's dependency walk find it
         sys.modules[module_name] = module
         try:
-            spec.loader.exec_module(module)
+            exec(code, module.__dict__)
         except BaseException:
             del sys.modules[module_name]
             raise
@@ -138,25 +141,6 @@ def load_source(source: str, name: str | None = None) -> Callable:
     if name not in kernels:
         raise KilnArgumentError(f"load_source: no @triton.jit function {name!r} in the source")
     return kernels[name].fn
-
-
-def _source_path(digest: str, source: str) -> str:
-    """Where the source text lives on disk: the kiln cache, else a private temp folder."""
-    for root in (os.path.join(artifact_cache.cache_dir(), "triton-src"),
-                 os.path.join(tempfile.gettempdir(), f"kiln-triton-src-{os.getuid()}")):
-        path = os.path.join(root, f"k_{digest}.py")
-        try:
-            if not os.path.exists(path):
-                os.makedirs(root, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=root, suffix=".py")
-                with os.fdopen(fd, "w") as f:
-                    f.write(source)
-                os.replace(tmp, path)
-            return path
-        except OSError:
-            continue
-    raise KilnArgumentError("load_source: no writable folder for Triton source files "
-                            "(set KILN_CACHE_DIR to a writable folder)")
 
 
 def aot_compile(fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any] | None,
@@ -190,12 +174,9 @@ def aot_compile(fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, 
         json.dumps(dict(signature), sort_keys=True),
         json.dumps({k: repr(v) for k, v in constexprs.items()}, sort_keys=True),
         json.dumps(opts, sort_keys=True, default=repr), ",".join(sorted(divisible_by_16)))
-    blob = artifact_cache.load(key, _CACHE_KIND)
+    blob = artifact_cache.load(key, _CACHE_KIND, validate=_check_entry)
     if blob is not None:
-        try:
-            return _decode(blob, key)
-        except (ValueError, KeyError, TypeError):
-            pass  # an entry of another layout: rebuild and overwrite it
+        return _decode(blob, key)
     gpu_target = target if isinstance(target, GPUTarget) else TARGETS[arch]
     compiled = compile_kernel(jit_fn, signature, constexprs, gpu_target, opts, divisible_by_16)
     artifact = Artifact(
@@ -249,6 +230,20 @@ def _encode(artifact: Artifact) -> bytes:
            for k, v in artifact.asm.items()}
     return json.dumps({"format": _FORMAT, "name": artifact.name, "target": artifact.target,
                        "asm": asm, "metadata": artifact.metadata}).encode()
+
+
+def _check_entry(blob: bytes) -> None:
+    """Raise ValueError unless a cache entry decodes and its GPU object is well-formed
+    ELF for its vendor (the cache refuses, removes and rebuilds it otherwise)."""
+    try:
+        artifact = _decode(blob, "")
+        binary = artifact.binary
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"triton artifact: {e!r}") from None
+    if not isinstance(binary, bytes):
+        raise ValueError("triton artifact: the binary is not bytes")
+    machine = cache_elf.EM_CUDA if artifact.vendor == "cuda" else cache_elf.EM_AMDGPU
+    cache_elf.check_object(binary, machine=machine)
 
 
 def _decode(blob: bytes, key: str) -> Artifact:
