@@ -191,6 +191,7 @@ def _soft_loss(logp, target, weight, reduction, smoothing, class_dim):
 
 
 def _indexed_loss(op, logp, target, weight, ignore_index, reduction, smoothing):
+    from kiln.frontend.dispatch import apply as _apply
     from kiln.frontend.functional import ne, to, where
     from kiln.frontend.shape_ops import index_select, reshape
 
@@ -208,6 +209,9 @@ def _indexed_loss(op, logp, target, weight, ignore_index, reduction, smoothing):
     if reduction not in _REDUCTIONS:
         raise KilnArgumentError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     classes = logp.shape[class_dim]
+    # the one-hot pick below selects nothing for a class out of range: check first, as torch
+    target = _apply("check_index", target, size=classes, caller=op, what="target",
+                   negative=False, ignore=int(ignore_index))
     valid = ne(target, ignore_index)
     safe = where(valid, target, 0)  # an ignored target still needs an in-range index
     keep = to(valid, logp.dtype)

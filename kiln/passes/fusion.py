@@ -395,7 +395,8 @@ def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Gr
     `cond(x.sum() > 0, ...).sum()` groups both sums (one domain), but the second reads
     the `cond`, which reads the first. The standard library's graphlib sorts the small
     group graph and reports one cycle at a time; each group on it is split into the
-    values that do not wait on the group and those that do, until no cycle is left."""
+    values that do not wait on the group and those that do (or, failing that, one group
+    per value), until no cycle is left."""
     while True:
         deps: dict[int, set[int]] = {k: set() for k in range(len(groups))}
         owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
@@ -456,10 +457,16 @@ def _split(g: _Group, analysis: _Analysis, mat: set[int], owner: dict) -> list[_
 
     late = [v for v in g.values if v is not g.root and waits(v)]
     early = [v for v in g.values if all(v is not w for w in late)]
-    if not late or not early:
+    if late and early:
+        partition = [early, late]
+    elif g.root is None and len(g.values) > 1:
+        # the cycle runs through nodes only the kernel's reductions read: one group
+        # per value, each computing only the reductions its value needs
+        partition = [[v] for v in g.values]
+    else:
         return [g]
     parts = []
-    for values in (early, late):
+    for values in partition:
         part = _Group(g.kind if any(v is g.root for v in values) else "loop")
         part.values = list(values)
         if g.root is not None and any(v is g.root for v in values):

@@ -347,11 +347,14 @@ class dynamic_update_slice:
 
 
 def _checked_indices(op, indices, size):
+    """Indices in [-size, size) counted from the end made non-negative; else K104
+    (`kiln/ir/ops/indices.py`: every index-taking op checks its indices)."""
+    from kiln.ir.ops.indices import first_out_of_range, index_error
+
+    bad = first_out_of_range(indices, size, negative=True)
+    if bad is not None:
+        raise index_error(op, "index", bad, size, negative=True)
     idx = indices.astype(np.int64)
-    bad = (idx < -size) | (idx >= size)
-    if bad.any():
-        value = int(idx[bad].flat[0])
-        raise KilnIndexError(f"{op}: index {value} is out of range for a dim of size {size}")
     return np.where(idx < 0, idx + size, idx)
 
 
