@@ -81,8 +81,33 @@ def export(fn: Callable, args: tuple, dynamic_shapes=None, backend: str = "cpu")
     """Trace `fn` on example `args` into a program that saves to a .kir file."""
     if not isinstance(args, tuple):
         args = (args,)
-    traced = trace_function(fn, args, dynamic_shapes)
+    traced = trace_function(_named_after_forward(fn), args, dynamic_shapes)
     return ExportedProgram(traced.graph, traced.in_spec, traced.out_spec, traced.static_args, backend)
+
+
+def _named_after_forward(fn: Callable) -> Callable:
+    """A module (an object with `forward`) is traced under `forward`'s signature, so graph
+    inputs carry its parameter names and `dynamic_shapes` may be keyed by them, as
+    `kn.compile(model)` accepts."""
+    import inspect
+
+    forward = getattr(fn, "forward", None)
+    if forward is None or not callable(forward) or inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    try:
+        params = [p for p in inspect.signature(forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return fn
+
+    def call(*args):
+        return fn(*args)
+
+    name = type(fn).__name__
+    call.__name__ = name if name.isidentifier() else "module"
+    call.__signature__ = inspect.Signature(
+        [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_ONLY) for p in params])
+    return call
 
 
 def load(path: str | os.PathLike, backend: str = "cpu") -> ExportedProgram:

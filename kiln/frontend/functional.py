@@ -541,8 +541,10 @@ def rms_norm(x, normalized_shape, weight=None, eps: float | None = None):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None):
     if dropout_p:
-        raise KilnArgumentError("scaled_dot_product_attention: dropout_p must be 0 here; apply "
-                                "kn.nn.Dropout to the attention weights in training code")
+        from kiln.nn.functional import attention_with_dropout  # its keys: nn.rng streams
+
+        return attention_with_dropout(query, key, value, attn_mask, float(dropout_p),
+                                      bool(is_causal), scale)
     q = _floating(query)
     k, v = to(key, q.dtype), to(value, q.dtype)
     operands = [q, k, v]

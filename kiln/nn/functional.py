@@ -252,3 +252,34 @@ def binary_cross_entropy_with_logits(input, target, weight=None, reduction: str 
     if weight is not None:
         loss = loss * to(_tensor(weight), input.dtype)
     return _reduce("binary_cross_entropy_with_logits", loss, reduction)
+
+
+def attention_with_dropout(query, key, value, attn_mask, p: float, is_causal: bool, scale):
+    """SDPA with dropout on the attention weights, as torch: softmax(q k^T * scale + mask),
+    dropped with probability p (inverted), times v. The mask's key comes from the active
+    `kn.nn.rng` block, a compiled module's key, or kiln's global stream (eager)."""
+    import math
+
+    from kiln.frontend.functional import (
+        _floating, _tensor, add, matmul, mul, softmax, to, where,
+    )
+    from kiln.frontend.selection import tril
+    from kiln.frontend.shape_ops import transpose
+
+    if not 0.0 <= p <= 1.0:
+        raise KilnArgumentError(f"scaled_dot_product_attention: dropout_p must be in [0, 1], "
+                                f"got {p}")
+    q = _floating(query)
+    k, v = to(key, q.dtype), to(value, q.dtype)
+    s = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = mul(matmul(q, transpose(k, -2, -1)), s)
+    if is_causal:
+        from kiln.frontend.factories import ones
+
+        keep = tril(ones(q.shape[-2], k.shape[-2], dtype=dt.bool_))
+        scores = where(keep, scores, float("-inf"))
+    if attn_mask is not None:
+        mask = _tensor(attn_mask)
+        scores = where(mask, scores, float("-inf")) if mask.dtype.is_bool \
+            else add(scores, to(mask, q.dtype))
+    return matmul(dropout(softmax(scores, -1), p), v)

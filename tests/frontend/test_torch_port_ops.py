@@ -131,3 +131,36 @@ def test_device_argument_and_dtype_aliases():
         kn.zeros(2, device="tpu")
     with pytest.raises(kn.KilnError, match="K105.*not available"):
         kn.ones(2, device="cuda:0")
+
+
+def test_sdpa_dropout_drops_and_rescales_the_attention_weights():
+    q, k = kn.tensor(_x(1, 2, 6, 4)), kn.tensor(_x(1, 2, 6, 4))
+    eye = kn.eye(6).reshape(1, 1, 6, 6).expand(1, 2, 6, 6)  # v = I: the output is the weights
+    with kn.nn.rng(kn.nn.random.key(0)):
+        dropped = kn.scaled_dot_product_attention(q, k, eye, dropout_p=0.5, is_causal=True)
+    with kn.nn.rng(kn.nn.random.key(0)):
+        again = kn.nn.functional.scaled_dot_product_attention(q, k, eye, dropout_p=0.5,
+                                                              is_causal=True)
+    np.testing.assert_array_equal(dropped.numpy(), again.numpy())
+    weights = torch.softmax((torch.tensor(q.numpy()) @ torch.tensor(k.numpy()).mT / 2.0)
+                            .masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf")), -1)
+    d, w = dropped.numpy(), weights.numpy()
+    kept = d != 0
+    np.testing.assert_allclose(d[kept], 2 * w[kept], rtol=1e-5)
+    assert 0.2 < kept[w > 0].mean() < 0.8
+
+
+def test_export_names_inputs_after_forward_and_takes_dynamic_shapes_by_name():
+    class Head(kn.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = kn.nn.Linear(4, 2)
+
+        def forward(self, idx, targets=None):
+            return self.proj(idx)
+
+    B = kn.ShapeVar("B", min=1, max=64)
+    prog = kn.export(Head(), (kn.ones(3, 4),),
+                     dynamic_shapes={"idx": kn.TensorSpec([B, kn.STATIC])})
+    assert str(prog.graph).splitlines()[0].startswith("graph @Head(%idx: f32[B, 4])")
+    assert prog(kn.ones(5, 4)).shape == (5, 2)
