@@ -363,6 +363,9 @@ def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "de
     >>> f(x, w, b); f.stats()["compiles"]
     1
     """
+    from kiln.frontend.gil_guard import require_gil
+
+    require_gil("kn.compile")  # at the call, not at the first run: see gil_guard.py
     if fn is None:
         return lambda f: compile(f, backend=backend, mode=mode, fullgraph=fullgraph,
                                  dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit)

@@ -79,6 +79,9 @@ class ExportedProgram:
 
 def export(fn: Callable, args: tuple, dynamic_shapes=None, backend: str = "cpu") -> ExportedProgram:
     """Trace `fn` on example `args` into a program that saves to a .kir file."""
+    from kiln.frontend.gil_guard import require_gil
+
+    require_gil("kn.export")  # the program it returns runs compiled
     if not isinstance(args, tuple):
         args = (args,)
     traced = trace_function(_named_after_forward(fn), args, dynamic_shapes)
@@ -112,7 +115,10 @@ def _named_after_forward(fn: Callable) -> Callable:
 
 def load(path: str | os.PathLike, backend: str = "cpu") -> ExportedProgram:
     """Load a .kir file; a malformed or hostile file raises KilnFormatError."""
+    from kiln.frontend.gil_guard import require_gil
     from kiln.ir.archive import load_graph
+
+    require_gil("kn.load")  # the program it returns runs compiled
 
     graph, metadata = load_graph(path)
     try:
