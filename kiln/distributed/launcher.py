@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 
 from kiln.distributed import elastic
+from kiln.distributed.launch_output import Output, log_line
 from kiln.distributed.elastic import Fault
 from kiln.distributed.errors import DistributedError, LaunchError
 from kiln.distributed.protocol import parse_address
@@ -69,6 +70,7 @@ _FIRST_VIEW = "ft/view/0"  # written once the fault-tolerant world's first rende
 _VIEW = "ft/view/%d"       # epoch e's membership (kiln.distributed.membership)
 _JOIN_PREFIX = "ft/join/"  # a replacement waiting to be admitted: {"pid": ...}
 _PR_SET_PDEATHSIG = 1      # linux/prctl.h
+_DRAIN_TIMEOUT = 5.0       # at the end: how long to wait for the last bytes of the workers' output
 
 
 @dataclass
@@ -89,6 +91,8 @@ class LaunchConfig:
     min_size: int = 1
     inject: list[str] = field(default_factory=list)
     events_json: str | None = None
+    prefix: bool = False          # "[rank N] " before every line of a worker's output
+    log_dir: str | None = None    # also append rank N's output to <log_dir>/rank<N>.log
 
 
 @dataclass
@@ -120,7 +124,7 @@ def _signal_name(signum: int) -> str:
 
 
 def _log(message: str) -> None:
-    print("kiln launch: " + message, file=sys.stderr, flush=True)
+    log_line("kiln launch: " + message)
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -146,6 +150,15 @@ def launch(cfg: LaunchConfig) -> int:
                           % (world, cfg.min_size))
     faults = [elastic.parse_fault(spec) for spec in cfg.inject]
     elastic.check_faults(faults, world)
+    if cfg.log_dir is not None:
+        try:
+            os.makedirs(cfg.log_dir, exist_ok=True)
+            probe = os.path.join(cfg.log_dir, ".kiln-launch-write-test")
+            open(probe, "wb").close()
+            os.unlink(probe)
+        except OSError as err:
+            raise LaunchError("cannot write the workers' logs into --log-dir %s: %s"
+                              % (cfg.log_dir, err.strerror or err)) from None
     token = os.environ.get("KILN_TOKEN")
     if not token:
         if cfg.nnodes > 1:
@@ -211,6 +224,7 @@ class _Job:
         self.next_view = 0                  # the first epoch not read yet (ft/view/<e>)
         self.removed: dict[int, int] = {}   # uid -> the epoch that shrank it away
         self.die_with_me = _die_with_parent()
+        self.output = Output(prefix=cfg.prefix, log_dir=cfg.log_dir)
 
     # -- events ---------------------------------------------------------------------
 
@@ -247,6 +261,10 @@ class _Job:
             env.pop(key, None)
         if self.cfg.fr_dir:
             env["KILN_FR_DIR"] = self.cfg.fr_dir
+        if "PYTHONUNBUFFERED" not in env and _isatty(sys.stdout):
+            # the workers write into pipes, which Python would block-buffer: on a
+            # terminal, lines should appear as they are printed (whole: launch_output)
+            env["PYTHONUNBUFFERED"] = "1"
         return env
 
     def _spawn(self, rank: int, local: int, env: dict) -> subprocess.Popen:
@@ -262,8 +280,12 @@ class _Job:
         # and an injected fault can signal the worker's whole process group.
         # die_with_me: the kernel SIGKILLs the worker if the launcher dies (even by
         # SIGKILL), so a lost launcher never leaves workers running on their own
-        return subprocess.Popen([sys.executable, self.cfg.script] + self.cfg.script_args,
-                                env=env, start_new_session=True, preexec_fn=self.die_with_me)
+        # stdout/stderr: pipes read line by line (kiln.distributed.launch_output)
+        proc = subprocess.Popen([sys.executable, self.cfg.script] + self.cfg.script_args,
+                                env=env, start_new_session=True, preexec_fn=self.die_with_me,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.output.attach(rank, proc)
+        return proc
 
     def _signal(self, slot: _Slot, signum: int) -> None:
         # not reaped yet (poll() is None), so the pid, which is also the group id, is ours
@@ -291,6 +313,11 @@ class _Job:
         finally:
             for signum, handler in old.items():
                 signal.signal(signum, handler)
+            still = self.output.close(_DRAIN_TIMEOUT)  # every worker's last lines first
+            if still:
+                _log("the output of rank(s) %s is still open %.0f s after they ended (a "
+                     "process they started holds it); not waiting for it"
+                     % (", ".join(map(str, still)), _DRAIN_TIMEOUT))
         if code == 0 and self.cfg.nnodes > 1:
             self._finish_nodes()
         self._report(code, reason)
@@ -637,6 +664,13 @@ class _Job:
                     json.dump(report, f, indent=1)
             except OSError as err:
                 _log("cannot write --events-json %s: %s" % (self.cfg.events_json, err))
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _die_with_parent():

@@ -28,9 +28,13 @@ from kiln.distributed import elastic
 out = sys.argv[1]
 cfg = json.loads(sys.argv[2])
 rank = int(os.environ["KILN_RANK"])
-if cfg.get("form_group") and rank == 0:  # as a fault-tolerant group's first rendezvous does
+if cfg.get("form_group"):  # as a fault-tolerant group's first rendezvous does, before step 0
     from kiln.distributed.store import Store
-    Store(os.environ["KILN_STORE"], os.environ["KILN_TOKEN"]).set("ft/view/0", "{}")
+    store = Store(os.environ["KILN_STORE"], os.environ["KILN_TOKEN"])
+    if rank == 0:
+        store.set("ft/view/0", "{}")
+    store.wait(["ft/view/0"], timeout=20)
+    store.close()
 hooks = []
 elastic.on_drop_conn(lambda: hooks.append(time.time()))
 log = open(os.path.join(out, "steps_%d_%d.log" % (rank, os.getpid())), "w", buffering=1)

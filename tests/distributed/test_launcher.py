@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -94,3 +95,68 @@ def test_bad_configurations(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "kiln.distributed", "launch", "--help"],
                                capture_output=True, text=True).stdout
     assert "--nproc" in help_text and "KILN_RANK" in help_text
+
+
+PRINTER = r'''
+import os, signal, sys
+rank = int(os.environ["KILN_RANK"])
+for i in range(1000):
+    # unbuffered, each print is several writes: ranks sharing a stream used to mix them
+    print("rank", rank, "line", i, "payload", "x" * (i % 61))
+    if i % 250 == 0:
+        print("rank", rank, "warning", i, file=sys.stderr)
+if rank == int(sys.argv[1]):
+    print("LAST LINE of rank", rank)
+    sys.stdout.write("no newline before the kill %d" % rank)
+    os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+@pytest.mark.timeout(90)
+def test_output_lines_stay_whole_and_attributed(tmp_path):
+    script = tmp_path / "printer.py"
+    script.write_text(PRINTER)
+    env = worker_env(tmp_path, "unused", {"PYTHONUNBUFFERED": "1"})
+    env.pop("KILN_TOKEN")
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, "-m", "kiln.distributed", "launch", "--nproc", "4",
+                           "--on-failure", "shrink", "--prefix", "--log-dir", str(logs),
+                           str(script), "2"], env=env, capture_output=True, timeout=80,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode()
+    line = re.compile(rb"^\[rank (\d)\] rank (\d) line (\d+) payload (x*)$")
+    seen: dict[int, list[int]] = {r: [] for r in range(4)}
+    tail = []
+    for text in proc.stdout.split(b"\n")[:-1]:
+        m = line.match(text)
+        if m is None:
+            tail.append(text)
+            continue
+        head, rank, i, xs = int(m[1]), int(m[2]), int(m[3]), m[4]
+        assert head == rank and len(xs) == i % 61, text
+        seen[rank].append(i)
+    assert all(seen[r] == list(range(1000)) for r in range(4)), {r: len(v) for r, v in seen.items()}
+    # the killed worker's last lines made it, the one it never ended too
+    assert sorted(tail) == [b"[rank 2] LAST LINE of rank 2",
+                            b"[rank 2] no newline before the kill 2"], tail
+    err = proc.stderr.decode().splitlines()
+    for r in range(4):
+        assert [l for l in err if l.startswith("[rank %d] " % r)] == [
+            "[rank %d] rank %d warning %d" % (r, r, i) for i in (0, 250, 500, 750)]
+    assert any(l.startswith("kiln launch: worker rank 2") for l in err)
+    # one file per rank: its own lines only, both streams, no prefix
+    for r in range(4):
+        lines = (logs / ("rank%d.log" % r)).read_text().splitlines()
+        assert [l for l in lines if " line " in l] == [
+            "rank %d line %d payload %s" % (r, i, "x" * (i % 61)) for i in range(1000)]
+        assert sum(" warning " in l for l in lines) == 4
+        assert len(lines) == 1004 + 2 * (r == 2)
+        assert (r == 2) == (lines[-1] == "no newline before the kill 2")
+
+
+def test_log_dir_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = launch(tmp_path, "--nproc", "1", "--log-dir", str(blocker / "logs"), "x.py")
+    assert proc.returncode == 2
+    assert "[K212] cannot write the workers' logs into --log-dir" in proc.stderr
