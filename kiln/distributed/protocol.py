@@ -38,6 +38,14 @@ from kiln.distributed.errors import (
     InvalidTimeout, MalformedFrame, StoreAuthError, StoreError, StoreTimeout,
 )
 
+
+
+class ConnectionLost(StoreError):
+    """The other side closed or reset the connection (K207, like any StoreError). A
+    client whose handshake ends so may connect again: a server under pressure drops
+    the oldest handshakes (see `acceptor`)."""
+
+
 _FRAME = struct.Struct("!II")
 HANDSHAKE_MAX_FRAME = 4096  # before authentication a peer may send no more than this
 MAX_FRAME = 1 << 30
@@ -66,9 +74,9 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
         except socket.timeout:
             raise StoreTimeout("connection timed out while reading %d bytes" % n) from None
         except OSError as err:
-            raise StoreError("connection lost: %s" % err) from None
+            raise ConnectionLost("connection lost: %s" % err) from None
         if k == 0:
-            raise StoreError("connection closed by the other side")
+            raise ConnectionLost("connection closed by the other side")
         got += k
 
 
@@ -89,7 +97,7 @@ def send_frame(sock: socket.socket, header: dict, body: bytes | memoryview = b""
     except socket.timeout:
         raise StoreTimeout("connection timed out while sending") from None
     except OSError as err:
-        raise StoreError("connection lost while sending: %s" % err) from None
+        raise ConnectionLost("connection lost while sending: %s" % err) from None
 
 
 def recv_raw_frame(sock: socket.socket, deadline: float | None = None,

@@ -24,8 +24,8 @@ from kiln.distributed.errors import (
     InvalidTimeout, MalformedFrame, StoreAuthError, StoreBadRequest, StoreError, StoreTimeout,
 )
 from kiln.distributed.protocol import (
-    check_timeout, client_handshake, loads_object, parse_address, recv_frame, recv_raw_frame,
-    send_frame, server_handshake,
+    ConnectionLost, check_timeout, client_handshake, loads_object, parse_address, recv_frame,
+    recv_raw_frame, send_frame, server_handshake,
 )
 
 ROLE = "store"
@@ -373,6 +373,9 @@ class Store:
         return list(self._call({"op": "list", "prefix": prefix})[0]["keys"])
 
     def _connect(self, deadline: float) -> None:
+        """Connect and authenticate, retrying until `deadline`: a server not up yet, or
+        one that dropped this connection in its handshake (it sheds the oldest
+        handshakes when strangers crowd it). A wrong token is final."""
         delay = 0.01
         while True:
             remaining = deadline - time.monotonic()
@@ -381,18 +384,24 @@ class Store:
                                    hint="is the store running (rank 0 or kiln launch hosts it)?")
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=remaining)
-                break
             except OSError:
-                time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-                delay = min(delay * 2, 0.5)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            client_handshake(sock, self._token, ROLE, max(deadline - time.monotonic(), 0.5))
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
-        self.generation += 1
+                sock = None
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    client_handshake(sock, self._token, ROLE,
+                                     max(deadline - time.monotonic(), 0.5))
+                except ConnectionLost:  # dropped mid-handshake: try again
+                    sock.close()
+                except BaseException:  # a wrong token, not a kiln store, the deadline
+                    sock.close()
+                    raise
+                else:
+                    self._sock = sock
+                    self.generation += 1
+                    return
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+            delay = min(delay * 2, 0.5)
 
     def _call(self, header: dict, body: bytes = b"",
               timeout: float | None = None) -> tuple[dict, bytes]:

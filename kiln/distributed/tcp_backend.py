@@ -59,8 +59,10 @@ from kiln.distributed import tcp_algorithms as alg
 from kiln.distributed.backend import OP_CODES, OP_NAMES, Backend, CallContext
 from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, Reducer
 from kiln.distributed.acceptor import HANDSHAKE_TIMEOUT, Acceptor
-from kiln.distributed.errors import RendezvousError, StoreAuthError, StoreError, StoreTimeout
-from kiln.distributed.protocol import client_handshake, parse_address, server_handshake
+from kiln.distributed.errors import RendezvousError, StoreError, StoreTimeout
+from kiln.distributed.protocol import (
+    ConnectionLost, client_handshake, parse_address, server_handshake,
+)
 from kiln.distributed.tcp_rma import RmaEngine
 from kiln.distributed.tcp_transport import _DIRECT_TICK, P2P, Transport
 
@@ -130,13 +132,13 @@ def _connect_peer(host: str, port: int, token: str, hello: dict,
             client_handshake(sock, token, DATA_ROLE, max(deadline - time.monotonic(), 0.01),
                              hello=hello)
             return sock
-        except (StoreAuthError, StoreTimeout):
-            sock.close()
-            raise
-        except StoreError:
+        except ConnectionLost:
             sock.close()
             if attempt == _CONNECT_ATTEMPTS - 1 or time.monotonic() >= deadline:
                 raise
+        except BaseException:  # a wrong token, not a kiln data port, the deadline
+            sock.close()
+            raise
             time.sleep(min(0.01 * 2 ** attempt, max(deadline - time.monotonic(), 0.0)))
     raise AssertionError("unreachable")
 
