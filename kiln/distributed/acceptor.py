@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connection has to prove it knows the token
-MAX_PENDING = 128  # handshakes in progress at once
+MAX_PENDING = 256  # handshakes in progress at once (a job start brings a burst)
 LOG_EVERY = 10.0  # seconds between two log lines of one kind
 _POLL = 0.2  # the accept loop checks for close() this often
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

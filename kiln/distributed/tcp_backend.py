@@ -216,7 +216,7 @@ class TcpBackend(Backend):
                             handshake=lambda conn: server_handshake(
                                 conn, token, DATA_ROLE,
                                 max(min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()), 0.01)),
-                            max_pending=64)
+                            max_pending=2 * world_size + 64)
         try:
             store.set("%s/addr/%d" % (prefix, rank), "%s:%d" % listener.getsockname()[:2])
             keys = ["%s/addr/%d" % (prefix, r) for r in range(world_size)]

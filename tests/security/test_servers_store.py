@@ -17,6 +17,7 @@ import kiln.distributed as dist
 from kiln.distributed import (
     InvalidTimeout, MalformedFrame, Store, StoreBadRequest, StoreServer,
 )
+from kiln.distributed.acceptor import MAX_PENDING
 from kiln.distributed.protocol import (
     HANDSHAKE_MAX_FRAME, client_handshake, loads_object, recv_frame, send_frame,
 )
@@ -220,13 +221,13 @@ def test_loads_object_reads_brackets_inside_strings_as_text():
 
 
 def test_many_idle_strangers_do_not_lock_a_client_out(server):
-    # more idle strangers than the handshakes the store runs at once (128): the oldest
-    # are dropped, so a real client still gets its turn while they hang on
-    strangers = [_raw(server) for _ in range(160)]
+    # more idle strangers than the handshakes the store runs at once: the oldest are
+    # dropped, so a real client still gets its turn while they hang on
+    strangers = [_raw(server) for _ in range(MAX_PENDING + 40)]
     try:
         _serves(server)
-        assert len(server._acceptor._pending) <= 128
-        assert server._acceptor.refused >= 160 - 128
+        assert len(server._acceptor._pending) <= MAX_PENDING
+        assert server._acceptor.refused >= 40
     finally:
         for s in strangers:
             s.close()
