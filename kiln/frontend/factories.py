@@ -244,6 +244,8 @@ def randint(low: int, high: int | None = None, size=(), seed: int | None = None,
 
     as_device(device, "randint")
     _no_generator("randint", generator)
+    if isinstance(high, (tuple, list)) and size == ():  # torch's randint(high, size)
+        high, size = None, tuple(high)
     if high is None:
         low, high = 0, low
     if high <= low:

@@ -316,6 +316,12 @@ class Tensor:
         body = np.array2string(data, separator=", ", prefix="tensor(")
         return f"tensor({body}, dtype={self.dtype!r})"
 
+    def __format__(self, spec: str) -> str:
+        """f"{loss:.4f}" formats a one-element tensor's value, as torch does."""
+        if spec and self._builder is None and self._x.size == 1:
+            return format(self.item(), spec)
+        return format(repr(self), spec)
+
     __hash__ = object.__hash__  # == is elementwise, so hash by identity as torch does
 
 

@@ -9,7 +9,7 @@ See docs/nn.md for the guide: modules, state dicts, Dropout keys, optimizers and
 compiled training step.
 """
 
-from kiln.nn import functional, init, random  # noqa: F401
+from kiln.nn import functional, init, random, utils  # noqa: F401
 from kiln.nn.attention import MultiheadAttention  # noqa: F401
 from kiln.nn.layers import (  # noqa: F401
     GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU, RMSNorm, Sigmoid, SiLU, Softmax,
