@@ -12,6 +12,11 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,mpi]'
+	# headless Chromium and Graphviz for the `kiln report` tests (Debian packages), where apt
+	# is available and we are root; elsewhere those tests skip, naming the package
+	-command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends chromium graphviz >/dev/null; } || true
 	touch $(STAMP)
 
 install: $(STAMP)

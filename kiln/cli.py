@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     register(sub)
+    from kiln.report.command import register as register_report
+
+    register_report(sub)
     try:
         from kiln.distributed.commands import register as register_distributed
     except ImportError:  # kiln.distributed is optional to `kiln dump`
