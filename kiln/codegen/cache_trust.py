@@ -18,10 +18,11 @@ A key file that is missing is created; one that is not the user's, is readable b
 others, or has the wrong size is replaced by a fresh key (kiln owns the folder, so it
 may), which invalidates every entry written under the old one.
 
-    >>> root = ensure_root("/tmp/my-cache")          # doctest: +SKIP
-    >>> blob = seal(secret_key(root), "objects", k, b"code")
-    >>> unseal(secret_key(root), "objects", k, blob)
+    >>> key = secret_key(ensure_root(tempfile.mkdtemp()))
+    >>> unseal(key, "objects", "ab12", seal(key, "objects", "ab12", b"code"))
     b'code'
+    >>> unseal(key, "objects", "cd34", seal(key, "objects", "ab12", b"code")) is None
+    True
 """
 
 from __future__ import annotations

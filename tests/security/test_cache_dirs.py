@@ -41,7 +41,7 @@ def test_new_cache_is_private(tmp_path, monkeypatch):
     (lambda p: os.chown(p, OTHER_UID, OTHER_UID), f"owned by uid {OTHER_UID}"),
     (lambda p: os.chmod(p, 0o775), "writable by its group or by others"),
     (lambda p: os.chmod(p, 0o1777), "writable by its group or by others"),
-])
+], ids=["other-owner", "group-writable", "world-writable-sticky"])
 def test_unsafe_explicit_cache_dir_raises(tmp_path, monkeypatch, setup, reason):
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
@@ -137,11 +137,14 @@ def test_concurrent_key_creation_agrees(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from kiln.codegen import cache_trust as t; "
+    # cache_trust needs only the standard library: load it alone, so the processes start at once
+    code = ("import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('cache_trust', sys.argv[2])\n"
+            "t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)\n"
             "print(t.secret_key(t.ensure_root(sys.argv[1])).hex())")
     root = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(root), cache_trust.__file__],
+                              stdout=subprocess.PIPE, text=True) for _ in range(8)]
     keys = {p.communicate(timeout=60)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert keys == {(root / cache_trust.KEY_FILE).read_bytes().hex()}
