@@ -139,7 +139,7 @@ def _connect_peer(host: str, port: int, token: str, hello: dict,
         except BaseException:  # a wrong token, not a kiln data port, the deadline
             sock.close()
             raise
-            time.sleep(min(0.01 * 2 ** attempt, max(deadline - time.monotonic(), 0.0)))
+        time.sleep(min(0.01 * 2 ** attempt, max(deadline - time.monotonic(), 0.0)))
     raise AssertionError("unreachable")
 
 
@@ -159,8 +159,8 @@ def _accept_peers(acceptor: Acceptor, lanes: tuple[dict, dict], prefix: str, ran
                                % (sorted({p for p, _ in missing}), acceptor.refused))
         sock, theirs = got
         peer, lane = theirs.get("rank"), theirs.get("lane")
-        if (theirs.get("group"), theirs.get("epoch")) != (prefix, epoch) or \
-                (peer, lane) not in wanted or type(peer) is not int or type(lane) is not int:
+        if type(peer) is not int or type(lane) is not int or (peer, lane) not in wanted or \
+                (theirs.get("group"), theirs.get("epoch")) != (prefix, epoch):
             sock.close()
             acceptor.log("stale", "closed a connection of group %.80r epoch %.20r rank %.20r "
                          "(this is group %r epoch %d)" % (theirs.get("group"),
