@@ -65,7 +65,7 @@ class Acceptor:
         self._ready: collections.deque[tuple[socket.socket, dict]] = collections.deque()
         self._closed = False
         self._stop = threading.Event()
-        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last time, left out)
+        self._logged: dict[str, tuple[float | None, int]] = {}  # kind -> (last, left out)
         self.refused = 0  # connections that failed their handshake or were dropped
         listener.settimeout(_POLL)
         self._thread = threading.Thread(target=self._loop, name="kiln-%s-accept" % name,
@@ -111,8 +111,8 @@ class Acceptor:
         """One line on stderr, unless a line of this kind went out under LOG_EVERY ago."""
         now = time.monotonic()
         with self._lock:
-            last, left_out = self._logged.get(kind, (-LOG_EVERY, 0))
-            if now - last < LOG_EVERY:
+            last, left_out = self._logged.get(kind, (None, 0))
+            if last is not None and now - last < LOG_EVERY:
                 self._logged[kind] = (last, left_out + 1)
                 return
             self._logged[kind] = (now, 0)
