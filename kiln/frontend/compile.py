@@ -39,6 +39,7 @@ class CompiledGraph:
     executable: Any
     binder: Callable
     stages: dict = field(default_factory=dict)
+    stage_seconds: dict = field(default_factory=dict)  # per graph pass (kiln report)
 
     def run(self, arrays: list) -> list:
         """Run on arrays from anywhere: dtypes, ranks and static dims are checked."""
@@ -101,13 +102,14 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default") -> 
                                        ("schedule_collectives", schedule_collectives)])
     stages: dict = {}
     optimized = pipeline.run(graph, dump=stages)
+    seconds = {r.name: r.seconds for r in pipeline.records}
     program = build_program(optimized)  # regions were optimized and fused with the graph
     target = get_backend(backend)
     names = list(program.kernels)
     compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
     externs = target.externs() if hasattr(target, "externs") else {}
     executable = Executable(program, dict(zip(names, compiled)), externs=externs)
-    return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages)
+    return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
 
 
 def compile_kernels(target, kernels: list, mode: str = "default") -> list:
@@ -175,8 +177,10 @@ class CompiledFunction:
     """The callable `kn.compile` returns. `stats()` says what the cache did."""
 
     def __init__(self, fn: Callable, backend: str = "cpu", mode: str = "default",
-                 fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8):
+                 fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8,
+                 trace_dir: str | None = None):
         self.fn = fn
+        self.trace_dir = trace_dir  # kiln report's traces (else $KILN_TRACE_DIR)
         self.backend = backend
         self.mode = mode
         self.fullgraph = fullgraph
@@ -253,6 +257,9 @@ class CompiledFunction:
                     hint="declare the changing dims dynamic with ShapeVar (dynamic_shapes=) or "
                          "raise recompile_limit")
             return None
+        from kiln.report.trace import recorder_for
+
+        recorder = recorder_for(self)  # None unless tracing for `kiln report`
         try:
             traced = trace_function(self.fn, tuple(args), self.dynamic_shapes)
         except KilnTraceError:
@@ -265,7 +272,12 @@ class CompiledFunction:
             key = self._key(*_leaves_and_spec(args))
         if self._cache:
             self._recompiles.append({"reason": self._reason(key)})
+        if recorder is not None:
+            recorder.traced()
         compiled = compile_graph(traced.graph, self.backend, self.mode)
+        if recorder is not None:
+            recorder.compiled(compiled, reason=self._recompiles[-1]["reason"] if self._cache else None,
+                              guards=guard_summary(traced.graph))
         self._compiles += 1
         out_spec = traced.out_spec
         entry = _Entry(compiled, out_spec, tuple(i for i, _ in traced.static_args))
@@ -354,7 +366,8 @@ def _dynamic_positions(graph: Graph, static_args) -> dict[int, frozenset]:
 
 
 def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "default",
-            fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8):
+            fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8,
+            trace_dir: str | None = None):
     """Compile `fn` (tensors in, tensors out) into fused native kernels.
 
     >>> @kn.compile
@@ -368,12 +381,13 @@ def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "de
     require_gil("kn.compile")  # at the call, not at the first run: see gil_guard.py
     if fn is None:
         return lambda f: compile(f, backend=backend, mode=mode, fullgraph=fullgraph,
-                                 dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit)
+                                 dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit,
+                                 trace_dir=trace_dir)
     if _is_module(fn):  # parameters and buffers become graph inputs: see kiln/nn/compiled.py
         from kiln.nn.compiled import CompiledModule
 
         return CompiledModule(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
-    return CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
+    return CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit, trace_dir)
 
 
 def _is_module(fn) -> bool:

@@ -104,7 +104,9 @@ def _kernels(compiled, backend_name: str, put) -> list[dict]:
     from kiln.errors import KilnError
 
     backend = get_backend(backend_name)
-    mapping = dict(getattr(backend, "dump_stages", {}) or {})
+    # kiln dump's names for the backend's stages (cpu: LLVM IR and x86 assembly)
+    mapping = dict(getattr(backend, "dump_stages", None) or
+                   {"source": "llvm", "llvm-optimized": "optimized", "asm": "asm"})
     out = []
     for name, kernel in compiled.program.kernels.items():
         entry = {"name": name, "kind": type(kernel).__name__}
