@@ -148,6 +148,7 @@ class CompiledKernel:
         self.kernel = kernel
         self.name = kernel.name
         self._owner = owner  # keeps the JIT engine (and so the code) alive
+        self.address = address  # raw-pointer entry: fn(void **bufs, int64 *sizes, lo, hi)
         # arrays are passed as objects (the `.np` entry) where the layout check passed
         self._by_object = bool(object_address) and _DATA_FIELD_OK
         self._fn = KERNEL_FN(object_address if self._by_object else address)
@@ -205,6 +206,13 @@ class CompiledKernel:
             self._resolved.clear()
         self._resolved[key] = entry
         return entry
+
+    def launch_info(self, sizes: dict) -> tuple[tuple[int, ...], int, bool]:
+        """(size values in the kernel's order, loop count, parallel?) for `sizes`: what a
+        native launch list needs to call the raw entry itself (kiln.runtime.capture)."""
+        key = tuple(sizes[name] for name in self._size_names)
+        entry = self._resolved.get(key) or self._resolve(key)
+        return key, entry[1], entry[2]
 
     def __call__(self, arrays, sizes=None) -> None:
         if len(arrays) != self._n:
