@@ -110,3 +110,27 @@ def test_training_matches_torch_step_for_step(worlds):
     assert greedy == tmodel.generate(torch.tensor(start), 6, top_k=1).tolist()
     sampled = kmodel.generate(kn.tensor(start), 6, temperature=0.8, top_k=5)
     assert sampled.shape == (1, 9) and sampled.dtype == kn.int64
+
+
+def test_compiled_model_trains_like_torch(worlds):
+    """nanoGPT's `model = torch.compile(model)`: forward compiled, backward through the
+    compiled program's pullback, optimizer eager; losses match torch's eager run."""
+    kmodel_mod, tmodel_mod, ktrain, ttrain = worlds
+    kmodel_mod.print = tmodel_mod.print = lambda *a, **k: None
+    kn.manual_seed(1)
+    kmodel = ktrain.make_model()
+    tmodel = ttrain.make_model()
+    tmodel.load_state_dict({k: torch.tensor(v.numpy()) for k, v in kmodel.state_dict().items()})
+    kopt = kmodel.configure_optimizers(0.1, 3e-3, (0.9, 0.99), "cpu")
+    topt = tmodel.configure_optimizers(0.1, 3e-3, (0.9, 0.99), "cpu")
+    compiled = kn.compile(kmodel)
+    batches = _batches(ktrain.train_data, ktrain.block_size, ktrain.batch_size, 8, seed=4)
+
+    def feeder(convert):
+        it = iter(batches)
+        return lambda split: tuple(convert(a) for a in next(it))
+
+    klosses = ktrain.train(compiled, kopt, feeder(kn.tensor), max_iters=5, log=lambda s: None)
+    tlosses = ttrain.train(tmodel, topt, feeder(torch.tensor), max_iters=5, log=lambda s: None)
+    np.testing.assert_allclose(klosses, tlosses, rtol=5e-5)
+    assert compiled.stats()["compiles"] == 1

@@ -119,6 +119,28 @@ class NodeRef:
         self.node, self.index = node, index
 
 
+class OpaqueNode(TapeNode):
+    """A call whose backward is a function, not recorded ops: a compiled module's program
+    (kiln/nn/compiled.py). `pullback(cotangents per output, None for zero)` returns one
+    cotangent per operand (None where no gradient flows)."""
+
+    __slots__ = ("pullback", "outputs")
+
+    def __init__(self, name: str, operands: list, outputs: list, pullback) -> None:
+        super().__init__(name, {}, operands)
+        self.outputs, self.pullback = outputs, pullback
+
+
+def record_opaque(name: str, operands: list, outputs: list, pullback) -> list:
+    """Tape refs for the `outputs` (eager arrays) of an opaque call on `operands`
+    (tensors); None when grad mode is off or no operand requires grad."""
+    refs = [t._grad_ref() for t in operands] if is_grad_enabled() else []
+    if not any(r is not None for r in refs):
+        return [None] * len(outputs)
+    node = OpaqueNode(name, refs, outputs, pullback)
+    return [NodeRef(node, i) for i in range(len(outputs))]
+
+
 class Dual:
     """An operand inside a TapeEmitter: the value the wrapped emitter computes with, and
     the tape reference gradients flow back through."""
@@ -185,12 +207,12 @@ def builder_of(em: Emitter) -> GraphBuilder | None:
 # -- backward -----------------------------------------------------------------------------
 
 
-def _walk(root: NodeRef) -> list[TapeNode]:
-    """The nodes `root` depends on, operands before users (iterative, no recursion
-    limit on long tapes)."""
+def _walk(roots: list) -> list[TapeNode]:
+    """The recorded op nodes the `roots` depend on, operands before users (iterative, no
+    recursion limit on long tapes); the walk stops at opaque nodes."""
     order: list[TapeNode] = []
     seen: set = set()
-    stack: list = [(root.node, False)]
+    stack: list = [(r.node, False) for r in roots]
     while stack:
         node, expanded = stack.pop()
         if expanded:
@@ -201,7 +223,8 @@ def _walk(root: NodeRef) -> list[TapeNode]:
         seen.add(id(node))
         stack.append((node, True))
         for ref in node.operands:
-            if isinstance(ref, NodeRef) and id(ref.node) not in seen:
+            if isinstance(ref, NodeRef) and id(ref.node) not in seen \
+                    and not isinstance(ref.node, OpaqueNode):
                 stack.append((ref.node, False))
     return order
 
@@ -230,53 +253,7 @@ def backward(tensor, gradient=None, inputs: Sequence | None = None) -> None:
                 f"this one is {tensor.dtype.short}{list(tensor.shape)}",
                 hint="reduce it first (loss.sum()) or pass gradient= of its shape")
     traced = tensor._builder
-    if isinstance(ref, LeafRef):  # backward of a leaf itself: d leaf / d leaf
-        nodes = []
-    else:
-        nodes = _walk(ref)
-    # graph inputs: leaves first (the wrt set), then every other operand the nodes read
-    leaves: dict = {}
-    others: dict = {}
-
-    def visit(x):
-        if isinstance(x, LeafRef):
-            leaves.setdefault((id(x.tensor), id(x.primal)), x)
-        elif not isinstance(x, NodeRef) and not _is_scalar(x):
-            others.setdefault(id(x), x)
-
-    visit(ref)
-    for node in nodes:
-        for x in node.operands:
-            visit(x)
-    wanted = None if inputs is None else {id(t) for t in inputs}
-    leaf_list = [lf for lf in leaves.values() if wanted is None or id(lf.tensor) in wanted]
-    leaf_list += [lf for lf in leaves.values() if lf not in leaf_list]
     base = traced if traced is not None else EAGER
-    b = GraphBuilder(Graph("backward"))
-    env: dict = {}
-    for lf in leaf_list:
-        env[id(lf)] = b.add_input(_type(lf.primal))
-    for key, x in others.items():
-        env[("v", key)] = b.add_input(_type(x))
-
-    def value(x):
-        if isinstance(x, LeafRef):
-            return env[id(leaves[(id(x.tensor), id(x.primal))])]
-        if isinstance(x, NodeRef):
-            return env[(id(x.node), x.index)]
-        if _is_scalar(x):
-            return x
-        return env[("v", id(x))]
-
-    for node in nodes:
-        results = b.apply(node.op, [value(x) for x in node.operands], node.attrs)
-        for i, r in enumerate(results):
-            env[(id(node), i)] = r
-    b.graph.body.results = [value(ref)]
-    wrt = [i for i, lf in enumerate(leaf_list) if differentiable_dtype(lf.tensor.dtype)
-           and (wanted is None or id(lf.tensor) in wanted)]
-    vjp = vjp_graph(b.graph, wrt, 1)
-    primals = [lf.primal for lf in leaf_list] + list(others.values())
     if gradient is None:
         seed = base.full(1, tensor.dtype, tuple(tensor.shape))
     else:
@@ -289,25 +266,118 @@ def backward(tensor, gradient=None, inputs: Sequence | None = None) -> None:
         else:
             data = g.numpy()
         seed = base.convert(data, tensor.dtype)
-    if traced is not None:
-        import numpy as np
+    wanted = None if inputs is None else {id(t) for t in inputs}
+    _backprop([(ref, seed)], traced, wanted)
 
-        prim = [traced.constant(p) if isinstance(p, np.ndarray) else p for p in primals]
-        fwd = inline(traced, vjp.forward, prim)
-        grads = inline(traced, vjp.backward, fwd[1:] + [seed])
+
+def _accumulate(leaf, g, traced) -> None:
+    from kiln.frontend.tensor import Tensor
+
+    grad = Tensor._make(g, traced)
+    if leaf._grad is None:
+        leaf._grad = grad
     else:
-        fwd = run_graph(vjp.forward, *primals)
-        grads = run_graph(vjp.backward, *fwd[1:], seed)
-    for i, g in zip(wrt, grads):
-        leaf = leaf_list[i].tensor
-        grad = Tensor._make(g, traced)
-        if leaf._grad is None:
-            leaf._grad = grad
-        else:
-            from kiln.frontend.functional import add
+        from kiln.frontend.functional import add
 
-            with no_grad():
-                leaf._grad = add(leaf._grad, grad)
+        with no_grad():
+            leaf._grad = add(leaf._grad, grad)
+
+
+def _backprop(roots: list, traced, wanted) -> None:
+    """Push cotangents `roots` [(ref, cotangent)] back to the leaves: one graph for the
+    recorded ops (differentiated by vjp_graph), cut at opaque nodes, whose own pullbacks
+    then continue the walk (gradients are linear, so the parts add up)."""
+    from kiln.ir.graph import Graph
+    from kiln.ir.interpret import run_graph
+    from kiln.passes.autodiff import differentiable_dtype, inline, vjp_graph
+
+    opaque_cts: dict = {}  # id(node) -> (node, {index: cotangent})
+
+    def to_opaque(ref, ct):
+        entry = opaque_cts.setdefault(id(ref.node), (ref.node, {}))[1]
+        if ref.index in entry:
+            ct = (traced or EAGER).binary("add", entry[ref.index], ct)
+        entry[ref.index] = ct
+
+    graph_roots = []
+    for ref, ct in roots:
+        if isinstance(ref, LeafRef):
+            if wanted is None or id(ref.tensor) in wanted:
+                _accumulate(ref.tensor, ct, traced)
+        elif isinstance(ref.node, OpaqueNode):
+            to_opaque(ref, ct)
+        else:
+            graph_roots.append((ref, ct))
+    if graph_roots:
+        nodes = _walk([r for r, _ in graph_roots])
+        leaves: dict = {}
+        cuts: dict = {}
+        others: dict = {}
+        for node in nodes:
+            for x in node.operands:
+                if isinstance(x, LeafRef):
+                    leaves.setdefault((id(x.tensor), id(x.primal)), x)
+                elif isinstance(x, NodeRef) and isinstance(x.node, OpaqueNode):
+                    cuts.setdefault((id(x.node), x.index), x)
+                elif not isinstance(x, NodeRef) and not _is_scalar(x):
+                    others.setdefault(id(x), x)
+        b = GraphBuilder(Graph("backward"))
+        env: dict = {}
+        inputs = list(leaves.values()) + list(cuts.values())
+        for x in inputs:
+            env[id(x)] = b.add_input(_type(_cut_primal(x)))
+        for key, x in others.items():
+            env[("v", key)] = b.add_input(_type(x))
+
+        def value(x):
+            if isinstance(x, LeafRef):
+                return env[id(leaves[(id(x.tensor), id(x.primal))])]
+            if isinstance(x, NodeRef):
+                if isinstance(x.node, OpaqueNode):
+                    return env[id(cuts[(id(x.node), x.index)])]
+                return env[(id(x.node), x.index)]
+            if _is_scalar(x):
+                return x
+            return env[("v", id(x))]
+
+        for node in nodes:
+            results = b.apply(node.op, [value(x) for x in node.operands], node.attrs)
+            for i, r in enumerate(results):
+                env[(id(node), i)] = r
+        b.graph.body.results = [value(r) for r, _ in graph_roots]
+        wrt = [i for i, x in enumerate(inputs)
+               if differentiable_dtype(_type(_cut_primal(x)).dtype)
+               and (not isinstance(x, LeafRef) or wanted is None or id(x.tensor) in wanted)]
+        vjp = vjp_graph(b.graph, wrt, len(graph_roots))
+        primals = [_cut_primal(x) for x in inputs] + list(others.values())
+        seeds = [ct for _, ct in graph_roots]
+        if traced is not None:
+            import numpy as np
+
+            prim = [traced.constant(p) if isinstance(p, np.ndarray) else p for p in primals]
+            fwd = inline(traced, vjp.forward, prim)
+            grads = inline(traced, vjp.backward, fwd[len(seeds):] + seeds)
+        else:
+            fwd = run_graph(vjp.forward, *primals)
+            grads = run_graph(vjp.backward, *fwd[len(seeds):], *seeds)
+        for i, g in zip(wrt, grads):
+            x = inputs[i]
+            if isinstance(x, LeafRef):
+                _accumulate(x.tensor, g, traced)
+            else:
+                to_opaque(x, g)
+    for node, cts in opaque_cts.values():
+        operand_cts = node.pullback([cts.get(i) for i in range(len(node.outputs))])
+        more = [(ref, ct) for ref, ct in zip(node.operands, operand_cts)
+                if ct is not None and isinstance(ref, (LeafRef, NodeRef))]
+        if more:
+            _backprop(more, traced, wanted)
+
+
+def _cut_primal(x):
+    """The value a graph input of the backward stands for: a leaf's value when read, or
+    an opaque node's output."""
+    return x.primal if isinstance(x, LeafRef) else x.node.outputs[x.index]
 
 
 def _type(x):

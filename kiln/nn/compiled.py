@@ -47,10 +47,30 @@ class CompiledModule:
                 out = functional_call(module, module_state, *args, **forward_kwargs)
             return out, stream.draws  # how far the caller's stream moves
 
+        def grad_run(module_state, module_modes, rng_key, forward_kwargs, cotangents, *args):
+            """The pullback of `run` (forward recomputed, then its vjp), for tape autograd
+            through the compiled module: one cotangent per state tensor and argument."""
+            from kiln.frontend.autodiff import vjp
+
+            def forward_of(state, *inputs):
+                out = run(state, module_modes, rng_key, forward_kwargs, *inputs)
+                return out if rng_key is None else out[0]
+
+            _, pullback = vjp(forward_of, module_state, *args)
+            return pullback(cotangents)
+
         run.__name__ = type(module).__name__ if type(module).__name__.isidentifier() else "module"
         run.__signature__ = _signature(forward)
+        grad_run.__name__ = run.__name__ + "_backward"
+        grad_dynamic = dynamic_shapes
+        if isinstance(dynamic_shapes, tuple):  # by position: cotangents come before the args
+            grad_dynamic = dynamic_shapes[:len(_OWN_ARGS)] + (None,) + dynamic_shapes[len(_OWN_ARGS):]
+        elif isinstance(dynamic_shapes, dict):  # by name: grad_run shares forward's names
+            grad_run.__signature__ = _signature(forward, extra=("cotangents",))
         self.__dict__["_compiled"] = CompiledFunction(run, backend, mode, fullgraph, dynamic_shapes,
                                                       recompile_limit)
+        self.__dict__["_compiled_grad"] = CompiledFunction(grad_run, backend, mode, fullgraph,
+                                                           grad_dynamic, recompile_limit)
 
     def __call__(self, *args, **kwargs):
         module = self.module
@@ -58,7 +78,8 @@ class CompiledModule:
         modes = "".join("t" if m.training else "e" for m in modules)
         state = dict(module._named_tensors(("param", "buffer", "transient")))
         if not any(m._needs_rng() for m in modules):
-            return self._compiled(state, modes, None, kwargs, *args)
+            out = self._compiled(state, modes, None, kwargs, *args)
+            return self._taped(out, state, modes, None, kwargs, args)
         from kiln.frontend.factories import _key, tensor
         from kiln.ir import dtypes as dt
 
@@ -73,6 +94,40 @@ class CompiledModule:
         out, draws = self._compiled(state, modes, rng, kwargs, *args)
         if outer is not None:
             outer.draws += int(draws)
+        return self._taped(out, state, modes, rng, kwargs, args)
+
+    def _taped(self, out, state: dict, modes: str, rng, kwargs: dict, args: tuple):
+        """Record the call on the tape when a parameter or argument requires grad, so
+        `loss.backward()` reaches the module's parameters through the compiled program;
+        its pullback is a second compiled program (forward recomputed, then the vjp)."""
+        from kiln.frontend import pytree
+        from kiln.frontend.tape import is_grad_enabled, record_opaque
+        from kiln.frontend.tensor import Tensor
+
+        names = [k for k, t in state.items() if t.requires_grad]
+        positions = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+        if not is_grad_enabled() or not (names or positions):
+            return out
+        leaves, spec = pytree.flatten(out, lambda x: isinstance(x, Tensor))
+        floating = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dtype.is_floating]
+        if not floating:
+            return out
+
+        def pullback(cotangents: list) -> list:
+            cts = [None] * len(leaves)
+            for i, ct in zip(floating, cotangents):
+                cts[i] = Tensor._make(ct) if ct is not None else None
+            grads = self._compiled_grad(state, modes, rng, kwargs, pytree.unflatten(spec, cts),
+                                        *args)
+            by_name, by_arg = grads[0], grads[1:]
+            found = [by_name.get(k) for k in names] + [by_arg[i] for i in positions]
+            return [None if g is None else g.numpy() for g in found]
+
+        operands = [state[k] for k in names] + [args[i] for i in positions]
+        refs = record_opaque(type(self.module).__name__, operands,
+                             [leaves[i].numpy() for i in floating], pullback)
+        for i, ref in zip(floating, refs):
+            leaves[i]._node = ref
         return out
 
     def stats(self) -> dict:
@@ -96,17 +151,17 @@ def _is_traced(t) -> bool:
     return getattr(t, "is_traced", False)
 
 
-def _signature(forward) -> inspect.Signature | None:
+def _signature(forward, extra: tuple = ()) -> inspect.Signature | None:
     """(module_state, module_modes, rng_key, forward_kwargs, *forward's positional
     parameters): a dynamic_shapes dict keyed by forward's argument names then lines up
     with the compiled function's positions, and graph inputs carry forward's names."""
-    own = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in _OWN_ARGS]
+    own = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in _OWN_ARGS + extra]
     try:
         params = [p for p in inspect.signature(forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         params = []
-    if any(p.name in _OWN_ARGS for p in params):
+    if any(p.name in _OWN_ARGS + extra for p in params):
         params = []
     rest = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_ONLY) for p in params]
     return inspect.Signature(own + rest)
