@@ -117,7 +117,10 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
 
     max-autotune measures GEMM variants on this machine, so its choices are not cached."""
     if mode == "max-autotune" and hasattr(target, "compile"):
-        return [target.compile(k, measure=True) for k in kernels]
+        from kiln.progress import progress  # a bar on a terminal when tuning takes a while
+
+        return [target.compile(k, measure=True)
+                for k in progress(kernels, desc="autotuning", unit="kernel")]
     if not kernels or not (hasattr(target, "object_code") and hasattr(target, "load_object_code")):
         return target.compile_many(kernels)
     from kiln import __version__

@@ -63,6 +63,8 @@ def save_state_dict(state_dict: Mapping, path: str | os.PathLike,
     """
     from safetensors import TensorSpec, serialize_file
 
+    from kiln.progress import write_with_progress
+
     arrays = _arrays_to_save(state_dict)
     meta = {"format": "pt"}  # what transformers checks: names and layout as torch's
     for key, value in (metadata or {}).items():
@@ -78,7 +80,10 @@ def save_state_dict(state_dict: Mapping, path: str | os.PathLike,
     fd, tmp = tempfile.mkstemp(prefix=".kiln-", suffix=".safetensors.tmp", dir=folder)
     os.close(fd)
     try:
-        serialize_file(specs, tmp, metadata=meta)  # `arrays` keeps every data_ptr alive
+        # `arrays` keeps every data_ptr alive; a bar follows the file on a terminal
+        write_with_progress(lambda target: serialize_file(specs, target, metadata=meta), tmp,
+                            sum(a.nbytes for a in arrays.values()),
+                            f"saving {os.path.basename(path)}")
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
