@@ -4,6 +4,8 @@ Recorder, compiled programs, failures, and `kiln launch --engine mpi`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness import check_all_ok
@@ -30,3 +32,66 @@ def test_bare_mpirun_needs_no_store_big_tags_and_bfloat16(tmp_path):
 
 def test_buffers_are_zero_copy_views(tmp_path):
     check_all_ok(run_mpi("zero_copy", 4, tmp_path))
+
+
+def test_bad_input_splits_flight_recorder_and_sigusr1_dump(tmp_path):
+    data = check_all_ok(run_mpi("basic", 4, tmp_path))
+    errors = data[0]["errors"]
+    assert "all_reduce" in errors["dtype"] and "<U2" in errors["dtype"]
+    assert "tag=-1" in errors["tag"] and "kiln's own" in errors["tag_reserved"]
+    for d in data:
+        assert d["dump_reason"] == "SIGUSR1"
+        assert "world" in d["groups"] and any(g.startswith("world.s") for g in d["groups"])
+        assert "all_reduce" in d["ops"] and "all_gather" in d["ops"]
+
+
+def test_mismatched_calls_fail_everywhere_with_collective_mismatch(tmp_path, capsys):
+    from kiln.distributed.commands import main as dist_main
+
+    data = check_all_ok(run_mpi("mismatch", 3, tmp_path))
+    for outcome in data:  # MPI itself cannot tell: the signature check does, on every rank
+        assert outcome == {"size": "CollectiveMismatch", "dtype": "CollectiveMismatch",
+                           "op": "CollectiveMismatch"}
+    assert dist_main(["fr", str(tmp_path / "fr"), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    by_group = {m["group"]: m for m in report["mismatches"]}
+    assert by_group["world.s0.c0"]["ranks"] == [1]
+    assert by_group["world.s2.c0"]["call"].startswith("broadcast")
+
+
+def test_silent_peer_times_out_and_everyone_dumps(tmp_path):
+    data = check_all_ok(run_mpi("hang", 3, tmp_path, args={"timeout": 1.5}))
+    assert data[1]["dumped"]
+    for rank in (0, 2):
+        assert data[rank]["error"] == "CollectiveTimeout" and "K203" in data[rank]["message"]
+
+
+@pytest.mark.parametrize("size", [1000, 3_000_000])
+def test_dead_peer_fails_work_with_peer_failure_naming_it(tmp_path, size):
+    results = run_mpi("killed", 4, tmp_path, args={"victim": 2, "size": size})
+    for rank in (0, 1, 3):
+        data = check_all_ok([results[rank]])[0]
+        first = data["errors"][0]
+        assert first is not None, "the collective succeeded without rank 2"
+        assert first["type"] == "PeerFailure" and first["rank"] == 2, first
+        assert "heartbeat" not in first["message"], first  # MPI (ULFM) saw it, at once
+        assert all(e is not None for e in data["errors"])  # later calls fail at once
+
+
+def test_a_stopped_peer_is_caught_by_the_heartbeat(tmp_path):
+    """MPI does not see a SIGSTOPped rank; kiln's heartbeat does, and the revoke frees the
+    survivors from the MPI call they were blocked in (its own deadline is 30 s)."""
+    data = check_all_ok(run_mpi("hung_peer", 3, tmp_path, args={"timeout": 8.0}))
+    assert data[2] == {"resumed": True}
+    for outcome in data[:2]:
+        assert outcome["error"] == "PeerFailure" and outcome["rank"] == 2
+        assert "stopped heartbeating" in outcome["message"]
+
+
+def test_collectives_inside_compiled_programs(tmp_path):
+    data = check_all_ok(run_mpi("compiled_collectives", 2, tmp_path))
+    for rank_data in data:
+        assert "collective all_reduce_start" in rank_data["program"]
+        ops = rank_data["collectives"]
+        assert ops[:5] == ["all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                           "all_to_all"] and ops[:15] == ops[:5] * 3
