@@ -174,6 +174,7 @@ class _Entry:
     compiled: CompiledGraph
     out_spec: Any
     static_positions: tuple
+    guards: Any = None  # recompiles.SpecializationGuards: leaf paths, where guards came from
 
 
 class CompiledFunction:
@@ -189,6 +190,13 @@ class CompiledFunction:
         self.fullgraph = fullgraph
         self.dynamic_shapes = dynamic_shapes
         self.recompile_limit = recompile_limit
+        # set by kn.compile (see auto_dynamic.py and recompiles.py)
+        self.dynamic: bool | None = None  # PyTorch's default: automatic dynamic
+        self.explain = False  # print each recompile's explanation (or KILN_LOGS=recompiles)
+        self.strict = False  # a recompile after the first compile is K321
+        self._auto_dims: dict[int, set] = {}  # dims automatic dynamic made symbolic
+        self._duck = False  # keys carry the equal-size pattern of automatic dims
+        self._dynamic_fallbacks: list[str] = []
         self._cache: dict = {}
         self._dynamic: dict[int, frozenset] | None = None
         self._compiles = 0
@@ -245,14 +253,22 @@ class CompiledFunction:
             shape = array.shape if not wild else tuple(
                 None if a in wild else n for a, n in enumerate(array.shape))
             parts.append((array.dtype, shape))
+        if self._duck:
+            from kiln.frontend.auto_dynamic import refine_key
+
+            parts = refine_key(parts, leaves, dynamic)
         # a pytree spec is nested lists and dicts: its JSON text is the hashable key
         return (None if spec is None else json.dumps(spec)), tuple(parts)
 
     # -- compiling ----------------------------------------------------------------------
 
     def _compile(self, args, key):
+        from kiln.frontend import recompiles
+
+        reason = self._reason(key, args) if self._cache else None
+        if reason is not None and self.strict:
+            raise recompiles.strict_error(self.fn, reason)
         if len(self._cache) >= self.recompile_limit:
-            reason = self._reason(key)
             if self.fullgraph:
                 raise KilnRecompileLimitError(
                     f"{getattr(self.fn, '__name__', 'function')}: {len(self._cache)} specializations "
@@ -263,18 +279,29 @@ class CompiledFunction:
         from kiln.report.trace import recorder_for
 
         recorder = recorder_for(self)  # None unless tracing for `kiln report`
+        self._newly_dynamic: list = []
+        shapes, auto = self._shapes_for(args, key)
         try:
-            traced = trace_function(self.fn, tuple(args), self.dynamic_shapes)
+            traced, auto = self._trace(args, shapes, auto)
         except KilnTraceError:
             if self.fullgraph:
                 raise
             self._recompiles.append({"reason": "the function could not be traced; it runs eagerly"})
             return None
-        if self._dynamic is None:
-            self._dynamic = _dynamic_positions(traced.graph, traced.static_args)
+        if auto or self._dynamic is None:
+            merged = dict(self._dynamic or {})
+            for leaf, dims in _dynamic_positions(traced.graph, traced.static_args).items():
+                merged[leaf] = merged.get(leaf, frozenset()) | dims
+            self._dynamic, self._duck = merged, self._duck or auto
             key = self._key(*_leaves_and_spec(args))
-        if self._cache:
-            self._recompiles.append({"reason": self._reason(key)})
+        if reason is not None:
+            if auto and self.dynamic is None and self._newly_dynamic:
+                paths = self._paths(args)
+                dims = ", ".join(f"`{paths[leaf]}` dim {axis}" for leaf, axis in self._newly_dynamic)
+                reason += f"; automatic dynamic: {dims} symbolic from now on"
+            self._recompiles.append({"reason": reason})
+            if recompiles.logging_enabled(self.explain):
+                recompiles.report(self.fn, reason, len(self._cache) + 1)
         if recorder is not None:
             recorder.traced()
         compiled = compile_graph(traced.graph, self.backend, self.mode)
@@ -283,34 +310,113 @@ class CompiledFunction:
                               guards=guard_summary(traced.graph))
         self._compiles += 1
         out_spec = traced.out_spec
-        entry = _Entry(compiled, out_spec, tuple(i for i, _ in traced.static_args))
+        statics = tuple(i for i, _ in traced.static_args)
+        entry = _Entry(compiled, out_spec, statics, self._guards(args, traced, statics))
         self._cache[key] = entry
         return entry
 
-    def _reason(self, key) -> str:
-        spec, parts = key
-        for old_spec, old_parts in self._cache:
-            if old_spec != spec:
-                return "the argument structure changed"
-            for i, (new, old) in enumerate(zip(parts, old_parts)):
-                if new != old:
-                    if new[0] == "static" or old[0] == "static":
-                        return f"argument leaf {i} changed from {old[-1]!r} to {new[-1]!r}"
-                    if new[0] != old[0]:
-                        return f"argument leaf {i} dtype changed from {old[0]} to {new[0]}"
-                    for axis, (a, b) in enumerate(zip(new[1], old[1])):
-                        if a != b:
-                            return (f"argument leaf {i} dim {axis} changed from {b} to {a} "
-                                    "(not declared dynamic)")
-                    return f"argument leaf {i} rank changed from {len(old[1])} to {len(new[1])}"
-        return "a new specialization was needed"
+    def _reason(self, key, args) -> str:
+        """Why `key` needs a new specialization: every guard of the nearest one that it
+        fails, naming the argument, the dim and the user line (see recompiles.py)."""
+        from kiln.frontend.recompiles import explain
+
+        entries = [(k, e.guards) for k, e in self._cache.items()]
+        return explain(key, entries, self._paths(args))
+
+    def _paths(self, args) -> list[str]:
+        from kiln.frontend.recompiles import leaf_paths
+
+        leaves, spec = _leaves_and_spec(args)
+        return leaf_paths(self.fn, spec, len(leaves))
+
+    def _shapes_for(self, args, key) -> tuple:
+        """The dynamic_shapes to trace with, and whether automatic dynamic chose them."""
+        from kiln.frontend import auto_dynamic
+
+        declared = self.dynamic_shapes is not None or \
+            getattr(self.fn, "__kiln_dynamic_spec__", None) is not None
+        if declared or self.dynamic is False:
+            return self.dynamic_shapes, False
+        if self.dynamic is True:
+            marked = auto_dynamic.ALL
+        else:  # automatic: the dims that changed since the last specializations
+            tensors = auto_dynamic.top_level_tensors(tuple(args))
+            for leaf, axes in auto_dynamic.changed_dims(key, list(self._cache)).items():
+                if leaf in tensors:  # tensors inside pytrees stay static
+                    self._newly_dynamic += [(leaf, a) for a in sorted(axes)]
+                    self._auto_dims.setdefault(leaf, set()).update(axes)
+            marked = self._auto_dims
+        self._marked = marked
+        spec = auto_dynamic.auto_spec(tuple(args), marked) if marked else None
+        return (spec, True) if spec is not None else (self.dynamic_shapes, False)
+
+    def _trace(self, args, shapes, auto: bool):
+        """Trace with `shapes`. When code cannot run on the symbolic dims automatic
+        dynamic chose (a dim meets a static one in a matmul, a Python `int` of a size),
+        those dims are specialized, found by retracing: dims are made static from the
+        last one back until the trace succeeds, then each but the last is tried symbolic
+        again. Every dim made static is reported in `stats()["dynamic_fallbacks"]`."""
+        from kiln.frontend import auto_dynamic
+        from kiln.frontend.recompiles import LocatingBuilder
+
+        self._builders: list = []
+
+        def locating(graph):
+            self._builders.append(LocatingBuilder(graph))
+            return self._builders[-1]
+
+        def attempt(spec):
+            self._builders.clear()
+            return trace_function(self.fn, tuple(args), spec, builder_cls=locating)
+
+        try:
+            return attempt(shapes), auto
+        except (KilnError, TypeError, ValueError) as exc:
+            if not auto:
+                raise
+            error = exc
+        kept = auto_dynamic.symbolic_dims(tuple(args), self._marked)
+        dropped, traced = [], None
+        while kept and traced is None:
+            dropped.append(kept.pop())
+            traced = self._try(attempt, auto_dynamic.auto_spec(tuple(args), _by_leaf(kept)))
+        for dim in dropped[:-1]:  # the last one dropped is the one the code needs static
+            again = self._try(attempt, auto_dynamic.auto_spec(tuple(args), _by_leaf(kept + [dim])))
+            if again is not None:
+                kept.append(dim)
+                traced = again
+        static = [dim for dim in dropped if dim not in kept]
+        for leaf, axis in static:
+            self._auto_dims.get(leaf, set()).discard(axis)
+        paths = self._paths(args)
+        self._dynamic_fallbacks.append(
+            "static dims: the code needs concrete sizes for "
+            + ", ".join(f"`{paths[leaf]}` dim {axis}" for leaf, axis in static) + f" ({error})")
+        if traced is None:  # nothing symbolic: the plain trace raises the user's real error
+            return attempt(self.dynamic_shapes), False
+        return traced, bool(kept)
+
+    def _try(self, attempt, spec):
+        try:
+            return attempt(spec) if spec is not None else None
+        except (KilnError, TypeError, ValueError):
+            return None
+
+    def _guards(self, args, traced, statics):
+        from kiln.frontend.recompiles import SpecializationGuards
+
+        paths = self._paths(args)
+        sources = iter(self._builders[-1].sources() if self._builders else [])
+        return SpecializationGuards(paths, {i: next(sources, None) for i in range(len(paths))
+                                            if i not in statics})
 
     def stats(self) -> dict:
         """Compiles, cache hits, eager fallbacks, recompiles with their reasons, and the
         guards of each specialization (which dims are static, and why)."""
         return {"compiles": self._compiles, "hits": self._hits, "eager_calls": self._eager_calls,
                 "recompiles": list(self._recompiles), "specializations": len(self._cache),
-                "guards": [guard_summary(e.compiled.graph) for e in self._cache.values()]}
+                "guards": [guard_summary(e.compiled.graph) for e in self._cache.values()],
+                "dynamic_fallbacks": list(self._dynamic_fallbacks)}
 
     def compiled_graphs(self) -> list[CompiledGraph]:
         return [e.compiled for e in self._cache.values()]
@@ -370,8 +476,15 @@ def _dynamic_positions(graph: Graph, static_args) -> dict[int, frozenset]:
 
 def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "default",
             fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8,
-            trace_dir: str | None = None):
+            trace_dir: str | None = None, dynamic: bool | None = None, explain: bool = False,
+            strict: bool = False):
     """Compile `fn` (tensors in, tensors out) into fused native kernels.
+
+    `dynamic`: True makes every dim of every tensor argument symbolic from the first
+    call, False keeps every dim static, None (the default) compiles static first and
+    makes the dims that changed symbolic at the first recompile (see auto_dynamic.py).
+    `explain=True` (or KILN_LOGS=recompiles) prints why each recompile happened;
+    `strict=True` raises K321 instead of recompiling (see recompiles.py).
 
     >>> @kn.compile
     ... def f(x, w, b):
@@ -382,15 +495,33 @@ def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "de
     from kiln.frontend.gil_guard import require_gil
 
     require_gil("kn.compile")  # at the call, not at the first run: see gil_guard.py
+    if dynamic not in (None, True, False):
+        raise KilnError(f"compile: dynamic must be True, False or None, got {dynamic!r}")
     if fn is None:
         return lambda f: compile(f, backend=backend, mode=mode, fullgraph=fullgraph,
                                  dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit,
-                                 trace_dir=trace_dir)
+                                 trace_dir=trace_dir, dynamic=dynamic, explain=explain,
+                                 strict=strict)
     if _is_module(fn):  # parameters and buffers become graph inputs: see kiln/nn/compiled.py
         from kiln.nn.compiled import CompiledModule
 
-        return CompiledModule(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
-    return CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit, trace_dir)
+        module = CompiledModule(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
+        _configure(module._compiled, dynamic, explain, strict)
+        return module
+    return _configure(CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes,
+                                       recompile_limit, trace_dir), dynamic, explain, strict)
+
+
+def _by_leaf(dims: list) -> dict[int, set]:
+    out: dict[int, set] = {}
+    for leaf, axis in dims:
+        out.setdefault(leaf, set()).add(axis)
+    return out
+
+
+def _configure(compiled: CompiledFunction, dynamic, explain: bool, strict: bool) -> CompiledFunction:
+    compiled.dynamic, compiled.explain, compiled.strict = dynamic, bool(explain), bool(strict)
+    return compiled
 
 
 def _is_module(fn) -> bool:

@@ -42,10 +42,13 @@ class Traced:
     static_args: list  # non-tensor leaves baked into the graph, by leaf position
 
 
-def trace_function(fn: Callable, args: tuple, dynamic_shapes=None, name: str | None = None) -> Traced:
+def trace_function(fn: Callable, args: tuple, dynamic_shapes=None, name: str | None = None,
+                   builder_cls: Callable[[Graph], GraphBuilder] = GraphBuilder) -> Traced:
+    """`builder_cls`: a GraphBuilder subclass that also watches the trace (kn.compile's
+    records where each input was first used, for its recompile explanations)."""
     from kiln.frontend.tensor import Tensor
 
-    builder = GraphBuilder(Graph(name or _graph_name(fn)))
+    builder = builder_cls(Graph(name or _graph_name(fn)))
     specs = specs_by_position(fn, args, dynamic_shapes)
     traced_args = []
     static_args = []

@@ -183,7 +183,8 @@ def test_a_size_allowed_by_the_dynamic_spec_never_recompiles():
 
 
 def test_recompile_limit_fullgraph_raises_K180():
-    f = kn.compile(lambda x: x + 1, backend="reference", recompile_limit=2)
+    # dynamic=False: every new size compiles (the default would make dim 0 symbolic)
+    f = kn.compile(lambda x: x + 1, backend="reference", recompile_limit=2, dynamic=False)
     f(np.ones(1, np.float32))
     f(np.ones(2, np.float32))
     with pytest.raises(KilnRecompileLimitError) as info:

@@ -159,7 +159,7 @@ def test_one_shape_var_in_two_inputs_must_agree():
 
 
 def test_undeclared_dims_recompile_with_the_reason():
-    f = kn.compile(lambda x: x * 2)
+    f = kn.compile(lambda x: x * 2, dynamic=False)
     f(np.ones(3, np.float32))
     f(np.ones(4, np.float32))
     stats = f.stats()
@@ -167,6 +167,18 @@ def test_undeclared_dims_recompile_with_the_reason():
     assert "dim 0 changed from 3 to 4 (not declared dynamic)" in stats["recompiles"][0]["reason"]
     assert stats["guards"] == [["%x: f32, dim 0 == 3 (not declared dynamic)"],
                                ["%x: f32, dim 0 == 4 (not declared dynamic)"]]
+
+
+def test_by_default_a_dim_that_changed_becomes_dynamic_at_the_first_recompile():
+    """dynamic=None, PyTorch's automatic dynamic: static first, then symbolic."""
+    f = kn.compile(lambda x: x * 2)
+    for n in (3, 4, 9, 30):
+        np.testing.assert_array_equal(f(np.ones(n, np.float32)).numpy(), np.full(n, 2, np.float32))
+    stats = f.stats()
+    assert stats["compiles"] == 2 and stats["hits"] == 2
+    assert "automatic dynamic: `x` dim 0 symbolic from now on" in stats["recompiles"][0]["reason"]
+    assert stats["guards"] == [["%x: f32, dim 0 == 3 (not declared dynamic)"],
+                               ["%x: f32, dim 0 dynamic (s0 in [2, inf))"]]
 
 
 def test_a_spec_for_an_argument_holding_several_tensors_is_an_error():
