@@ -95,7 +95,9 @@ def register(subparsers) -> None:
         "KILN_REPLACES=<rank>, KILN_RESTART_COUNT=<n>; it joins at the next epoch). Events "
         "go to the store under launcher/event/<n> and into a summary on stderr. --inject "
         "injects faults for tests; workers report their step with "
-        "kiln.distributed.elastic.report_step(step). See docs/fault-tolerance.md.",
+        "kiln.distributed.elastic.report_step(step). Workers' output passes through the "
+        "launcher line by line (--prefix, --log-dir); workers die with the launcher. See "
+        "docs/fault-tolerance.md and docs/distributed.md.",
         epilog="examples:\n  kiln launch --nproc 4 train.py --lr 0.1\n"
         "  KILN_TOKEN=s3cret kiln launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 "
         "--nproc 8 train.py\n"

@@ -43,6 +43,19 @@ def write_lines(stream: BinaryIO, data: bytes) -> bool:
             return False
 
 
+def unbuffered_on_terminal(env: dict) -> dict:
+    """`env` with PYTHONUNBUFFERED=1 when the launcher writes to a terminal (and the user
+    did not choose): workers write into pipes, which Python block-buffers, and on a
+    terminal lines should appear as they are printed (whole, as ever)."""
+    try:
+        tty = sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    if tty and "PYTHONUNBUFFERED" not in env:
+        env = dict(env, PYTHONUNBUFFERED="1")
+    return env
+
+
 def log_line(text: str) -> None:
     """One message of the launcher itself to its stderr, never inside a worker's line."""
     write_lines(_binary(sys.stderr), (text.rstrip("\n") + "\n").encode(errors="replace"))

@@ -9,7 +9,10 @@ KILN_NODE_RANK, KILN_STORE, KILN_TOKEN (generated with `secrets` when absent; wi
 several nodes every node must be given the same KILN_TOKEN), KILN_STORE_HOSTED=1,
 KILN_LAUNCHER=1, KILN_RESTART_COUNT=0 and KILN_MIN_SIZE (--min-size: the smallest group a
 fault-tolerant process group may shrink to). SIGINT and SIGTERM are forwarded to the
-workers (SIGKILL after --grace seconds).
+workers (SIGKILL after --grace seconds). Workers die with the launcher: each is started
+with PR_SET_PDEATHSIG = SIGKILL, so even a SIGKILLed launcher leaves no worker behind.
+Their stdout and stderr pass through the launcher line by line (`launch_output`:
+never mixed within a line; --prefix adds `[rank N] `, --log-dir DIR keeps DIR/rankN.log).
 
 A worker that exits 0 is done. A worker that exits non-zero or is killed by a signal
 has *died*; the launcher records it and applies `--on-failure`:
@@ -24,7 +27,14 @@ has *died*; the launcher records it and applies `--on-failure`:
   the job-wide number of replacements so far, this one included. The new process must
   not run the initial rendezvous: it joins the running group at its next epoch and
   takes its rank from that epoch's membership. At most --max-restarts replacements
-  over the job's life.
+  over the job's life. A worker that died before the group's first rendezvous (no
+  `ft/view/0` in the store yet) is replaced without KILN_JOIN: nobody could admit a
+  joiner, so the new process takes the dead one's rank in that first rendezvous.
+
+A running worker that the fault-tolerant group removed from its membership (stopped or
+hung from outside, so its peers took it for dead) is killed and counted as a death
+(event field `removed_at_epoch`): no epoch will take it back, and the launcher must
+not wait for it.
 
 With `shrink` and `replace` the job fails when fewer than --min-size workers are live
 (not dead: running or finished). The job succeeds (exit 0) when every live worker has
@@ -45,7 +55,6 @@ docs/fault-tolerance.md. Workers publish their step with `elastic.report_step`.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -56,7 +65,9 @@ import time
 from dataclasses import dataclass, field
 
 from kiln.distributed import elastic
-from kiln.distributed.launch_output import Output, log_line
+from kiln.distributed.launch_lifetimes import GroupWatch, die_with_parent
+from kiln.distributed.launch_output import Output, log_line, unbuffered_on_terminal
+from kiln.distributed.launch_report import Failure, report, signal_name
 from kiln.distributed.elastic import Fault
 from kiln.distributed.errors import DistributedError, LaunchError
 from kiln.distributed.protocol import parse_address
@@ -66,10 +77,6 @@ POLICIES = ("abort", "shrink", "replace")
 _TICK = 0.05          # how often the launcher polls its workers and the store
 _STORE_TIMEOUT = 5.0  # the deadline of the launcher's own store operations
 _REAP_TIMEOUT = 5.0   # after SIGKILL: how long to wait for the kernel to reap a worker
-_FIRST_VIEW = "ft/view/0"  # written once the fault-tolerant world's first rendezvous is done
-_VIEW = "ft/view/%d"       # epoch e's membership (kiln.distributed.membership)
-_JOIN_PREFIX = "ft/join/"  # a replacement waiting to be admitted: {"pid": ...}
-_PR_SET_PDEATHSIG = 1      # linux/prctl.h
 _DRAIN_TIMEOUT = 5.0       # at the end: how long to wait for the last bytes of the workers' output
 
 
@@ -93,34 +100,6 @@ class LaunchConfig:
     events_json: str | None = None
     prefix: bool = False          # "[rank N] " before every line of a worker's output
     log_dir: str | None = None    # also append rank N's output to <log_dir>/rank<N>.log
-
-
-@dataclass
-class Failure:
-    rank: int
-    local_rank: int
-    pid: int
-    returncode: int
-
-    def how(self) -> str:
-        if self.returncode < 0:
-            return "killed by signal %s" % _signal_name(-self.returncode)
-        return "exit code %d" % self.returncode
-
-    def describe(self) -> str:
-        return "worker rank %d (local rank %d, pid %d) failed: %s" % (
-            self.rank, self.local_rank, self.pid, self.how())
-
-    @property
-    def exit_code(self) -> int:
-        return self.returncode if self.returncode > 0 else 128 - self.returncode
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
 
 
 def _log(message: str) -> None:
@@ -221,9 +200,9 @@ class _Job:
         self.start = time.monotonic()
         self.received: list[int] = []
         self.store_failed = False
-        self.next_view = 0                  # the first epoch not read yet (ft/view/<e>)
-        self.removed: dict[int, int] = {}   # uid -> the epoch that shrank it away
-        self.die_with_me = _die_with_parent()
+        self.group = GroupWatch(store, lambda fn, default: self._store_call(fn, default),
+                                _STORE_TIMEOUT)
+        self.die_with_me = die_with_parent()
         self.output = Output(prefix=cfg.prefix, log_dir=cfg.log_dir)
 
     # -- events ---------------------------------------------------------------------
@@ -261,11 +240,7 @@ class _Job:
             env.pop(key, None)
         if self.cfg.fr_dir:
             env["KILN_FR_DIR"] = self.cfg.fr_dir
-        if "PYTHONUNBUFFERED" not in env and _isatty(sys.stdout):
-            # the workers write into pipes, which Python would block-buffer: on a
-            # terminal, lines should appear as they are printed (whole: launch_output)
-            env["PYTHONUNBUFFERED"] = "1"
-        return env
+        return unbuffered_on_terminal(env)
 
     def _spawn(self, rank: int, local: int, env: dict) -> subprocess.Popen:
         # the helper in the worker must know which faults are still due for its slot
@@ -348,7 +323,7 @@ class _Job:
                         slot.state = "exited" if slot.proc.returncode == 0 else "dead"
                 if not self._running() or time.monotonic() >= stop_deadline:
                     self._terminate()
-                    name = _signal_name(self.received[0])
+                    name = signal_name(self.received[0])
                     _log("stopped by %s" % name)
                     return 128 + self.received[0], "stopped by %s" % name
                 time.sleep(_TICK)
@@ -418,11 +393,16 @@ class _Job:
         hung from outside: SIGSTOP, a debugger) and count them as dead; (code, outcome)
         when the policy ends the job. Without this the launcher would wait forever for
         a process that no epoch will ever take back."""
-        self._read_views()
+        if any(s.uid is None for s in self._running()):  # a replacement: learn its uid
+            by_pid = self.group.joiners()
+            for slot in self._running():
+                if slot.uid is None:
+                    slot.uid = by_pid.get(slot.proc.pid)
+        removed = self.group.update()
         for slot in self._running():
-            if slot.uid is None or slot.uid not in self.removed or slot.proc.poll() is not None:
+            if slot.uid is None or slot.uid not in removed or slot.proc.poll() is not None:
                 continue  # (one that exited meanwhile is handled at the next look)
-            epoch = self.removed[slot.uid]
+            epoch = removed[slot.uid]
             _log("rank %d (pid %d) was removed from the group at epoch %d (its peers took it "
                  "for dead: stopped or hung) and is still running; killing it"
                  % (slot.rank, slot.proc.pid, epoch))
@@ -438,44 +418,13 @@ class _Job:
                 return outcome
         return None
 
-    def _read_views(self) -> None:
-        """Learn the epochs the group formed since the last look (who was removed), and
-        the uids of replacements from their join requests."""
-        if any(s.uid is None for s in self._running()):
-            def joins() -> dict[int, int]:
-                found = {}
-                for key in self.store.list_keys(_JOIN_PREFIX):
-                    raw = self.store.get(key, timeout=_STORE_TIMEOUT)
-                    found[json.loads(raw).get("pid")] = int(key[len(_JOIN_PREFIX):])
-                return found
-            try:
-                by_pid = self._store_call(joins, default={})
-            except ValueError:
-                by_pid = {}
-            for slot in self._running():
-                if slot.uid is None and slot.proc.pid in by_pid:
-                    slot.uid = by_pid[slot.proc.pid]
-        while True:
-            key = _VIEW % self.next_view
-            raw = self._store_call(lambda: self.store.get(key) if self.store.check([key])
-                                   else None)
-            if raw is None:
-                return
-            try:
-                removed = json.loads(raw).get("removed", [])
-            except ValueError:
-                removed = []
-            for uid in removed:
-                self.removed.setdefault(int(uid), self.next_view)
-            self.next_view += 1
-
     def _died(self, slot: _Slot, returncode: int, **fields) -> tuple[int, str] | None:
         """Record a death and apply the policy; (code, outcome) when the job must end."""
         slot.state, slot.stopped, slot.resume_at = "dead", False, None
         failure = Failure(slot.rank, slot.local, slot.proc.pid, returncode)
         self._event("died", slot, returncode=returncode,
                     exit_code=returncode if returncode > 0 else None,
-                    signal=_signal_name(-returncode) if returncode < 0 else None, **fields)
+                    signal=signal_name(-returncode) if returncode < 0 else None, **fields)
         # a later step-triggered fault for this slot must not fire on the old progress
         self._store_call(lambda: self.store.delete(elastic.PROGRESS_KEY % slot.rank))
         _log(failure.describe())
@@ -503,7 +452,7 @@ class _Job:
         # before the group's first rendezvous there is no running group to join: the
         # replacement takes the dead worker's place in that rendezvous (the others are
         # still waiting for its rank there) instead of waiting to be admitted
-        first = bool(self._store_call(lambda: self.store.check([_FIRST_VIEW]), default=True))
+        first = self.group.formed()
         if first:
             env["KILN_JOIN"] = "1"
         else:
@@ -642,80 +591,5 @@ class _Job:
     # -- the end --------------------------------------------------------------------
 
     def _report(self, code: int, outcome: str) -> None:
-        duration = time.monotonic() - self.start
-        notable = [e for e in self.events if e["kind"] != "exited"] or self.faults
-        if notable:
-            lines = ["summary (%d workers on this node, --on-failure %s, %.2f s):"
-                     % (len(self.slots), self.cfg.on_failure, duration)]
-            lines += ["  +%7.3f s  %s" % (e["since_start"], _describe(e)) for e in self.events]
-            lines += ["  never fired: %s" % f.spec for f in self.faults]
-            lines.append("  result: %s (exit code %d)" % (outcome, code))
-            _log("\n".join(lines))
-        if self.cfg.events_json:
-            report = {"world_size": self.world, "node_rank": self.cfg.node_rank,
-                      "nproc": self.cfg.nproc, "on_failure": self.cfg.on_failure,
-                      "max_restarts": self.cfg.max_restarts, "min_size": self.cfg.min_size,
-                      "inject": list(self.cfg.inject), "start_time": self.start_wall,
-                      "duration": round(duration, 6), "exit_code": code, "outcome": outcome,
-                      "restarts": self.restarts, "events": self.events,
-                      "never_fired": [f.spec for f in self.faults]}
-            try:
-                with open(self.cfg.events_json, "w") as f:
-                    json.dump(report, f, indent=1)
-            except OSError as err:
-                _log("cannot write --events-json %s: %s" % (self.cfg.events_json, err))
+        report(self, code, outcome, _log)
 
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _die_with_parent():
-    """A `preexec_fn` that makes the kernel SIGKILL the child when the launcher dies
-    (Linux `prctl(PR_SET_PDEATHSIG)`); None where that does not exist. Made in the
-    parent: the child only calls an already resolved C function between fork and exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent, kill = os.getpid(), int(signal.SIGKILL)
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died between fork and prctl
-            os.kill(os.getpid(), kill)
-    return arm
-
-
-def _describe(event: dict) -> str:
-    rank, pid, kind = event["rank"], event["pid"], event["kind"]
-    if kind == "died":
-        how = ("killed by signal %s" % event["signal"] if event["signal"]
-               else "exit code %d" % event["exit_code"])
-        if "removed_at_epoch" in event:
-            how += " (by the launcher: the group removed it at epoch %d)" \
-                % event["removed_at_epoch"]
-        return "rank %d (pid %d) died: %s" % (rank, pid, how)
-    if kind == "replaced":
-        return "rank %d replaced by pid %d (KILN_RESTART_COUNT=%d)" % (
-            rank, pid, event["restart_count"])
-    if kind == "exited":
-        return "rank %d (pid %d) finished" % (rank, pid)
-    if kind == "reconnected":
-        return "rank %d (pid %d) dropped and reopened its store connection" % (rank, pid)
-    if kind == "released":
-        return "rank %d (pid %d), a replacement still waiting to join, stopped: the job " \
-               "had finished" % (rank, pid)
-    what = {"kill": "SIGKILL", "stop": "SIGSTOP", "cont": "SIGCONT",
-            "drop-conn": "drop-conn request"}[event["fault"]]
-    at = " at step %d" % event["step"] if "step" in event else ""
-    spec = " (%s)" % event["spec"] if "spec" in event else ""
-    return "injected %s into rank %d (pid %d)%s%s" % (what, rank, pid, at, spec)

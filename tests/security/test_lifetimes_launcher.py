@@ -40,7 +40,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker_behind(tmp_path):
 def test_externally_stopped_worker_is_removed_and_the_launcher_exits(tmp_path):
     report = tmp_path / "events.json"
     with launched(tmp_path, "--nproc", "3", "--on-failure", "shrink", "--events-json",
-                  str(report), mode="train", steps=150, timeout=8) as job:
+                  str(report), mode="train", steps=150) as job:
         job.wait_for("rank 1 committed step 5", lambda: job.steps(1) >= 5, timeout=90)
         [stopped] = job.pids()[1]
         os.kill(stopped, signal.SIGSTOP)  # Ctrl-Z or a debugger, from outside the launcher
