@@ -186,7 +186,7 @@ class KilnBackendContractError(KilnError, TypeError):
     title = "a backend breaks the backend contract"
 
 
-class KilnNotLegalizableError(KilnError, TypeError):
+class KilnNotLegalizableError(KilnDTypeError):
     code = "K372"
     title = "a scalar op is neither native to a backend nor legalizable"
 

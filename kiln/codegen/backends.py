@@ -1,31 +1,55 @@
-"""Backend lookup: the object that turns Kernel IR into callables for a target.
+"""The registered backends: one registration line each (kiln/codegen/backend.py is the contract).
 
-Each backend has `supports(target)` and `compile_many(kernels) -> [fn, ...]` (one per
-kernel, in order) where `fn(arrays, sizes)` runs the kernel in place. "cpu" is the LLVM backend; "reference"
-runs Kernel IR with numpy (the oracle, and a way to test lowering without LLVM);
-"cuda" and "rocm" are the Triton backend (kiln/codegen/triton), optionally with an
-architecture: "cuda:sm_100", "rocm:gfx950" (default sm_90 / gfx942 ahead of time, the
-GPU present when running). GPU backends are imported only when asked for, so
-`import kiln` stays fast.
+"cpu" is the LLVM backend; "reference" runs Kernel IR with numpy (the oracle, and a way
+to test lowering without LLVM); "cuda" and "rocm" are the Triton backend
+(kiln/codegen/triton), optionally with an architecture: "cuda:sm_100", "rocm:gfx950"
+(default sm_90 / gfx942 ahead of time, the GPU present when running). A backend's
+module is imported only when it is first asked for, so `import kiln` stays fast.
+
+    >>> get_backend("cuda:sm_100").name
+    'triton'
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Mapping
+from typing import Sequence
 
-from kiln.errors import KilnArgumentError
+from kiln.codegen.backend import Backend, get_backend, register_backend, registered_backends  # noqa: F401
+from kiln.codegen.kernel_ir import REDUCE_OPS, AnyKernel
 
 
-class ReferenceBackend:
+class _RegistryTable(Mapping):
+    """Every elementwise op of the registry, by name, to its numpy reference, plus every
+    Kernel IR reduction: the reference backend runs them all as they are defined."""
+
+    def _ops(self) -> dict:
+        from kiln.ir import registry
+        from kiln.ir.registry import ELEMENTWISE
+
+        ops = {n: o.reference for n, o in registry.all_ops().items() if o.kind == ELEMENTWISE}
+        ops.update({f"reduce.{r}": r for r in REDUCE_OPS})
+        return ops
+
+    def __getitem__(self, key: str):
+        return self._ops()[key]
+
+    def __iter__(self):
+        return iter(self._ops())
+
+    def __len__(self) -> int:
+        return len(self._ops())
+
+
+class ReferenceBackend(Backend):
     """Kernel IR evaluated by numpy (kiln.codegen.kernel_eval)."""
 
     name = "reference"
+    stages = ("kernel",)
+    dump_stages = {"source": "kernel", "llvm-optimized": "kernel", "asm": "kernel"}
+    scalar_table = _RegistryTable()
 
-    @staticmethod
-    def supports(target: str) -> bool:
-        return target == "reference"
-
-    def compile_many(self, kernels) -> list:
+    def build(self, kernels: Sequence[AnyKernel]) -> list:
         from kiln.codegen.kernel_eval import run_kernel
 
         def make(kernel):
@@ -33,29 +57,21 @@ class ReferenceBackend:
 
         return [make(k) for k in kernels]
 
-    def stage_text(self, kernel, stage: str) -> str:
+    def render(self, kernel: AnyKernel, stage: str) -> str:
         from kiln.codegen.kernel_ir import format_kernel
 
         return format_kernel(kernel)
 
 
-TARGETS = ("cpu", "reference", "cuda", "rocm")
-
-
-@lru_cache(maxsize=None)
-def get_backend(target: str):
-    """The backend object for `target` (created once per process)."""
-    if target == "reference":
-        return ReferenceBackend()
-    if target == "cpu":
-        from kiln.codegen.cpu.backend import CpuBackend
-
-        return CpuBackend()
+def _triton_supports(target: str) -> bool:
     from kiln.codegen.triton.targets import supports
 
-    if supports(target):
-        from kiln.codegen.triton.backend import TritonBackend
+    return supports(target)
 
-        return TritonBackend(target)
-    raise KilnArgumentError(f"compile: unknown backend {target!r}; kiln compiles for "
-                            f"{', '.join(TARGETS)} (and 'cuda:ARCH' / 'rocm:ARCH', e.g. 'cuda:sm_100')")
+
+register_backend("cpu", "kiln.codegen.cpu.backend:CpuBackend")
+register_backend("reference", ReferenceBackend)
+register_backend("triton", "kiln.codegen.triton.backend:TritonBackend", supports=_triton_supports,
+                 example="cuda, rocm")
+
+TARGETS = ("cpu", "reference", "cuda", "rocm")

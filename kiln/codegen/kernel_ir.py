@@ -265,6 +265,12 @@ class GemmKernel(_Buffers):
 
 GEMM_VARS = ("gb", "gi", "gj")
 
+# Template kinds: what is not a loop nest. A backend's `templates()` is keyed by these,
+# never by graph-IR op names; "gemm" is `GemmKernel` (compiled by `build`), the others
+# are run by the backend's template implementation where it has one (lower.TEMPLATE_OF_OP
+# says which graph op each comes from) and by the op's numpy reference elsewhere.
+TEMPLATE_KINDS = ("gemm", "grouped_gemm", "grouped_gemm_dw", "attention")
+
 AnyKernel = Union[Kernel, GemmKernel]
 
 

@@ -87,28 +87,32 @@ def make_binder(graph: Graph) -> Callable[[list], dict]:
     return bind
 
 
-def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default") -> CompiledGraph:
-    """Optimize, fuse, lower and build `graph` for `backend`."""
+def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
+                  build: bool = True) -> CompiledGraph:
+    """Optimize (with the backend's own graph passes), fuse, lower and build `graph` for
+    `backend`; `build=False` stops at the program (no machine code, executable None)."""
     from kiln.codegen.backends import get_backend
     from kiln.codegen.build_program import build_program
+    from kiln.codegen.lower import template_externs
     from kiln.passes.fusion import fuse
-    from kiln.passes.pipeline import default_pipeline
+    from kiln.passes.manager import Pipeline
     from kiln.passes.schedule_collectives import schedule_collectives
     from kiln.runtime.executor import Executable
 
     if mode not in ("default", "max-autotune"):
         raise KilnError(f"compile: mode must be 'default' or 'max-autotune', got {mode!r}")
-    pipeline = default_pipeline(extra=[("fuse", fuse),
-                                       ("schedule_collectives", schedule_collectives)])
+    target = get_backend(backend)
+    pipeline = Pipeline(list(target.graph_passes(target.options))).extend(
+        [("fuse", fuse), ("schedule_collectives", schedule_collectives)])
     stages: dict = {}
     optimized = pipeline.run(graph, dump=stages)
     seconds = {r.name: r.seconds for r in pipeline.records}
     program = build_program(optimized)  # regions were optimized and fused with the graph
-    target = get_backend(backend)
+    if not build:
+        return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
     names = list(program.kernels)
     compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
-    externs = target.externs() if hasattr(target, "externs") else {}
-    executable = Executable(program, dict(zip(names, compiled)), externs=externs)
+    executable = Executable(program, dict(zip(names, compiled)), externs=template_externs(target))
     return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
 
 
@@ -116,19 +120,18 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
     """Callables for `kernels`, from the on-disk artifact cache when it has them.
 
     max-autotune measures GEMM variants on this machine, so its choices are not cached."""
-    if mode == "max-autotune" and hasattr(target, "compile"):
+    if mode == "max-autotune":
         from kiln.progress import progress  # a bar on a terminal when tuning takes a while
 
         return [target.compile(k, measure=True)
                 for k in progress(kernels, desc="autotuning", unit="kernel")]
-    if not kernels or not (hasattr(target, "object_code") and hasattr(target, "load_object_code")):
+    if not kernels or not target.caches_object_code:
         return target.compile_many(kernels)
     from kiln import __version__
     from kiln.codegen import artifact_cache
     from kiln.codegen.kernel_ir import kernel_fingerprint
 
-    key = artifact_cache.content_key(__version__, _codegen_salt(), target.name,
-                                     repr(getattr(target, "options", "")), _host_cpu(),
+    key = artifact_cache.content_key(__version__, _codegen_salt(), *target.cache_key(), _host_cpu(),
                                      *[kernel_fingerprint(k) for k in kernels])
     blob = artifact_cache.load(key)
     if blob is not None:
@@ -142,11 +145,10 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
 
 
 def _codegen_salt() -> str:
-    """A hash of the code generator's own source and settings: changing how code is
-    generated (not only kiln's version) must invalidate cached machine code."""
-    from kiln.codegen.cpu import mathlib
-
-    return f"{_codegen_source_hash()}|{mathlib._F32_MODE[0]}"
+    """A hash of the code generator's own source: changing how code is generated (not
+    only kiln's version) must invalidate cached machine code. Settings are the backend's
+    options, in `Backend.cache_key()`."""
+    return _codegen_source_hash()
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kiln.errors import KilnArgumentError
+from kiln.errors import KilnUnknownStageError
 from kiln.ir.graph import Graph
 
 StageFn = Callable[[Graph, str], str]
@@ -24,6 +24,7 @@ BUILTIN_HELP = {
     "exported": "the graph as traced or exported",
     "optimized": "after the graph passes, fusion groups marked as `fused` nodes",
     "kernels": "Kernel IR: one kernel per fusion group",
+    "legalized": "Kernel IR after the target's legalize pass (only ops its scalar table has)",
     "program": "the runtime program: steps over buffers and the memory plan",
     "source": "generated code (LLVM IR for cpu, Triton for cuda/rocm)",
     "llvm-optimized": "LLVM IR after LLVM's optimization pipeline (cpu; Triton's LLVM IR for cuda/rocm)",
@@ -36,20 +37,21 @@ def register_stage(name: str, fn: StageFn, help: str) -> None:
     _EXTRA[name] = (fn, help)
 
 
-def _pass_names() -> list[str]:
-    from kiln.passes.pipeline import DEFAULT_PASSES
+def _pass_names(target: str = "cpu") -> list[str]:
+    from kiln.codegen.backends import get_backend
 
-    return [name for name, _ in DEFAULT_PASSES] + ["fuse"]
-
-
-def stage_names() -> list[str]:
-    return ["exported"] + _pass_names() + ["optimized", "kernels", "program", "source",
-                                           "llvm-optimized", "asm"] + sorted(_EXTRA)
+    backend = get_backend(target)
+    return [name for name, _ in backend.graph_passes(backend.options)] + ["fuse"]
 
 
-def stage_help() -> dict[str, str]:
+def stage_names(target: str = "cpu") -> list[str]:
+    return ["exported"] + _pass_names(target) + ["optimized", "kernels", "legalized", "program",
+                                                 "source", "llvm-optimized", "asm"] + sorted(_EXTRA)
+
+
+def stage_help(target: str = "cpu") -> dict[str, str]:
     out = {"exported": BUILTIN_HELP["exported"]}
-    out.update({n: f"after the '{n}' pass" for n in _pass_names()})
+    out.update({n: f"after the '{n}' pass" for n in _pass_names(target)})
     out.update({k: v for k, v in BUILTIN_HELP.items() if k != "exported"})
     out.update({k: h for k, (_, h) in _EXTRA.items()})
     return out
@@ -67,15 +69,16 @@ def render_stage(graph: Graph, stage: str, target: str = "cpu") -> str:
     from kiln.codegen.backends import get_backend
 
     backend = get_backend(target)
-    own = tuple(getattr(backend, "stages", ()))
-    if stage not in stage_names() and stage not in own:
+    own = tuple(backend.stages)
+    if stage not in stage_names(target) and stage not in own:
         extra = f" (and {', '.join(own)} for target {target!r})" if own else ""
-        raise KilnArgumentError(f"unknown stage {stage!r}; stages are {', '.join(stage_names())}{extra}")
+        raise KilnUnknownStageError(f"unknown stage {stage!r}; stages are "
+                                    f"{', '.join(stage_names(target))}{extra}")
     from kiln.frontend.compile import compile_graph
 
-    # Kernel IR does not depend on the target: lower once without building machine code
-    # (a GPU target compiles here without a GPU; its stages build ahead of time)
-    compiled = compile_graph(graph, "reference")
+    # the target's own graph passes, lowered without building machine code (a GPU
+    # target compiles here without a GPU; its stages build ahead of time)
+    compiled = compile_graph(graph, target, build=False)
     if stage in compiled.stages:
         return str(compiled.stages[stage])
     if stage == "optimized":
@@ -83,13 +86,14 @@ def render_stage(graph: Graph, stage: str, target: str = "cpu") -> str:
     if stage == "program":
         return compiled.program.format() + "\n"
     kernels = compiled.program.kernels
-    if stage == "kernels":
+    if stage in ("kernels", "legalized"):
         from kiln.codegen.kernel_ir import format_kernel
 
-        return "\n\n".join(format_kernel(k) for k in kernels.values()) + "\n"
-    mapping = getattr(backend, "dump_stages", {"source": "llvm", "llvm-optimized": "optimized", "asm": "asm"})
+        prepare = backend.legalize if stage == "legalized" else (lambda k: k)
+        return "\n\n".join(format_kernel(prepare(k)) for k in kernels.values()) + "\n"
+    mapping = backend.dump_stages
     backend_stage = stage if stage in own and stage not in mapping else mapping[stage]
-    comment = backend.comment(backend_stage) if hasattr(backend, "comment") else ";"
+    comment = backend.comment(backend_stage)
     parts = []
     for name, kernel in kernels.items():
         parts.append(f"{comment} ---- kernel {name} ----\n{backend.stage_text(kernel, backend_stage)}")

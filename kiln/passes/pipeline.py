@@ -1,4 +1,8 @@
-"""The default CPU graph pipeline, as a list of named stages (STYLE §2).
+"""The graph pipeline, as a list of named stages (STYLE §2).
+
+Each backend's `graph_passes` (kiln/codegen/backend.py) gives its own list: by default
+`standard_passes(keep)`, the stages below with the composites its templates match kept
+whole. `DEFAULT_PASSES` is the CPU backend's list:
 
     decompose       every composite to primitives, except `matmul` (CPU_KEEP), which
                     the CPU backend turns into a GEMM template call with an epilogue
@@ -43,6 +47,26 @@ CPU_KEEP = frozenset({"matmul"})
 def decompose_for_cpu(graph: Graph) -> Graph:
     """`decompose` with the CPU backend's keep set (`CPU_KEEP`: matmul stays whole)."""
     return decompose(graph, keep=CPU_KEEP)
+
+
+def standard_passes(keep: Iterable[str] = CPU_KEEP) -> list[tuple[str, PassFn]]:
+    """The graph pass list of a backend that keeps the composites in `keep` whole (its
+    templates match them); each backend's `graph_passes` starts from this.
+
+    >>> [name for name, _ in standard_passes(keep={"matmul"})][:2]
+    ['decompose', 'canonicalize']
+    """
+    keep = frozenset(keep)
+    head = decompose_for_cpu if keep == CPU_KEEP else _decompose_keeping(keep)
+    return [("decompose", head)] + list(DEFAULT_PASSES[1:])
+
+
+def _decompose_keeping(keep: frozenset) -> PassFn:
+    def decompose_keeping(graph: Graph) -> Graph:
+        return decompose(graph, keep=keep)
+
+    decompose_keeping.__doc__ = f"`decompose` keeping {', '.join(sorted(keep)) or 'nothing'} whole."
+    return decompose_keeping
 
 
 DEFAULT_PASSES: tuple[tuple[str, PassFn], ...] = (

@@ -10,9 +10,11 @@ Stages, in order, each dumpable by name with `stage_text(kernel, name)`:
     compiled = backend.compile(kernel)          # CompiledKernel
     compiled([x, y], {"B": 5})                  # runs in place on numpy arrays
 
-`compile_many` puts many kernels in one module (one optimize, one JIT), and
-`object_code` / `load_object_code` let the runtime cache machine code on disk by
-content hash: the key should include `options` (a frozen, hashable dataclass).
+It implements the backend contract (kiln/codegen/backend.py): `compile_many` puts many
+kernels in one module (one optimize, one JIT), `object_code` / `load_object_code` let
+the runtime cache machine code on disk by content hash (the key includes `options`),
+and `SCALAR_TABLE` (scalar_ops.py) says which scalar ops it emits natively; the shared
+legalize pass rewrites the rest before any of these see a kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from kiln.codegen.backend import Backend, Options
 from kiln.codegen.kernel_ir import AnyKernel, GemmKernel, Kernel
 from kiln.errors import KilnArgumentError
 
@@ -33,27 +36,39 @@ from kiln.codegen.cpu.gemm import check_strides, emit_gemm, gemm_as_kernel
 from kiln.codegen.cpu.ir_builder import Module
 from kiln.codegen.cpu.llvm_emit import emit_kernel
 from kiln.codegen.cpu.compiled import default_threads
+from kiln.codegen.cpu.scalar_ops import SCALAR_TABLE
 
 STAGES = ("llvm", "optimized", "asm")
 
 
 @dataclass(frozen=True)
-class CpuOptions:
+class CpuOptions(Options):
     """Compile options; the hash is part of every cache key.
 
     opt_level: LLVM optimization level (0-3). threads: total threads a kernel may use
     (caller + workers). parallel_threshold: estimated element-operations above which a
     call is split over threads. vector_width: 0 lets LLVM choose (256-bit on this host);
     otherwise forces the vectorizer's width. mode: "default" (analytical autotuning) or
-    "max-autotune" (also measures GEMM variants)."""
+    "max-autotune" (also measures GEMM variants). f32_math: float32 transcendentals,
+    "native" (float32 polynomials, ~2 ulp, full vector width) or "double" (float64
+    internally, correctly rounded, half the width); None takes the process default that
+    `mathlib.float32_math` sets (resolved when the options are made, so the value, not
+    a global, is in the cache key)."""
 
     opt_level: int = 3
     threads: int = field(default_factory=default_threads)
     parallel_threshold: int = 1 << 17
     vector_width: int = 0
     mode: str = "default"
+    f32_math: str | None = None
 
     def __post_init__(self):
+        if self.f32_math is None:
+            from kiln.codegen.cpu.mathlib import default_f32_math
+
+            object.__setattr__(self, "f32_math", default_f32_math())
+        if self.f32_math not in ("native", "double"):
+            raise KilnArgumentError(f"CpuOptions: f32_math must be 'native' or 'double', got {self.f32_math!r}")
         if self.mode not in ("default", "max-autotune"):
             raise KilnArgumentError(f"CpuOptions: mode must be 'default' or 'max-autotune', got {self.mode!r}")
         if not 0 <= self.opt_level <= 3 or self.threads < 1:
@@ -80,20 +95,21 @@ def _symbol(name: str, taken: set) -> str:
     return symbol
 
 
-class CpuBackend:
+class CpuBackend(Backend):
     """LLVM backend for target "cpu". See the module docstring for the stages."""
 
     name = "cpu"
+    Options = CpuOptions
     stages = STAGES
+    dump_stages = {"source": "llvm", "llvm-optimized": "optimized", "asm": "asm"}
+    keep = frozenset({"matmul"})  # matmul becomes a GEMM template call with its epilogue
+    scalar_table = SCALAR_TABLE
+    caches_object_code = True
 
-    def __init__(self, options: CpuOptions | None = None):
-        self.options = options or CpuOptions()
+    def __init__(self, options: CpuOptions | None = None, target: str = "cpu"):
+        super().__init__(target, options)
         self._cache: dict = {}
         self._lock = threading.Lock()
-
-    @staticmethod
-    def supports(target: str) -> bool:
-        return target == "cpu"
 
     # -- planning and emission --------------------------------------------------------
     def _plan(self, k: AnyKernel, taken: set, use_blas: bool | None = None) -> _Plan:
@@ -112,7 +128,7 @@ class CpuBackend:
         return _Plan(loop, symbol, tuple(l.extent for l in loop.outer))
 
     def _module_text(self, plans: Sequence[_Plan]) -> str:
-        module = Module()
+        module = Module(f32_math=self.options.f32_math)
         for p in plans:
             if p.blas:
                 emit_gemm(module, p.kernel, p.symbol, p.panel_rows)
@@ -130,10 +146,8 @@ class CpuBackend:
         jit.optimize(mod, self.options.opt_level)
         return mod
 
-    def stage_text(self, kernel: AnyKernel, stage: str) -> str:
-        """The text of one named stage ("llvm", "optimized" or "asm") for `kernel`."""
-        if stage not in STAGES:
-            raise KilnArgumentError(f"cpu backend: unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    def render(self, kernel: AnyKernel, stage: str) -> str:
+        """The text of one named stage ("llvm", "optimized" or "asm") for a legalized kernel."""
         text = self._module_text([self._plan(kernel, set())])
         if stage == "llvm":
             return text
@@ -152,6 +166,7 @@ class CpuBackend:
         """Compile one kernel. `measure` (default: options.mode == "max-autotune") times
         the GEMM variants instead of trusting the analytical model."""
         measure = self.options.mode == "max-autotune" if measure is None else measure
+        kernel = self.legalize(kernel)
         key = (kernel, measure)
         with self._lock:
             if key in self._cache:
@@ -161,7 +176,7 @@ class CpuBackend:
                                   lambda blas: self._compile_plans([self._plan(kernel, set(), blas)])[0])
             compiled = self._compile_plans([self._plan(kernel, set(), choice.use_blas)])[0]
         else:
-            compiled = self.compile_many([kernel])[0]
+            compiled = self.build([kernel])[0]
         with self._lock:
             self._cache[key] = compiled
         return compiled
@@ -170,19 +185,19 @@ class CpuBackend:
         mod = self._optimized(self._module_text(plans))
         return self._wrap(plans, jit.Jitted(mod, opt_level=self.options.opt_level))
 
-    def compile_many(self, kernels: Sequence[AnyKernel]) -> list[CompiledKernel]:
-        """Compile kernels into ONE LLVM module: one optimize and one JIT for all."""
+    def build(self, kernels: Sequence[AnyKernel]) -> list[CompiledKernel]:
+        """Compile legalized kernels into ONE LLVM module: one optimize and one JIT for all."""
         taken: set = set()
         return self._compile_plans([self._plan(k, taken) for k in kernels])
 
     # -- object code cache hooks ------------------------------------------------------
-    def object_code(self, kernels: Sequence[AnyKernel]) -> bytes:
+    def build_object_code(self, kernels: Sequence[AnyKernel]) -> bytes:
         """Relocatable machine code of `kernels` compiled together (cache by content)."""
         taken: set = set()
         plans = [self._plan(k, taken) for k in kernels]
         return jit.object_code(self._optimized(self._module_text(plans)), self.options.opt_level)
 
-    def load_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list[CompiledKernel]:
+    def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list[CompiledKernel]:
         """CompiledKernels from bytes made by `object_code(kernels)` with these options."""
         taken: set = set()
         plans = [self._plan(k, taken) for k in kernels]

@@ -51,7 +51,8 @@ def int_bits(ty: str) -> int:
 class Module:
     """Collects function definitions, declarations and loop metadata of one module."""
 
-    def __init__(self):
+    def __init__(self, f32_math: str = "native"):
+        self.f32_math = f32_math  # CpuOptions.f32_math: which float32 math bodies to emit
         self.functions: list[str] = []
         self.declarations: dict[str, str] = {}
         self.metadata: list[str] = []

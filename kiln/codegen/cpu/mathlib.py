@@ -33,25 +33,31 @@ F32_FUNCS = ("exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos"
              "atan2", "sinh", "cosh", "tanh", "erf", "pow")
 LIBM_F64 = {n: n for n in F32_FUNCS}
 
-# which float32 implementation new modules get: "native" (mathlib_f32 where it has the
-# function) or "double" (float64-internal everywhere)
-_F32_MODE = ["native"]
+# the default of CpuOptions.f32_math for options made while `float32_math` is active:
+# "native" (mathlib_f32 where it has the function) or "double" (float64-internal)
+_F32_DEFAULT = ["native"]
+
+
+def default_f32_math() -> str:
+    """What `CpuOptions()` takes for `f32_math` when none is given."""
+    return _F32_DEFAULT[0]
 
 
 @contextmanager
 def float32_math(mode: str):
-    """Emit float32 transcendentals as "native" (default) or "double" (float64-internal,
-    correctly rounded, half the vector width) inside the block -- for accuracy
-    comparisons and benchmarks. Process-wide and not part of CpuOptions (the on-disk
-    artifact cache key includes it), so compile with a fresh CpuBackend inside the block."""
+    """Inside the block, new `CpuOptions()` default to f32_math=`mode`: "native" or
+    "double" (float64-internal, correctly rounded, half the vector width) -- for accuracy
+    comparisons and benchmarks. Code generation reads only the options (whose text is in
+    the artifact-cache key), so make a fresh CpuBackend inside the block, or pass
+    `CpuOptions(f32_math=...)` directly."""
     if mode not in ("native", "double"):
         raise ValueError(f"float32_math: mode must be 'native' or 'double', got {mode!r}")
-    saved = _F32_MODE[0]
-    _F32_MODE[0] = mode
+    saved = _F32_DEFAULT[0]
+    _F32_DEFAULT[0] = mode
     try:
         yield
     finally:
-        _F32_MODE[0] = saved
+        _F32_DEFAULT[0] = saved
 
 _LN2 = math.log(2.0)
 with mpmath.workprec(600):
@@ -329,7 +335,7 @@ def math_call(fn: Fn, name: str, args: list[V]) -> V:
         module.declare(name, f"declare double @{name}({sig}) nounwind readnone")
         fn.scalar_calls += 1
         return fn.call(name, "double", args)
-    native = _F32_MODE[0] == "native" and name in mathlib_f32.NATIVE_F32
+    native = module.f32_math == "native" and name in mathlib_f32.NATIVE_F32
     helper = f"kiln.{name}.f32" + ("n" if native else "d")
     if helper not in module.helpers:
         module.helpers.add(helper)

@@ -1,9 +1,11 @@
 """Every elementwise primitive of kiln/ir/ops/elementwise.py as LLVM instructions.
 
-Semantics follow the registry's numpy references exactly: integer div truncates and
-x/0 == 0 (and INT_MIN/-1 wraps, as numpy), rem takes the dividend's sign, shifts of
->= width give 0, max/min propagate NaN (llvm.maximum), round is half-to-even, float->int
-truncates. No fast-math flags: numpy does not contract a*b+c, so neither do we.
+`SCALAR_TABLE` is what the CPU backend emits natively (the backend contract's table,
+kiln/codegen/backend.py); every other op reaches this file already legalized
+(kiln/codegen/legalize.py: integer div/rem guards, integer pow and shift clamps are
+written there, once, around the unchecked machine ops here). Semantics follow the
+registry's numpy references exactly: max/min propagate NaN (llvm.maximum), round is
+half-to-even, float->int truncates. No fast-math flags: numpy does not contract a*b+c, so neither do we.
 Low-precision results are rounded back to their dtype after each op (dtype_map).
 """
 
@@ -16,6 +18,7 @@ from kiln.ir.dtypes import DType
 from kiln.codegen.cpu import dtype_map
 from kiln.codegen.cpu.dtype_map import is_unsigned, reg_type, round_to
 from kiln.codegen.cpu.ir_builder import Fn, V, const, int_bits
+from kiln.codegen.backend import lookup
 from kiln.codegen.cpu.mathlib import F32_FUNCS, math_call
 
 _FLOAT_BIN = {"add": "fadd", "sub": "fsub", "mul": "fmul", "div": "fdiv", "rem": "frem"}
@@ -31,153 +34,144 @@ def _unsupported(op: str, d: DType) -> KilnDTypeError:
 
 
 def emit_op(fn: Fn, op: str, args: list[V], arg_dtypes: list[DType], out: DType) -> V:
-    """Emit scalar primitive `op` on register values `args`; the result has dtype `out`."""
+    """Emit scalar primitive `op` on register values `args`; the result has dtype `out`.
+    The op must be in SCALAR_TABLE (the backend legalizes every other op first)."""
     for d in list(arg_dtypes) + [out]:
         if d.is_complex:
             raise _unsupported(op, d)
-    if op == "convert":
-        return convert(fn, args[0], arg_dtypes[0], out)
-    if op == "bitcast_convert":
-        return _bitcast(fn, args[0], arg_dtypes[0], out)
-    if op == "select":
-        return fn.select(args[0], args[1], args[2])
-    d = arg_dtypes[-1] if op != "select" else arg_dtypes[1]
-    value = _float_op(fn, op, args, d) if d.is_floating else _int_op(fn, op, args, d)
+    emitter = lookup(SCALAR_TABLE, op, arg_dtypes, out)
+    if emitter is None:
+        raise _unsupported(op, arg_dtypes[-1] if arg_dtypes else out)
+    value = emitter(fn, args, arg_dtypes, out)
+    if op in ("convert", "bitcast_convert", "select"):
+        return value
     return round_to(fn, value, out) if out.is_floating else value
 
 
-def _float_op(fn: Fn, op: str, a: list[V], d: DType) -> V:
-    x = a[0]
-    ty = x.ty
-    if op in _FLOAT_BIN:
-        if op == "rem":
-            fn.scalar_calls += 1  # frem lowers to a fmod call
-        return fn.bin(_FLOAT_BIN[op], a[0], a[1])
-    if op in _FCMP:
-        return fn.fcmp(_FCMP[op], a[0], a[1])
-    if op in ("max", "min"):
-        return fn.binary_intrinsic("maximum" if op == "max" else "minimum", a[0], a[1])
-    if op == "clamp":
-        return fn.binary_intrinsic("minimum", fn.binary_intrinsic("maximum", a[0], a[1]), a[2])
-    if op == "neg":
-        return fn.fneg(x)
-    if op == "abs":
-        return fn.unary_intrinsic("fabs", x)
-    if op == "sign":
-        one = const(ty, 1.0)
-        neg = fn.select(fn.fcmp("olt", x, const(ty, 0.0)), const(ty, -1.0), x)
-        return fn.select(fn.fcmp("ogt", x, const(ty, 0.0)), one, neg)
-    if op == "sqrt":
-        return fn.unary_intrinsic("sqrt", x)
-    if op == "rsqrt":
-        if ty == "float":  # one rounding: 1/sqrt in double is exact enough to round once
-            wide = fn.cast("fpext", x, "double")
-            return fn.cast("fptrunc", fn.fdiv(const("double", 1.0), fn.unary_intrinsic("sqrt", wide)), "float")
-        return fn.fdiv(const(ty, 1.0), fn.unary_intrinsic("sqrt", x))
-    if op in _ROUNDING:
-        return fn.unary_intrinsic(_ROUNDING[op], x)
-    if op == "isnan":
-        return fn.fcmp("uno", x, x)
-    if op in ("isinf", "isfinite"):
-        pred = "oeq" if op == "isinf" else "one"
-        return fn.fcmp(pred, fn.unary_intrinsic("fabs", x), const(ty, float("inf")))
-    if op in F32_FUNCS:
-        return math_call(fn, op, list(a))
-    raise _unsupported(op, d)
+# -- the table: op -> emitter(fn, args, arg_dtypes, out) -------------------------------
+
+def _fbin(inst: str):
+    return lambda fn, a, ds, out: fn.bin(inst, a[0], a[1])
 
 
-def _int_op(fn: Fn, op: str, a: list[V], d: DType) -> V:
-    x = a[0]
-    ty = x.ty
-    unsigned = is_unsigned(d)
-    if op in _INT_BIN and not (d.is_bool and op in ("add", "sub", "mul")):
-        return fn.bin(_INT_BIN[op], a[0], a[1])
-    if op in _ICMP:
-        pred = _ICMP[op]
-        if op not in ("eq", "ne"):
-            pred = ("u" if unsigned else "s") + pred
-        return fn.icmp(pred, a[0], a[1])
-    if op in ("max", "min", "clamp"):
-        def pick(p, u, v):
-            pred = ("u" if unsigned else "s") + ("gt" if p == "max" else "lt")
-            return fn.select(fn.icmp(pred, u, v), u, v)
-        if op == "clamp":
-            return pick("min", pick("max", a[0], a[1]), a[2])
-        return pick(op, a[0], a[1])
-    if op == "not":
-        return fn.bin("xor", x, const(ty, -1 if ty != "i1" else 1))
-    if d.is_bool:
-        raise _unsupported(op, d)
+def _frem(fn: Fn, a, ds, out) -> V:
+    fn.scalar_calls += 1  # frem lowers to a fmod call
+    return fn.bin("frem", a[0], a[1])
+
+
+def _fcmp(pred: str):
+    return lambda fn, a, ds, out: fn.fcmp(pred, a[0], a[1])
+
+
+def _fclamp(fn: Fn, a, ds, out) -> V:
+    return fn.binary_intrinsic("minimum", fn.binary_intrinsic("maximum", a[0], a[1]), a[2])
+
+
+def _fsign(fn: Fn, a, ds, out) -> V:
+    x, ty = a[0], a[0].ty
+    neg = fn.select(fn.fcmp("olt", x, const(ty, 0.0)), const(ty, -1.0), x)
+    return fn.select(fn.fcmp("ogt", x, const(ty, 0.0)), const(ty, 1.0), neg)
+
+
+def _rsqrt(fn: Fn, a, ds, out) -> V:
+    x, ty = a[0], a[0].ty
+    if ty == "float":  # one rounding: 1/sqrt in double is exact enough to round once
+        wide = fn.cast("fpext", x, "double")
+        return fn.cast("fptrunc", fn.fdiv(const("double", 1.0), fn.unary_intrinsic("sqrt", wide)), "float")
+    return fn.fdiv(const(ty, 1.0), fn.unary_intrinsic("sqrt", x))
+
+
+def _unary_intrinsic(name: str):
+    return lambda fn, a, ds, out: fn.unary_intrinsic(name, a[0])
+
+
+def _fclass(pred: str):
+    return lambda fn, a, ds, out: fn.fcmp(pred, fn.unary_intrinsic("fabs", a[0]), const(a[0].ty, float("inf")))
+
+
+def _math(name: str):
+    return lambda fn, a, ds, out: math_call(fn, name, list(a))
+
+
+def _icmp(pred: str):
+    def emit(fn: Fn, a, ds, out) -> V:
+        p = pred if pred in ("eq", "ne") else ("u" if is_unsigned(ds[0]) else "s") + pred
+        return fn.icmp(p, a[0], a[1])
+    return emit
+
+
+def _ipick(fn: Fn, p: str, d: DType, u: V, v: V) -> V:
+    pred = ("u" if is_unsigned(d) else "s") + ("gt" if p == "max" else "lt")
+    return fn.select(fn.icmp(pred, u, v), u, v)
+
+
+def _iextremum(p: str):
+    return lambda fn, a, ds, out: _ipick(fn, p, ds[0], a[0], a[1])
+
+
+def _iclamp(fn: Fn, a, ds, out) -> V:
+    return _ipick(fn, "min", ds[0], _ipick(fn, "max", ds[0], a[0], a[1]), a[2])
+
+
+def _not(fn: Fn, a, ds, out) -> V:
+    return fn.bin("xor", a[0], const(a[0].ty, -1 if a[0].ty != "i1" else 1))
+
+
+def _ineg(fn: Fn, a, ds, out) -> V:
+    return fn.bin("sub", const(a[0].ty, 0), a[0])
+
+
+def _iabs(fn: Fn, a, ds, out) -> V:
+    x, zero = a[0], const(a[0].ty, 0)
+    return x if is_unsigned(ds[0]) else fn.select(fn.icmp("slt", x, zero), fn.bin("sub", zero, x), x)
+
+
+def _isign(fn: Fn, a, ds, out) -> V:
+    x, ty = a[0], a[0].ty
     zero = const(ty, 0)
-    if op == "neg":
-        return fn.bin("sub", zero, x)
-    if op == "abs":
-        return x if unsigned else fn.select(fn.icmp("slt", x, zero), fn.bin("sub", zero, x), x)
-    if op == "sign":
-        if unsigned:
-            return fn.cast("zext", fn.icmp("ne", x, zero), ty)
-        pos = fn.cast("zext", fn.icmp("sgt", x, zero), ty)
-        neg = fn.cast("zext", fn.icmp("slt", x, zero), ty)
-        return fn.bin("sub", pos, neg)
-    if op in ("div", "rem"):
-        return _int_divrem(fn, op, a[0], a[1], unsigned)
-    if op == "pow":
-        return _int_pow(fn, a[0], a[1], unsigned)
-    if op.startswith("shift_"):
-        return _shift(fn, op, a[0], a[1], unsigned)
-    raise _unsupported(op, d)
+    if is_unsigned(ds[0]):
+        return fn.cast("zext", fn.icmp("ne", x, zero), ty)
+    pos = fn.cast("zext", fn.icmp("sgt", x, zero), ty)
+    neg = fn.cast("zext", fn.icmp("slt", x, zero), ty)
+    return fn.bin("sub", pos, neg)
 
 
-def _int_divrem(fn: Fn, op: str, a: V, b: V, unsigned: bool) -> V:
-    ty = a.ty
-    zero, one = const(ty, 0), const(ty, 1)
-    b_zero = fn.icmp("eq", b, zero)
-    safe = fn.select(b_zero, one, b)
-    if unsigned:
-        return fn.select(b_zero, zero, fn.bin("udiv" if op == "div" else "urem", a, safe))
-    # INT_MIN / -1 overflows (UB in LLVM); numpy wraps to INT_MIN, and a / 1 == a gives that
-    int_min = const(ty, -(1 << (int_bits(ty) - 1)))
-    overflow = fn.bin("and", fn.icmp("eq", a, int_min), fn.icmp("eq", b, const(ty, -1)))
-    safe = fn.select(overflow, one, safe)
-    value = fn.bin("sdiv" if op == "div" else "srem", a, safe)
-    if op == "rem":
-        value = fn.select(overflow, zero, value)
-    return fn.select(b_zero, zero, value)
+def _signed_or_not(signed: str, unsigned: str):
+    return lambda fn, a, ds, out: fn.bin(unsigned if is_unsigned(ds[0]) else signed, a[0], a[1])
 
 
-def _int_pow(fn: Fn, base: V, exp: V, unsigned: bool) -> V:
-    """Branch-free square-and-multiply over every exponent bit (vectorizable), then the
-    C rules for negative exponents: 1 and -1 bases give +-1, others 0."""
-    ty = base.ty
-    bits = int_bits(ty)
-    one, zero = const(ty, 1), const(ty, 0)
-    result, b, e = one, base, exp
-    for _ in range(bits if unsigned else bits - 1):
-        bit = fn.icmp("ne", fn.bin("and", e, one), zero)
-        result = fn.select(bit, fn.bin("mul", result, b), result)
-        b = fn.bin("mul", b, b)
-        e = fn.bin("lshr", e, one)
-    if unsigned:
-        return result
-    negative = fn.icmp("slt", exp, zero)
-    odd = fn.icmp("ne", fn.bin("and", exp, one), zero)
-    minus_one = const(ty, -1)
-    neg_value = fn.select(fn.icmp("eq", base, one), one,
-                          fn.select(fn.icmp("eq", base, minus_one), fn.select(odd, minus_one, one), zero))
-    return fn.select(negative, neg_value, result)
-
-
-def _shift(fn: Fn, op: str, a: V, b: V, unsigned: bool) -> V:
-    ty = a.ty
-    bits = int_bits(ty)
-    amount = b if unsigned else fn.select(fn.icmp("slt", b, const(ty, 0)), const(ty, 0), b)
-    too_big = fn.icmp("uge", amount, const(ty, bits))
-    capped = fn.select(too_big, const(ty, bits - 1), amount)
-    if op == "shift_left":
-        return fn.select(too_big, const(ty, 0), fn.bin("shl", a, capped))
-    if op == "shift_right_logical":
-        return fn.select(too_big, const(ty, 0), fn.bin("lshr", a, capped))
-    return fn.bin("ashr", a, capped)
+SCALAR_TABLE: dict = {
+    "convert": lambda fn, a, ds, out: convert(fn, a[0], ds[0], out),
+    "bitcast_convert": lambda fn, a, ds, out: _bitcast(fn, a[0], ds[0], out),
+    "select": lambda fn, a, ds, out: fn.select(a[0], a[1], a[2]),
+    "rem:float": _frem, "max:float": lambda fn, a, ds, out: fn.binary_intrinsic("maximum", a[0], a[1]),
+    "min:float": lambda fn, a, ds, out: fn.binary_intrinsic("minimum", a[0], a[1]),
+    "clamp:float": _fclamp, "neg:float": lambda fn, a, ds, out: fn.fneg(a[0]),
+    "abs:float": _unary_intrinsic("fabs"), "sign:float": _fsign, "sqrt:float": _unary_intrinsic("sqrt"),
+    "rsqrt:float": _rsqrt, "isnan:float": lambda fn, a, ds, out: fn.fcmp("uno", a[0], a[0]),
+    "isinf:float": _fclass("oeq"), "isfinite:float": _fclass("one"),
+    "max:int": _iextremum("max"), "min:int": _iextremum("min"), "clamp:int": _iclamp,
+    "max:bool": _iextremum("max"), "min:bool": _iextremum("min"), "clamp:bool": _iclamp,
+    "not:int": _not, "not:bool": _not, "neg:int": _ineg, "abs:int": _iabs, "sign:int": _isign,
+    # C-semantics machine ops; legalize adds div/rem guards, pow and shift clamps around them
+    "div_unchecked:int": _signed_or_not("sdiv", "udiv"), "rem_unchecked:int": _signed_or_not("srem", "urem"),
+    "shl_unchecked:int": _fbin("shl"), "shr_logical_unchecked:int": _fbin("lshr"),
+    "shr_arith_unchecked:int": _fbin("ashr"),
+}
+SCALAR_TABLE.update({f"{op}:float": _fbin(inst) for op, inst in _FLOAT_BIN.items() if op != "rem"})
+SCALAR_TABLE.update({f"{op}:float": _fcmp(pred) for op, pred in _FCMP.items()})
+SCALAR_TABLE.update({f"{op}:float": _unary_intrinsic(name) for op, name in _ROUNDING.items()})
+SCALAR_TABLE.update({f"{op}:float": _math(op) for op in F32_FUNCS})
+SCALAR_TABLE.update({f"{op}:int": _fbin(inst) for op, inst in _INT_BIN.items()})
+SCALAR_TABLE.update({f"{op}:bool": _fbin(inst) for op, inst in _INT_BIN.items() if op in ("and", "or", "xor")})
+SCALAR_TABLE.update({f"{op}:{k}": _icmp(pred) for op, pred in _ICMP.items() for k in ("int", "bool")})
+# Kernel IR reductions (llvm_emit._combine emits them); bool sum/max/prod/min arrive as
+# or/and from legalize
+SCALAR_TABLE.update({f"reduce.{op}:float": "llvm_emit._combine" for op in ("sum", "prod", "max", "min")})
+SCALAR_TABLE.update({f"reduce.{op}:int": "llvm_emit._combine" for op in ("sum", "prod", "max", "min", "and", "or")})
+SCALAR_TABLE.update({f"reduce.{op}:bool": "llvm_emit._combine" for op in ("and", "or")})
+# float64 -> bfloat16 / float8 go through legalize's round-to-odd float32
+SCALAR_TABLE.update({f"convert:f64>{short}": None for short in ("bf16", "f8e4m3fn", "f8e5m2")})
 
 
 def convert(fn: Fn, x: V, src: DType, dst: DType) -> V:

@@ -26,8 +26,10 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from kiln.codegen.backend import Backend, Options
 from kiln.codegen.kernel_ir import AnyKernel
 from kiln.codegen.triton.emit import EmitOptions, EmittedKernel, emit_kernel
+from kiln.codegen.triton.scalar import SCALAR_TABLE
 from kiln.codegen.triton.targets import ARCHS, DEFAULT_ARCH, KilnNoGpuError, split_spec
 from kiln.errors import KilnArgumentError
 
@@ -36,7 +38,7 @@ _F32_MATMUL = ("ieee", "tf32", "tf32x3")
 
 
 @dataclass(frozen=True)
-class TritonOptions:
+class TritonOptions(Options):
     """Compile options; the hash is part of every cache key.
 
     arch: the architecture to compile for ("sm_80", "sm_90", "sm_100", "gfx90a",
@@ -66,13 +68,16 @@ class TritonOptions:
         return EmitOptions(fast_math=self.fast_math, f32_matmul=self.f32_matmul)
 
 
-class TritonBackend:
+class TritonBackend(Backend):
     """Backend for "cuda" / "rocm" (optionally ":ARCH"). See the module docstring."""
 
     name = "triton"
+    Options = TritonOptions
     stages = STAGES
     # what the generic `kiln dump` stages show for this backend
     dump_stages = {"source": "source", "llvm-optimized": "llir", "asm": "asm"}
+    keep = frozenset({"matmul"})  # matmul becomes a tiled tl.dot GEMM with its epilogue
+    scalar_table = SCALAR_TABLE
 
     def __init__(self, target: str = "cuda", options: TritonOptions | None = None):
         self.vendor, explicit = split_spec(target)
@@ -80,15 +85,14 @@ class TritonBackend:
         if explicit and options.arch and options.arch != explicit:
             raise KilnArgumentError(f"triton backend: target {target!r} and TritonOptions(arch="
                                     f"{options.arch!r}) name different architectures")
-        self.options = replace(options, arch=options.arch or explicit)
+        super().__init__(target, replace(options, arch=options.arch or explicit))
         if self.options.arch and _vendor(self.options.arch) != self.vendor:
             raise KilnArgumentError(f"triton backend: {self.options.arch} is not a {self.vendor} architecture")
-        self.target = target
         self._lock = threading.Lock()
         self._emitted: dict = {}
 
-    @staticmethod
-    def supports(target: str) -> bool:
+    @classmethod
+    def supports(cls, target: str) -> bool:
         from kiln.codegen.triton.targets import supports
 
         return supports(target)
@@ -100,8 +104,9 @@ class TritonBackend:
 
     # -- stages -------------------------------------------------------------------------
     def emit(self, kernel: AnyKernel, arch: str | None = None) -> EmittedKernel:
-        """The Triton source of `kernel` for `arch` (default: `self.arch`), memoized."""
+        """The Triton source of `kernel` (legalized here) for `arch` (default: `self.arch`), memoized."""
         arch = arch or self.arch
+        kernel = self.legalize(kernel)
         key = (kernel, arch)
         with self._lock:
             if key not in self._emitted:
@@ -122,10 +127,8 @@ class TritonBackend:
     def compile_options(self) -> dict:
         return {"enable_fp_fusion": self.options.fp_fusion}
 
-    def stage_text(self, kernel: AnyKernel, stage: str) -> str:
-        """The text of one named stage (see STAGES) for `kernel`."""
-        if stage not in STAGES:
-            raise KilnArgumentError(f"triton backend: unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    def render(self, kernel: AnyKernel, stage: str) -> str:
+        """The text of one named stage (see STAGES) for a legalized kernel."""
         if stage == "source":
             return self.emit(kernel).source
         art = self.artifact(kernel)
@@ -140,15 +143,15 @@ class TritonBackend:
         return "//"
 
     # -- running ------------------------------------------------------------------------
-    def externs(self) -> dict:
-        """Ops this backend runs itself rather than through their numpy reference: the
-        MoE grouped GEMMs, one persistent Triton launch each (kiln/codegen/triton/grouped_gemm.py)."""
+    def templates(self) -> dict:
+        """Templates this backend runs itself rather than through their numpy reference:
+        the grouped GEMMs, one persistent Triton launch each (kiln/codegen/triton/grouped_gemm.py)."""
         from kiln.codegen.triton import grouped_gemm
 
-        return {"grouped_matmul": grouped_gemm.run_grouped_matmul,
-                "grouped_matmul_dw": grouped_gemm.run_grouped_matmul_dw}
+        return {"grouped_gemm": grouped_gemm.run_grouped_matmul,
+                "grouped_gemm_dw": grouped_gemm.run_grouped_matmul_dw}
 
-    def compile_many(self, kernels: Sequence[AnyKernel]) -> list:
+    def build(self, kernels: Sequence[AnyKernel]) -> list:
         """Callables `fn(arrays, sizes)` running `kernels` on this machine's GPU (or through
         Triton's interpreter under TRITON_INTERPRET=1); K165 where neither is possible."""
         _require_triton()

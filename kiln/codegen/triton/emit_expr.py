@@ -268,10 +268,14 @@ def is_python_literal(text: str) -> bool:
 
 def fold_constant(e: Op):
     """The value of an Op over constants, by the registry's reference (exact semantics)."""
+    from kiln.codegen.legalize import MACHINE_OPS, evaluate
     from kiln.ir import registry
 
     if e.dtype.is_complex or any(a.dtype.is_complex for a in e.args):
         return None
+    if e.op in MACHINE_OPS:  # legalize's unchecked ops: not registry ops
+        value = np.asarray(evaluate(e, {})).astype(e.dtype.np_dtype)
+        return value.item() if not e.dtype.is_floating else float(value.astype(np.float64))
     args = [np.asarray(a.value).astype(a.dtype.np_dtype) for a in e.args]
     attrs = {"dtype": e.dtype} if "dtype" in registry.get(e.op).attrs else {}
     with np.errstate(all="ignore"):

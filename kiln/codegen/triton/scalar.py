@@ -131,22 +131,19 @@ class ScalarOps:
         self.emit, self.temp, self.fast_math = emit, temp, fast_math
 
     def op(self, op: str, args: list[str], arg_dtypes: list[DType], out: DType) -> str:
+        """The source of `op` (which must be in SCALAR_TABLE: the backend legalizes the rest)."""
         for d in list(arg_dtypes) + [out]:
             if d.is_complex:
                 raise unsupported(f"op '{op}'", d)
-        if op == "convert":
-            return self.convert(args[0], arg_dtypes[0], out)
-        if op == "bitcast_convert":
-            return self.bitcast(args[0], arg_dtypes[0], out)
-        if op == "select":
-            return f"tl.where({args[0]}, {args[1]}, {args[2]})"
-        if op in _COMPARE:
-            return f"{args[0]} {_COMPARE[op]} {args[1]}"
-        d = arg_dtypes[-1]
-        if d.is_floating:
-            value = self._float(op, args, d)
-            return value if op in _EXACT or not is_low_precision(out) else round_to(f"({value})", out)
-        return self._int(op, args, d)
+        from kiln.codegen.backend import lookup
+
+        emitter = lookup(SCALAR_TABLE, op, arg_dtypes, out)
+        if emitter is None:
+            raise unsupported(f"op '{op}'", arg_dtypes[-1] if arg_dtypes else out)
+        value = emitter(self, op, args, arg_dtypes, out)
+        if op in ("convert", "bitcast_convert", "select") or op in _COMPARE or not arg_dtypes[-1].is_floating:
+            return value
+        return value if op in _EXACT or not is_low_precision(out) else round_to(f"({value})", out)
 
     # -- floats (registers are float32 or float64) -------------------------------------
     def _float(self, op: str, a: list[str], d: DType) -> str:
@@ -232,61 +229,23 @@ class ScalarOps:
             if is_unsigned(d):
                 return f"({x} != 0).to({t})"
             return f"({x} > 0).to({t}) - ({x} < 0).to({t})"
-        if op in ("div", "rem"):
-            return self._divrem(op, a[0], a[1], d)
-        if op == "pow":
-            return self._int_pow(a[0], a[1], d)
-        if op.startswith("shift_"):
-            return self._shift(op, a[0], a[1], d)
+        if op.endswith("_unchecked"):
+            return self._machine(op, a, d)
         raise unsupported(f"op '{op}'", d)
 
-    def _divrem(self, op: str, a: str, b: str, d: DType) -> str:
-        sym = "//" if op == "div" else "%"
-        zero = self.temp()
-        self.emit(f"{zero} = {b} == 0")
-        if is_unsigned(d):
-            safe = f"tl.where({zero}, 1, {b})"
-            return f"tl.where({zero}, 0, {a} {sym} {safe})"
-        # INT_MIN / -1 overflows (undefined on the GPU); numpy wraps to INT_MIN, as a / 1 gives
-        bad = self.temp()
-        self.emit(f"{bad} = {zero} | (({a} == {literal(int_min(d), d)}) & ({b} == -1))")
-        safe = f"tl.where({bad}, 1, {b})"
-        return f"tl.where({zero if op == 'div' else bad}, 0, {a} {sym} {safe})"
-
-    def _int_pow(self, base: str, exp: str, d: DType) -> str:
-        """Square-and-multiply over every exponent bit, then C's rules for negative
-        exponents: bases 1 and -1 give +-1, others 0."""
-        bits = d.bits if is_unsigned(d) else d.bits - 1
-        r, b, e = self.temp(), self.temp(), self.temp()
-        one = literal(1, d)
-        # loop-carried values need their final shape and dtype before the loop
-        self.emit(f"{r} = {base} * 0 + {exp} * 0 + 1")
-        self.emit(f"{b} = {base} + {r} * 0")
-        self.emit(f"{e} = {exp} + {r} * 0")
-        self.emit(f"for _ in range({bits}):")
-        self.emit(f"    {r} = tl.where(({e} & 1) != 0, {r} * {b}, {r})")
-        self.emit(f"    {b} = {b} * {b}")
-        self.emit(f"    {e} = {e} >> 1")
-        if is_unsigned(d):
-            return r
-        neg = f"tl.where({base} == 1, {one}, tl.where({base} == -1, tl.where(({exp} & 1) != 0, -1, 1), 0))"
-        return f"tl.where({exp} < 0, {neg}, {r})"
-
-    def _shift(self, op: str, a: str, b: str, d: DType) -> str:
-        bits = d.bits
-        amount = b if is_unsigned(d) else f"tl.maximum({b}, 0)"
-        amt = self.temp()
-        self.emit(f"{amt} = {amount}")
-        capped = f"tl.minimum({amt}, {bits - 1})"
-        if op == "shift_left":
-            return f"tl.where({amt} >= {bits}, 0, {a} << {capped})"
-        if op == "shift_right_logical" and not is_unsigned(d):
+    def _machine(self, op: str, a: list[str], d: DType) -> str:
+        """The unchecked C-semantics ops legalize wraps its guards around."""
+        if op == "div_unchecked":
+            return f"{a[0]} // {a[1]}"
+        if op == "rem_unchecked":
+            return f"{a[0]} % {a[1]}"
+        if op == "shl_unchecked":
+            return f"{a[0]} << {a[1]}"
+        if op == "shr_logical_unchecked" and not is_unsigned(d):
             u, t = UNSIGNED_OF[d.short], tl_dtype(d)
-            shifted = f"({a}.to({u}, bitcast=True) >> {capped}.to({u}, bitcast=True)).to({t}, bitcast=True)"
-            return f"tl.where({amt} >= {bits}, 0, {shifted})"
-        if op == "shift_right_logical":
-            return f"tl.where({amt} >= {bits}, 0, {a} >> {capped})"
-        return f"{a} >> {capped}"  # arithmetic: >> is arithmetic on signed, logical on unsigned
+            amount = a[1] if a[1].lstrip("-").isdigit() else f"{a[1]}.to({u}, bitcast=True)"
+            return f"({a[0]}.to({u}, bitcast=True) >> {amount}).to({t}, bitcast=True)"
+        return f"{a[0]} >> {a[1]}"  # arithmetic on signed, logical on unsigned
 
     # -- conversions ----------------------------------------------------------------------
     def convert(self, x: str, src: DType, dst: DType) -> str:
@@ -336,6 +295,37 @@ class ScalarOps:
         bits = f"{x}.to({tl_dtype(src)})" if is_low_precision(src) else x
         value = f"{bits}.to({tl_dtype(dst)}, bitcast=True)"
         return f"{value}.to(tl.float32)" if is_low_precision(dst) else value
+
+
+# -- the table: what this backend emits natively (kiln/codegen/backend.py) ----------------
+# Integer div/rem guards, integer pow and shift clamps come from the shared legalize
+# pass (kiln/codegen/legalize.py), around the unchecked machine ops below.
+
+def _via(method: str):
+    return lambda ops, op, a, ds, out: getattr(ops, method)(op, a, ds[-1])
+
+
+_FLOAT_OPS = ("add", "sub", "mul", "div", "rem", "pow", "atan2", "max", "min", "clamp", "neg", "abs",
+              "sign", "sqrt", "rsqrt", "floor", "ceil", "round", "trunc", "isnan", "isinf", "isfinite",
+              *LIBDEVICE_UNARY)
+_INT_OPS = ("add", "sub", "mul", "and", "or", "xor", "max", "min", "clamp", "not", "neg", "abs", "sign",
+            "div_unchecked", "rem_unchecked", "shl_unchecked", "shr_logical_unchecked", "shr_arith_unchecked")
+_BOOL_OPS = ("and", "or", "xor", "max", "min", "not", "clamp")
+SCALAR_TABLE: dict = {
+    "convert": lambda ops, op, a, ds, out: ops.convert(a[0], ds[0], out),
+    "bitcast_convert": lambda ops, op, a, ds, out: ops.bitcast(a[0], ds[0], out),
+    "select": lambda ops, op, a, ds, out: f"tl.where({a[0]}, {a[1]}, {a[2]})",
+}
+SCALAR_TABLE.update({f"{op}:{k}": (lambda ops, op, a, ds, out: f"{a[0]} {_COMPARE[op]} {a[1]}")
+                     for op in _COMPARE for k in ("float", "int", "bool")})
+SCALAR_TABLE.update({f"{op}:float": _via("_float") for op in _FLOAT_OPS})
+SCALAR_TABLE.update({f"{op}:int": _via("_int") for op in _INT_OPS})
+SCALAR_TABLE.update({f"{op}:bool": _via("_int") for op in _BOOL_OPS})
+# Kernel IR reductions (emitted by reduce_combine / reduce_across below); bool
+# sum/max/prod/min arrive as or/and from legalize
+SCALAR_TABLE.update({f"reduce.{op}:float": "reduce_combine" for op in ("sum", "prod", "max", "min")})
+SCALAR_TABLE.update({f"reduce.{op}:int": "reduce_combine" for op in ("sum", "prod", "max", "min", "and", "or")})
+SCALAR_TABLE.update({f"reduce.{op}:bool": "reduce_combine" for op in ("and", "or")})
 
 
 # -- reductions -----------------------------------------------------------------------------

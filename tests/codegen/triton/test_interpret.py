@@ -201,7 +201,8 @@ def test_every_example_graph(triton_interp, name):
 
 def test_grouped_matmul_and_its_gradient_run_the_persistent_kernel(triton_interp):
     """backend="cuda" runs kiln's grouped_matmul ops through the Triton grouped GEMM (the
-    backend's externs), not their numpy references: ragged groups, an empty one."""
+    backend's templates, keyed by Kernel IR template kind), not their numpy references:
+    ragged groups, an empty one."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((12, 16)).astype(np.float32)
     w = rng.standard_normal((3, 16, 8)).astype(np.float32)
@@ -217,8 +218,10 @@ def test_grouped_matmul_and_its_gradient_run_the_persistent_kernel(triton_interp
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-4)
     used = triton_interp.request("eval", (
         "from kiln.codegen.backends import get_backend\n"
-        "result = sorted(get_backend('cuda').externs())"))
-    assert used == ["grouped_matmul", "grouped_matmul_dw"]
+        "from kiln.codegen.lower import template_externs\n"
+        "b = get_backend('cuda')\n"
+        "result = [sorted(b.templates()), sorted(template_externs(b))]"))
+    assert used == [["grouped_gemm", "grouped_gemm_dw"], ["grouped_matmul", "grouped_matmul_dw"]]
 
 
 def test_float_to_int_edges_match_the_reference(triton_interp):
