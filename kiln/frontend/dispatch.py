@@ -65,6 +65,8 @@ def to_array(value) -> np.ndarray:
 
     if isinstance(value, Tensor):
         return value.numpy()
+    if hasattr(value, "_sympy_") and not isinstance(value, Tensor):  # Tensor.size()'s SymSize
+        value = value._sympy_()
     if isinstance(value, sympy.Basic):  # a symbolic size such as x.shape[0] under a dynamic spec
         raise KilnTraceError(f"the symbolic size {value} was used as a tensor value; its value is "
                              "only known when the compiled function runs", where=user_location(),

@@ -136,6 +136,7 @@ def arange(start, end=None, step=1, dtype=None, *, device=None, requires_grad: b
     from kiln.frontend.tensor import as_device
 
     as_device(device, "arange")
+    start, end, step = (v._sympy_() if hasattr(v, "_sympy_") else v for v in (start, end, step))
     if end is None:
         start, end = 0, start
     if step == 0:

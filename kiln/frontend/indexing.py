@@ -39,6 +39,8 @@ def _bool_mask(item) -> bool:
 
 
 def getitem(x, index):
+    from kiln.frontend.tensor import Tensor
+
     x = _tensor(x)
     items = index if isinstance(index, tuple) else (index,)
     if any(_bool_mask(it) for it in items):
@@ -81,6 +83,12 @@ def getitem(x, index):
             starts.append(i), limits.append(as_dim(i + 1)), strides.append(1), flips.append(False)
         axis += 1
     y = x
+    if not x.is_traced and any(_symbolic_bound(v) for v in starts + limits):
+        from kiln.frontend.dispatch import current_builder  # a constant sliced by a traced size
+
+        builder = current_builder()
+        if builder is not None:
+            y = Tensor._make(builder.constant(x.numpy()), builder)
     if any(flips):  # negative steps: reverse first; their bounds are in reversed coordinates
         y = apply("reverse", y, dims=tuple(i for i, f in enumerate(flips) if f))
     if any(s != 0 for s in starts) or any(not _same(l, d) for l, d in zip(limits, x.shape)) \
@@ -118,8 +126,16 @@ def _int_index(it, size, axis):
     return i if i >= 0 else as_dim(size + i)
 
 
+def _symbolic_bound(v) -> bool:
+    return isinstance(v, sympy.Basic) and not v.is_Integer
+
+
 def _slice_bounds(size, it: slice, axis):
+    it = slice(*(v._sympy_() if hasattr(v, "_sympy_") and not isinstance(v, sympy.Basic) else v
+                 for v in (it.start, it.stop, it.step)))
     step = 1 if it.step is None else int(it.step)
+    if isinstance(size, int) and (_symbolic_bound(it.start) or _symbolic_bound(it.stop)):
+        size = sympy.Integer(size)  # bounds by a symbolic length: the symbolic path below
     if step == 0:
         raise KilnIndexError("slice step cannot be zero")
     if isinstance(size, int):
@@ -139,8 +155,17 @@ def _slice_bounds(size, it: slice, axis):
     def bound(v, default):
         if v is None:
             return default
+        from kiln.frontend.symsize import range_max, range_min
+
+        if _symbolic_bound(v):  # a symbolic length (x[:, :T]): its sign must be known
+            if v.is_nonnegative:
+                return as_dim(range_min(v, size))
+            if v.is_negative:
+                return as_dim(range_max(0, size + v))
+            raise KilnIndexError(f"dim {axis}: the slice bound {v} may be negative or not; "
+                                 "slice by a size (nonnegative) or its negation")
         v = int(v)
-        return as_dim(sympy.Max(0, size + v)) if v < 0 else as_dim(sympy.Min(v, size))
+        return as_dim(range_max(0, size + v)) if v < 0 else as_dim(range_min(v, size))
 
     start, stop = bound(it.start, 0), bound(it.stop, size)
     return start, stop, step, False

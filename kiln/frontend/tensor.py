@@ -223,7 +223,12 @@ class Tensor:
         return self.ndim
 
     def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
+        """torch's `x.size()` / `x.size(dim)`; a symbolic dim is a SymSize, whose Python
+        comparisons the dynamic spec's ranges decide (kiln/frontend/symsize.py)."""
+        from kiln.frontend.symsize import wrap_dims
+
+        dims = wrap_dims(self.shape)
+        return dims if dim is None else dims[dim]
 
     def numel(self):
         from kiln.ir.shapes import numel

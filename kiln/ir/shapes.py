@@ -116,6 +116,8 @@ def dim(value) -> Dim:
         return value
     if isinstance(value, ShapeVar):
         return value.symbol
+    if hasattr(value, "_sympy_") and not isinstance(value, sympy.Basic):  # a frontend SymSize
+        return dim(value._sympy_())
     if hasattr(value, "__index__") and not isinstance(value, sympy.Basic):
         return int(value.__index__())
     if isinstance(value, sympy.Basic):

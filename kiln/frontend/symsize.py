@@ -1,0 +1,212 @@
+"""`SymSize`: what `Tensor.size()` returns for a dim that is symbolic while tracing.
+
+PyTorch code does arithmetic and Python comparisons on sizes (`b, t = idx.size()`,
+`assert t <= block_size`, `x.view(B, T, C)`, `bias[:, :, :T, :T]`). Under a dynamic spec
+`t` is a sympy expression over a `ShapeVar`, and comparing one in Python leaked sympy's
+"cannot determine truth value of Relational" TypeError. A SymSize wraps the expression:
+arithmetic stays symbolic, and a comparison is decided from the declared ranges of the
+ShapeVars in the trace (`T in [1, 64]` proves `T <= 64` and refutes `T > 64`), with no
+guard; one the ranges cannot decide is a numbered error (K141) naming the dim, its range
+and the fix. Everything that takes a size (`view`, `arange`, slicing, factories) accepts
+a SymSize (it converts back with `_sympy_`). `Tensor.shape` keeps the plain sympy dims.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+
+from kiln.errors import KilnConcretizationError, user_location
+
+
+def _expr(x):
+    return x.expr if isinstance(x, SymSize) else sympy.sympify(x)
+
+
+def _ranges() -> dict:
+    """name -> (min, max or None) of the ShapeVars of the innermost trace."""
+    from kiln.frontend.dispatch import current_builder
+
+    builder = current_builder()
+    if builder is None:
+        return {}
+    return {name: (v.min, v.max) for name, v in builder.graph.shape_vars.items()}
+
+
+def _interval(expr, ranges: dict):
+    """(lo, hi) of `expr` over the boxes of its symbols (hi None: unbounded), when expr is
+    a polynomial with nonnegative coefficients (monotone in every symbol; sizes are);
+    None otherwise."""
+    expr = sympy.expand(expr)
+    symbols = sorted(expr.free_symbols, key=lambda s: s.name)
+    if any(s.name not in ranges for s in symbols):
+        return None
+    try:
+        poly = sympy.Poly(expr, *symbols) if symbols else None
+    except sympy.PolynomialError:
+        return None
+    if poly is not None and any(c < 0 for c in poly.coeffs() if c != poly.coeff_monomial(1)):
+        return None
+    lo = expr.subs({s: ranges[s.name][0] for s in symbols})
+    if any(ranges[s.name][1] is None for s in symbols):
+        return lo, None
+    return lo, expr.subs({s: ranges[s.name][1] for s in symbols})
+
+
+def _bounds(diff, ranges: dict) -> tuple:
+    """(lo, hi) of diff as numbers, -inf/inf where the ranges do not bound it."""
+    inf = float("inf")
+    box = _interval(diff, ranges)
+    if box is not None:
+        return float(box[0]), (inf if box[1] is None else float(box[1]))
+    box = _interval(-diff, ranges)
+    if box is not None:
+        return (-inf if box[1] is None else -float(box[1])), -float(box[0])
+    return -inf, inf
+
+
+def _eq(lo, hi):
+    if lo == hi == 0:
+        return True
+    return False if lo > 0 or hi < 0 else None
+
+
+# op -> its verdict on diff in [lo, hi] (None: the range does not decide)
+_TESTS = {
+    operator.le: lambda lo, hi: True if hi <= 0 else False if lo > 0 else None,
+    operator.lt: lambda lo, hi: True if hi < 0 else False if lo >= 0 else None,
+    operator.ge: lambda lo, hi: True if lo >= 0 else False if hi < 0 else None,
+    operator.gt: lambda lo, hi: True if lo > 0 else False if hi <= 0 else None,
+    operator.eq: _eq,
+    operator.ne: lambda lo, hi: None if _eq(lo, hi) is None else not _eq(lo, hi),
+}
+
+
+class SymSize:
+    """A symbolic size with Python comparisons decided by the declared ranges."""
+
+    __slots__ = ("expr",)
+
+    def __init__(self, expr) -> None:
+        self.expr = expr
+
+    def _sympy_(self):
+        return self.expr
+
+    def __repr__(self) -> str:
+        return str(self.expr)
+
+    __str__ = __repr__
+
+    def __hash__(self) -> int:
+        return hash(self.expr)
+
+    # -- arithmetic stays symbolic --------------------------------------------------------
+
+    def _wrap(self, value):
+        value = sympy.sympify(value)
+        return int(value) if value.is_Integer else SymSize(value)
+
+    def __add__(self, o):
+        return self._wrap(self.expr + _expr(o))
+
+    def __radd__(self, o):
+        return self._wrap(_expr(o) + self.expr)
+
+    def __sub__(self, o):
+        return self._wrap(self.expr - _expr(o))
+
+    def __rsub__(self, o):
+        return self._wrap(_expr(o) - self.expr)
+
+    def __mul__(self, o):
+        return self._wrap(self.expr * _expr(o))
+
+    def __rmul__(self, o):
+        return self._wrap(_expr(o) * self.expr)
+
+    def __floordiv__(self, o):
+        return self._wrap(sympy.floor(self.expr / _expr(o)))
+
+    def __neg__(self):
+        return self._wrap(-self.expr)
+
+    # -- comparisons decided by the ranges ---------------------------------------------------
+
+    def _decide(self, other, op, text: str) -> bool:
+        diff = sympy.expand(self.expr - _expr(other))  # the question: op(diff, 0)
+        if diff.is_Number:
+            return bool(op(diff, 0))
+        ranges = _ranges()
+        lo, hi = _bounds(diff, ranges)
+        verdict = _TESTS[op](lo, hi)
+        if verdict is not None:
+            return verdict
+        names = ", ".join(sorted(s.name for s in self.expr.free_symbols)) or str(self.expr)
+        declared = "; ".join(f"{n} in [{lo}, {hi if hi is not None else 'inf'}]"
+                             for n, (lo, hi) in sorted(ranges.items())
+                             if n in {s.name for s in self.expr.free_symbols})
+        raise KilnConcretizationError(
+            f"the comparison `{self.expr} {text} {_expr(other)}` on the symbolic size {names} is "
+            f"true for some sizes the dynamic spec allows and false for others"
+            + (f" ({declared})" if declared else ""), where=user_location(),
+            hint=f"narrow the ShapeVar's min/max so the range decides it, or branch with kn.cond")
+
+    def __le__(self, o):
+        return self._decide(o, operator.le, "<=")
+
+    def __lt__(self, o):
+        return self._decide(o, operator.lt, "<")
+
+    def __ge__(self, o):
+        return self._decide(o, operator.ge, ">=")
+
+    def __gt__(self, o):
+        return self._decide(o, operator.gt, ">")
+
+    def __eq__(self, o):
+        if not isinstance(o, (int, SymSize, sympy.Basic)):
+            return NotImplemented
+        return self._decide(o, operator.eq, "==")
+
+    def __ne__(self, o):
+        result = self.__eq__(o)
+        return result if result is NotImplemented else not result
+
+    def __bool__(self) -> bool:
+        return self._decide(0, operator.ne, "!=")
+
+    def __index__(self):
+        raise KilnConcretizationError(
+            f"the symbolic size {self.expr} was used as a Python int (range(), a list index, "
+            "int()); its value is only known when the compiled function runs",
+            where=user_location(), hint="keep sizes symbolic (view, arange, slicing accept them) "
+                                        "or declare the dim static")
+
+    __int__ = __index__
+
+
+def wrap_dims(dims: tuple) -> tuple:
+    """`dims` with every symbolic entry as a SymSize."""
+    return tuple(d if isinstance(d, int) else SymSize(d) for d in dims)
+
+
+def _order(a, b):
+    """-1 if a <= b is proven by the trace's ranges, 1 if a >= b, 0 if undecided."""
+    diff = sympy.expand(sympy.sympify(a) - sympy.sympify(b))
+    if diff.is_Number:
+        return -1 if diff <= 0 else 1
+    lo, hi = _bounds(diff, _ranges())
+    return -1 if hi <= 0 else 1 if lo >= 0 else 0
+
+
+def range_min(a, b):
+    """min(a, b) of sizes, simplified where the declared ranges decide it (slice bounds)."""
+    order = _order(a, b)
+    return a if order < 0 else b if order > 0 else sympy.Min(a, b)
+
+
+def range_max(a, b):
+    order = _order(a, b)
+    return b if order < 0 else a if order > 0 else sympy.Max(a, b)
