@@ -24,6 +24,7 @@ from kiln.frontend import methods as _methods  # noqa: F401  (binds Tensor opera
 from kiln.frontend.functional import *  # noqa: F401,F403
 from kiln.frontend.functional import abs, all, any, max, min, pow, round, sum  # noqa: F401,A004
 from kiln.frontend.shape_ops import *  # noqa: F401,F403
+from kiln.frontend.capture import capture  # noqa: F401,E402
 from kiln.frontend.indexing import getitem as _getitem  # noqa: F401
 from kiln.frontend.factories import *  # noqa: F401,F403
 from kiln.frontend.specs import STATIC, TensorSpec, dynamic_spec  # noqa: F401

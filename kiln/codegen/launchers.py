@@ -1,0 +1,20 @@
+"""Which launcher captures a backend's programs (`kn.capture`).
+
+A launcher turns runs of a captured plan's ops into native code (see
+kiln/runtime/capture.py). The CPU's is an LLVM launch list; a backend without one is
+still captured — its plan runs from Python over the captured buffers, with every size,
+shape and buffer decided at capture time.
+"""
+
+from __future__ import annotations
+
+from kiln.runtime.capture import Launcher
+
+
+def launcher_for(backend: str) -> Launcher | None:
+    """The native launcher for `backend`, or None."""
+    if backend == "cpu":
+        from kiln.codegen.cpu.launch_list import CpuLauncher
+
+        return CpuLauncher()
+    return None
