@@ -333,8 +333,9 @@ def _select(x, dim, index):
 @op("slice")
 def _slice(x, dim=0, start=None, end=None, step=1):
     dim %= x.ndim
-    start = None if start in (None, 0) else start
-    end = None if end is None or end >= _INT64_MAX else end
+    # start/end may be symbolic sizes (a dynamic dim): only plain ints are compared
+    start = None if isinstance(start, int) and start == 0 else start
+    end = None if isinstance(end, int) and end >= _INT64_MAX else end
     return x[(slice(None),) * dim + (slice(start, end, step),)]
 
 

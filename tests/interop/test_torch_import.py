@@ -179,3 +179,16 @@ def test_import_errors():
     bn = nn.BatchNorm1d(4)  # training mode: updates running statistics
     with pytest.raises(KilnTorchImportError, match="(?s)mutates buffer .running_mean.*eval"):
         kn.from_torch(bn, (torch.randn(3, 4),))
+
+
+def test_dynamic_batch_and_sequence_gpt():
+    """Symbolic sizes flow through views, slices (pos[:t]) and the causal mask."""
+    torch.manual_seed(1)
+    model = GPT()
+    b, t = torch.export.Dim("b", min=1, max=16), torch.export.Dim("t", min=2, max=8)
+    prog = kn.from_torch(model, (torch.randint(0, 32, (2, 8)),), dynamic_shapes=({0: b, 1: t},))
+    for n, length in ((1, 4), (3, 8), (2, 2)):
+        idx = torch.randint(0, 32, (n, length))
+        np.testing.assert_allclose(prog(idx.numpy()).numpy(), model(idx).detach().numpy(),
+                                   rtol=1e-4, atol=1e-5)
+    assert prog._compiled.stats()["compiles"] == 1
