@@ -2,9 +2,10 @@
 
 One entry per op, written with kiln's public functions (so it runs eagerly, traces,
 compiles and differentiates like user code). Arguments arrive as ATen's schema gives them
-(`aten.addmm(bias, a, b, beta=1, alpha=1)`). An op missing here is refused by the
-importer with K346 naming it. Pooling, which kiln has no primitive for, is a
+(`aten.addmm(bias, a, b, beta=1, alpha=1)`). Pooling, which kiln has no primitive for, is a
 decomposition into strided slices and elementwise max / sum (exact, differentiable).
+An op missing here, or an argument value an entry cannot express (`Unsupported`), is
+refused by the importer with K346 naming the op and the module's source line.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import math
 from typing import Callable
 
 import kiln as kn
-from kiln.errors import KilnUnsupportedTorchOpError
 from kiln.nn import functional as nnf
 
 ATEN: dict[str, Callable] = {}
@@ -392,11 +392,3 @@ ATEN["scalar_tensor"] = lambda v, dtype=None, **k: kn.full((), v, dtype=_dtype(d
 def _arange(*args, dtype=None, **ignored):
     return kn.arange(*args, dtype=dtype)
 
-
-def lookup(packet: str) -> Callable:
-    """The kiln function for an ATen packet name; K346 if kiln has none (the importer
-    adds the source line)."""
-    fn = ATEN.get(packet)
-    if fn is None:
-        raise KilnUnsupportedTorchOpError(f"from_torch: aten.{packet} has no kiln mapping")
-    return fn

@@ -18,7 +18,6 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.errors import KilnTorchImportError, KilnUnsupportedTorchOpError
-from kiln.interop import aten_ops
 
 # keyword arguments of ATen creation ops that mean nothing to kiln (one device, no layouts)
 _IGNORED_KWARGS = {"device", "layout", "pin_memory", "memory_format", "non_blocking",
@@ -64,10 +63,12 @@ class TorchProgram:
         env: dict[str, Any] = {}
         for node_name, (kind, key) in self._placeholders:
             env[node_name] = params[key] if kind == "param" else inputs[key]
+        from kiln.interop.aten_ops import Unsupported
+
         for node_name, fn, args, kwargs, where in self._steps:
             try:
                 env[node_name] = fn(*_resolve(args, env), **_resolve(kwargs, env))
-            except aten_ops.Unsupported as e:
+            except Unsupported as e:
                 raise KilnUnsupportedTorchOpError(f"from_torch: {e}", where=where) from None
         return self._unflatten([_resolve(o, env) for o in self._outputs])
 
@@ -76,31 +77,28 @@ class TorchProgram:
         if self._compiled is None:
             from kiln.frontend.compile import compile as kn_compile
 
-            spec = None
-            if self._dynamic is not None:
-                spec = tuple([None] * len(self.params)) + tuple(self._dynamic)
-            self._compiled = kn_compile(self._flat, dynamic_shapes=spec)
+            self._compiled = kn_compile(self._flat, dynamic_shapes=self._spec())
         return self._compiled(*self.params.values(), *inputs)
+
+    def _spec(self):
+        """dynamic_shapes by position for (weights..., inputs...): weights are static."""
+        if self._dynamic is None:
+            return None
+        return tuple([None] * len(self.params)) + tuple(self._dynamic)
 
     def graph(self, *inputs):
         """The kiln Graph of the whole module (weights are its first inputs), traced at
         `inputs`' shapes (and the import's dynamic dims)."""
         from kiln.frontend.tracing import trace_function
 
-        spec = None
-        if self._dynamic is not None:
-            spec = tuple([None] * len(self.params)) + tuple(self._dynamic)
-        return trace_function(self._flat, (*self.params.values(), *inputs), spec,
+        return trace_function(self._flat, (*self.params.values(), *inputs), self._spec(),
                               name=self.name).graph
 
     def export(self, *inputs):
         """A kiln ExportedProgram (`.save("m.kir")`, `kiln dump`); weights are its first inputs."""
         from kiln.frontend.export import export
 
-        spec = None
-        if self._dynamic is not None:
-            spec = tuple([None] * len(self.params)) + tuple(self._dynamic)
-        return export(self._flat, (*self.params.values(), *inputs), dynamic_shapes=spec)
+        return export(self._flat, (*self.params.values(), *inputs), dynamic_shapes=self._spec())
 
     def save_weights(self, path) -> None:
         """The weights as a safetensors file, under torch's state-dict names."""
@@ -247,6 +245,8 @@ def _kiln_dtype(torch_dtype):
 
 
 def _steps(graph, torch) -> tuple[list, list]:
+    from kiln.interop import aten_ops  # kiln's ops: imported once kiln itself is
+
     steps, outputs = [], []
     for node in graph.nodes:
         if node.op in ("placeholder",):
@@ -270,6 +270,8 @@ def _only_first_output_read(node) -> bool:
 
 
 def _function(node, where: str | None) -> Callable:
+    from kiln.interop import aten_ops
+
     target = node.target
     if target is operator.getitem:
         def getitem(seq, i, _where=where):
