@@ -1,8 +1,12 @@
-"""all_reduce bus bandwidth and latency: kiln's tcp backend vs torch.distributed (Gloo).
+"""all_reduce bus bandwidth and latency: kiln's backends vs torch.distributed (Gloo).
 
     python benchmarks/bench_allreduce.py                       # 2 and 4 ranks, 1 KB .. 256 MB
     python benchmarks/bench_allreduce.py --ranks 2 --max-mb 16 --out /tmp/r.md
     python benchmarks/bench_allreduce.py --rounds 3      # alternate kiln/Gloo 3 times
+    python benchmarks/bench_allreduce.py --backend tcp mpi     # kiln tcp, kiln mpi and Gloo
+
+`--backend mpi` runs kiln's mpi backend under `mpirun --with-ft ulfm` (the kiln[mpi]
+extra); each round runs every backend, then Gloo, one after the other.
 
 busbw = size * 2 * (n - 1) / n / time (NCCL-tests' definition); time is the median over
 iterations of one synchronized all_reduce of float32 (sum) on loopback. Gloo runs in
@@ -49,12 +53,17 @@ def free_port() -> int:
 def run_rank(impl: str, rank: int, world: int, address: str, sizes: list[int]) -> None:
     import numpy as np
 
-    if impl == "kiln":
+    if impl in ("kiln", "mpi"):
         import kiln.distributed as dist
 
-        pg = dist.init_process_group(rank=rank, world_size=world, store=address,
-                                     token=os.environ["KILN_TOKEN"], timeout=300.0,
-                                     host_store=False)
+        if impl == "mpi":  # rank and world size from mpirun
+            pg = dist.init_process_group("mpi", store=address, token=os.environ["KILN_TOKEN"],
+                                         timeout=300.0, host_store=False)
+            rank = pg.rank
+        else:
+            pg = dist.init_process_group(rank=rank, world_size=world, store=address,
+                                         token=os.environ["KILN_TOKEN"], timeout=300.0,
+                                         host_store=False)
 
         def make(n):
             return np.zeros(n // 4, np.float32)
@@ -96,28 +105,39 @@ def run_rank(impl: str, rank: int, world: int, address: str, sizes: list[int]) -
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
     barrier()
-    if impl != "kiln":
+    if impl == "gloo":
         tdist.destroy_process_group()
 
 
 def run_job(impl: str, world: int, sizes: list[int]) -> dict[int, float]:
     env = dict(os.environ, KILN_TOKEN=secrets.token_hex(16))
     server = None
-    if impl == "kiln":
+    if impl in ("kiln", "mpi"):
         from kiln.distributed.store import StoreServer
 
         server = StoreServer("127.0.0.1", 0, env["KILN_TOKEN"])
         address = server.address
     else:
         address = "127.0.0.1:%d" % free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", impl, str(r), str(world),
-                               address, json.dumps(sizes)], env=env, stdout=subprocess.PIPE,
-                              text=True) for r in range(world)]
+    if impl == "mpi":  # one mpirun starts every rank (in its own session: killed at the end)
+        from kiln.distributed.mpi_launch import mpirun_command, stop_group
+
+        cmd = mpirun_command(world, [sys.executable, __file__, "--worker", impl, "0",
+                                     str(world), address, json.dumps(sizes)],
+                             forward=("KILN_TOKEN",))
+        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)]
+    else:
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", impl, str(r),
+                                   str(world), address, json.dumps(sizes)], env=env,
+                                  stdout=subprocess.PIPE, text=True) for r in range(world)]
     try:
         outs = [p.communicate(timeout=1800)[0] for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
+            if impl == "mpi":
+                stop_group(p)
+            elif p.poll() is None:
                 p.kill()
         if server is not None:
             server.close()
@@ -153,18 +173,24 @@ def machine() -> str:
                                                   platform.python_version())
 
 
-def table(world: int, sizes: list[int], kiln: dict, gloo: dict | None) -> list[str]:
-    head = "| size | kiln time | kiln busbw | "
-    rule = "|---:|---:|---:|"
-    if gloo:
-        head += "Gloo time | Gloo busbw | kiln / Gloo |"
-        rule += "---:|---:|---:|"
+def table(world: int, sizes: list[int], kiln: dict, gloo: dict | None,
+          mpi: dict | None = None) -> list[str]:
+    """One row per size: time and busbw of each implementation run, then speed ratios
+    (how many times faster than Gloo; mpi's also against tcp)."""
+    cols = [(name, res) for name, res in (("kiln tcp" if mpi else "kiln", kiln),
+                                          ("kiln mpi", mpi), ("Gloo", gloo)) if res]
+    head = "| size |" + "".join(" %s time | %s busbw |" % (c, c) for c, _ in cols)
+    ratios = [(a, b) for a, b in (("kiln tcp" if mpi else "kiln", "Gloo"), ("kiln mpi", "Gloo"),
+                                  ("kiln mpi", "kiln tcp")) if a in dict(cols) and b in dict(cols)]
+    head += "".join(" %s / %s |" % (a, b) for a, b in ratios)
+    rule = "|---:|" + "---:|---:|" * len(cols) + "---:|" * len(ratios)
     lines = ["### %d ranks" % world, "", head, rule]
+    res = dict(cols)
     for n in sizes:
-        row = "| %s | %.3f ms | %.3f GB/s |" % (human(n), kiln[n] * 1e3, busbw(n, world, kiln[n]))
-        if gloo:
-            row += " %.3f ms | %.3f GB/s | %.2fx |" % (gloo[n] * 1e3, busbw(n, world, gloo[n]),
-                                                       gloo[n] / kiln[n])
+        row = "| %s |" % human(n)
+        row += "".join(" %.3f ms | %.3f GB/s |" % (r[n] * 1e3, busbw(n, world, r[n]))
+                       for _, r in cols)
+        row += "".join(" %.2fx |" % (res[b][n] / res[a][n]) for a, b in ratios)
         lines.append(row)
     return lines + [""]
 
@@ -180,8 +206,14 @@ def main() -> None:
     parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternate kiln and Gloo this many times (median of rounds)")
-    parser.add_argument("--out", default=str(HERE / "results" / "distributed.md"))
+    parser.add_argument("--backend", nargs="+", choices=("tcp", "mpi"), default=["tcp"],
+                        help="kiln backends to run (mpi: under mpirun, needs kiln[mpi])")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/"
+                        "distributed.md (distributed_mpi.md with --backend mpi)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(HERE / "results" / ("distributed_mpi.md" if "mpi" in args.backend
+                                           else "distributed.md"))
     sizes = [s for s in SIZES if s <= args.max_mb * (1 << 20)]
     try:
         if args.no_gloo:
@@ -190,7 +222,8 @@ def main() -> None:
         have_gloo = True
     except ImportError:
         have_gloo = False
-    lines = ["# all_reduce on loopback: kiln tcp vs torch.distributed Gloo", "",
+    lines = ["# all_reduce on loopback: kiln %s vs torch.distributed Gloo"
+             % " and ".join(args.backend), "",
              "- command: `python benchmarks/bench_allreduce.py %s`" % " ".join(sys.argv[1:]),
              "- machine: %s" % machine(),
              "- date: %s" % datetime.date.today().isoformat(),
@@ -202,16 +235,17 @@ def main() -> None:
     for world in args.ranks:
         # kiln and Gloo alternate, round by round, so a load change on a shared box hits
         # both alike; each size reports the median over rounds of the per-round medians
-        runs = {"kiln": [], "gloo": []}
+        impls = [{"tcp": "kiln", "mpi": "mpi"}[b] for b in args.backend] + \
+            (["gloo"] if have_gloo else [])
+        runs = {impl: [] for impl in impls}
         for _ in range(args.rounds):
-            runs["kiln"].append(run_job("kiln", world, sizes))
-            if have_gloo:
-                runs["gloo"].append(run_job("gloo", world, sizes))
-        kiln = {n: statistics.median(r[n] for r in runs["kiln"]) for n in sizes}
-        gloo = {n: statistics.median(r[n] for r in runs["gloo"]) for n in sizes} \
-            if have_gloo else None
-        lines += table(world, sizes, kiln, gloo)
-        print("\n".join(table(world, sizes, kiln, gloo)), flush=True)
+            for impl in impls:
+                runs[impl].append(run_job(impl, world, sizes))
+        med = {impl: {n: statistics.median(r[n] for r in runs[impl]) for n in sizes}
+               for impl in impls}
+        rows = table(world, sizes, med.get("kiln"), med.get("gloo"), med.get("mpi"))
+        lines += rows
+        print("\n".join(rows), flush=True)
     lines.insert(5, "- load average at end: %.2f" % os.getloadavg()[0])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))

@@ -1,7 +1,7 @@
 """Recovery from `kill -9`: detection, shrink and grow in place against a full restart.
 
     python benchmarks/bench_fault_tolerance.py [--nproc 4] [--kills 3] [--restarts 3]
-        [--out benchmarks/results/fault_tolerance.md]
+        [--backend tcp|mpi] [--out benchmarks/results/fault_tolerance.md]
 
 One job of examples/train_ddp_ft.py (data-parallel MLP, compiled step, fault-tolerant
 group) runs under `kiln launch --on-failure replace` with `--kills` SIGKILLs injected at
@@ -19,6 +19,11 @@ everything and start again from a checkpoint. Measured here, `--restarts` times:
 committed step, i.e. process start, imports, rendezvous, checkpoint load and the
 compile of the step. The detection time (the same for both) and the steps since the
 last checkpoint (none here) are not counted in the baseline, which favors it.
+
+`--backend mpi`: the same job on the mpi backend under `kiln launch --engine mpi`
+(mpirun with ULFM); the ranks SIGKILL themselves at the chosen steps (mpirun starts
+them: nothing outside can inject), Open MPI reports the deaths, rank 0 spawns the
+replacements into the job, and the full restart is a new mpirun.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Fault tolerance: recovery from kill -9 (bench_fault_tolerance.py)"
+HEADING_MPI = "## Fault tolerance on the mpi backend (ULFM): recovery from kill -9 " \
+    "(bench_fault_tolerance.py --backend mpi)"
 EXAMPLE = ROOT / "examples" / "train_ddp_ft.py"
 
 
@@ -66,25 +73,40 @@ def main(argv=None) -> dict:
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--restarts", type=int, default=3)
     ap.add_argument("--steps-per-kill", type=int, default=15)
+    ap.add_argument("--backend", choices=("tcp", "mpi"), default="tcp")
     ap.add_argument("--out", default=None,
                     help="markdown file to put the table in (its section is replaced)")
     args = ap.parse_args(argv)
+    mpi = args.backend == "mpi"
+    engine = ["--engine", "mpi"] if mpi else []
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-ft-"))
     steps = args.steps_per_kill * (args.kills + 1)
     kill_steps = [args.steps_per_kill * (i + 1) for i in range(args.kills)]
     injects = []
     for i, step in enumerate(kill_steps):
         injects += ["--inject", "kill:rank=%d,step=%d" % (1 + i % (args.nproc - 1), step)]
+    backend = ["--backend", args.backend]
+    if mpi:  # the ranks kill themselves (see the module docstring)
+        backend += ["--kill-self", ",".join("%d:%d" % (step, 1 + i % (args.nproc - 1))
+                                            for i, step in enumerate(kill_steps))]
+        injects = []
+    else:
+        injects += ["--events-json", str(work / "events.json")]
     ft_dir, ckpt = work / "ft", work / "state.npz"
     ft_dir.mkdir()
     print("fault-tolerant job: %d ranks, %d steps, kills at steps %s" % (args.nproc, steps,
                                                                         kill_steps), flush=True)
-    launch(["--nproc", str(args.nproc), "--on-failure", "replace", "--max-restarts",
-            str(args.kills), "--events-json", str(work / "events.json"), *injects],
-           ["--steps", str(steps), "--out", str(ft_dir), "--save", str(ckpt)], timeout=600)
+    launch(engine + ["--nproc", str(args.nproc), "--on-failure", "replace", "--max-restarts",
+                     str(args.kills), *injects],
+           ["--steps", str(steps), "--out", str(ft_dir), "--save", str(ckpt)] + backend,
+           timeout=600)
     ranks = [json.loads(p.read_text()) for p in ft_dir.glob("rank_uid*.json")]
-    events = json.loads((work / "events.json").read_text())["events"]
-    kills = [e["time"] for e in events if e["kind"] == "injected"]
+    if mpi:
+        kills = [json.loads((ft_dir / ("killed_%d.json" % s)).read_text())["time"]
+                 for s in kill_steps]
+    else:
+        events = json.loads((work / "events.json").read_text())["events"]
+        kills = [e["time"] for e in events if e["kind"] == "injected"]
     rank0 = min((r for r in ranks if not r["joined"]), key=lambda r: r["uid"])
     shrinks = [h for h in rank0["history"] if h["failed_at"]]
     grows = [h for h in rank0["history"] if h["joined"] and not h["failed_at"]]
@@ -95,8 +117,9 @@ def main(argv=None) -> dict:
     for i in range(args.restarts):
         out = work / ("restart%d" % i)
         out.mkdir()
-        t0 = launch(["--nproc", str(args.nproc)],
-                    ["--steps", "1", "--out", str(out), "--resume", str(ckpt)], timeout=300)
+        t0 = launch(engine + ["--nproc", str(args.nproc)],
+                    ["--steps", "1", "--out", str(out), "--resume", str(ckpt),
+                     "--backend", args.backend], timeout=300)
         first = min(json.loads(p.read_text())["first_commit_at"] for p in out.glob("*.json"))
         restarts.append(first - t0)
         print("full restart %d: %.3f s" % (i + 1, restarts[-1]), flush=True)
@@ -110,9 +133,10 @@ def main(argv=None) -> dict:
             ("shrink in place (agree + reconnect)", result["shrink_s"]),
             ("grow in place (admit the replacement)", result["grow_s"]),
             ("full restart (launch, load checkpoint, first step)", restarts)]
-    lines = [HEADING, "",
+    lines = [HEADING_MPI if mpi else HEADING, "",
              "- command: `python benchmarks/bench_fault_tolerance.py --nproc %d --kills %d "
-             "--restarts %d`" % (args.nproc, args.kills, args.restarts),
+             "--restarts %d%s`" % (args.nproc, args.kills, args.restarts,
+                                   " --backend mpi" if mpi else ""),
              "- machine: %d cores, %s, %s, Python %s" % (os.cpu_count(), cpu_model(),
                                                         platform.platform(),
                                                         platform.python_version()),
@@ -120,9 +144,12 @@ def main(argv=None) -> dict:
              "- load average at start of the table: %.2f" % os.getloadavg()[0],
              "- job: examples/train_ddp_ft.py worker (MLP 32-128-128-8, compiled value_and_grad "
              "and AdamW, one all_reduce of gradients per step), %d ranks on this machine; %d "
-             "kills at steps %s on ranks %s, each replaced (`--on-failure replace`)"
+             "kills at steps %s on ranks %s, each replaced (`--on-failure replace`)%s"
              % (args.nproc, len(kills), kill_steps,
-                [1 + i % (args.nproc - 1) for i in range(args.kills)]), "",
+                [1 + i % (args.nproc - 1) for i in range(args.kills)],
+                "; `kiln launch --engine mpi`: mpirun --with-ft ulfm, replacements spawned "
+                "into the job (MPI_Comm_spawn) and admitted by Accept/Connect + merge"
+                if mpi else ""), "",
              "| phase | median | min | max | samples |", "|---|---:|---:|---:|---:|"]
     for name, xs in rows:
         if xs:
@@ -137,19 +164,19 @@ def main(argv=None) -> dict:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        write_section(Path(args.out), text)
+        write_section(Path(args.out), text, HEADING_MPI if mpi else HEADING)
     return result
 
 
-def write_section(path: Path, section: str) -> None:
+def write_section(path: Path, section: str, heading: str = HEADING) -> None:
     """Replace this benchmark's section of `path` (from its heading to the next `## `
     heading), or append it."""
     old = path.read_text() if path.exists() else ""
-    start = old.find(HEADING)
+    start = old.find(heading)
     if start < 0:
         path.write_text(old.rstrip("\n") + "\n\n" + section if old else section)
         return
-    end = old.find("\n## ", start + len(HEADING))
+    end = old.find("\n## ", start + len(heading))
     path.write_text(old[:start] + section + (old[end + 1:] if end >= 0 else ""))
 
 

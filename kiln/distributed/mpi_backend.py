@@ -55,6 +55,7 @@ _TAG_BITS = 30  # tag t travels on p2p communicator t >> 30 with MPI tag t & (2*
 _WATCH_IDLE = 0.02  # the watcher's period with nothing to poll (deadlines, revocation)
 _WATCH_BUSY = 0.0005  # ... and its first period while p2p requests are pending
 _WATCH_BUSY_MAX = 0.005
+_PROBE_TAG = (1 << _TAG_BITS) - 1  # the idle probe's tag (it only looks)
 
 
 def _bytes(buf: np.ndarray) -> np.ndarray:
@@ -115,6 +116,7 @@ class MpiBackend(Backend):
         MPI = mpi_world.load_mpi()
         self.MPI, self.comm, self.prefix, self.store = MPI, comm, prefix, store
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self.group = prefix.split("/")[1] if prefix.count("/") >= 2 else prefix  # its name
         # p2p on four communicators: MPI tags stop at 2**31 - 1, kiln's go up to 2**32
         self.p2p_comms = [comm] + [comm.Dup() for _ in range(3)]
         for c in self.p2p_comms:
@@ -172,7 +174,7 @@ class MpiBackend(Backend):
         bad = [r for r in range(self.world_size) if not (sigs[r] == sigs[0]).all()]
         raise CollectiveMismatch(
             "group '%s' seq %d: rank 0 called %s but rank%s %s called %s" % (
-                self.prefix, ctx.seq, _describe_sig(tuple(int(v) for v in sigs[0])), "s" if len(bad) > 1 else "",
+                self.group, ctx.seq, _describe_sig(tuple(int(v) for v in sigs[0])), "s" if len(bad) > 1 else "",
                 ", ".join(map(str, bad)), "; ".join(_describe_sig(tuple(int(v) for v in sigs[r])) for r in bad)),
             rank=bad[0])
 
@@ -186,13 +188,13 @@ class MpiBackend(Backend):
             failed = self.failed_ranks()
             if failed:
                 return PeerFailure(failed[0], "rank %d of group '%s' failed during %s: MPI "
-                                   "reported the process dead (ULFM)" % (failed[0], self.prefix,
-                                                                        what), group=self.prefix)
+                                   "reported the process dead (ULFM)" % (failed[0], self.group,
+                                                                        what), group=self.group)
             remote = self._remote_reason(0.5)
             if remote is not None:
                 return remote
-            return GroupAborted("%s: group '%s' was revoked by a peer" % (what, self.prefix))
-        return MpiError("%s on group '%s' failed in MPI: %s" % (what, self.prefix,
+            return GroupAborted("%s: group '%s' was revoked by a peer" % (what, self.group))
+        return MpiError("%s on group '%s' failed in MPI: %s" % (what, self.group,
                                                                 err.Get_error_string()))
 
     def failed_ranks(self) -> list[int]:
@@ -219,7 +221,7 @@ class MpiBackend(Backend):
                 client.close()
         except (StoreError, ValueError):
             return None
-        return error_from_wire(info, reporter=int(info.get("by", -1)), group=self.prefix)
+        return error_from_wire(info, reporter=int(info.get("by", -1)), group=self.group)
 
     # -- the watcher: deadlines, p2p completion, revocation while idle --------------------
     def _watch(self) -> None:
@@ -236,10 +238,23 @@ class MpiBackend(Backend):
                 ctx = call[1]
                 self._local_failure(CollectiveTimeout(
                     "%s (seq %d, group '%s') did not complete within its deadline"
-                    % (ctx.op, ctx.seq, self.prefix)))
+                    % (ctx.op, ctx.seq, self.group)))
             finished = self._poll(pending, now)
-            if not finished and self._error is None and self.comm.Is_revoked():
-                self._local_failure(self._translate_revoked())
+            if not finished and call is None and self._error is None:
+                # found while idle, as the tcp backend finds a peer's EOF: MPI learns of a
+                # dead process only inside a call, and a wildcard probe is the cheapest
+                # (it fails with ERR_PROC_FAILED, after which Get_failed names the rank)
+                try:
+                    self.comm.Iprobe(self.MPI.ANY_SOURCE, _PROBE_TAG)
+                except self.MPI.Exception:
+                    pass
+                failed = self.failed_ranks()
+                if failed:
+                    self._local_failure(PeerFailure(
+                        failed[0], "rank %d of group '%s' died: MPI reported the process "
+                        "dead (ULFM)" % (failed[0], self.group), group=self.group))
+                elif self.comm.Is_revoked():
+                    self._local_failure(self._translate_revoked())
             if not pending:
                 period = _WATCH_IDLE
             else:  # poll fast right after a completion, then back off
@@ -390,7 +405,7 @@ class MpiBackend(Backend):
         healthy group; a revoked one is only dropped)."""
         with self._lock:
             if self._error is None:
-                self._error = GroupAborted("group '%s' was closed" % self.prefix)
+                self._error = GroupAborted("group '%s' was closed" % self.group)
             pending, self._pending = self._pending, []
         for _, done, _ in pending:
             done(self._error)

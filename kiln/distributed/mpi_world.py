@@ -75,6 +75,12 @@ def ops():
     return _OPS
 
 
+def spawned() -> bool:
+    """Whether this process is a replacement spawned into a running job (a joiner)."""
+    MPI = load_mpi()
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
 def from_mpi(rank, world_size, store, token, joiner: bool, fault_tolerant: bool):
     """(rank, world_size, store, token, joiner, server) for init_process_group: the MPI
     job's rank and size, the store (hosted here by rank 0 when none is given: `server`)."""

@@ -80,3 +80,76 @@ def run_mpi(name: str, world: int, tmp_path: Path, *, args: dict | None = None,
         res["returncode"], res["output"] = proc.returncode, out.decode()
         results.append(res)
     return results
+
+
+class MpiJob:
+    """test_fault_tolerance's Job on the mpi backend: `world` trainers of ft_workers.py
+    started by one mpirun (uid = MPI rank); replacements are spawned into the job by its
+    rank 0 (args["replace"]: KILN_ON_FAILURE=replace), never started by hand."""
+
+    def __init__(self, tmp_path: Path, world: int, args: dict):
+        self.tmp, self.world, self.args = tmp_path, world, args
+        self.token = secrets.token_hex(16)
+        self.server = StoreServer("127.0.0.1", 0, self.token)
+        self.out = tmp_path / "mpi_trainer"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    def start_all(self) -> None:
+        extra = {"KILN_ON_FAILURE": "replace", "KILN_MAX_RESTARTS": "1"} \
+            if self.args.get("replace") else {}
+        argv = [sys.executable, str(MPI_WORKERS), "trainer", str(self.world),
+                self.server.address, str(self.out / "rank{rank}.json"), json.dumps(self.args)]
+        self.proc = start_mpi(argv, self.world, worker_env(self.tmp, self.token, extra))
+
+    def add_joiner(self) -> None:
+        """Nothing to start: rank 0 spawned the replacement after the shrink."""
+
+    def store(self):
+        from kiln.distributed.store import Store
+
+        return Store(self.server.address, self.token, timeout=10.0)
+
+    def _pid(self, uid: int) -> int:
+        path = self.out / ("pid%d" % uid)
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return int(path.read_text())
+
+    def signal(self, uid: int, signum: int) -> None:
+        import os
+
+        os.kill(self._pid(uid), signum)
+
+    def finished(self, uid: int) -> bool:
+        """The trainer wrote its result (under MPI a process leaves only once every rank
+        of the job reached MPI_Finalize, a stopped one too)."""
+        return (self.out / ("rank%d.json" % uid)).exists()
+
+    def finish(self, timeout: float = 60.0) -> list:
+        """As Job.finish: ranks 0..world-1, then the replacements (by uid); None for a
+        process that wrote nothing."""
+        from kiln.distributed.mpi_launch import stop_group
+
+        try:
+            try:
+                out, _ = self.proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                stop_group(self.proc, grace=1.0)
+                out, _ = self.proc.communicate()
+            text = out.decode(errors="replace")
+        finally:
+            stop_group(self.proc, grace=2.0)
+            self.server.close()
+        paths = [self.out / ("rank%d.json" % u) for u in range(self.world)]
+        results = []
+        for path in paths + sorted(self.out.glob("rankjoiner*.json")):
+            if not path.exists():
+                results.append(None)
+                continue
+            res = json.loads(path.read_text())
+            assert res["ok"], "a process failed:\n%s\n%s" % (res["error"], text[-3000:])
+            results.append(res["data"])
+        joiners = sorted(results[self.world:], key=lambda r: r["uid"])
+        return results[:self.world] + joiners

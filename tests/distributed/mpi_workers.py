@@ -91,15 +91,38 @@ def killed(rank, world, addr, args):
     return {"errors": result}
 
 
+def _ft_init(backend="tcp", **kw):
+    """ft_workers' init_process_group, on the mpi backend: rank and world size from MPI."""
+    kw.pop("rank", None)
+    kw.pop("world_size", None)
+    kw.pop("join", None)  # a replacement spawned into the job knows it is one
+    return _INIT("mpi", **kw)
+
+
+_INIT = dist.init_process_group
+
+
 def main() -> None:
     name, world, addr, pattern, args = sys.argv[1:6]
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    if name == "trainer":  # ft_workers' data-parallel loop (test_fault_tolerance.py)
+        import ft_workers  # noqa: F401  adds the scenario
+        from kiln.distributed.mpi_world import load_mpi
+
+        MPI = load_mpi()
+        dist.init_process_group = _ft_init
+        if MPI.Comm.Get_parent() != MPI.COMM_NULL:  # a replacement: rank -1, its own file
+            rank = -1
+            pattern = pattern.format(rank="joiner%d" % os.getpid())
+        with open(os.path.join(os.path.dirname(pattern), "pid%s" % (
+                rank if rank >= 0 else "joiner%d" % os.getpid())), "w") as f:
+            f.write(str(os.getpid()))
     try:
         data = SCENARIOS[name](rank, int(world), addr, json.loads(args))
         result = {"ok": True, "data": data}
     except BaseException as err:  # reported to the test, which fails with it
         result = {"ok": False, "type": type(err).__name__, "error": traceback.format_exc()}
-    with open(pattern.format(rank=rank), "w") as f:
+    with open(pattern.format(rank=rank) if "{rank}" in pattern else pattern, "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
 
