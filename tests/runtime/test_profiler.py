@@ -129,3 +129,31 @@ def test_chrome_trace_is_valid_trace_event_json(tmp_path):
     assert all(e["args"]["stage"] in ("kernel", "gemm", "extern") for e in spans)
     threads = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {e["tid"] for e in spans} <= threads
+
+
+def test_chrome_trace_loads_in_a_browser(tmp_path):
+    """chrome://tracing cannot be opened headless, so the trace is loaded the way a viewer
+    reads it: fetched into a page and parsed by the browser's JSON parser; the page then
+    writes what it found into the DOM."""
+    from tests.report.chromium import BROWSER, dump_dom
+
+    if BROWSER is None:
+        pytest.skip("needs headless Chromium (Debian package `chromium`)")
+    f = kn.compile(lambda x: kn.exp(x).sum())
+    x = np.ones((8, 8), np.float32)
+    f(x)
+    with kn.profile() as p:
+        f(x)
+    trace_text = json.dumps(p.chrome_trace())
+    page = tmp_path / "viewer.html"
+    page.write_text(
+        "<!DOCTYPE html><html><body><script id='t' type='application/json'>"
+        + trace_text.replace("</", "<\\/") + "</script><pre id='out'></pre><script>"
+        "const t = JSON.parse(document.getElementById('t').textContent);"
+        "const spans = t.traceEvents.filter(e => e.ph === 'X' && typeof e.ts === 'number'"
+        " && typeof e.dur === 'number' && e.dur > 0);"
+        "document.getElementById('out').textContent = 'spans=' + spans.length + ' names=' +"
+        " spans.map(e => e.name).join(',');</script></body></html>")
+    dom = dump_dom(page, tmp_path)
+    names = ",".join(e.name for e in p.events)
+    assert f"spans={len(p.events)} names={names}" in dom
