@@ -97,6 +97,8 @@ def raw(em: Emitter, value) -> Any:
     if is_python_scalar(value) and not isinstance(value, np.ndarray):
         return value.item() if isinstance(value, np.generic) else value
     if isinstance(value, Tensor):
+        if value._view is not None:  # a view re-reads its base after a write to the base
+            value._view.refresh(value)
         if value._builder is not None:
             primal = value._x
         else:

@@ -60,8 +60,99 @@ def rebind(x: Tensor, new, op: str) -> Tensor:
                                "place while grad mode is on",
                                hint="wrap the update in `with kn.no_grad():` (as optimizers and "
                                     "nn.init do)")
+    if x._view is not None:
+        x._view.refresh(x)  # the base may have changed since x was last read
     x._x, x._builder, x._node = new._x, new._builder, new._node
+    x._version += 1
+    if x._view is not None:  # a view: the write goes through to its base
+        x._view.write_back(x)
     return x
+
+
+# -- views: an in-place op on a view writes through to its base ---------------------------
+
+
+class ViewOf:
+    """What a view remembers: its base, how to re-read itself from the base, how to write
+    itself into the base, and the base's version it last agreed with."""
+
+    __slots__ = ("base", "read", "write", "synced")
+
+    def __init__(self, base: Tensor, read, write) -> None:
+        self.base, self.read, self.write = base, read, write
+        self.synced = base._version
+
+    def refresh(self, view: Tensor) -> None:
+        base = self.base
+        if base._view is not None:
+            base._view.refresh(base)
+        if base._version != self.synced:
+            new = self.read(base)
+            view._x, view._builder, view._node = new._x, new._builder, new._node
+            view._version += 1  # views of this view re-read it in turn
+            self.synced = base._version
+
+    def write_back(self, view: Tensor) -> None:
+        self.write(self.base, view)
+        self.synced = self.base._version
+
+
+def _viewing(fn, writer):
+    """`fn` (a view-making method), tagging its result as a view of `self`: an in-place
+    op on it writes into `self`, and a write to `self` is seen when it is next read."""
+    def method(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        if isinstance(out, Tensor) and out is not self:
+            out._view = ViewOf(self, lambda b: fn(b, *args, **kwargs),
+                               writer(self, *args, **kwargs))
+        return out
+
+    method.__name__ = getattr(fn, "__name__", "view")
+    method.__doc__ = fn.__doc__
+    return method
+
+
+def _write_index(base, index):
+    return lambda b, v: setitem(b, index, v)
+
+
+def _write_narrow(base, dim, start, length):
+    from kiln.ir.shapes import normalize_axis
+
+    axis = normalize_axis("narrow", dim, base.ndim, "dim")
+    index = (slice(None),) * axis + (slice(start, start + length),)
+    return lambda b, v: setitem(b, index, v)
+
+
+def _write_reshaped(base, *args, **kwargs):
+    shape = tuple(base.shape)
+    return lambda b, v: copy_(b, v.reshape(*shape))
+
+
+def _write_transposed(base, dim0, dim1):
+    return lambda b, v: copy_(b, v.transpose(dim0, dim1))
+
+
+def _write_permuted(base, *dims):
+    dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
+    inverse = [0] * len(dims)
+    for i, d in enumerate(dims):
+        inverse[d % len(dims)] = i
+    return lambda b, v: copy_(b, v.permute(*inverse))
+
+
+def _data(self) -> Tensor:
+    """torch's `p.data`: the values, detached, as a view (writes reach `p`, untaped)."""
+    out = Tensor._make(self._x, self._builder)
+    out._view = ViewOf(self, lambda b: b.detach(), _assign_data)
+    return out
+
+
+def _assign_data(base, value) -> None:
+    from kiln.frontend.tape import no_grad
+
+    with no_grad():
+        rebind(base, F._tensor(value).detach(), "data")
 
 
 def _inplace(name: str, fn):
@@ -165,3 +256,10 @@ def bind(cls) -> None:
     for op, name in (("__iadd__", "add_"), ("__isub__", "sub_"), ("__imul__", "mul_"),
                      ("__itruediv__", "div_"), ("__ipow__", "pow_")):
         setattr(cls, op, getattr(cls, name))
+    for name, writer in (("__getitem__", _write_index), ("narrow", _write_narrow),
+                         ("view", _write_reshaped), ("reshape", _write_reshaped),
+                         ("flatten", _write_reshaped), ("squeeze", _write_reshaped),
+                         ("unsqueeze", _write_reshaped), ("transpose", _write_transposed),
+                         ("permute", _write_permuted)):
+        setattr(cls, name, _viewing(getattr(cls, name), writer))
+    cls.data = property(_data, _assign_data)

@@ -76,7 +76,11 @@ class Tensor:
 
     # _node: the tape reference of a result computed from a tensor that requires grad
     # (kiln/frontend/tape.py); _requires_grad/_grad: a leaf's flag and accumulated grad
-    __slots__ = ("_x", "_builder", "_node", "_requires_grad", "_grad", "__weakref__")
+    # _view: (base, writer) of a view (x[idx], x.view(...), x.transpose(...)): an in-place
+    # op on the view writes through to its base (kiln/frontend/mutation.py)
+    # _version counts in-place writes, so views of this tensor know when to re-read it
+    __slots__ = ("_x", "_builder", "_node", "_requires_grad", "_grad", "_view", "_version",
+                 "__weakref__")
     __array_priority__ = 1000  # numpy defers `ndarray op Tensor` to us
 
     def __init__(self, data, dtype=None, *, device=None, requires_grad: bool = False):
@@ -88,8 +92,9 @@ class Tensor:
             array = _convert_array(array, dt.dtype(dtype))
         self._x = array
         self._builder = None
-        self._node = self._grad = None
+        self._node = self._grad = self._view = None
         self._requires_grad = False
+        self._version = 0
         if requires_grad:
             self.requires_grad = True
 
@@ -98,8 +103,9 @@ class Tensor:
         t = object.__new__(cls)
         t._x = x
         t._builder = builder
-        t._node = t._grad = None
+        t._node = t._grad = t._view = None
         t._requires_grad = False
+        t._version = 0
         return t
 
     # -- tape autograd (kiln/frontend/tape.py) -------------------------------------------
@@ -243,6 +249,8 @@ class Tensor:
     # -- leaving kiln --------------------------------------------------------------
 
     def _concrete(self, what: str) -> np.ndarray:
+        if self._view is not None:
+            self._view.refresh(self)
         if self._builder is not None:
             raise KilnConcretizationError(
                 f"{what} needs the value of a traced tensor ({self._x.type}), which is not known "

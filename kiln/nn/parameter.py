@@ -32,7 +32,8 @@ class Parameter(Tensor):
             raise KilnArgumentError("nn.Parameter: wraps a concrete tensor, not a traced one")
         p = object.__new__(cls)
         p._x, p._builder = data._x, None
-        p._node = p._grad = None
+        p._node = p._grad = p._view = None
+        p._version = 0
         p._requires_grad = False
         if requires_grad:
             p.requires_grad = True  # float tensors only: a clear K301 otherwise

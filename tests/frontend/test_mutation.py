@@ -119,3 +119,55 @@ def test_load_state_dict_writes_into_the_existing_tensors():
     new = {"weight": np.ones((2, 3), np.float32), "bias": np.zeros(2, np.float32)}
     lin.load_state_dict(new)
     assert lin.weight is w and (w.numpy() == 1).all() and w.requires_grad
+
+
+def test_inplace_on_views_writes_through_to_the_base_like_torch():
+    k, t = kn.zeros(3, 4), torch.zeros(3, 4)
+    for kv, tv in [(k[:, 1], t[:, 1]), (k[0], t[0]), (k.view(12)[5:7], t.view(12)[5:7]),
+                   (k.transpose(0, 1)[3], t.transpose(0, 1)[3]), (k.narrow(0, 2, 1), t.narrow(0, 2, 1)),
+                   (k.permute(1, 0), t.permute(1, 0)), (k.unsqueeze(0)[0, 1:], t.unsqueeze(0)[0, 1:])]:
+        kv.add_(1.5)
+        tv.add_(1.5)
+        np.testing.assert_array_equal(k.numpy(), t.numpy())
+    k.permute(1, 0)[0, 1] = 5.0
+    t.permute(1, 0)[0, 1] = 5.0
+    k.view(12)[kn.tensor([0, 11])] = -1.0
+    t.view(12)[torch.tensor([0, 11])] = -1.0
+    np.testing.assert_array_equal(k.numpy(), t.numpy())
+
+
+def test_data_is_an_untaped_view_of_a_parameter():
+    w = nn.Parameter(kn.ones(3))
+    w.data.mul_(3.0)
+    np.testing.assert_array_equal(w.numpy(), [3.0, 3.0, 3.0])
+    w.data = kn.zeros(3)
+    assert w.requires_grad and w.is_leaf and (w.numpy() == 0).all()
+    with pytest.raises(kn.KilnError, match="K300.*leaf"):
+        w[0].mul_(w[1])  # a view of a leaf that requires grad, changed with grad mode on
+
+
+def test_writes_through_a_view_inside_a_trace():
+    def f(x):
+        x[:, 0].mul_(10.0)
+        x.view(-1)[-1] = 0.0
+        return x
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    from kiln.ir.interpret import run_graph
+
+    (out,) = run_graph(kn.trace(f, kn.tensor(x)), x)
+    want = x.copy()
+    want[:, 0] *= 10
+    want[-1, -1] = 0
+    np.testing.assert_array_equal(out, want)
+
+
+def test_views_see_later_writes_to_their_base():
+    x = kn.zeros(2, 3)
+    row, col, flat = x[1], x[:, 2], x.view(6)
+    x.fill_(7.0)
+    x[1, 2] = -1.0
+    assert row.tolist() == [7.0, 7.0, -1.0] and col.tolist() == [7.0, -1.0]
+    assert flat.numpy()[-1] == -1.0 and (row * 2).tolist() == [14.0, 14.0, -2.0]
+    flat[0] = 3.0  # and a write through one view is seen by another
+    assert x[0, 0].item() == 3.0 and x.transpose(0, 1)[0, 0].item() == 3.0
