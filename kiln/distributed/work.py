@@ -101,6 +101,7 @@ class Work:
         cls = type(error)
         try:
             fresh = cls.__new__(cls, *error.args)
+            fresh.args = error.args  # OSError subclasses fill args in __init__, not __new__
             fresh.__dict__.update(error.__dict__)
         except Exception:  # an exotic exception type: at least drop the old frames
             return error.with_traceback(None)
