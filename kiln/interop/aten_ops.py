@@ -107,6 +107,16 @@ def _clamp(x, min=None, max=None):  # noqa: A002
 ATEN["clamp_min"] = lambda x, m: kn.clamp(x, m, None)
 ATEN["clamp_max"] = lambda x, m: kn.clamp(x, None, m)
 ATEN["hardtanh"] = lambda x, lo=-1.0, hi=1.0: kn.clamp(x, lo, hi)
+ATEN["leaky_relu"] = lambda x, slope=0.01: kn.where(x > 0, x, x * slope)
+ATEN["log2"] = lambda x: kn.log(x) * (1.0 / math.log(2.0))
+ATEN["log10"] = lambda x: kn.log(x) * (1.0 / math.log(10.0))
+ATEN["exp2"] = lambda x: kn.exp(x * math.log(2.0))
+ATEN["isfinite"] = lambda x: kn.isfinite(x)
+
+
+@op("elu")
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    return kn.where(x > 0, x * scale, (kn.expm1(x * input_scale) * alpha) * scale)
 
 
 # -- reductions -----------------------------------------------------------------------------
@@ -149,6 +159,17 @@ ATEN["min"] = _max_or_min(kn.min)
 ATEN["argmax"] = lambda x, dim=None, keepdim=False: kn.argmax(x, dim, keepdim)
 ATEN["argmin"] = lambda x, dim=None, keepdim=False: kn.argmin(x, dim, keepdim)
 ATEN["cumsum"] = lambda x, dim, dtype=None: kn.cumsum(x if dtype is None else x.to(dtype), dim)
+ATEN["cumprod"] = lambda x, dim, dtype=None: kn.cumprod(x if dtype is None else x.to(dtype), dim)
+
+
+@op("sort")
+def _sort(x, dim=-1, descending=False, *, stable=None):
+    if isinstance(dim, bool):  # sort.stable(x, stable, dim, descending) given positionally
+        dim, descending = -1, descending
+    return tuple(kn.sort(x, dim, descending))
+
+
+ATEN["argsort"] = lambda x, dim=-1, descending=False, *, stable=None: kn.argsort(x, dim, descending)
 
 
 def _moment(fn):
@@ -189,6 +210,21 @@ def _native_layer_norm(x, normalized_shape, weight, bias, eps):
 def layer_norm_output_only(x, normalized_shape, weight, bias, eps):
     """native_layer_norm where the graph reads only the normalized output (inference)."""
     return kn.layer_norm(x, tuple(normalized_shape), weight, bias, eps), None, None
+
+
+@op("native_group_norm")
+def _group_norm(x, weight, bias, n, c, hw, group, eps):
+    shape = tuple(x.shape)
+    grouped = x.reshape(shape[0], group, -1)
+    mean = kn.mean(grouped, -1, keepdim=True)
+    rstd = kn.rsqrt(kn.var(grouped, -1, keepdim=True, correction=0) + eps)
+    out = ((grouped - mean) * rstd).reshape(*shape)
+    channel = (1, -1) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        out = out * weight.reshape(*channel)
+    if bias is not None:
+        out = out + bias.reshape(*channel)
+    return out, mean.reshape(shape[0], group), rstd.reshape(shape[0], group)
 
 
 @op("_native_batch_norm_legit_no_training")
@@ -305,6 +341,27 @@ ATEN["cat"] = lambda tensors, dim=0: kn.cat(list(tensors), dim)
 ATEN["stack"] = lambda tensors, dim=0: kn.stack(list(tensors), dim)
 ATEN["index_select"] = lambda x, dim, index: kn.index_select(x, dim, index)
 ATEN["gather"] = lambda x, dim, index, sparse_grad=False: kn.gather(x, dim, index)
+ATEN["scatter_add"] = lambda x, dim, index, src: kn.scatter_add(x, dim, index, src)
+
+
+@op("scatter")
+def _scatter(x, dim, index, src, reduce=None):
+    if reduce is not None:
+        raise Unsupported(f"scatter with reduce={reduce!r}")
+    if not isinstance(src, kn.Tensor):  # scatter.value: a scalar written at every index
+        src = kn.full_like(index, src, dtype=x.dtype)
+    return kn.scatter(x, dim, index, src)
+
+
+def _triangle(x, diagonal, lower):
+    rows, cols = x.shape[-2], x.shape[-1]
+    offset = kn.arange(rows).reshape(rows, 1) - kn.arange(cols).reshape(1, cols)
+    keep = offset >= -diagonal if lower else offset <= -diagonal
+    return kn.where(keep, x, kn.zeros_like(x))
+
+
+ATEN["tril"] = lambda x, diagonal=0: _triangle(x, diagonal, True)
+ATEN["triu"] = lambda x, diagonal=0: _triangle(x, diagonal, False)
 ATEN["constant_pad_nd"] = lambda x, pad, value=0.0: kn.pad(x, tuple(pad), value=value)
 
 

@@ -139,18 +139,49 @@ def test_dynamic_batch():
     assert prog._compiled.stats()["compiles"] == 1  # one compile serves every batch
 
 
-class Cumprod(nn.Module):
+class Lgamma(nn.Module):
     def forward(self, x):
         y = x * 2
-        return torch.cumprod(y, dim=0)  # the line the error must name
+        return torch.lgamma(y)  # the line the error must name
 
 
 def test_unsupported_op_names_op_and_line():
     with pytest.raises(KilnUnsupportedTorchOpError) as info:
-        kn.from_torch(Cumprod(), (torch.randn(4),))
+        kn.from_torch(Lgamma(), (torch.rand(4) + 1,))
     message = str(info.value)
-    assert message.startswith("[K346]") and "aten.cumprod" in message
-    assert "test_torch_import.py" in message and "torch.cumprod(y, dim=0)" in message
+    assert message.startswith("[K346]") and "aten.lgamma" in message
+    assert "test_torch_import.py" in message and "torch.lgamma(y)" in message
+
+
+class MoreOps(nn.Module):
+    """Group norm, cumprod, sort/argsort, leaky_relu, elu, log2, tril/triu, scatter_add."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn = nn.GroupNorm(2, 4)
+
+    def forward(self, x, idx):
+        y = self.gn(x)
+        z = torch.cumprod(y[:, :, 0, 0] * 0.5 + 1, dim=-1)
+        values, order = torch.sort(z, dim=-1, descending=True)
+        w = F.leaky_relu(y, 0.2) + F.elu(y) + torch.log2(y.abs() + 1)
+        t = torch.tril(y[0, 0]) + torch.triu(y[0, 1], diagonal=1)
+        s = torch.zeros(2, 4).scatter_add(1, idx, z)
+        return values, order, w, t, s, torch.argsort(z, dim=1)
+
+
+def test_more_ops_match_torch():
+    torch.manual_seed(5)
+    model = MoreOps().eval()
+    x, idx = torch.randn(2, 4, 3, 3), torch.tensor([[0, 1, 1, 3], [2, 2, 0, 1]])
+    prog = kn.from_torch(model, (x, idx))
+    want = [w.detach().numpy() for w in model(x, idx)]
+    for got in (prog(x.numpy(), idx.numpy()),
+                prog.apply(prog.params, kn.asarray(x.numpy()), kn.asarray(idx.numpy()))):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.numpy().dtype == w.dtype
+            np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-5)
 
 
 class Transposed(nn.Module):
