@@ -10,12 +10,14 @@ they open from disk in any browser. Trace files are read as JSON and text only.
 
 from __future__ import annotations
 
+import argparse
 import html
 import json
 import os
+import sys
 from typing import Any
 
-from kiln.errors import KilnReportError
+from kiln.errors import KilnError, KilnReportError
 from kiln.report.drawing import graph_svg
 
 MAX_TEXT_BYTES = 4 * 1024 * 1024  # per embedded file: a huge asm dump is cut, not inlined whole
@@ -223,3 +225,37 @@ def _compile_page(r: dict, use_dot: bool | None) -> str:
     body.append(f"<details class=\"stage-ir\" data-stage=\"program\"><summary>runtime program</summary>"
                 f"<pre>{_e(_text(r, files.get('program')))}</pre></details>")
     return _page(f"{name} — kiln compile", body)
+
+
+# -- the `kiln report` command ------------------------------------------------------------
+
+_DESCRIPTION = """\
+Turn a compile trace folder into static HTML pages (tlparse for kiln).
+
+Record one by running a program with KILN_TRACE_DIR=DIR (or kn.compile(fn, trace_dir=DIR)):
+every compile writes DIR/<pid>-<function>-<n>/ with each stage's IR, the graphs, every
+kernel's Kernel IR, source and assembly, fusion groups, compile times, guards, recompile
+reasons and cache hits. This command writes DIR/report/index.html (or -o OUT) with one
+page per compile; graphs are drawn by Graphviz when `dot` is installed, else by kiln."""
+
+
+def register(subparsers) -> None:
+    """Add `kiln report` to the `kiln` command line."""
+    report = subparsers.add_parser("report", help="HTML pages of a KILN_TRACE_DIR compile trace",
+                                   description=_DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_argument("trace_dir", metavar="TRACE_DIR", help="the folder KILN_TRACE_DIR named")
+    report.add_argument("-o", "--out", default=None, help="output folder (default TRACE_DIR/report)")
+    report.add_argument("--no-dot", action="store_true",
+                        help="draw graphs with kiln's layered drawing even when Graphviz is installed")
+    report.set_defaults(handler=report_command)
+
+
+def report_command(args) -> int:
+    try:
+        index = build_report(args.trace_dir, args.out, use_dot=False if args.no_dot else None)
+    except (KilnError, OSError) as e:
+        print(f"kiln report: error: {e}", file=sys.stderr)
+        return 2
+    print(index)
+    return 0
