@@ -182,7 +182,7 @@ def profile(collectives: bool = True) -> Profile:
     >>> with kn.profile() as p:
     ...     f(x)
     >>> p.events[0].name, p.events[0].stage
-    ('fused_0', 'kernel')
+    ('mlp_gemm_0', 'gemm')
     """
     return Profile(collectives)
 
