@@ -67,6 +67,7 @@ from kiln.distributed.errors import (
 )
 from kiln.distributed.flight_recorder import FlightRecorder, call_site_frames, recorder
 from kiln.distributed.work import Work
+from kiln.distributed.protocol import check_timeout
 
 # the progress thread's period while calls are being made: it adopts a call parked
 # for longer (nobody waited for it), keeps p2p deadlines, and goes to sleep for good
@@ -401,7 +402,7 @@ class ProcessGroup:
         if not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) < limit:
             raise CollectiveArgumentError("%s: tag=%r must be an int in [0, %d) (tags from "
                                           "there up are kiln's own)" % (op, tag, _RESERVED_TAGS))
-        timeout = self.timeout if timeout is None else float(timeout)
+        timeout = self.timeout if timeout is None else check_timeout(timeout, f"{op}(timeout=)")
         with self._lock:
             seq = self._p2p_seq
             self._p2p_seq += 1
@@ -438,7 +439,7 @@ class ProcessGroup:
     def _submit(self, op: str, inputs: list, outputs: list, count: int, reduce_op: str | None,
                 timeout: float | None, run: Callable[[CallContext], object],
                 extra: dict | None = None, run_empty: bool = False, start=None) -> Work:
-        timeout = self.timeout if timeout is None else float(timeout)
+        timeout = self.timeout if timeout is None else check_timeout(timeout, f"{op}(timeout=)")
         first = inputs[0] if inputs else (outputs[0] if outputs else None)
         dtype_code = 0 if first is None else (_DTYPE_CODES.get(first.dtype) or
                                               _dtype_code(first.dtype))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 
+from kiln.distributed.protocol import check_timeout
 from kiln.distributed.errors import (
     CollectiveArgumentError, CollectiveTimeout, DistributedError, WindowInvalidated,
 )
@@ -79,7 +80,7 @@ class Work:
         which is faster than handing it to the progress thread.
         """
         if not self._done:
-            end = None if timeout is None else time.monotonic() + timeout
+            end = None if timeout is None else time.monotonic() + check_timeout(timeout, "wait(timeout=)")
             if self._owner is not None:
                 self._owner._help(self, end)
             if not self._done:
