@@ -18,6 +18,19 @@ from kiln.nn.layers import (  # noqa: F401
 from kiln.nn.module import (  # noqa: F401
     IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential, functional_call,
 )
+from kiln.nn.conv import (  # noqa: F401
+    AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveAvgPool3d, AdaptiveMaxPool1d, AdaptiveMaxPool2d,
+    AdaptiveMaxPool3d, AvgPool1d, AvgPool2d, AvgPool3d, Conv1d, Conv2d, Conv3d, MaxPool1d,
+    MaxPool2d, MaxPool3d,
+)
+from kiln.nn.norm import (  # noqa: F401
+    BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d, InstanceNorm2d,
+    InstanceNorm3d,
+)
 from kiln.nn.parameter import Parameter  # noqa: F401
+from kiln.nn.resample import GLU, Upsample  # noqa: F401
+from kiln.nn.transformer import (  # noqa: F401
+    TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer,
+)
 from kiln.nn.random import rng  # noqa: F401
 from kiln.nn.compiled import CompiledModule  # noqa: F401

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 from kiln.frontend.compile import CompiledFunction
+from kiln.frontend.tensor import Tensor
 from kiln.nn import random
 from kiln.nn.module import Module, functional_call
 
@@ -40,12 +41,20 @@ class CompiledModule:
             dynamic_shapes = (None,) * len(_OWN_ARGS) + tuple(dynamic_shapes)
 
         def run(module_state, module_modes, rng_key, forward_kwargs, *args):
+            """(forward's result, the state tensors forward changed in place, the number
+            of random draws): mutation is functionalized, and __call__ writes it back."""
+            before = {k: (v._x if isinstance(v, Tensor) else None) for k, v in module_state.items()}
+            draws = 0
             if rng_key is None:
-                return functional_call(module, module_state, *args, **forward_kwargs)
-            key, *start = rng_key  # (key,) or (key, the caller's stream position)
-            with random.rng(key, start[0] if start else 0) as stream:
                 out = functional_call(module, module_state, *args, **forward_kwargs)
-            return out, stream.draws  # how far the caller's stream moves
+            else:
+                key, *start = rng_key  # (key,) or (key, the caller's stream position)
+                with random.rng(key, start[0] if start else 0) as stream:
+                    out = functional_call(module, module_state, *args, **forward_kwargs)
+                draws = stream.draws  # how far the caller's stream moves
+            changed = {k: v for k, v in module_state.items()
+                       if isinstance(v, Tensor) and v._x is not before[k]}
+            return out, changed, draws
 
         def grad_run(module_state, module_modes, rng_key, forward_kwargs, cotangents, *args):
             """The pullback of `run` (forward recomputed, then its vjp), for tape autograd
@@ -53,8 +62,7 @@ class CompiledModule:
             from kiln.frontend.autodiff import vjp
 
             def forward_of(state, *inputs):
-                out = run(state, module_modes, rng_key, forward_kwargs, *inputs)
-                return out if rng_key is None else out[0]
+                return run(state, module_modes, rng_key, forward_kwargs, *inputs)[0]
 
             _, pullback = vjp(forward_of, module_state, *args)
             return pullback(cotangents)
@@ -78,7 +86,8 @@ class CompiledModule:
         modes = "".join("t" if m.training else "e" for m in modules)
         state = dict(module._named_tensors(("param", "buffer", "transient")))
         if not any(m._needs_rng() for m in modules):
-            out = self._compiled(state, modes, None, kwargs, *args)
+            out, changed, _ = self._compiled(state, modes, None, kwargs, *args)
+            _write_back(state, changed)
             return self._taped(out, state, modes, None, kwargs, args)
         from kiln.frontend.factories import _key, tensor
         from kiln.ir import dtypes as dt
@@ -91,7 +100,8 @@ class CompiledModule:
             rng = (outer.key, tensor(start, dtype=dt.uint32))
         else:  # no eager stream to continue: a fresh key from the global one
             outer, rng = None, (tensor(_key(None)),)
-        out, draws = self._compiled(state, modes, rng, kwargs, *args)
+        out, changed, draws = self._compiled(state, modes, rng, kwargs, *args)
+        _write_back(state, changed)
         if outer is not None:
             outer.draws += int(draws)
         return self._taped(out, state, modes, rng, kwargs, args)
@@ -145,6 +155,19 @@ class CompiledModule:
 
     def __repr__(self) -> str:
         return f"CompiledModule({self.module!r})"
+
+
+def _write_back(state: dict, changed: dict) -> None:
+    """Buffers (and parameters) that forward changed in place get their new values, as
+    after an eager call (BatchNorm's running statistics)."""
+    if not changed:
+        return
+    from kiln.frontend.mutation import rebind
+    from kiln.frontend.tape import no_grad
+
+    with no_grad():
+        for name, value in changed.items():
+            rebind(state[name], value, "compiled module write-back")
 
 
 def _is_traced(t) -> bool:

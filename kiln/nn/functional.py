@@ -17,11 +17,23 @@ from kiln.frontend.functional import (  # noqa: F401 - re-exported
     sigmoid, silu, softmax, softplus, tanh,
 )
 from kiln.frontend.shape_ops import pad  # noqa: F401 - re-exported
+from kiln.frontend.selection import one_hot  # noqa: F401 - re-exported
+from kiln.nn.conv import (  # noqa: F401 - re-exported
+    adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d, adaptive_max_pool1d,
+    adaptive_max_pool2d, adaptive_max_pool3d, avg_pool1d, avg_pool2d, avg_pool3d, conv1d, conv3d,
+    max_pool1d, max_pool2d, max_pool3d,
+)
+from kiln.nn.norm import batch_norm, group_norm, instance_norm  # noqa: F401 - re-exported
+from kiln.nn.resample import glu, interpolate  # noqa: F401 - re-exported
 
 __all__ = [
     "binary_cross_entropy_with_logits", "conv2d", "cross_entropy", "dropout", "embedding", "gelu",
     "l1_loss", "layer_norm", "linear", "log_softmax", "mse_loss", "nll_loss", "pad", "relu",
     "rms_norm", "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "softplus", "tanh",
+    "one_hot", "conv1d", "conv3d", "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d",
+    "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "batch_norm", "group_norm", "instance_norm", "glu", "interpolate",
 ]
 
 _REDUCTIONS = ("none", "mean", "sum")
