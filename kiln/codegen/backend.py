@@ -13,6 +13,7 @@ What a subclass declares (class attributes) and implements:
     supports()      which target strings ("cpu", "cuda:sm_100", ...) it serves
     keep            composites its graph pipeline keeps whole (e.g. matmul -> GEMM)
     graph_passes()  its graph pass list: by default the standard one with `keep`
+    dtypes          the dtypes its registers hold (None: all of kiln's)
     scalar_table    op -> emitter for the scalar ops it lowers natively; what it lacks,
                     the shared legalize pass (kiln/codegen/legalize.py) rewrites into
                     what it has. Keys: "op", "op:float" / "op:int" / "op:bool", and
@@ -68,6 +69,9 @@ class Backend:
     dump_stages: ClassVar[Mapping[str, str]] = {}
     keep: ClassVar[frozenset] = frozenset({"matmul"})
     scalar_table: ClassVar[Mapping[str, Emitter | None]] = {}
+    # dtype short names its registers hold; None: every dtype kiln has. An op on any
+    # other dtype is not native (and has no rule: K372, a clear error)
+    dtypes: ClassVar[frozenset | None] = None
     caches_object_code: ClassVar[bool] = False
 
     def __init__(self, target: str | None = None, options: Any = None):
@@ -133,6 +137,8 @@ class Backend:
     # -- the public face: every path legalizes first ----------------------------------
     def native(self, op: str, arg_dtypes: Sequence, out) -> bool:
         """Whether `scalar_table` lowers `op` on these dtypes natively."""
+        if self.dtypes is not None and any(d.short not in self.dtypes for d in (*arg_dtypes, out)):
+            return False
         return lookup(self.scalar_table, op, arg_dtypes, out) is not None
 
     def emitter(self, op: str, arg_dtypes: Sequence, out) -> Emitter:

@@ -126,6 +126,8 @@ def _divrem(op):
     def rule(a, out):
         x, y = a
         d = x.dtype
+        if d.is_bool and op == "rem":
+            return const(False, d)  # x % True == 0 and x % False == 0 (numpy's x % 0)
         if not _int(d):
             return None
         zero = mk("eq", y, 0)

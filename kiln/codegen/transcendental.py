@@ -180,6 +180,11 @@ def _atan(x, d):
     return _op("select", _is_nan(x), x, v)
 
 
+def _signbit(x, d):
+    """x < 0, -0 and negative NaN included (the sign bit)."""
+    return _op("lt", _op("bitcast_convert", x, dtype=_int_of(d)), 0)
+
+
 def _atan2(y, x, d):
     ay, ax = _op("abs", y), _op("abs", x)
     swap = _op("gt", ay, ax)
@@ -189,8 +194,8 @@ def _atan2(y, x, d):
     t = _op("select", both_zero, _c(0.0, d), _op("select", both_inf, _c(1.0, d), _op("div", num, den)))
     a = _atan_unit(t, d)
     a = _op("select", swap, _op("sub", _c(math.pi / 2, d), a), a)
-    a = _op("select", _op("lt", x, 0.0), _op("sub", _c(math.pi, d), a), a)
-    a = _op("select", _op("lt", y, 0.0), _op("neg", a), a)
+    a = _op("select", _signbit(x, d), _op("sub", _c(math.pi, d), a), a)  # atan2(0, -0) = pi
+    a = _op("select", _signbit(y, d), _op("neg", a), a)
     return _op("select", _op("or", _is_nan(x), _is_nan(y)), _op("add", x, y), a)
 
 

@@ -94,6 +94,7 @@ CASES = [
     ("sqrt", [uniform(0.1, 5)], {}, {}),
     ("rsqrt", [uniform(0.1, 5)], {}, {}),
     ("erf", [uniform(-3, 3)], {}, {}),
+    ("erfc", [uniform(-3, 3)], {}, {}),
     ("add", [normal, normal], {}, {}),
     ("sub", [normal, normal], {}, {}),
     ("mul", [normal, normal], {}, {}),
