@@ -238,7 +238,7 @@ def vjp(fn: Callable, *primals, has_aux: bool = False):
 
 
 def _scalar_seed(d: _Differentiated, out: list, what: str) -> list:
-    if len(out) != 1 or out[0].ndim != 0 or not differentiable_dtype(out[0].dtype):
+    if len(out) != 1 or out[0].ndim != 0 or not out[0].dtype.is_floating:  # real, as torch
         got = ", ".join(f"{o.dtype.short}{list(o.shape)}" for o in out)
         raise KilnGradientError(f"{what}: the function must return one float scalar, it returns "
                                 f"({got})", where=user_location(),

@@ -68,6 +68,11 @@ class Emitter(abc.ABC):
     # -- explicit conversions ------------------------------------------------------
 
     def full(self, value, dtype: dt.DType, shape=()):
+        if dtype.is_complex:  # `full` is real: a complex fill is two float32 fills
+            value = complex(value)
+            parts = [self.call("full", value=part, dtype=dt.float32, shape=tuple(shape))
+                     for part in (value.real, value.imag)]
+            return self.call("complex", *parts)
         return self.call("full", value=value, dtype=dtype, shape=tuple(shape))
 
     def convert(self, x, dtype: dt.DType):

@@ -56,8 +56,10 @@ from kiln.passes.rewrite import _copy_region, new_graph_like
 
 
 def differentiable_dtype(dtype: dt.DType) -> bool:
-    """Values of float dtypes carry cotangents; integers, bools and complex do not."""
-    return dtype.is_floating
+    """Values of float and complex dtypes carry cotangents; integers and bools do not. A
+    complex cotangent is dL/dRe + i dL/dIm, PyTorch's convention (the conjugate Wirtinger
+    derivative times 2), which every complex vjp rule in kiln/ir/ops follows."""
+    return dtype.is_floating or dtype.is_complex
 
 
 # -- the result ---------------------------------------------------------------------------

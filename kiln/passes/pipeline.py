@@ -6,6 +6,8 @@ whole. `DEFAULT_PASSES` is the CPU backend's list:
 
     decompose       every composite to primitives, except `matmul` (CPU_KEEP), which
                     the CPU backend turns into a GEMM template call with an epilogue
+    complex         complex64 arithmetic rewritten into float32 (re, im) pairs, so complex
+                    programs fuse into ordinary kernels (complex_decompose.py)
     canonicalize    algebraic simplification (x * 1, transpose of transpose, ...)
     fold_constants  constant subexpressions evaluated at compile time
     cse             repeated computations merged
@@ -31,6 +33,7 @@ from typing import Iterable
 
 from kiln.ir.graph import Graph
 from kiln.passes.canonicalize import canonicalize
+from kiln.passes.complex_decompose import decompose_complex
 from kiln.passes.cse import cse
 from kiln.passes.dce import dce
 from kiln.passes.decompose import decompose
@@ -71,6 +74,7 @@ def _decompose_keeping(keep: frozenset) -> PassFn:
 
 DEFAULT_PASSES: tuple[tuple[str, PassFn], ...] = (
     ("decompose", decompose_for_cpu),
+    ("complex", decompose_complex),
     ("canonicalize", canonicalize),
     ("fold_constants", fold_constants),
     ("cse", cse),

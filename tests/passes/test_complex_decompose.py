@@ -1,0 +1,195 @@
+"""The `complex` pass: complex64 arithmetic becomes float32 pairs (before/expected in text
+IR), complex programs compile into real kernels only and match numpy, the accessors
+and constructors match torch, and grad follows PyTorch's convention (issue 21)."""
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.ir.parser import parse_graph
+from kiln.passes.complex_decompose import decompose_complex
+from kiln.passes.dce import dce
+from kiln.passes.fusion import fuse
+from kiln.passes.pipeline import optimize
+from tests.passes.examples import assert_rewrites
+
+CASES = {
+    "a complex product is four real products": ("""
+graph @g(%z: c64[4], %w: c64[4]) -> c64[4]
+  %0 = mul(%z, %w) : c64[4]
+  return %0
+""", """
+graph @g(%z: c64[4], %w: c64[4]) -> c64[4]
+  %0 = real(%z) : f32[4]
+  %1 = imag(%z) : f32[4]
+  %2 = real(%w) : f32[4]
+  %3 = imag(%w) : f32[4]
+  %4 = mul(%0, %2) : f32[4]
+  %5 = mul(%1, %3) : f32[4]
+  %6 = sub(%4, %5) : f32[4]
+  %7 = mul(%0, %3) : f32[4]
+  %8 = mul(%1, %2) : f32[4]
+  %9 = add(%7, %8) : f32[4]
+  %10 = complex(%6, %9) : c64[4]
+  return %10
+"""),
+    "a complex GEMM is four real GEMMs (4M)": ("""
+graph @g(%a: c64[2, 3], %b: c64[3, 5]) -> c64[2, 5]
+  %0 = matmul(%a, %b) : c64[2, 5]
+  return %0
+""", """
+graph @g(%a: c64[2, 3], %b: c64[3, 5]) -> c64[2, 5]
+  %0 = real(%a) : f32[2, 3]
+  %1 = imag(%a) : f32[2, 3]
+  %2 = real(%b) : f32[3, 5]
+  %3 = imag(%b) : f32[3, 5]
+  %4 = matmul(%0, %2) : f32[2, 5]
+  %5 = matmul(%1, %3) : f32[2, 5]
+  %6 = sub(%4, %5) : f32[2, 5]
+  %7 = matmul(%0, %3) : f32[2, 5]
+  %8 = matmul(%1, %2) : f32[2, 5]
+  %9 = add(%7, %8) : f32[2, 5]
+  %10 = complex(%6, %9) : c64[2, 5]
+  return %10
+"""),
+    "parts flow between ops without packing: |z + w| and a sum": ("""
+graph @g(%z: c64[4], %w: c64[4]) -> (f32[4], c64[])
+  %0 = add(%z, %w) : c64[4]
+  %1 = abs(%0) : f32[4]
+  %2 = reduce_sum(%0) {axes=(0,)} : c64[]
+  return %1, %2
+""", """
+graph @g(%z: c64[4], %w: c64[4]) -> (f32[4], c64[])
+  %0 = real(%z) : f32[4]
+  %1 = imag(%z) : f32[4]
+  %2 = real(%w) : f32[4]
+  %3 = imag(%w) : f32[4]
+  %4 = add(%0, %2) : f32[4]
+  %5 = add(%1, %3) : f32[4]
+  %6 = mul(%4, %4) : f32[4]
+  %7 = mul(%5, %5) : f32[4]
+  %8 = add(%6, %7) : f32[4]
+  %9 = sqrt(%8) : f32[4]
+  %10 = reduce_sum(%4) {axes=(0,)} : f32[]
+  %11 = reduce_sum(%5) {axes=(0,)} : f32[]
+  %12 = complex(%10, %11) : c64[]
+  return %9, %12
+"""),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_complex_case(name):
+    before, expected = CASES[name]
+    assert_rewrites(lambda g: dce(decompose_complex(g)), before, expected)
+
+
+def test_the_3m_gemm_is_three_real_gemms(monkeypatch):
+    monkeypatch.setenv("KILN_COMPLEX_GEMM", "3m")
+    a, b = _c(6, 7, seed=1), _c(7, 5, seed=2)
+    graph = dce(decompose_complex(kn.trace(lambda a, b: a @ b, a, b)))
+    assert [n.op for n in graph.nodes].count("matmul") == 3
+    got = kn.compile(lambda a, b: a @ b)(a, b).numpy()
+    np.testing.assert_allclose(got, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def _c(*shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+
+
+Z, W = _c(64, seed=0), _c(64, seed=1)
+X = np.random.default_rng(2).standard_normal(64).astype(np.float32)
+PROGRAMS = {
+    "chain": (lambda z, w: kn.exp(z) * w / (z + 1.5) - kn.log(w) * 0.5 + 2j,
+              lambda z, w: np.exp(z) * w / (z + 1.5) - np.log(w) * 0.5 + 2j, (Z, W)),
+    "abs sqrt pow": (lambda z: kn.abs(kn.sqrt(z)) + kn.abs(z ** 2) * kn.abs(z ** 2.5),
+                     lambda z: np.abs(np.sqrt(z)) + np.abs(z ** 2) * np.abs(z ** 2.5), (Z,)),
+    "negative real axis sqrt": (lambda z: kn.sqrt(z), np.sqrt,
+                                (np.array([-4 + 0j, -4 + 1e-7j, -4 - 1e-7j, 0j, 9 + 0j], np.complex64),)),
+    "sum conj": (lambda z: (z * z.conj()).sum() + z.sum(), lambda z: (z * z.conj()).sum() + z.sum(), (Z,)),
+    "matmul": (lambda a, b: a @ b, lambda a, b: a @ b, (_c(8, 16, seed=3), _c(16, 4, seed=4))),
+    "accessors": (lambda z: kn.angle(z) + z.real * z.imag, lambda z: np.angle(z) + z.real * z.imag, (Z,)),
+    "real times complex": (lambda x, z: (x * z).sum() * 0.1, lambda x, z: (x * z).sum() * 0.1, (X, Z)),
+    "polar": (lambda r, t: kn.polar(r, t) * 3, lambda r, t: r * np.exp(1j * t) * 3,
+              (np.abs(X), X)),
+}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_compiled_complex_programs_match_numpy_with_real_kernels_only(name):
+    fn, oracle, args = PROGRAMS[name]
+    want = oracle(*args)
+    eager = fn(*[kn.tensor(a) for a in args]).numpy()
+    got = kn.compile(fn)(*args).numpy()
+    for value in (eager, got):
+        np.testing.assert_allclose(value, want, rtol=2e-5, atol=2e-5)
+    fused = fuse(optimize(kn.trace(fn, *args)))
+    for node in fused.walk():
+        if node.op == "fused":  # no kernel computes on complex values
+            assert not any(v.type.dtype.is_complex for r in node.regions for n in r.nodes
+                           for v in n.results + n.operands), name
+
+
+def test_accessors_and_constructors():
+    z = kn.tensor(Z)
+    np.testing.assert_array_equal(z.real.numpy(), Z.real)
+    np.testing.assert_array_equal(z.imag.numpy(), Z.imag)
+    np.testing.assert_array_equal(z.conj().numpy(), Z.conj())
+    np.testing.assert_array_equal(kn.view_as_real(z).numpy(), np.stack([Z.real, Z.imag], -1))
+    np.testing.assert_array_equal(kn.view_as_complex(kn.view_as_real(z)).numpy(), Z)
+    np.testing.assert_allclose(kn.angle(z).numpy(), np.angle(Z), rtol=1e-6)
+    np.testing.assert_array_equal(kn.angle(kn.tensor([-2.0, 0.0, 3.0])).numpy(), np.float32([np.pi, 0, 0]))
+    np.testing.assert_array_equal(kn.complex(kn.tensor(X), kn.tensor(X)).numpy(), X + 1j * X)
+    assert z.is_complex() and not kn.tensor(X).is_complex()
+    np.testing.assert_array_equal(kn.tensor(X).real.numpy(), X)
+    with pytest.raises(kn.KilnDTypeError, match="imag: expects a complex tensor"):
+        kn.tensor(X).imag
+    with pytest.raises(kn.KilnShapeError, match="last dim is 2"):
+        kn.view_as_complex(kn.ones(3, 3))
+    np.testing.assert_allclose((z * 0.1).numpy(), Z * np.float32(0.1), rtol=1e-6)  # was K102
+
+
+def _torch_grad(torch, fn, z):
+    t = torch.tensor(z, requires_grad=True)
+    fn(torch, t).backward()
+    return t.grad.numpy()
+
+
+GRADS = {
+    "|z|": (lambda m, z: m.abs(z).sum() if m is kn else z.abs().sum()),
+    "|exp(z) z|": (lambda m, z: m.abs(m.exp(z) * z).sum() if m is kn else (z.exp() * z).abs().sum()),
+    "re(z w) + angle": (lambda m, z: ((z * (1 + 2j)).real + m.angle(z)).sum() if m is kn
+                        else ((z * (1 + 2j)).real + z.angle()).sum()),
+    "|z @ z^T|": (lambda m, z: m.abs(z.reshape(8, 8) @ z.reshape(8, 8).transpose(0, 1)).sum()
+                  if m is kn else (z.reshape(8, 8) @ z.reshape(8, 8).T).abs().sum()),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADS))
+def test_grad_of_real_functions_of_complex_inputs_is_pytorchs(name):
+    """dL/dRe + i dL/dIm (the conjugate Wirtinger convention), checked against central
+    finite differences on both parts, and against torch when installed."""
+    f = GRADS[name]
+    z = Z.astype(np.complex128).astype(np.complex64)
+    g = kn.grad(lambda z: f(kn, z))(kn.tensor(z)).numpy()
+    compiled = kn.compile(kn.grad(lambda z: f(kn, z)))(z).numpy()
+    np.testing.assert_allclose(compiled, g, rtol=1e-4, atol=1e-4)
+    loss = lambda v: float(f(kn, kn.tensor(v.astype(np.complex64))).numpy())  # noqa: E731
+    h = 1e-2
+    for k in (0, 7, 33):
+        e = np.zeros(64, np.complex64)
+        e[k] = h
+        d_re = (loss(z + e) - loss(z - e)) / (2 * h)
+        d_im = (loss(z + 1j * e) - loss(z - 1j * e)) / (2 * h)
+        np.testing.assert_allclose(g[k], d_re + 1j * d_im, rtol=2e-2, atol=2e-2)
+    try:
+        import torch
+    except ImportError:
+        return
+    np.testing.assert_allclose(g, _torch_grad(torch, lambda m, t: f(m, t), z), rtol=1e-4, atol=1e-4)
+
+
+def test_grad_refuses_a_complex_output():
+    with pytest.raises(kn.KilnGradientError, match="one float scalar"):
+        kn.grad(lambda z: z.sum())(kn.tensor(Z))
