@@ -1,4 +1,4 @@
-"""The `kiln` command line: `kiln dump`, `kiln run`, `kiln bench`, and the distributed
+"""The `kiln` command line: `kiln dump`, `kiln run`, `kiln bench`, `kiln mem`, and the distributed
 tools (`kiln launch`, `kiln store`, `kiln fr`), which register themselves from
 kiln.distributed.
 
@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.report.html import register as register_report
 
     register_report(sub)
+    from kiln.runtime.mem_command import register as register_mem
+
+    register_mem(sub)
     try:
         from kiln.distributed.commands import register as register_distributed
     except ImportError:  # kiln.distributed is optional to `kiln dump`

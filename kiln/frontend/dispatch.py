@@ -8,6 +8,8 @@ place that knows the two modes apart.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from typing import Any
 
@@ -18,8 +20,11 @@ from kiln.errors import KilnDTypeError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
 from kiln.frontend.tape import Dual, TapeEmitter, builder_of, taping
+from kiln.runtime.device import CPU, KilnDeviceMismatchError
+from kiln.runtime.placement import charge
 
 _state = threading.local()
+_KILN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def trace_stack() -> list[GraphBuilder]:
@@ -38,20 +43,44 @@ def emitter_for(*args) -> Emitter:
     """The builder of the traced operands, else the active trace's, else eager."""
     from kiln.frontend.tensor import Tensor
 
-    found = None
+    found = device = None
     for a in args:
-        if isinstance(a, Tensor) and a._builder is not None:
-            if found is not None and a._builder is not found:
-                raise KilnTraceError("an operation mixes tensors from two different traces",
-                                     hint="a traced tensor escaped its function (a global or a "
-                                          "closure kept it); pass it as an argument instead")
-            found = a._builder
+        if isinstance(a, Tensor):
+            if a._builder is not None:
+                if found is not None and a._builder is not found:
+                    raise KilnTraceError("an operation mixes tensors from two different traces",
+                                         hint="a traced tensor escaped its function (a global or "
+                                              "a closure kept it); pass it as an argument instead")
+                found = a._builder
+            elif a._device is not None and a._device is not device:
+                device = a._device if device is None or a._device == device else \
+                    _mismatch(device, a._device)
     if found is not None:
         if found not in trace_stack():
             raise KilnTraceError("a traced tensor was used after its trace ended",
                                  hint="return it from the traced function instead of storing it")
         return found
+    if device is not None:  # a CPU operand with this device: only a 0-d one, as in PyTorch
+        for a in args:
+            if isinstance(a, Tensor) and a._device is None and a._builder is None and a._x.ndim:
+                _mismatch(CPU, device)
+    _state.device = device  # the device of the results `wrap` makes
     return EAGER
+
+
+def _mismatch(first, second):
+    """K380 naming the op (the outermost kiln function: what the user called) and both
+    devices."""
+    frame, op = sys._getframe(1), "op"
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_KILN_DIR):
+            op = frame.f_code.co_name.strip("_")
+        elif op != "op":
+            break
+        frame = frame.f_back
+    raise KilnDeviceMismatchError(
+        f"{op}: operands are on different devices: {first} and {second}",
+        where=user_location(), hint=f"move one of them, e.g. x.to({str(second)!r})")
 
 
 def op_emitter(*args) -> Emitter:
@@ -123,11 +152,15 @@ def wrap(em: Emitter, result):
 def _tensor_of(result, builder):
     from kiln.frontend.tensor import Tensor
 
+    device = None
+    if builder is None:  # an eager result: on the device of its operands, counted there
+        device = getattr(_state, "device", None)
+        charge(result.primal if isinstance(result, Dual) else result, device)
     if isinstance(result, Dual):
-        t = Tensor._make(result.primal, builder)
+        t = Tensor._make(result.primal, builder, device)
         t._node = result.ref
         return t
-    return Tensor._make(result, builder)
+    return Tensor._make(result, builder, device)
 
 
 def apply(op: str, *args, **attrs):
@@ -143,5 +176,7 @@ def binary(op: str, x, y, dtype: dt.DType | None = None):
 
 
 def creation_emitter() -> Emitter:
-    """Factories build into the active trace (so sizes may be symbolic), else eagerly."""
+    """Factories build into the active trace (so sizes may be symbolic), else eagerly
+    (on the CPU: a factory's `device=` moves the result)."""
+    _state.device = None
     return current_builder() or EAGER

@@ -22,10 +22,13 @@ from kiln.frontend.dispatch import creation_emitter, to_array, wrap
 
 
 def _finish(t, op: str, device=None, requires_grad: bool = False):
-    """Validate `device=` (tensors live on the CPU) and mark `requires_grad=`."""
-    from kiln.frontend.tensor import as_device
+    """Put the result on `device=` (made on the CPU, then copied there) and mark
+    `requires_grad=`."""
+    from kiln.frontend.tensor import CPU, as_device
 
-    as_device(device, op)
+    target = as_device(device, op)
+    if target is not CPU and t._builder is None:
+        t = t.to(target)
     if requires_grad:
         t.requires_grad = True
     return t
@@ -44,15 +47,16 @@ def tensor(data, dtype=None, *, device=None, requires_grad: bool = False):
 
 def asarray(data, dtype=None, *, device=None):
     """A tensor sharing `data`'s memory when it can (numpy arrays, DLPack producers)."""
-    from kiln.frontend.tensor import Tensor, as_device
+    from kiln.frontend.tensor import CPU, Tensor, as_device
 
-    as_device(device, "asarray")
+    target = as_device(device, "asarray")
     if isinstance(data, Tensor) and (dtype is None or data.dtype == dt.dtype(dtype)):
-        return data
+        return data if device is None else data.to(target)
     array = to_array(data)
     if dtype is not None and dt.from_numpy(array.dtype) != dt.dtype(dtype):
         array = EAGER.convert(array, dt.dtype(dtype))
-    return Tensor._make(array)
+    out = Tensor._make(array)
+    return out if target is CPU else out.to(target)
 
 
 as_tensor = asarray
@@ -63,15 +67,11 @@ def from_numpy(array: np.ndarray):
 
 
 def from_dlpack(obj):
-    """Import a DLPack producer (torch, jax, cupy-on-host, numpy) without copying."""
-    from kiln.frontend.tensor import Tensor
+    """Import a DLPack producer (numpy, torch, jax, cupy on host memory) without copying;
+    kiln/runtime/dlpack.py says what is shared."""
+    from kiln.runtime.dlpack import from_dlpack as _from_dlpack
 
-    try:
-        array = np.from_dlpack(obj)
-    except (TypeError, AttributeError, BufferError, RuntimeError) as exc:
-        raise KilnDTypeError(f"from_dlpack: cannot import {type(obj).__name__}: {exc}") from None
-    dt.from_numpy(array.dtype)
-    return Tensor._make(array)
+    return _from_dlpack(obj)
 
 
 def _shape(op: str, size) -> tuple:
@@ -109,22 +109,23 @@ def _like(x, dtype):
     from kiln.frontend.functional import _tensor
 
     x = _tensor(x)
-    return x.shape, dt.dtype(dtype) if dtype is not None else x.dtype
+    return x.shape, dt.dtype(dtype) if dtype is not None else x.dtype, x.device
 
 
 def zeros_like(x, dtype=None, *, device=None, requires_grad: bool = False):
-    shape, dtype = _like(x, dtype)
-    return full(shape, 0, dtype, device=device, requires_grad=requires_grad)
+    """Zeros of `x`'s shape, dtype and device (unless given)."""
+    shape, dtype, where = _like(x, dtype)
+    return full(shape, 0, dtype, device=device or where, requires_grad=requires_grad)
 
 
 def ones_like(x, dtype=None, *, device=None, requires_grad: bool = False):
-    shape, dtype = _like(x, dtype)
-    return full(shape, 1, dtype, device=device, requires_grad=requires_grad)
+    shape, dtype, where = _like(x, dtype)
+    return full(shape, 1, dtype, device=device or where, requires_grad=requires_grad)
 
 
 def full_like(x, fill_value, dtype=None, *, device=None, requires_grad: bool = False):
-    shape, dtype = _like(x, dtype)
-    return full(shape, fill_value, dtype, device=device, requires_grad=requires_grad)
+    shape, dtype, where = _like(x, dtype)
+    return full(shape, fill_value, dtype, device=device or where, requires_grad=requires_grad)
 
 
 def empty_like(x, dtype=None, *, device=None, requires_grad: bool = False):
@@ -133,9 +134,6 @@ def empty_like(x, dtype=None, *, device=None, requires_grad: bool = False):
 
 def arange(start, end=None, step=1, dtype=None, *, device=None, requires_grad: bool = False):
     """Values from start (inclusive) to end (exclusive), as torch.arange."""
-    from kiln.frontend.tensor import as_device
-
-    as_device(device, "arange")
     start, end, step = (v._sympy_() if hasattr(v, "_sympy_") else v for v in (start, end, step))
     if end is None:
         start, end = 0, start
@@ -159,7 +157,7 @@ def arange(start, end=None, step=1, dtype=None, *, device=None, requires_grad: b
         ramp = em.binary("mul", ramp, step)
     if start != 0:
         ramp = em.binary("add", ramp, start)
-    return _finish(wrap(em, em.convert(ramp, dtype)), "arange", None, requires_grad)
+    return _finish(wrap(em, em.convert(ramp, dtype)), "arange", device, requires_grad)
 
 
 def linspace(start: float, end: float, steps: int, dtype=dt.float32, *, device=None,
@@ -243,7 +241,7 @@ def randint(low: int, high: int | None = None, size=(), seed: int | None = None,
     """Integers uniform in [low, high)."""
     from kiln.frontend.tensor import as_device
 
-    as_device(device, "randint")
+    target = as_device(device, "randint")
     _no_generator("randint", generator)
     if isinstance(high, (tuple, list)) and size == ():  # torch's randint(high, size)
         high, size = None, tuple(high)
@@ -256,4 +254,4 @@ def randint(low: int, high: int | None = None, size=(), seed: int | None = None,
     # float32 uniforms carry 24 random bits: ranges beyond 2**24 are not uniform
     u = rand(*((size,) if isinstance(size, int) else tuple(size)), seed=seed)
     values = floor(add(mul(to(u, dt.float64), float(high - low)), float(low)))
-    return to(values, dtype)
+    return _finish(to(values, dtype), "randint", target)

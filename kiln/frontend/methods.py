@@ -72,7 +72,8 @@ for _name, _dtype in (("float", dt.float32), ("double", dt.float64), ("half", dt
 def _new(self, size, value, dtype):
     from kiln.frontend.factories import _shape, full
 
-    return full(_shape("new_full", size), value, self.dtype if dtype is None else dtype)
+    return full(_shape("new_full", size), value, self.dtype if dtype is None else dtype,
+                device=self.device)
 
 
 def _to(self, *args, dtype=None, device=None, copy: bool = False, non_blocking: bool = False,
@@ -87,8 +88,16 @@ def _to(self, *args, dtype=None, device=None, copy: bool = False, non_blocking: 
             device = a
         else:
             dtype = a
-    as_device(device, "Tensor.to")
+    target = None if device is None else as_device(device, "Tensor.to")
     out = self if dtype is None else F.to(self, dtype)
+    if target is not None and target != out.device:
+        from kiln.runtime.placement import move
+
+        moved = Tensor._make(move(out._concrete("Tensor.to(device)"), out.device, target),
+                             None, None if target.type == "cpu" else target)
+        if out.requires_grad:  # a new leaf on the target device (the tape stays per device)
+            moved.requires_grad = True
+        return moved
     return SEL.clone(out) if copy and out is self else out
 
 

@@ -20,50 +20,16 @@ _FIX = ("use kn.cond(pred, true_fn, false_fn, *operands) or kn.switch(index, bra
         "*operands) for branches, and kn.while_loop(cond_fn, body_fn, carried) for loops")
 
 
-class Device(str):
-    """The device a tensor lives on; eager tensors are on "cpu"."""
-
-    @property
-    def type(self) -> str:
-        return str(self).split(":")[0]
-
-    @property
-    def index(self):
-        _, _, n = str(self).partition(":")
-        return int(n) if n else None
-
-
-CPU = Device("cpu")
-_DEVICE_KINDS = ("cpu", "cuda", "rocm", "metal", "opencl", "xpu", "mps")
+# devices live in the runtime (kiln/runtime/device.py); these names stay importable here
+from kiln.runtime.device import CPU, KNOWN_KINDS as _DEVICE_KINDS, Device  # noqa: E402,F401
+from kiln.runtime.device import as_device as _resolve_device  # noqa: E402
 
 
 def as_device(device, op: str = "tensor") -> Device:
-    """`device=` of a factory or `.to()`: None, "cpu", "cpu:0", a kiln Device, or an
-    object with a torch-style `.type` (torch.device("cpu")). Eager tensors live on the
-    CPU; another known device kind is refused with K105, naming it."""
-    from kiln.errors import KilnDeviceError
-
-    if device is None:
-        return CPU
-    text = str(device) if isinstance(device, str) else None
-    if text is None and hasattr(device, "type"):
-        index = getattr(device, "index", None)
-        text = f"{device.type}:{index}" if index is not None else str(device.type)
-    if text is None:
-        raise KilnDeviceError(f"{op}: device must be a string such as 'cpu' or a device, got "
-                              f"{type(device).__name__}")
-    kind, _, index = text.partition(":")
-    if kind not in _DEVICE_KINDS or (index and not index.isdigit()):
-        raise KilnDeviceError(f"{op}: unknown device {text!r}; devices are "
-                              f"{', '.join(k + '[:N]' for k in _DEVICE_KINDS)}")
-    if kind != "cpu":
-        raise KilnDeviceError(f"{op}: device {text!r} is not available to eager tensors here; "
-                              "eager tensors live on 'cpu'",
-                              hint="create the tensor on 'cpu' (compiled programs choose their "
-                                   "target with kn.compile(backend=...))")
-    if index not in ("", "0"):
-        raise KilnDeviceError(f"{op}: there is one cpu device ('cpu' or 'cpu:0'), got {text!r}")
-    return CPU
+    """`device=` of a factory or `.to()`: None, "cpu", "cuda:1", a kiln Device, or an
+    object with a torch-style `.type` (torch.device("cpu")), resolved to a device that is
+    here (a kind whose hardware is missing is K381, an unknown one K105)."""
+    return _resolve_device(device, op)
 
 
 class Tensor:
@@ -79,18 +45,22 @@ class Tensor:
     # _view: (base, writer) of a view (x[idx], x.view(...), x.transpose(...)): an in-place
     # op on the view writes through to its base (kiln/frontend/mutation.py)
     # _version counts in-place writes, so views of this tensor know when to re-read it
+    # _device: None on the CPU, else the Device whose memory _x's array lives in
     __slots__ = ("_x", "_builder", "_node", "_requires_grad", "_grad", "_view", "_version",
-                 "__weakref__")
+                 "_device", "__weakref__")
     __array_priority__ = 1000  # numpy defers `ndarray op Tensor` to us
 
     def __init__(self, data, dtype=None, *, device=None, requires_grad: bool = False):
         from kiln.frontend.dispatch import to_array
 
-        as_device(device)
+        from kiln.runtime.placement import place
+
+        dev = as_device(device)
         array = np.array(to_array(data), copy=True)
         if dtype is not None:
             array = _convert_array(array, dt.dtype(dtype))
-        self._x = array
+        self._x = place(array, dev)
+        self._device = None if dev is CPU else dev
         self._builder = None
         self._node = self._grad = self._view = None
         self._requires_grad = False
@@ -99,10 +69,11 @@ class Tensor:
             self.requires_grad = True
 
     @classmethod
-    def _make(cls, x, builder: GraphBuilder | None = None) -> "Tensor":
+    def _make(cls, x, builder: GraphBuilder | None = None, device=None) -> "Tensor":
         t = object.__new__(cls)
         t._x = x
         t._builder = builder
+        t._device = device
         t._node = t._grad = t._view = None
         t._requires_grad = False
         t._version = 0
@@ -178,7 +149,7 @@ class Tensor:
 
     def detach(self) -> "Tensor":
         """The same values, cut from the tape (no gradient flows back through it)."""
-        return Tensor._make(self._x, self._builder)
+        return Tensor._make(self._x, self._builder, self._device)
 
     def detach_(self) -> "Tensor":
         self._node = None
@@ -208,19 +179,20 @@ class Tensor:
 
     @property
     def device(self) -> Device:
-        return CPU
+        """Where the tensor's memory is (`kn.device`): "cpu", "cuda:0", ..."""
+        return self._device or CPU
 
     @property
     def is_cuda(self) -> bool:
-        return False
+        return self._device is not None and self._device.type == "cuda"
 
     def cpu(self) -> "Tensor":
-        return self
+        """This tensor on the CPU (itself when it is there already)."""
+        return self if self._device is None else self.to(CPU)
 
     def cuda(self, device=None) -> "Tensor":
-        as_device("cuda" if device is None else f"cuda:{device}" if isinstance(device, int)
-                  else device, "Tensor.cuda")
-        return self
+        return self.to(as_device("cuda" if device is None else f"cuda:{device}"
+                                 if isinstance(device, int) else device, "Tensor.cuda"))
 
     def element_size(self) -> int:
         return self.dtype.bits // 8 if self.dtype.bits >= 8 else 1
@@ -317,10 +289,16 @@ class Tensor:
             yield self[i]
 
     def __dlpack__(self, *args, **kwargs):
-        return self._concrete("DLPack export").__dlpack__(*args, **kwargs)
+        """Export without copying (kiln/runtime/dlpack.py says what is shared)."""
+        from kiln.runtime.dlpack import export_capsule
+
+        return export_capsule(self._concrete("DLPack export"), self.device, *args, **kwargs)
 
     def __dlpack_device__(self):
-        return self._concrete("DLPack export").__dlpack_device__()
+        from kiln.runtime.dlpack import dlpack_device
+
+        self._concrete("DLPack export")
+        return dlpack_device(self.device)
 
     def __repr__(self) -> str:
         if self._builder is not None:

@@ -31,7 +31,7 @@ class Parameter(Tensor):
         if data.is_traced:
             raise KilnArgumentError("nn.Parameter: wraps a concrete tensor, not a traced one")
         p = object.__new__(cls)
-        p._x, p._builder = data._x, None
+        p._x, p._builder, p._device = data._x, None, data._device
         p._node = p._grad = p._view = None
         p._version = 0
         p._requires_grad = False

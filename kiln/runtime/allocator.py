@@ -1,10 +1,14 @@
-"""The CPU allocator: hands out numpy buffers, enforces a memory fraction, and tracks
-kiln's working memory (`kiln.runtime.memory_stats()`).
+"""The runtime's view of its buffers: hands out numpy buffers from the CPU device's
+caching allocator, enforces the memory fraction, and tracks kiln's working memory
+(`kiln.runtime.memory_stats()`).
 
-Arena buffers (intermediates the memory plan reuses) stay allocated while their
-compiled program lives, and count until then; outputs count while the call that
-makes them runs, after which they belong to the caller. `peak_bytes` is the most
-kiln held at once. Tracking costs a counter update, not a finalizer per array.
+Buffers are blocks of the CPU caching allocator (kiln/runtime/caching_allocator.py):
+a buffer's block returns to the cache when the last view of it dies, so a compiled
+function whose caller dropped its last result gets the same (already paged-in) memory
+on the next call. The allocator's figures are `kn.memory.memory_stats("cpu")`; the
+runtime's own counters below stay as documented: arena buffers (intermediates the
+memory plan reuses) count while their compiled program lives, outputs while the call
+that makes them runs; `peak_bytes` is the most kiln's runtime held at once.
 """
 
 from __future__ import annotations
@@ -15,20 +19,30 @@ import numpy as np
 
 from kiln.memory_limits import KilnMemoryError, check_request, limit_for, nbytes_of, \
     set_process_fraction
+from kiln.runtime.caching_allocator import CachingAllocator, RawMemory
 
 __all__ = ["Allocator", "KilnMemoryError", "default_allocator", "memory_stats",
            "set_memory_fraction"]
 
 
 class Allocator:
-    """Counts the bytes kiln's runtime holds; refuses to go past the memory fraction."""
+    """Counts the bytes kiln's runtime holds; refuses to go past the memory fraction.
 
-    def __init__(self, memory_fraction: float = 1.0):
+    `device_allocator` is where the memory comes from: the CPU device's caching
+    allocator for the default instance, a private one otherwise.
+    """
+
+    def __init__(self, memory_fraction: float = 1.0,
+                 device_allocator: CachingAllocator | None = None):
+        from kiln.memory_limits import physical_memory
+
         self._lock = threading.Lock()
         self.persistent = 0  # arena bytes
         self.transient = 0  # outputs of calls in flight
         self.peak = 0
-        self.allocations = 0
+        self.allocations = 0  # buffers not served from memory a dropped buffer gave back
+        self.device_allocator = device_allocator or CachingAllocator("cpu", RawMemory(),
+                                                                     physical_memory())
         self.set_memory_fraction(memory_fraction)
 
     def set_memory_fraction(self, fraction: float) -> None:
@@ -37,18 +51,23 @@ class Allocator:
 
     def empty(self, shape, dtype, persistent: bool = False) -> np.ndarray:
         """A buffer of `shape`, refused (K170, nothing allocated) past the limit."""
-        nbytes = nbytes_of(shape, np.dtype(dtype).itemsize)
+        dtype = np.dtype(dtype)
+        nbytes = nbytes_of(shape, dtype.itemsize)
+        what = f"allocating a {dtype.name} buffer of shape {tuple(shape)}"
         with self._lock:
             current = self.persistent + self.transient + nbytes
-            check_request(f"allocating a {np.dtype(dtype).name} buffer of shape {tuple(shape)}",
-                          nbytes, self.persistent + self.transient, self.limit, self.fraction)
-            array = np.empty(shape, dtype)
+            check_request(what, nbytes, self.persistent + self.transient, self.limit,
+                          self.fraction)
+            device = self.device_allocator
+            block = device.malloc(nbytes, what)
+            array = device.view_of(block, shape, dtype, nbytes // dtype.itemsize if dtype.itemsize else 0)
             if persistent:
                 self.persistent += nbytes
             else:
                 self.transient += nbytes
             self.peak = max(self.peak, current)
-            self.allocations += 1
+            if not block.reused:
+                self.allocations += 1
         return array
 
     def end_call(self, nbytes: int) -> None:
@@ -69,20 +88,30 @@ class Allocator:
             self.peak = self.persistent + self.transient
 
 
-_DEFAULT = Allocator()
+_DEFAULT: Allocator | None = None
 
 
 def default_allocator() -> Allocator:
+    """The runtime allocator every compiled program uses: it carves the CPU device's
+    caching allocator (the one `kn.memory` reports)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        from kiln.runtime.device import allocator_for
+
+        _DEFAULT = Allocator(device_allocator=allocator_for("cpu"))
     return _DEFAULT
 
 
 def memory_stats() -> dict:
     """Bytes of kiln's runtime buffers in this process: current, arena, peak."""
-    return _DEFAULT.stats()
+    return default_allocator().stats()
 
 
 def set_memory_fraction(fraction: float) -> None:
     """Cap kiln's runtime allocations, and every eager result, at `fraction` of physical
-    memory."""
-    _DEFAULT.set_memory_fraction(fraction)
+    memory (the CPU device's `kn.memory.set_per_process_memory_fraction` too)."""
+    from kiln.runtime.device import allocator_for
+
+    default_allocator().set_memory_fraction(fraction)
     set_process_fraction(fraction)
+    allocator_for("cpu").set_fraction(fraction)

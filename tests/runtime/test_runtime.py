@@ -153,9 +153,9 @@ def test_outputs_never_alias_inputs_or_constants():
 
 def test_allocator_tracks_current_and_peak_bytes():
     a = Allocator()
-    a.empty((100,), np.float32, persistent=True)
+    arena = a.empty((100,), np.float32, persistent=True)
     assert a.stats()["current_bytes"] == 400 and a.stats()["peak_bytes"] == 400
-    a.empty((50,), np.float64)
+    out = a.empty((50,), np.float64)  # both held: two fresh buffers (a dropped one is reused)
     assert a.stats()["current_bytes"] == 800 and a.stats()["peak_bytes"] == 800
     a.end_call(400)  # the call's outputs are now the caller's
     assert a.stats()["current_bytes"] == 400 and a.stats()["peak_bytes"] == 800
@@ -163,6 +163,9 @@ def test_allocator_tracks_current_and_peak_bytes():
     assert a.stats()["peak_bytes"] == 400
     a.release_persistent(400)
     assert a.stats()["current_bytes"] == 0
+    assert a.stats()["allocations"] == 2
+    del arena, out
+    a.empty((100,), np.float32)  # served by memory a dropped buffer gave back: not counted
     assert a.stats()["allocations"] == 2
 
 

@@ -1,0 +1,50 @@
+"""Putting arrays on devices and charging them there: what the frontend calls when an
+eager tensor is made, moved (`x.to(device)`) or computed.
+
+An eager op's result is a numpy array the op's reference made; it is *tracked* by the
+caching allocator of the device the op ran on (counted while it lives). A copy to
+another device is a block of that device's allocator, filled by the device kind's copy
+function. Host-visible memory only (see kiln/runtime/device.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.runtime.device import CPU, Device, allocator_for, copy_to, kind_of
+
+_cpu_allocator = None
+
+
+def _cpu():
+    global _cpu_allocator
+    if _cpu_allocator is None:
+        _cpu_allocator = allocator_for(CPU)
+    return _cpu_allocator
+
+
+def charge(array, device: Device | None) -> None:
+    """Count an eager result on its device while it lives (a view is its base's memory,
+    counted with the base; an array counted already is not counted twice)."""
+    if type(array) is np.ndarray and array.flags.owndata:
+        (_cpu() if device is None else allocator_for(device)).track(array)
+
+
+def place(array: np.ndarray, device: Device) -> np.ndarray:
+    """A fresh host array handed to kiln, on `device`: counted on the CPU, or copied
+    into `device`'s memory."""
+    if device is CPU:
+        charge(array, None)
+        return array
+    return copy_to(np.ascontiguousarray(array), device)
+
+
+def move(array: np.ndarray, source: Device, target: Device) -> np.ndarray:
+    """`array` (on `source`) copied to `target`, with the copy function of the device
+    kind that is not the host."""
+    if target is CPU or target == "cpu":
+        out = np.empty(array.shape, array.dtype)
+        kind_of(source).copy(out, array)
+        charge(out, None)
+        return out
+    return copy_to(np.ascontiguousarray(array), target)
