@@ -40,3 +40,8 @@ def solve(a, b):
 
         return squeeze(apply("solve", a, unsqueeze(b, -1)), -1)
     return apply("solve", a, b)
+
+
+from kiln.frontend.lu import (  # noqa: E402,F401  (LU-based functions, kiln/frontend/lu.py)
+    det, inv, lstsq, lu, lu_factor, slogdet, solve_triangular,
+)
