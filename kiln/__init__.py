@@ -51,5 +51,4 @@ from kiln.ir.dtypes import (  # noqa: F401,E402
     complex64 as cfloat, float16 as half, float32 as float, float64 as double, int16 as short,
     int32 as int, int64 as long,
 )
-from kiln.frontend import fft  # noqa: F401,E402  (kn.fft.fft, rfft, ..., as torch.fft)
 from kiln import nn, optim  # noqa: F401,E402
