@@ -46,9 +46,14 @@ from kiln.frontend.tape import (  # noqa: F401
     enable_grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled,
 )
 from kiln.frontend.tensor import Device as device  # noqa: F401  (kn.device("cpu"), as torch)
+from kiln.frontend.complex_ops import (  # noqa: F401,A004  (also binds z.real, z.imag, z.conj())
+    angle, complex, conj, imag, is_complex, polar, real, view_as_complex, view_as_real,
+)
 # torch's dtype aliases, so `dtype=torch.long` ports as `dtype=kn.long`
 from kiln.ir.dtypes import (  # noqa: F401,E402
     complex64 as cfloat, float16 as half, float32 as float, float64 as double, int16 as short,
     int32 as int, int64 as long,
 )
+from kiln.frontend import fft  # noqa: F401,E402  (kn.fft.fft, rfft, ..., as torch.fft)
 from kiln import nn, optim  # noqa: F401,E402
+from kiln import memory  # noqa: F401,E402  (kn.memory.memory_allocated(device), ...)
