@@ -289,10 +289,12 @@ def _function(node, where: str | None) -> Callable:
     if match and match.group(1) == "sym_size":
         return lambda x, dim: x.shape[dim]
     if match is None or match.group(1) not in aten_ops.ATEN:
+        random = match is not None and ("dropout" in match.group(1) or "bernoulli" in match.group(1))
         raise KilnUnsupportedTorchOpError(
             f"from_torch: {name} has no kiln mapping (kiln maps {len(aten_ops.ATEN)} ATen ops; "
             "see docs/torch-import.md)", where=where,
-            hint="rewrite that line with ops kiln has, or keep that part of the model in torch")
+            hint="call module.eval() before importing: dropout is random only in training mode"
+            if random else "rewrite that line with ops kiln has, or keep that part of the model in torch")
     return aten_ops.ATEN[match.group(1)]
 
 

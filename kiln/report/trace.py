@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -118,7 +119,7 @@ def _kernels(compiled, backend_name: str, put) -> list[dict]:
                 continue
             try:
                 text = backend.stage_text(kernel, mapping[stage])
-            except (KilnError, RuntimeError, ValueError) as e:  # shown, not fatal: a trace is a report
+            except (KilnError, RuntimeError, ValueError, ImportError, OSError) as e:  # shown, not fatal
                 text = f"(could not render {stage}: {e})"
             filename = f"kernel-{slug}.{stage}.txt"
             put(f"kernel:{name}:{stage}", filename, text)
@@ -214,11 +215,15 @@ class CompileRecorder:
         cache = {k: artifact_cache.STATS.get(k, 0) - self.cache_before.get(k, 0)
                  for k in ("hits", "misses", "writes", "corrupt")}
         fn = self.function
-        record_compile(self.directory, function=fn.fn, compiled=compiled, backend=fn.backend,
-                       mode=fn.mode, seconds={"trace": traced_at - self.start,
-                                              "compile": done - traced_at},
-                       reason=reason, guards=guards, cache=cache)
-        remember(self.directory, fn)
+        try:
+            record_compile(self.directory, function=fn.fn, compiled=compiled, backend=fn.backend,
+                           mode=fn.mode, seconds={"trace": traced_at - self.start,
+                                                  "compile": done - traced_at},
+                           reason=reason, guards=guards, cache=cache)
+            remember(self.directory, fn)
+        except OSError as e:  # a full disk or a removed folder must not fail the compile
+            warnings.warn(f"kiln: could not write the compile trace into {self.directory}: {e}",
+                          RuntimeWarning, stacklevel=3)
 
 
 def recorder_for(compiled_function) -> CompileRecorder | None:
@@ -226,5 +231,4 @@ def recorder_for(compiled_function) -> CompileRecorder | None:
     directory = trace_dir(getattr(compiled_function, "trace_dir", None))
     if directory is None:
         return None
-    os.makedirs(directory, exist_ok=True)
     return CompileRecorder(directory, compiled_function)

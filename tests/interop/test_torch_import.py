@@ -223,3 +223,12 @@ def test_dynamic_batch_and_sequence_gpt():
         np.testing.assert_allclose(prog(idx.numpy()).numpy(), model(idx).detach().numpy(),
                                    rtol=1e-4, atol=1e-5)
     assert prog._compiled.stats()["compiles"] == 1
+
+
+def test_training_mode_dropout_says_eval():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))  # training mode
+    with pytest.raises(KilnUnsupportedTorchOpError, match=r"(?s)native_dropout.*module.eval\(\)"):
+        kn.from_torch(model, (torch.randn(2, 4),))
+    prog = kn.from_torch(model.eval(), (torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    np.testing.assert_allclose(prog(x.numpy()).numpy(), model(x).detach().numpy(), rtol=1e-5, atol=1e-6)

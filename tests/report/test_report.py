@@ -175,3 +175,12 @@ def test_report_errors_and_cli(traced, tmp_path, capsys):
     assert kiln_main(["report", str(root), "-o", str(tmp_path / "o"), "--no-dot"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "o" / "index.html")
     assert 'data-engine="kiln"' in next((tmp_path / "o").glob("*-0.html")).read_text()
+
+
+def test_unwritable_trace_dir_warns_and_compiles(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the trace folder should go")
+    f = kn.compile(lambda x: x * 2.0, trace_dir=str(blocker))
+    with pytest.warns(RuntimeWarning, match="could not write the compile trace"):
+        out = f(np.ones(3, np.float32))
+    np.testing.assert_array_equal(out.numpy(), np.full(3, 2.0, np.float32))
