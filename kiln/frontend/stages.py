@@ -92,7 +92,10 @@ def render_stage(graph: Graph, stage: str, target: str = "cpu") -> str:
         prepare = backend.legalize if stage == "legalized" else (lambda k: k)
         return "\n\n".join(format_kernel(prepare(k)) for k in kernels.values()) + "\n"
     mapping = backend.dump_stages
-    backend_stage = stage if stage in own and stage not in mapping else mapping[stage]
+    backend_stage = stage if stage in own and stage not in mapping else mapping.get(stage)
+    if backend_stage is None:
+        raise KilnUnknownStageError(f"the {backend.name} backend has no {stage!r} stage; its stages are "
+                                    f"{', '.join(own) or '(none)'} ({', '.join(mapping) or 'no'} generic ones)")
     comment = backend.comment(backend_stage)
     parts = []
     for name, kernel in kernels.items():

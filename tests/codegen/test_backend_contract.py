@@ -82,6 +82,8 @@ def test_toy_c_backend_gets_integer_semantics_from_legalize(c_target):
     assert "void kiln_" in text and " / " in text and "INT" not in text  # C, legalized guards inline
     legal = render_stage(kn.trace(lambda x, y: x // y, x, y), "legalized", c_target)
     assert "div_unchecked(" in legal and " div(" not in legal
+    with pytest.raises(KilnUnknownStageError, match="c backend has no 'asm' stage; its stages are c"):
+        render_stage(kn.trace(lambda x, y: x // y, x, y), "asm", c_target)
 
 
 @needs_cc
