@@ -103,11 +103,13 @@ def _to(self, *args, dtype=None, device=None, copy: bool = False, non_blocking: 
 
 def _is_device(a) -> bool:
     from kiln.frontend.tensor import _DEVICE_KINDS, Device
+    from kiln.runtime.device import device_kinds
 
     if isinstance(a, Device):
         return True
     if isinstance(a, str):
-        return a.split(":")[0] in _DEVICE_KINDS
+        kind = a.split(":")[0]
+        return kind in _DEVICE_KINDS or kind in device_kinds()
     return not isinstance(a, (dt.DType, type)) and hasattr(a, "type") and hasattr(a, "index")
 
 
