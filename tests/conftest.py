@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 _CACHE_ROOT = tempfile.mkdtemp(prefix="kiln-test-cache-")
-for _var in ("KILN_CACHE_DIR", "TRITON_CACHE_DIR", "POCL_CACHE_DIR", "KILN_FR_DIR"):
+for _var in ("KILN_CACHE_DIR", "TRITON_CACHE_DIR", "POCL_CACHE_DIR", "KILN_FR_DIR", "KILN_MEM_DIR"):
     os.environ[_var] = os.path.join(_CACHE_ROOT, _var.lower())
 
 settings.register_profile("kiln", deadline=None, max_examples=40, derandomize=True,

@@ -60,7 +60,7 @@ class Allocator:
                           self.fraction)
             device = self.device_allocator
             block = device.malloc(nbytes, what)
-            array = device.view_of(block, shape, dtype, nbytes // dtype.itemsize if dtype.itemsize else 0)
+            array = device.view_of(block, shape, dtype, nbytes // dtype.itemsize)
             if persistent:
                 self.persistent += nbytes
             else:

@@ -224,11 +224,13 @@ def as_device(device=None, op: str = "tensor") -> Device:
     if not present or count == 0:
         raise KilnDeviceUnavailableError(
             f"{op}: device {str(dev)!r} is not available here: it needs {kind.hardware}, which "
-            f"this machine does not have{detail}", hint="use 'cpu', or run where that hardware is installed")
+            f"this machine does not have{detail}",
+            hint="use 'cpu', or run where that hardware is installed")
     index = dev.index or 0
     if index >= count:
-        raise KilnDeviceUnavailableError(f"{op}: device {str(dev)!r} does not exist: this machine "
-                                         f"has {count} {dev.type} device(s), indices 0..{count - 1}")
+        raise KilnDeviceUnavailableError(
+            f"{op}: device {str(dev)!r} does not exist: this machine has {count} {dev.type} "
+            f"device(s), indices 0..{count - 1}")
     resolved = Device(dev.type, index)
     _RESOLVED[dev] = resolved
     return resolved
