@@ -130,6 +130,11 @@ class KilnBackwardError(KilnError, RuntimeError):
     title = "tape autograd misuse"
 
 
+class KilnTracedStateError(KilnTraceError):
+    code = "K302"
+    title = "a traced function changed state it did not receive as an argument"
+
+
 # -- ecosystem: safetensors, torch import, profiler, compile reports (K340-K359) ------------
 
 

@@ -273,6 +273,17 @@ def backward(tensor, gradient=None, inputs: Sequence | None = None) -> None:
 def _accumulate(leaf, g, traced) -> None:
     from kiln.frontend.tensor import Tensor
 
+    if traced is not None and leaf._builder is None:
+        from kiln.errors import KilnTracedStateError, user_location
+
+        raise KilnTracedStateError(
+            f"backward: inside a trace, the gradient reached a {leaf.dtype.short}"
+            f"{list(leaf.shape)} leaf the function did not receive as an argument (a closed-over "
+            "tensor or a module parameter); its .grad would hold a traced value after the trace",
+            where=user_location(),
+            hint="compile the module (kn.compile(model)) and call loss.backward() outside, or use "
+                 "kn.grad / kn.value_and_grad inside the compiled function")
+
     grad = Tensor._make(g, traced)
     if leaf._grad is None:
         leaf._grad = grad

@@ -109,3 +109,26 @@ def test_backward_inside_a_trace_gives_the_same_gradient():
     (out,) = run_graph(traced, w0)
     np.testing.assert_allclose(out, eager.numpy(), rtol=1e-6)
     np.testing.assert_allclose(eager.numpy(), np.cos(w0) * w0 + np.sin(w0), rtol=1e-6)
+
+
+def test_changing_outside_state_inside_a_trace_is_a_numbered_error():
+    from kiln import optim
+
+    w = nn.Parameter(kn.ones(3))
+    opt = optim.SGD([w], lr=0.1)
+
+    def step(x):
+        loss = (x * w).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    with pytest.raises(kn.KilnError, match="K302.*did not receive"):
+        kn.trace(step, kn.ones(3))
+    assert w.grad is None and not w.is_traced  # nothing leaked out of the trace
+    buf = kn.zeros(3)
+    with pytest.raises(kn.KilnError, match="K302"):
+        kn.trace(lambda x: buf.add_(x), kn.ones(3))
+    assert not buf.is_traced
+    step(kn.ones(3))  # eagerly the same step works
+    np.testing.assert_allclose(w.numpy(), [0.9, 0.9, 0.9])
