@@ -77,7 +77,7 @@ POLICIES = ("abort", "shrink", "replace")
 _TICK = 0.05          # how often the launcher polls its workers and the store
 _STORE_TIMEOUT = 5.0  # the deadline of the launcher's own store operations
 _REAP_TIMEOUT = 5.0   # after SIGKILL: how long to wait for the kernel to reap a worker
-_DRAIN_TIMEOUT = 5.0       # at the end: how long to wait for the last bytes of the workers' output
+_DRAIN_TIMEOUT = 5.0  # at the end: how long to wait for the last bytes of the workers' output
 
 
 @dataclass
@@ -270,6 +270,17 @@ class _Job:
             except ProcessLookupError:
                 pass
 
+    def _kill(self, slot: _Slot) -> int:
+        """SIGKILL the worker's process group and reap it (bounded); its return code
+        (-SIGKILL if the kernel has not let it go after _REAP_TIMEOUT s)."""
+        self._signal(slot, signal.SIGKILL)
+        try:
+            return slot.proc.wait(timeout=_REAP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            _log("worker rank %d (pid %d) survived SIGKILL for %.0f s; counting it as dead"
+                 % (slot.rank, slot.proc.pid, _REAP_TIMEOUT))
+            return -signal.SIGKILL
+
     def _running(self) -> list[_Slot]:
         return [s for s in self.slots if s.state == "running"]
 
@@ -350,9 +361,7 @@ class _Job:
                 for slot in running:
                     _log("rank %d is still stopped by --inject while every other worker is "
                          "done; killing it" % slot.rank)
-                    self._signal(slot, signal.SIGKILL)
-                    slot.proc.wait(timeout=_REAP_TIMEOUT)
-                    outcome = self._died(slot, slot.proc.returncode)
+                    outcome = self._died(slot, self._kill(slot))
                     if outcome is not None:
                         return outcome
                 running = self._running()
@@ -363,8 +372,7 @@ class _Job:
                 for slot in running:
                     _log("rank %d (pid %d) was still waiting to join when the job finished; "
                          "stopping it" % (slot.rank, slot.proc.pid))
-                    self._signal(slot, signal.SIGKILL)
-                    slot.proc.wait(timeout=_REAP_TIMEOUT)
+                    self._kill(slot)
                     slot.state = "released"
                     self._event("released", slot)
                 running = self._running()
@@ -406,14 +414,7 @@ class _Job:
             _log("rank %d (pid %d) was removed from the group at epoch %d (its peers took it "
                  "for dead: stopped or hung) and is still running; killing it"
                  % (slot.rank, slot.proc.pid, epoch))
-            self._signal(slot, signal.SIGKILL)
-            try:
-                slot.proc.wait(timeout=_REAP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                _log("rank %d (pid %d) survived SIGKILL for %.0f s; counting it as dead"
-                     % (slot.rank, slot.proc.pid, _REAP_TIMEOUT))
-            code = slot.proc.returncode if slot.proc.returncode is not None else -signal.SIGKILL
-            outcome = self._died(slot, code, removed_at_epoch=epoch)
+            outcome = self._died(slot, self._kill(slot), removed_at_epoch=epoch)
             if outcome is not None:
                 return outcome
         return None
@@ -452,19 +453,19 @@ class _Job:
         # before the group's first rendezvous there is no running group to join: the
         # replacement takes the dead worker's place in that rendezvous (the others are
         # still waiting for its rank there) instead of waiting to be admitted
-        first = self.group.formed()
-        if first:
+        joins = self.group.formed()
+        if joins:
             env["KILN_JOIN"] = "1"
         else:
             env.pop("KILN_JOIN", None)
         old_pid = slot.proc.pid
         slot.proc, slot.env, slot.state = self._spawn(slot.rank, slot.local, env), env, "running"
-        slot.uid = None if first else slot.rank
+        slot.uid = None if joins else slot.rank  # a joiner's uid comes with its join request
         self._event("replaced", slot, replaces_pid=old_pid, restart_count=count,
-                    joins=first)
+                    joins=joins)
         _log("started a replacement for rank %d (pid %d, restart %d of %d)%s"
              % (slot.rank, slot.proc.pid, count, self.cfg.max_restarts,
-                "" if first else ": the group had not formed yet, so it takes rank %d's place "
+                "" if joins else ": the group had not formed yet, so it takes rank %d's place "
                 "in the first rendezvous" % slot.rank))
         return None
 
@@ -484,12 +485,7 @@ class _Job:
             try:
                 slot.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
-                self._signal(slot, signal.SIGKILL)
-                try:
-                    slot.proc.wait(timeout=_REAP_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    _log("worker rank %d (pid %d) survived SIGKILL for %.0f s; leaving it"
-                         % (slot.rank, slot.proc.pid, _REAP_TIMEOUT))
+                self._kill(slot)
         for slot in running:
             if slot.state == "running":
                 slot.state = "dead"

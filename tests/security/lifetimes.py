@@ -209,7 +209,10 @@ def launched(tmp_path: Path, *args: str, env_extra: dict | None = None, **cfg):
     try:
         yield job
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate(timeout=10)
-        job.kill_leftovers()
+        try:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(timeout=10)
+        finally:
+            job.kill_leftovers()  # first of all, even if the launcher would not go
+            launcher.stderr.close()  # a worker may hold its other end: never read to EOF
