@@ -6,6 +6,7 @@ import pytest
 
 import kiln as kn
 from kiln.frontend.dispatch import apply
+from tests.torch_oracle import check_against_torch as _grads
 
 torch = pytest.importorskip("torch")
 RNG = np.random.default_rng(11)
@@ -13,18 +14,6 @@ RNG = np.random.default_rng(11)
 
 def _x(*shape):
     return RNG.standard_normal(shape).astype(np.float32)
-
-
-def _grads(kfn, tfn, *arrays, rtol=1e-4, atol=1e-5):
-    ks = [kn.tensor(a, requires_grad=True) for a in arrays]
-    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
-    kout, tout = kfn(*ks), tfn(*ts)
-    np.testing.assert_allclose(kout.numpy(), tout.detach().numpy(), rtol=rtol, atol=atol)
-    r = _x(*tout.shape)
-    (kout * kn.tensor(r)).sum().backward()
-    (tout * torch.tensor(r)).sum().backward()
-    for k, t in zip(ks, ts):
-        np.testing.assert_allclose(k.grad.numpy(), t.grad.numpy(), rtol=rtol, atol=atol)
 
 
 def test_lu_and_lu_factor_match_torch():

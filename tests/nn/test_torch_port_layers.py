@@ -7,6 +7,7 @@ import pytest
 import kiln as kn
 from kiln import nn
 from kiln.nn import functional as F
+from tests.torch_oracle import check_against_torch
 
 torch = pytest.importorskip("torch")
 TF = torch.nn.functional
@@ -18,20 +19,12 @@ def _x(*shape):
 
 
 def _check(kfn, tfn, *arrays, rtol=1e-4, atol=1e-5, compiled=False):
-    """Values and input gradients of sum(f(*inputs) * r) in kiln and torch."""
-    ks = [kn.tensor(a, requires_grad=True) for a in arrays]
-    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
-    kout, tout = kfn(*ks), tfn(*ts)
-    np.testing.assert_allclose(kout.numpy(), tout.detach().numpy(), rtol=rtol, atol=atol)
-    r = _x(*tout.shape)
-    (kout * kn.tensor(r)).sum().backward()
-    (tout * torch.tensor(r)).sum().backward()
-    for k, t in zip(ks, ts):
-        np.testing.assert_allclose(k.grad.numpy(), t.grad.numpy(), rtol=rtol, atol=atol)
+    """Values and input gradients against torch; optionally the compiled values too."""
+    want = check_against_torch(kfn, tfn, *arrays, rtol=rtol, atol=atol).numpy()
     if compiled:
         fast = kn.compile(lambda *a: kfn(*a))
-        np.testing.assert_allclose(fast(*[kn.tensor(a) for a in arrays]).numpy(),
-                                   tout.detach().numpy(), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(fast(*[kn.tensor(a) for a in arrays]).numpy(), want,
+                                   rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("n,kw", [(1, dict(stride=2, padding=1)), (1, dict(dilation=2, groups=2)),
