@@ -16,7 +16,10 @@ from kiln.distributed.errors import (
     MalformedFrame, PeerFailure, RendezvousError, StoreAuthError, StoreBadRequest,
     StoreError, StoreLost, StoreTimeout, WindowInvalidated,
 )
+from kiln.distributed.dtensor import DTensor, distribute_tensor
 from kiln.distributed.flight_recorder import FlightRecorder, recorder
+from kiln.distributed.mesh import DeviceMesh, init_device_mesh
+from kiln.distributed.placements import Partial, Placement, Replicate, Shard
 from kiln.distributed.process_group import ProcessGroup
 from kiln.distributed.rendezvous import (
     destroy_process_group, get_world, init_process_group, is_initialized,
@@ -34,4 +37,6 @@ __all__ = [
     "RendezvousError", "Store", "StoreAuthError", "StoreError", "StoreLost", "StoreServer", "StoreTimeout",
     "TcpBackend", "Window", "WindowInvalidated", "Work", "destroy_process_group", "get_world",
     "init_process_group", "is_initialized", "recorder",
+    "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_tensor",
+    "init_device_mesh",
 ]

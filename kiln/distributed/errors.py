@@ -251,3 +251,52 @@ class MpiLaunchError(LaunchError):
 
     code = "K232"
     title = "cannot launch with mpirun"
+
+
+# -- sharded tensors and distributed checkpoints (K240-K249) --------------------------------
+class MeshError(DistributedError, ValueError):
+    """A DeviceMesh cannot be built or indexed: its shape does not cover the process
+    group, a dim name is unknown or repeated, or a sub-mesh is asked of a rank outside it."""
+
+    code = "K240"
+    title = "invalid device mesh"
+
+
+class PlacementError(DistributedError, ValueError):
+    """A placement does not fit its tensor or mesh: a Shard dim outside the tensor, an
+    unknown Partial op, a placement count that is not the mesh's ndim, or operands of one
+    op on different meshes."""
+
+    code = "K241"
+    title = "invalid placement"
+
+
+class ShardingRuleError(DistributedError, ValueError):
+    """An op has no sharding rule, or its rule cannot place these operands."""
+
+    code = "K242"
+    title = "no sharding strategy"
+
+
+class CheckpointError(DistributedError, OSError):
+    """A distributed checkpoint could not be written or read (I/O, a key of the state that
+    the checkpoint lacks, a shape that differs)."""
+
+    code = "K245"
+    title = "distributed checkpoint failed"
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A shard file of a checkpoint is missing, truncated or fails its checksum; the
+    message names the file and the tensor."""
+
+    code = "K246"
+    title = "corrupt or missing checkpoint shard"
+
+
+class CheckpointManifestError(CheckpointError):
+    """A checkpoint's manifest is malformed or hostile (wrong shapes or offsets, a path
+    that escapes the checkpoint folder, an unknown dtype); nothing is read from it."""
+
+    code = "K247"
+    title = "invalid checkpoint manifest"
