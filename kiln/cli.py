@@ -106,7 +106,7 @@ def dump_command(args: argparse.Namespace) -> int:
     try:
         archive = read_archive(args.file)
     except KilnFormatError as exc:
-        return _fail("dump", exc.message)
+        return _fail("dump", f"[{exc.code}] {exc.message}")
     try:
         if args.stage == "exported":
             text = render_archive(archive, args.file, args.format)
@@ -118,7 +118,7 @@ def dump_command(args: argparse.Namespace) -> int:
 
             text = render_stage(archive.graph, args.stage, args.target)
     except KilnError as exc:
-        return _fail("dump", f"{args.file}: [{exc.code}] {exc.message}")
+        return _fail("dump", f"[{exc.code}] {args.file}: {exc.message}")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()

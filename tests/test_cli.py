@@ -114,7 +114,7 @@ def test_bad_file_gives_one_line_and_exit_2(tmp_path, kir, capsys, which):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and err.endswith("\n")
-    assert err.startswith(f"kiln dump: error: {path}: ")
+    assert err.startswith(f"kiln dump: error: [K13") and f"] {path}: " in err
     assert match in err
 
 
@@ -126,7 +126,7 @@ def test_python_dash_m_kiln_reports_a_bad_file_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"kiln dump: error: {bad}: [K130] not a valid zip")
+    assert len(lines) == 1 and lines[0].startswith(f"kiln dump: error: [K130] {bad}: not a valid zip")
     assert "Traceback" not in proc.stderr
 
 
