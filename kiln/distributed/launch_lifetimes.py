@@ -9,6 +9,8 @@
   uids of replacements (from their join requests), and which uids an epoch removed (a
   worker stopped or hung from outside, shrunk away by its peers, is killed rather than
   waited for: no epoch will take it back).
+- `process_state`: a worker stopped from outside (state T) while every other worker is
+  done is killed after --grace seconds: nobody is left to wake it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent:  # the parent died between fork and prctl
             os.kill(os.getpid(), kill)
     return arm
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process in /proc (R, S, T stopped, t traced, Z zombie, ...);
+    None when it cannot be read (gone, or not Linux)."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rpartition(b")")[2].split()  # the command name may hold spaces and ')'
+    return fields[0].decode() if fields else None
 
 
 class GroupWatch:

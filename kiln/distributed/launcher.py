@@ -9,10 +9,8 @@ KILN_NODE_RANK, KILN_STORE, KILN_TOKEN (generated with `secrets` when absent; wi
 several nodes every node must be given the same KILN_TOKEN), KILN_STORE_HOSTED=1,
 KILN_LAUNCHER=1, KILN_RESTART_COUNT=0 and KILN_MIN_SIZE (--min-size: the smallest group a
 fault-tolerant process group may shrink to). SIGINT and SIGTERM are forwarded to the
-workers (SIGKILL after --grace seconds). Workers die with the launcher: each is started
-with PR_SET_PDEATHSIG = SIGKILL, so even a SIGKILLed launcher leaves no worker behind.
-Their stdout and stderr pass through the launcher line by line (`launch_output`:
-never mixed within a line; --prefix adds `[rank N] `, --log-dir DIR keeps DIR/rankN.log).
+workers (SIGKILL after --grace seconds). Workers die with the launcher, even a SIGKILLed
+one (PR_SET_PDEATHSIG). Their output passes through it line by line (`launch_output`).
 
 A worker that exits 0 is done. A worker that exits non-zero or is killed by a signal
 has *died*; the launcher records it and applies `--on-failure`:
@@ -31,10 +29,9 @@ has *died*; the launcher records it and applies `--on-failure`:
   `ft/view/0` in the store yet) is replaced without KILN_JOIN: nobody could admit a
   joiner, so the new process takes the dead one's rank in that first rendezvous.
 
-A running worker that the fault-tolerant group removed from its membership (stopped or
-hung from outside, so its peers took it for dead) is killed and counted as a death
-(event field `removed_at_epoch`): no epoch will take it back, and the launcher must
-not wait for it.
+A running worker that the fault-tolerant group removed (stopped or hung from outside,
+so its peers took it for dead), or that stays stopped once all others are done, is
+killed and counted as a death (`launch_lifetimes`): the launcher never waits for it.
 
 With `shrink` and `replace` the job fails when fewer than --min-size workers are live
 (not dead: running or finished). The job succeeds (exit 0) when every live worker has
@@ -65,7 +62,7 @@ import time
 from dataclasses import dataclass, field
 
 from kiln.distributed import elastic
-from kiln.distributed.launch_lifetimes import GroupWatch, die_with_parent
+from kiln.distributed.launch_lifetimes import GroupWatch, die_with_parent, process_state
 from kiln.distributed.launch_output import Output, log_line, unbuffered_on_terminal
 from kiln.distributed.launch_report import Failure, report, signal_name
 from kiln.distributed.elastic import Fault
@@ -179,6 +176,7 @@ class _Slot:
     resume_at: float | None = None    # a `stop ...,for=D` fault: when to SIGCONT
     stopped: bool = False             # SIGSTOPped by a fault and not resumed
     uid: int | None = None            # its uid in the fault-tolerant group, once known
+    stopped_since: float | None = None  # first seen stopped from outside, all others done
 
 
 class _Job:
@@ -251,11 +249,9 @@ class _Job:
             env[elastic.ENV_PAUSE_STEPS] = ",".join(map(str, steps))
         if any(f.kind == "drop-conn" for f in mine):
             env[elastic.ENV_POLL_DROP] = "1"
-        # own session: a terminal's Ctrl-C reaches the launcher, which forwards it once;
-        # and an injected fault can signal the worker's whole process group.
-        # die_with_me: the kernel SIGKILLs the worker if the launcher dies (even by
-        # SIGKILL), so a lost launcher never leaves workers running on their own
-        # stdout/stderr: pipes read line by line (kiln.distributed.launch_output)
+        # own session: a terminal's Ctrl-C reaches the launcher, which forwards it once,
+        # and a fault can signal the worker's process group; die_with_me: the kernel kills
+        # it with the launcher; stdout/stderr: pipes read line by line (launch_output)
         proc = subprocess.Popen([sys.executable, self.cfg.script] + self.cfg.script_args,
                                 env=env, start_new_session=True, preexec_fn=self.die_with_me,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -306,7 +302,7 @@ class _Job:
                      % (", ".join(map(str, still)), _DRAIN_TIMEOUT))
         if code == 0 and self.cfg.nnodes > 1:
             self._finish_nodes()
-        self._report(code, reason)
+        report(self, code, reason, _log)  # the summary and --events-json
         return code
 
     def _forward(self, signum, frame) -> None:
@@ -355,12 +351,13 @@ class _Job:
             if outcome is not None:
                 return outcome
             running = self._running()
-            if running and all(s.stopped and s.resume_at is None for s in running):
+            if running and all(self._stopped_for_good(s) for s in running):
                 # only workers stopped for good are left: they are hung, nobody will wake
                 # them, and their peers are done, so they count as dead
                 for slot in running:
-                    _log("rank %d is still stopped by --inject while every other worker is "
-                         "done; killing it" % slot.rank)
+                    _log("rank %d is still stopped %s while every other worker is done; "
+                         "killing it" % (slot.rank, "by --inject" if slot.stopped else
+                                         "from outside (SIGSTOP) for %.1f s" % self.cfg.grace))
                     outcome = self._died(slot, self._kill(slot))
                     if outcome is not None:
                         return outcome
@@ -382,6 +379,20 @@ class _Job:
                            "%d of %d workers finished, %d died (--on-failure %s)"
                            % (len(self.slots) - dead, len(self.slots), dead, self.cfg.on_failure))
             time.sleep(_TICK)
+
+    def _stopped_for_good(self, slot: _Slot) -> bool:
+        """Stopped, and nobody will wake it: by an --inject stop without for=, or from
+        outside (SIGSTOP, Ctrl-Z: state T, not a debugger's t) for --grace seconds while
+        no other worker runs."""
+        if slot.stopped:
+            return slot.resume_at is None
+        if process_state(slot.proc.pid) != "T":
+            slot.stopped_since = None
+            return False
+        now = time.monotonic()
+        if slot.stopped_since is None:
+            slot.stopped_since = now
+        return now - slot.stopped_since >= self.cfg.grace
 
     def _only_waiting_joiners(self, running: list[_Slot]) -> bool:
         """Whether every running worker is a replacement still waiting to be admitted
@@ -583,9 +594,4 @@ class _Job:
             # release the worker waiting in report_step (unless it is gone or stopped)
             self._store_call(lambda: self.store.set(elastic.FIRED_KEY % (slot.rank, fault.step),
                                                     b"1"))
-
-    # -- the end --------------------------------------------------------------------
-
-    def _report(self, code: int, outcome: str) -> None:
-        report(self, code, outcome, _log)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# modes: idle (never touches kiln or the store, ignores SIGTERM), train (a fault-tolerant
+# modes: idle (never touches kiln or the store, ignores SIGTERM), selfstop (rank 1
+# SIGSTOPs itself, the others exit 0), train (a fault-tolerant
 # loop whose result is known: sum(1..steps)), early (train, but rank 1's first process
 # exits before the first rendezvous), leak (rank 1 dies; rank 0 makes 10,000 calls on the
 # failed group and measures its memory)
@@ -35,6 +36,11 @@ if mode == "idle":
     end = time.monotonic() + 120  # bounded even if everything else fails
     while time.monotonic() < end:
         time.sleep(0.05)
+    sys.exit(0)
+if mode == "selfstop":  # no group: rank 1 stops itself (as Ctrl-Z would), the rest finish
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.5)
     sys.exit(0)
 if mode == "early" and rank == 1 and os.environ["KILN_RESTART_COUNT"] == "0":
     sys.exit(3)  # dies before init_process_group: the group never formed

@@ -59,6 +59,24 @@ def test_externally_stopped_worker_is_removed_and_the_launcher_exits(tmp_path):
         assert job.kill_leftovers() == []
 
 
+@pytest.mark.timeout(90)
+def test_worker_left_stopped_after_the_others_finished_is_killed(tmp_path):
+    # no fault-tolerant group to remove it: once every other worker is done, a worker
+    # stopped from outside has nobody left to wake it; after --grace (2 s) it is killed
+    report = tmp_path / "events.json"
+    with launched(tmp_path, "--nproc", "3", "--on-failure", "shrink", "--events-json",
+                  str(report), mode="selfstop") as job:
+        code, err = job.finish(timeout=60)
+        assert code == 0, err
+        [stopped] = job.pids()[1]
+        assert "rank 1 is still stopped from outside (SIGSTOP) for 2.0 s while every other " \
+            "worker is done; killing it" in err
+        assert not job.alive(stopped)
+        events = json.loads(report.read_text())["events"]
+        assert [(e["kind"], e["rank"]) for e in events if e["kind"] == "died"] == [("died", 1)]
+        assert job.kill_leftovers() == []
+
+
 @pytest.mark.timeout(120)
 def test_replace_before_the_first_rendezvous_succeeds_with_one_restart(tmp_path):
     report = tmp_path / "events.json"
