@@ -1,6 +1,7 @@
 """Data-parallel training that survives `kill -9`: shrink in place, a replacement rejoins.
 
     .venv/bin/python examples/train_ddp_ft.py [--nproc 4] [--steps 60] [--kill-step 20]
+                                              [--backend tcp|mpi]
 
 The driver (this script without --worker) runs the job twice on this machine:
 
@@ -14,6 +15,11 @@ The driver (this script without --worker) runs the job twice on this machine:
    back, they shrink to 3 ranks in place and go on; the launcher starts a replacement,
    which joins at the next step commit, receives parameters and optimizer state from
    rank 0 and takes part from then on.
+
+With `--backend mpi` the job runs under `kiln launch --engine mpi` (mpirun with ULFM) on
+the mpi backend: rank 2 sends itself SIGKILL at step K (mpirun starts the ranks, so
+there is no launcher to inject it), Open MPI reports the death, the survivors shrink,
+and rank 0 spawns the replacement into the running job.
 
 The global batch is the same at every step whatever the world size (each rank takes an
 equal slice), so the loss curve of the faulty run follows the fault-free one up to
@@ -103,7 +109,11 @@ def worker(args) -> None:
     import kiln.distributed as dist
     from kiln.distributed.elastic import on_drop_conn, report_step
 
-    pg = dist.init_process_group(fault_tolerant=True, timeout=10.0)
+    pg = dist.init_process_group(args.backend, fault_tolerant=True, timeout=10.0)
+    joined = os.environ.get("KILN_JOIN") == "1"
+    if args.backend == "mpi":
+        from kiln.distributed.mpi_world import spawned
+        joined = spawned()
     teacher = make_teacher()
     params, state, grad_step, apply = build(args.lr)
     model = {"params": params, "opt": state}
@@ -117,10 +127,16 @@ def worker(args) -> None:
     pg.register_state(lambda: flat(model), load)  # a joiner receives the state here
     on_drop_conn(lambda: pg.store.close())
     names = sorted(flat(model["params"]))
+    kill_self = {int(a): int(b) for a, b in (kv.split(":") for kv in
+                                             (args.kill_self or "").split(",") if kv)}
     losses, began, first_commit_at = {}, time.time(), None
     while pg.committed_step < args.steps:
         step = pg.committed_step + 1
         report_step(step)  # where `kiln launch --inject kill:...,step=K` strikes
+        if kill_self.get(step) == pg.global_ranks[pg.rank] and not joined:
+            # under mpirun, the kill comes from inside: note when, then SIGKILL
+            Path(args.out, "killed_%d.json" % step).write_text(json.dumps({"time": time.time()}))
+            os.kill(os.getpid(), 9)
         x, y = batch(teacher, step)
         lo = pg.rank * GLOBAL_BATCH // pg.world_size
         hi = (pg.rank + 1) * GLOBAL_BATCH // pg.world_size
@@ -145,7 +161,7 @@ def worker(args) -> None:
            "epoch": pg.epoch, "committed": pg.committed_step, "losses": losses,
            "rolled_back": pg._ft.rolled_back, "history": pg._ft.history,
            "digest": digest.hexdigest(), "seconds": time.time() - began,
-           "joined": os.environ.get("KILN_JOIN") == "1", "started_at": began,
+           "joined": joined, "started_at": began,
            "first_commit_at": first_commit_at}
     if args.save and pg.rank == 0:
         np.savez(args.save, **flat(model))
@@ -159,12 +175,18 @@ def drive(args) -> dict:
     out = Path(args.out or tempfile.mkdtemp(prefix="kiln-ddp-ft-"))
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.json"
+    worker_args = [__file__, "--worker", "--steps", str(args.steps), "--lr", str(args.lr),
+                   "--out", str(out), "--backend", args.backend]
+    if args.backend == "mpi":  # mpirun starts the ranks: rank 2 kills itself at step K
+        launch = ["--engine", "mpi"]
+        worker_args += ["--kill-self", "%d:2" % args.kill_step]
+    else:
+        launch = ["--events-json", str(events), "--inject", "kill:rank=2,step=%d"
+                  % args.kill_step]
     cmd = [sys.executable, "-m", "kiln", "launch", "--nproc", str(args.nproc),
-           "--on-failure", "replace", "--max-restarts", "1", "--events-json", str(events),
-           "--inject", "kill:rank=2,step=%d" % args.kill_step, __file__, "--worker",
-           "--steps", str(args.steps), "--lr", str(args.lr), "--out", str(out)]
-    print("$ kiln launch --nproc %d --on-failure replace --inject kill:rank=2,step=%d ..."
-          % (args.nproc, args.kill_step), flush=True)
+           "--on-failure", "replace", "--max-restarts", "1"] + launch + worker_args
+    print("$ kiln launch --nproc %d --on-failure replace %s (kill -9 of rank 2 at step %d)"
+          % (args.nproc, " ".join(launch[:2]), args.kill_step), flush=True)
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.time() - t0
@@ -172,8 +194,11 @@ def drive(args) -> dict:
         print(proc.stdout[-4000:], proc.stderr[-4000:])
         raise SystemExit("the fault-tolerant job failed (exit %d)" % proc.returncode)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank_uid*.json"))]
-    launch_events = json.loads(events.read_text())["events"]
-    killed = next(e for e in launch_events if e["kind"] == "injected")
+    if args.backend == "mpi":
+        killed = json.loads((out / ("killed_%d.json" % args.kill_step)).read_text())
+    else:
+        launch_events = json.loads(events.read_text())["events"]
+        killed = next(e for e in launch_events if e["kind"] == "injected")
     digests = {r["digest"] for r in ranks}
     survivor = next(r for r in ranks if not r["joined"])
     shrink = next(h for h in survivor["history"] if h["failed_at"])
@@ -217,7 +242,10 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", default=None, help="where workers write their results")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--backend", choices=("tcp", "mpi"), default="tcp",
+                    help="tcp (kiln launch) or mpi (kiln launch --engine mpi: mpirun + ULFM)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kill-self", default=None, help=argparse.SUPPRESS)  # "STEP:UID,..."
     ap.add_argument("--save", default=None, help="(worker) rank 0 saves the state here (.npz)")
     ap.add_argument("--resume", default=None, help="(worker) load the state from this .npz")
     args = ap.parse_args(argv)

@@ -98,7 +98,7 @@ def launch_mpi(args, script_args: list[str]) -> int:
     os.environ.update(env)
     cmd = mpirun_command(args.nproc, [sys.executable, args.script] + script_args,
                          hostfile=getattr(args, "hostfile", None))
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_term_with_parent())
     previous = {}
 
     def forward(signum, frame):
@@ -125,8 +125,50 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
         pass
 
 
+def _term_with_parent():
+    """A preexec_fn: the kernel sends mpirun SIGTERM when the launcher dies (even by
+    SIGKILL), and mpirun then ends its ranks (Linux prctl(PR_SET_PDEATHSIG))."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (mpirun puts each rank in a process group of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/stat" % entry) as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """End mpirun's session: SIGTERM, then SIGKILL after `grace` seconds (bounded)."""
+    """End mpirun and everything it started: SIGTERM (mpirun ends its ranks), then
+    SIGKILL to whatever is left after `grace` seconds (bounded)."""
+    below = _descendants(proc.pid)
     if proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -134,6 +176,11 @@ def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             pass
     _signal_group(proc, signal.SIGKILL)  # ranks of a finished mpirun, if any remain
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:

@@ -25,6 +25,7 @@ process learns the others' uids; then the epoch's communicator is made as above.
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import socket
@@ -44,6 +45,9 @@ _ME: list[int] = [0]  # this process's uid (set when the world's communicator is
 _SPAWNED: list = []  # intercommunicators of the replacements this process spawned
 _RESTARTS = [0]  # replacements spawned so far (rank 0 of a shrunk world)
 _CONFIG_TAG = 7101  # the spawn intercommunicator's message: store address and token
+_RELEASE_TAG = 7102  # ... and the parent's goodbye: the job ended, stop waiting to join
+_JOINED = [False]  # this replacement made it into the group
+_SPAWNING: list[threading.Thread] = []  # the threads that spawned replacements
 _CONFIG_BYTES = 1024
 
 
@@ -96,6 +100,8 @@ def from_mpi(rank, world_size, store, token, joiner: bool, fault_tolerant: bool)
         buf = np.zeros(_CONFIG_BYTES, np.uint8)
         parent.Recv(buf, source=0, tag=_CONFIG_TAG)
         store, token = buf.tobytes().rstrip(b"\0").decode().split("\n", 1)
+        threading.Thread(target=_await_release, args=(parent,), daemon=True,
+                         name="kiln-mpi-release").start()
         return 0, 1, store, token, True, None
     world = MPI.COMM_WORLD
     size, me = world.Get_size(), world.Get_rank()
@@ -196,6 +202,7 @@ def communicator(store, prefix: str, rank: int, world_size: int, token: str, tim
             _ME[0] = me = view.members[rank]
             if view.joined:
                 _admit(store, prefix, view, me, deadline)
+                _JOINED[0] = True
             uids = list(view.members)
             if view.removed and rank == 0:
                 _replace(store, token, len(view.removed))
@@ -299,6 +306,48 @@ def spawn_replacements(count: int, store: str, token: str) -> None:
         buf[:len(text)] = np.frombuffer(text, np.uint8)
         for child in range(count):
             inter.Send(buf, dest=child, tag=_CONFIG_TAG)
-        _SPAWNED.append(inter)
+        _SPAWNED.append((inter, count))
 
-    threading.Thread(target=run, name="kiln-mpi-spawn", daemon=True).start()
+    if not _SPAWNING:
+        atexit.register(_release_children)
+    thread = threading.Thread(target=run, name="kiln-mpi-spawn", daemon=True)
+    _SPAWNING.append(thread)
+    thread.start()
+
+
+def _release_children(timeout: float = 2.0) -> None:
+    """At exit of the process that spawned replacements: tell them the job is over. One
+    still waiting to be admitted then leaves (MPI_Finalize waits for every process
+    connected to this one, so it must not wait for a join that never comes)."""
+    MPI = load_mpi()
+    for thread in _SPAWNING:  # a replacement still starting must finish its MPI_Init first
+        thread.join(60.0)
+    deadline = time.monotonic() + timeout
+    for inter, count in _SPAWNED:
+        for child in range(count):
+            try:
+                req = inter.Isend(np.zeros(1, np.uint8), dest=child, tag=_RELEASE_TAG)
+                while not req.Test() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            except MPI.Exception:
+                pass  # that replacement is gone already
+
+
+def _await_release(parent) -> None:
+    """(A spawned replacement) leave quietly when the job ends before this process was
+    admitted: finalize MPI (its parent's MPI_Finalize waits for it) and exit 0."""
+    MPI = load_mpi()
+    buf = np.zeros(1, np.uint8)
+    try:
+        req = parent.Irecv(buf, source=0, tag=_RELEASE_TAG)
+        while not req.Test():
+            time.sleep(0.05)
+    except MPI.Exception:
+        return  # the parent died: the group admits this process or it times out
+    if _JOINED[0]:
+        return  # a member now: it ends with the group
+    print("kiln: the job ended before this replacement was admitted; leaving",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    MPI.Finalize()
+    os._exit(0)
