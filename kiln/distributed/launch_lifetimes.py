@@ -28,12 +28,14 @@ JOIN_PREFIX = "ft/join/"  # a replacement waiting to be admitted: {"pid": ...}
 _PR_SET_PDEATHSIG = 1     # linux/prctl.h
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the kernel SIGKILL the child when this process dies
-    (Linux `prctl(PR_SET_PDEATHSIG)`); None where that does not exist. Made in the
-    parent: the child only calls an already resolved C function between fork and exec.
+def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the kernel send the child `signum` (default SIGKILL)
+    when this process dies (Linux `prctl(PR_SET_PDEATHSIG)`); None where that does not
+    exist. Made in the parent: the child only calls an already resolved C function
+    between fork and exec.
 
         >>> subprocess.Popen(cmd, preexec_fn=die_with_parent())
+        >>> subprocess.Popen(["mpirun", ...], preexec_fn=die_with_parent(signal.SIGTERM))
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -44,7 +46,7 @@ def die_with_parent() -> Callable[[], None] | None:
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                       ctypes.c_ulong]
     prctl.restype = ctypes.c_int
-    parent, kill = os.getpid(), int(signal.SIGKILL)
+    parent, kill = os.getpid(), int(signum)
 
     def arm() -> None:
         prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
