@@ -11,11 +11,14 @@ See docs/distributed.md for the guide and docs/errors-distributed.md for the err
 from kiln.distributed.backend import Backend, CallContext
 from kiln.distributed.buffers import REDUCE_OPS
 from kiln.distributed.errors import (
+    CheckpointCorrupt, CheckpointError, CheckpointManifestError, MeshError, PlacementError,
+    ShardingRuleError,
     CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
     FaultInjectionError, FlightRecorderError, GroupAborted, InvalidTimeout, LaunchError,
     MalformedFrame, PeerFailure, RendezvousError, StoreAuthError, StoreBadRequest,
     StoreError, StoreLost, StoreTimeout, WindowInvalidated,
 )
+from kiln.distributed import checkpoint
 from kiln.distributed.dtensor import DTensor, distribute_tensor
 from kiln.distributed.flight_recorder import FlightRecorder, recorder
 from kiln.distributed.mesh import DeviceMesh, init_device_mesh
@@ -38,5 +41,6 @@ __all__ = [
     "TcpBackend", "Window", "WindowInvalidated", "Work", "destroy_process_group", "get_world",
     "init_process_group", "is_initialized", "recorder",
     "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_tensor",
-    "init_device_mesh",
+    "checkpoint", "init_device_mesh", "CheckpointCorrupt", "CheckpointError",
+    "CheckpointManifestError", "MeshError", "PlacementError", "ShardingRuleError",
 ]

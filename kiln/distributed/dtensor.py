@@ -205,11 +205,10 @@ def distribute_tensor(tensor, device_mesh: DeviceMesh | None = None,
         >>> xs = distribute_tensor(x, mesh, [Shard(0)])
     """
     mesh = device_mesh if device_mesh is not None else DeviceMesh((1,), ("dim0",))
-    full = _c(_array(tensor))
+    full = np.array(_array(tensor), copy=True, order="C")  # the DTensor owns its blocks
     pl = normalize(placements if placements is not None else [Replicate()] * mesh.ndim,
                    full.ndim, mesh.ndim, "distribute_tensor")
     if src_data_rank is not None and mesh.group is not None and mesh.size() > 1:
-        full = full.copy()
         mesh.group.broadcast(full, src=src_data_rank).wait()
     return DTensor(partition(full, pl, mesh), mesh, pl, full.shape)
 

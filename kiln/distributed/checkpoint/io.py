@@ -1,0 +1,297 @@
+"""save / async_save / load of distributed checkpoints (see the package docstring)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import threading
+
+import numpy as np
+
+from kiln.distributed import rendezvous
+from kiln.distributed.checkpoint import manifest as mf
+from kiln.distributed.dtensor import DTensor
+from kiln.distributed.errors import CheckpointCorrupt, CheckpointError, StoreTimeout
+from kiln.distributed.placements import Replicate, local_bounds
+from kiln.distributed.redistribute import Redistributor
+from kiln.ir import dtypes as kd
+
+_PREFIX = "shard-"
+
+
+# -- the snapshot: what this rank writes, copied at the call --------------------------------
+def _group(state: dict):
+    for value in state.values():
+        if isinstance(value, DTensor) and value.device_mesh.group is not None:
+            return value.device_mesh.group
+    return rendezvous.get_world() if rendezvous.is_initialized() else None
+
+
+def _snapshot(state: dict, rank: int) -> list:
+    """[(key, dtype, shape, placements text, [(offsets, block copy)])] for this rank."""
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError("save: the state must be a dict with string keys")
+    items = []
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            if any(p.is_partial() for p in value.placements):
+                value = value.redistribute(mesh, [Replicate() if p.is_partial() else p
+                                                  for p in value.placements])
+            coord = mesh.get_coordinate()
+            owner = all(coord[i] == 0 for i, p in enumerate(value.placements) if not p.is_shard())
+            offsets = tuple(lo for lo, _ in value.local_bounds())
+            blocks = [(offsets, np.array(value.local_array(), copy=True))] if owner else []
+            items.append((key, value.dtype, value.shape, [str(p) for p in value.placements],
+                          blocks))
+        else:
+            arr = np.array(value.numpy() if hasattr(value, "numpy") else value, copy=True)
+            dtype = kd.from_numpy(arr.dtype)
+            blocks = [((0,) * arr.ndim, arr)] if rank == 0 else []
+            items.append((key, dtype, arr.shape, [], blocks))
+    return items
+
+
+def _agree_save_id(group) -> str:
+    """16 random hex digits from rank 0 (a broadcast: every rank saves at the same point)."""
+    token = np.frombuffer(os.urandom(8), np.uint8).copy()
+    if group is not None and group.world_size > 1:
+        group.broadcast(token, src=0).wait()
+    return token.tobytes().hex()
+
+
+# -- writing ---------------------------------------------------------------------------
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_shards(folder: str, save_id: str, rank: int, items: list) -> dict:
+    """Write this rank's blocks (fsynced); return its part of the manifest."""
+    part, k = {}, 0
+    for key, dtype, shape, placements, blocks in items:
+        entry = part.setdefault(key, {"dtype": mf.dtype_name(dtype), "shape": list(shape),
+                                      "placements": placements, "shards": []})
+        for offsets, block in blocks:
+            name = "%s%s-r%d-%d.bin" % (_PREFIX, save_id, rank, k)
+            k += 1
+            data = np.require(block, requirements="C").tobytes()
+            try:
+                with open(os.path.join(folder, name), "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as err:
+                raise CheckpointError("save: cannot write shard %s of %r: %s"
+                                      % (name, key, err)) from None
+            entry["shards"].append({"file": name, "offsets": list(offsets),
+                                    "shape": list(block.shape), "nbytes": len(data),
+                                    "sha256": hashlib.sha256(data).hexdigest()})
+    return part
+
+
+def _merge(parts: list, save_id: str, world: int) -> dict:
+    tensors: dict = {}
+    for part in parts:
+        for key, entry in part.items():
+            merged = tensors.setdefault(key, {**entry, "shards": []})
+            merged["shards"].extend(entry["shards"])
+    return {"format": mf.FORMAT, "version": mf.VERSION, "save_id": save_id,
+            "world_size": world, "tensors": tensors}
+
+
+def _commit_manifest(folder: str, doc: dict) -> None:
+    """manifest.json replaced atomically, then the files no manifest names removed."""
+    mf.validate(doc, folder)  # never commit what load would refuse
+    tmp = os.path.join(folder, ".manifest.%s.tmp" % doc["save_id"])
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, mf.MANIFEST))
+    _fsync_dir(folder)
+    keep = {s["file"] for t in doc["tensors"].values() for s in t["shards"]}
+    for name in os.listdir(folder):
+        if (name.startswith(_PREFIX) and name not in keep) or (
+                name.startswith(".manifest.") and name.endswith(".tmp")):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def _finish(folder: str, save_id: str, rank: int, world: int, items: list, store,
+            timeout: float) -> None:
+    """Write this rank's shards, then agree through the store; rank 0 commits."""
+    part = _write_shards(folder, save_id, rank, items)
+    if world == 1 or store is None:
+        _commit_manifest(folder, _merge([part], save_id, 1))
+        return
+    base = "kiln/ckpt/%s/" % save_id
+    store.set(base + "part/%d" % rank, json.dumps(part))
+    if rank == 0:
+        keys = [base + "part/%d" % r for r in range(world)]
+        try:
+            store.wait(keys, timeout=timeout)
+        except StoreTimeout:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            store.set(base + "done", "rank(s) %s never finished writing" % missing)
+            raise CheckpointError("save to %s: rank(s) %s did not finish writing their shards "
+                                  "within %.0f s; the previous checkpoint is kept"
+                                  % (folder, missing, timeout)) from None
+        parts = [json.loads(store.get(k).decode()) for k in keys]
+        try:
+            _commit_manifest(folder, _merge(parts, save_id, world))
+        except BaseException as err:
+            store.set(base + "done", "rank 0 could not commit: %s" % err)
+            raise
+        store.set(base + "done", "ok")
+        return
+    try:
+        store.wait([base + "done"], timeout=timeout)
+    except StoreTimeout:
+        raise CheckpointError("save to %s: rank 0 did not commit the manifest within %.0f s; "
+                              "the previous checkpoint is kept" % (folder, timeout)) from None
+    verdict = store.get(base + "done").decode()
+    if verdict != "ok":
+        raise CheckpointError("save to %s failed: %s" % (folder, verdict))
+
+
+def _prepare(state: dict, path: str, timeout: float | None):
+    group = _group(state)
+    rank = group.rank if group is not None else 0
+    world = group.world_size if group is not None else 1
+    items = _snapshot(state, rank)
+    save_id = _agree_save_id(group)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError("save: cannot create %s: %s" % (path, err)) from None
+    if timeout is None:
+        timeout = max(60.0, group.timeout if group is not None else 0.0)
+    store = group.store if group is not None else None
+    return rank, world, items, save_id, store, timeout
+
+
+def save(state: dict, path: str, *, timeout: float | None = None) -> None:
+    """Write `state` (DTensors, kn.Tensors, arrays) to folder `path`; every rank calls
+    it. Returns once the manifest is committed.
+
+        >>> dist.checkpoint.save({"w": w, "b": b}, "ckpt")
+    """
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout)
+    _finish(path, save_id, rank, world, items, store, timeout)
+
+
+def async_save(state: dict, path: str, *,
+               timeout: float | None = None) -> concurrent.futures.Future:
+    """Like `save`, but returns at once with a Future: the state is copied at the call
+    and a background thread writes and commits it (training may change the tensors).
+
+        >>> fut = dist.checkpoint.async_save(state, "ckpt"); ...; fut.result()
+    """
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    own_store = store.clone() if store is not None else None
+
+    def work():
+        try:
+            _finish(path, save_id, rank, world, items, own_store, timeout)
+            future.set_result(None)
+        except BaseException as err:  # handed to the caller through the future
+            future.set_exception(err)
+        finally:
+            if own_store is not None:
+                own_store.close()
+
+    future.set_running_or_notify_cancel()
+    threading.Thread(target=work, name="kiln-checkpoint-" + save_id, daemon=True).start()
+    return future
+
+
+# -- loading -----------------------------------------------------------------------------
+def _read_shard(folder: str, key: str, shard: dict, dtype: kd.DType, cache: dict) -> np.ndarray:
+    name = shard["file"]
+    if name in cache:
+        return cache[name]
+    path = mf.shard_path(folder, name)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(shard["nbytes"] + 1)
+    except FileNotFoundError:
+        raise CheckpointCorrupt("load: shard file %s of tensor %r is missing from %s"
+                                % (name, key, folder)) from None
+    except OSError as err:
+        raise CheckpointCorrupt("load: cannot read shard %s of %r: %s" % (name, key, err)) from None
+    if len(data) != shard["nbytes"]:
+        raise CheckpointCorrupt("load: shard file %s of tensor %r has %d bytes, the manifest "
+                                "says %d (truncated or replaced)" % (name, key, len(data),
+                                                                     shard["nbytes"]))
+    if hashlib.sha256(data).hexdigest() != shard["sha256"]:
+        raise CheckpointCorrupt("load: shard file %s of tensor %r fails its sha256 checksum"
+                                % (name, key))
+    arr = np.frombuffer(data, dtype=dtype.np_dtype).reshape(shard["shape"])
+    cache[name] = arr
+    return arr
+
+
+def _assemble(folder: str, key: str, dtype: kd.DType, shards: list, bounds) -> np.ndarray:
+    """The block [bounds) of tensor `key`, read from the shards that overlap it."""
+    out = np.empty(tuple(hi - lo for lo, hi in bounds), dtype.np_dtype)
+    cache: dict = {}
+    for s in shards:
+        lo = [max(b[0], o) for b, o in zip(bounds, s["offsets"])]
+        hi = [min(b[1], o + n) for b, o, n in zip(bounds, s["offsets"], s["shape"])]
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
+        arr = _read_shard(folder, key, s, dtype, cache)
+        src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, s["offsets"]))
+        dst = tuple(slice(a - b[0], c - b[0]) for a, c, b in zip(lo, hi, bounds))
+        out[dst] = arr[src]
+    return out
+
+
+def load(state: dict, path: str) -> dict:
+    """Read the checkpoint in `path` into `state`, resharding: each DTensor entry is
+    replaced by one with the same mesh and placements holding the saved values; arrays
+    are filled in place; other tensors are replaced. Returns `state`.
+
+        >>> dist.checkpoint.load(state, "ckpt")     # any world size, any placements
+    """
+    tensors = mf.read(path)
+    for key, target in list(state.items()):
+        if key not in tensors:
+            raise CheckpointError("load: the checkpoint in %s has no tensor %r (it holds %s)"
+                                  % (path, key, ", ".join(sorted(tensors)) or "nothing"))
+        dtype, shape, shards = tensors[key]
+        if isinstance(target, DTensor):
+            want_shape, want_dtype = target.shape, target.dtype
+        else:
+            arr = target.numpy() if hasattr(target, "numpy") else np.asarray(target)
+            want_shape, want_dtype = tuple(arr.shape), kd.from_numpy(arr.dtype)
+        if tuple(want_shape) != shape or want_dtype != dtype:
+            raise CheckpointError("load: %r is %s%s in the checkpoint but %s%s in the state"
+                                  % (key, dtype.name, list(shape), want_dtype.name,
+                                     list(want_shape)))
+        if isinstance(target, DTensor):
+            mesh, pl = target.device_mesh, target.placements
+            whole = tuple(Replicate() if p.is_partial() else p for p in pl)
+            block = _assemble(path, key, dtype, shards,
+                              local_bounds(shape, whole, mesh.shape, mesh.get_coordinate()))
+            if whole != pl:
+                block = Redistributor(mesh, shape, block).run(whole, pl)
+            state[key] = DTensor(block, mesh, pl, shape)
+        else:
+            full = _assemble(path, key, dtype, shards, tuple((0, s) for s in shape))
+            if isinstance(target, np.ndarray) and target.flags.writeable:
+                np.copyto(target, full)
+            else:
+                import kiln
+
+                state[key] = kiln.tensor(full)
+    return state

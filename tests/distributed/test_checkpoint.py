@@ -1,0 +1,145 @@
+"""Distributed checkpoints: round trip, resharding 4 -> 2 -> 3 ranks, async save while
+training continues, a rank SIGKILLed mid-save, corrupt/missing shards and hostile
+manifests refused with numbered errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.distributed import checkpoint
+from kiln.distributed.errors import CheckpointCorrupt, CheckpointError, CheckpointManifestError
+
+from tests.distributed.harness import check_all_ok, run_scenario
+
+WORKERS = Path(__file__).with_name("checkpoint_workers.py")
+
+
+def _values(version=0):
+    from tests.distributed.checkpoint_workers import values
+
+    return values(version)
+
+
+def _plain(path):
+    """Load into whole arrays in this (single) process."""
+    state = {"w": np.zeros((7, 5), np.float32), "m": np.zeros((6, 9), np.float32),
+             "steps": np.zeros(10, np.int64)}
+    checkpoint.load(state, str(path))
+    return state
+
+
+def test_save_on_4_load_on_2_and_3(tmp_path):
+    path = str(tmp_path / "ckpt")
+    data = check_all_ok(run_scenario("save_world", 4, tmp_path, workers=WORKERS,
+                                     args={"path": path}, timeout=90.0))
+    # w: 4 shards (one empty); m on 2x2 [Shard(1), Shard(0)]: 4 blocks; steps: rank 0
+    assert data[0]["files"] == 9
+    for world in (2, 3):
+        check_all_ok(run_scenario("load_world", world, tmp_path / str(world), workers=WORKERS,
+                                  args={"path": path}, timeout=90.0))
+    got = _plain(path)
+    for key, want in _values().items():
+        np.testing.assert_array_equal(got[key], want)
+
+
+def test_async_save_snapshots_at_the_call(tmp_path):
+    path = str(tmp_path / "ckpt")
+    check_all_ok(run_scenario("async_while_training", 4, tmp_path, workers=WORKERS,
+                              args={"path": path}, timeout=90.0))
+
+
+def test_rank_killed_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = run_scenario("killed_mid_save", 4, tmp_path, workers=WORKERS,
+                           args={"path": path}, timeout=90.0)
+    assert results[2]["returncode"] == -9
+    for rank in (0, 1, 3):
+        assert results[rank]["ok"], results[rank].get("error", "") + results[rank]["output"]
+        assert "K245" in results[rank]["data"]["error"]
+    assert "rank(s) [2]" in results[0]["data"]["error"]
+    got = _plain(path)  # version 0, whole
+    for key, want in _values(0).items():
+        np.testing.assert_array_equal(got[key], want)
+
+
+def _saved(tmp_path):
+    path = str(tmp_path / "one")
+    state = {"a": np.arange(12, dtype=np.float32).reshape(3, 4),
+             "t": kn.tensor(np.array([1.5, 2.5], np.float32)), "s": np.int64(3)}
+    checkpoint.save(state, path)
+    return path, json.loads(Path(path, "manifest.json").read_text())
+
+
+def test_single_process_round_trip_and_second_save_cleans_up(tmp_path):
+    path, doc = _saved(tmp_path)
+    state = {"a": np.zeros((3, 4), np.float32), "t": kn.zeros(2), "s": np.zeros((), np.int64)}
+    checkpoint.load(state, path)
+    np.testing.assert_array_equal(state["a"], np.arange(12).reshape(3, 4))
+    np.testing.assert_array_equal(state["t"].numpy(), [1.5, 2.5])
+    assert int(state["s"]) == 3
+    checkpoint.save({"a": np.ones((3, 4), np.float32)}, path)
+    files = [n for n in os.listdir(path) if n.startswith("shard-")]
+    assert len(files) == 1  # the previous save's files are gone once the new one commits
+    with pytest.raises(CheckpointError, match="K245.*no tensor 't'"):
+        checkpoint.load({"t": np.zeros(2, np.float32)}, path)
+    with pytest.raises(CheckpointError, match="K245.*float32\\[3, 4\\].*float32\\[4, 3\\]"):
+        checkpoint.load({"a": np.zeros((4, 3), np.float32)}, path)
+
+
+def test_corrupt_and_missing_shards_are_named(tmp_path):
+    path, doc = _saved(tmp_path)
+    shard = doc["tensors"]["a"]["shards"][0]["file"]
+    target = {"a": np.zeros((3, 4), np.float32)}
+    raw = bytearray(Path(path, shard).read_bytes())
+    raw[5] ^= 0xFF
+    Path(path, shard).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorrupt, match="K246.*%s of tensor 'a' fails its sha256" % shard):
+        checkpoint.load(target, path)
+    Path(path, shard).write_bytes(bytes(raw[:10]))
+    with pytest.raises(CheckpointCorrupt, match="has 10 bytes.*truncated"):
+        checkpoint.load(target, path)
+    os.unlink(Path(path, shard))
+    with pytest.raises(CheckpointCorrupt, match="%s of tensor 'a' is missing" % shard):
+        checkpoint.load(target, path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["tensors"]["a"]["shards"][0].update(file="../escape.bin"), "not a plain file"),
+    (lambda d: d["tensors"]["a"]["shards"][0].update(file="/etc/passwd"), "not a plain file"),
+    (lambda d: d["tensors"]["a"].update(shape=[2, 4]), "lies outside"),
+    (lambda d: d["tensors"]["a"].update(shape=[4, 4]), "hold 12 of its 16"),
+    (lambda d: d["tensors"]["a"].update(dtype="object"), "unknown dtype 'object'"),
+    (lambda d: d["tensors"]["a"]["shards"][0].update(nbytes=10 ** 12), "declares"),
+    (lambda d: d["tensors"]["a"]["shards"].append(dict(d["tensors"]["a"]["shards"][0])),
+     "overlap"),
+    (lambda d: d["tensors"]["a"].update(shape=[-3, 4]), "non-negative ints"),
+    (lambda d: d.update(version=99), "version 99"),
+])
+def test_hostile_manifests_are_refused(tmp_path, edit, message):
+    path, doc = _saved(tmp_path)
+    edit(doc)
+    Path(path, "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointManifestError, match="K247.*" + message):
+        checkpoint.load({"a": np.zeros((3, 4), np.float32)}, path)
+
+
+def test_symlink_out_of_the_folder_is_refused(tmp_path):
+    path, doc = _saved(tmp_path)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 48)
+    shard = doc["tensors"]["a"]["shards"][0]["file"]
+    os.unlink(Path(path, shard))
+    os.symlink(outside, Path(path, shard))
+    with pytest.raises(CheckpointManifestError, match="outside the checkpoint folder"):
+        checkpoint.load({"a": np.zeros((3, 4), np.float32)}, path)
+
+
+def test_no_manifest_is_no_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="holds no committed checkpoint"):
+        checkpoint.load({}, str(tmp_path))
