@@ -40,8 +40,9 @@ ROUND_LARGE = 2 << 20
 _HINT = ("free cached blocks with kn.memory.empty_cache(), lower the batch size, or raise "
          "kn.memory.set_per_process_memory_fraction()")
 
-_STATS = ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes",
-          "inactive_split_bytes", "allocation", "segment", "active", "inactive_split")
+_METRICS = ("allocated_bytes", "reserved_bytes", "requested_bytes", "allocation", "segment")
+_ALIASES = {"allocated_bytes": ("allocated_bytes", "active_bytes"),
+            "allocation": ("allocation", "active")}
 
 
 def round_size(nbytes: int) -> int:
@@ -114,6 +115,20 @@ class _Tracked(weakref.ref):
     __slots__ = ("key", "nbytes", "small")
 
 
+def _bump(p: list, q: list, top: list, m: int, amount: int) -> None:
+    """Metric m of pool p (the other pool q) changes by `amount`."""
+    k = 4 * m
+    p[k] += amount
+    if amount > 0:
+        p[k + 2] += amount
+        if p[k] > p[k + 1]:
+            p[k + 1] = p[k]
+        if p[k] + q[k] > top[m]:
+            top[m] = p[k] + q[k]
+    else:
+        p[k + 3] -= amount
+
+
 class _Guard:
     """`with allocator._guard:` takes the lock and, on the way out, runs queued callbacks."""
     __slots__ = ("owner",)
@@ -169,10 +184,15 @@ class CachingAllocator:
 
     # -- statistics -----------------------------------------------------------------------
 
+    # Statistics live in one flat list per pool: for metric m (_METRICS order) the four
+    # figures current, peak, allocated (running total), freed sit at 4m .. 4m+3; the peak
+    # of the two pools' sum per metric is kept apart. One `_event` call updates them all:
+    # an eager op pays for one call per result it makes and one when the result dies.
+
     def _reset_stats(self) -> None:
-        # name -> pool (True small, False large) -> [current, peak, allocated, freed]
-        self._stats = {name: {True: [0, 0, 0, 0], False: [0, 0, 0, 0]} for name in _STATS}
-        self._peak = {name: 0 for name in _STATS}  # peak of the sum of both pools
+        self._pools = {True: [0] * (4 * len(_METRICS)), False: [0] * (4 * len(_METRICS))}
+        self._all_peak = [0] * len(_METRICS)
+        self._split_peaks = {}  # inactive_split(_bytes) peaks, computed when asked
         self.num_alloc_retries = 0
         self.num_ooms = 0
         self.num_device_alloc = 0
@@ -180,44 +200,64 @@ class CachingAllocator:
         self.allocated = 0
         self.reserved = 0
 
-    def _add(self, name: str, small: bool, amount: int) -> None:
-        stat = self._stats[name][small]
-        stat[0] += amount
-        if amount > 0:
-            stat[2] += amount
-            if stat[0] > stat[1]:
-                stat[1] = stat[0]
-            total = stat[0] + self._stats[name][not small][0]
-            if total > self._peak[name]:
-                self._peak[name] = total
-        else:
-            stat[3] -= amount
-
-    def _count_alloc(self, small: bool, size: int, requested: int) -> None:
-        self.allocated += size
-        self._add("allocated_bytes", small, size)
-        self._add("active_bytes", small, size)
-        self._add("requested_bytes", small, requested)
-        self._add("allocation", small, 1)
-        self._add("active", small, 1)
+    def _event(self, small: bool, nbytes: int, reserved: int, requested: int, blocks: int,
+               segments: int) -> None:
+        """Apply one change (negative amounts free) to every statistic of a pool."""
+        p, q, top = self._pools[small], self._pools[not small], self._all_peak
+        self.allocated += nbytes
+        self.reserved += reserved
         self.version += 1
+        if nbytes:
+            _bump(p, q, top, 0, nbytes)
+        if reserved:
+            _bump(p, q, top, 1, reserved)
+        if requested:
+            _bump(p, q, top, 2, requested)
+        if blocks:
+            _bump(p, q, top, 3, blocks)
+        if segments:
+            _bump(p, q, top, 4, segments)
+            if segments > 0:
+                self.num_device_alloc += segments
+            else:
+                self.num_device_free -= segments
 
-    def _count_free(self, small: bool, size: int, requested: int) -> None:
-        self.allocated -= size
-        self._add("allocated_bytes", small, -size)
-        self._add("active_bytes", small, -size)
-        self._add("requested_bytes", small, -requested)
-        self._add("allocation", small, -1)
-        self._add("active", small, -1)
+    def _tracked_event(self, small: bool, n: int) -> None:
+        """`_event(small, n, n, n, 1, 1)` (or its negation when n < 0) written out: the one
+        statistics update an eager result costs when made and when it dies."""
+        p, q, top = self._pools[small], self._pools[not small], self._all_peak
+        self.allocated += n
+        self.reserved += n
         self.version += 1
-
-    def _count_segment(self, small: bool, size: int) -> None:
-        self.reserved += size
-        self._add("reserved_bytes", small, size)
-        self._add("segment", small, 1 if size > 0 else -1)
-        if size > 0:
+        if n > 0:
+            # bytes: allocated (0), reserved (4), requested (8); counts: blocks (12), segments (16)
+            p[0] += n
+            p[4] += n
+            p[8] += n
+            p[12] += 1
+            p[16] += 1
+            p[2] += n
+            p[6] += n
+            p[10] += n
+            p[14] += 1
+            p[18] += 1
             self.num_device_alloc += 1
+            for k in (0, 4, 8, 12, 16):
+                if p[k] > p[k + 1]:
+                    p[k + 1] = p[k]
+                if p[k] + q[k] > top[k >> 2]:
+                    top[k >> 2] = p[k] + q[k]
         else:
+            p[0] += n
+            p[4] += n
+            p[8] += n
+            p[12] -= 1
+            p[16] -= 1
+            p[3] -= n
+            p[7] -= n
+            p[11] -= n
+            p[15] += 1
+            p[19] += 1
             self.num_device_free += 1
 
     def memory_allocated(self) -> int:
@@ -227,58 +267,67 @@ class CachingAllocator:
         return self.reserved
 
     def max_memory_allocated(self) -> int:
-        return self._peak["allocated_bytes"]
+        return self._all_peak[0]
 
     def max_memory_reserved(self) -> int:
-        return self._peak["reserved_bytes"]
+        return self._all_peak[1]
 
     def reset_peak_memory_stats(self) -> None:
         """Peaks restart from the current figures, as torch.cuda.reset_peak_memory_stats."""
         with self._guard:
-            for name, pools in self._stats.items():
-                for stat in pools.values():
-                    stat[1] = stat[0]
-                self._peak[name] = pools[True][0] + pools[False][0]
+            small, large = self._pools[True], self._pools[False]
+            for m in range(len(_METRICS)):
+                for pool in (small, large):
+                    pool[4 * m + 1] = pool[4 * m]
+                self._all_peak[m] = small[4 * m] + large[4 * m]
+            self._split_peaks.clear()
 
     def reset_accumulated_memory_stats(self) -> None:
         with self._guard:
-            for pools in self._stats.values():
-                for stat in pools.values():
-                    stat[2] = stat[3] = 0
+            for pool in self._pools.values():
+                for m in range(len(_METRICS)):
+                    pool[4 * m + 2] = pool[4 * m + 3] = 0
             self.num_alloc_retries = self.num_ooms = 0
             self.num_device_alloc = self.num_device_free = 0
 
     def memory_stats(self) -> dict:
-        """PyTorch's flat dict: "allocated_bytes.all.current", ".small_pool.peak", ..."""
+        """PyTorch's flat dict: "allocated_bytes.all.current", ".small_pool.peak", ...
+        (active = allocated: kiln frees nothing late for other streams)."""
         with self._guard:
-            self._update_inactive_split()
+            small, large = self._pools[True], self._pools[False]
             out: dict = {}
-            for name, pools in self._stats.items():
-                small, large = pools[True], pools[False]
-                for pool, figures in (("all", None), ("small_pool", small), ("large_pool", large)):
-                    if figures is None:
-                        figures = [small[0] + large[0], self._peak[name], small[2] + large[2],
-                                   small[3] + large[3]]
-                    for i, what in enumerate(("current", "peak", "allocated", "freed")):
-                        out[f"{name}.{pool}.{what}"] = figures[i]
+            for m, name in enumerate(_METRICS):
+                k = 4 * m
+                rows = {"all": (small[k] + large[k], self._all_peak[m], small[k + 2] + large[k + 2],
+                                small[k + 3] + large[k + 3]),
+                        "small_pool": small[k:k + 4], "large_pool": large[k:k + 4]}
+                for alias in _ALIASES.get(name, (name,)):
+                    for pool, figures in rows.items():
+                        for i, what in enumerate(("current", "peak", "allocated", "freed")):
+                            out[f"{alias}.{pool}.{what}"] = figures[i]
+            for small_pool in (True, False):
+                count = nbytes = 0
+                for block in self._free[small_pool]:
+                    if block.prev is not None or block.next is not None:
+                        count += 1
+                        nbytes += block.size
+                pool = "small_pool" if small_pool else "large_pool"
+                for name, value in (("inactive_split", count), ("inactive_split_bytes", nbytes)):
+                    peak = max(self._split_peaks.get((name, pool), 0), value)
+                    self._split_peaks[name, pool] = peak
+                    out[f"{name}.{pool}.current"], out[f"{name}.{pool}.peak"] = value, peak
+            for name in ("inactive_split", "inactive_split_bytes"):
+                out[f"{name}.all.current"] = (out[f"{name}.small_pool.current"]
+                                              + out[f"{name}.large_pool.current"])
+                out[f"{name}.all.peak"] = max(out[f"{name}.small_pool.peak"],
+                                              out[f"{name}.large_pool.peak"],
+                                              out[f"{name}.all.current"])
             out.update({"num_alloc_retries": self.num_alloc_retries, "num_ooms": self.num_ooms,
                         "num_device_alloc": self.num_device_alloc,
                         "num_device_free": self.num_device_free,
                         "num_sync_all_streams": 0, "max_split_size": -1,
                         "limit_bytes": self.limit, "total_bytes": self.total_memory})
             return out
-
-    def _update_inactive_split(self) -> None:
-        """Free bytes inside segments that also hold allocated blocks (fragmentation)."""
-        for small in (True, False):
-            count = nbytes = 0
-            for block in self._free[small]:
-                if block.prev is not None or block.next is not None:
-                    count += 1
-                    nbytes += block.size
-            for name, value in (("inactive_split", count), ("inactive_split_bytes", nbytes)):
-                stat = self._stats[name][small]
-                self._add(name, small, value - stat[0])
 
     # -- blocks ---------------------------------------------------------------------------
 
@@ -294,7 +343,7 @@ class CachingAllocator:
             self._split(block, size, small)
             block.allocated = True
             block.requested = nbytes
-            self._count_alloc(small, block.size, nbytes)
+            self._event(small, block.size, 0, nbytes, 1, 0)
             return block
 
     def _take_free(self, size: int, small: bool) -> Block | None:
@@ -317,7 +366,7 @@ class CachingAllocator:
             self._oom(nbytes, what, seg_size, device_refused=True)
         segment = Segment(handle, view, address, seg_size, small)
         self._segments.append(segment)
-        self._count_segment(small, seg_size)
+        self._event(small, 0, seg_size, 0, 0, 1)
         segment.head = Block(segment, 0, seg_size)
         return segment.head
 
@@ -357,7 +406,7 @@ class CachingAllocator:
         small = block.segment.small
         block.allocated = False
         block.reused = True
-        self._count_free(small, block.size, block.requested)
+        self._event(small, -block.size, 0, -block.requested, -1, 0)
         pool = self._free[small]
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.allocated:
@@ -397,7 +446,7 @@ class CachingAllocator:
                     segment = block.segment
                     self._segments.remove(segment)
                     self.raw.free(segment.handle)
-                    self._count_segment(small, -segment.size)
+                    self._event(small, 0, -segment.size, 0, 0, -1)
                     released += segment.size
                 else:
                     keep.append(block)
@@ -448,22 +497,31 @@ class CachingAllocator:
     def track(self, array: np.ndarray) -> None:
         """Count `array` (memory numpy allocated for kiln on this device) while it lives."""
         key = id(array)
-        if key in self._tracked:
+        known = self._tracked.get(key)
+        if known is not None and known() is array:
             return
         nbytes = array.nbytes
         small = nbytes <= SMALL_SIZE
-        with self._guard:
+        ref = _Tracked(array, self._untrack)
+        ref.key, ref.nbytes, ref.small = key, nbytes, small
+        lock = self._lock
+        lock.acquire()  # the plain lock, not the guard: this runs once per eager result
+        try:
             if self.reserved + nbytes > self.limit:
                 if self._release_cached():
                     self.num_alloc_retries += 1
                 if self.reserved + nbytes > self.limit:
                     self._oom(nbytes, f"an eager {array.dtype.name}{list(array.shape)} result",
                               nbytes)
-            ref = _Tracked(array, self._untrack)
-            ref.key, ref.nbytes, ref.small = key, nbytes, small
+            stale = self._tracked.get(key)
+            if stale is not None:  # a dead array's id, its callback still queued: settle it
+                self._untrack_locked(stale)
             self._tracked[key] = ref
-            self._count_segment(small, nbytes)
-            self._count_alloc(small, nbytes, nbytes)
+            self._tracked_event(small, nbytes)
+        finally:
+            lock.release()
+        if self._pending and lock.acquire(blocking=False):
+            self._unlock()
 
     def _untrack(self, ref: _Tracked) -> None:
         self._pending.append((self._untrack_locked, ref))
@@ -471,10 +529,9 @@ class CachingAllocator:
             self._unlock()
 
     def _untrack_locked(self, ref: _Tracked) -> None:
-        if self._tracked.get(ref.key) is ref:
+        if self._tracked.get(ref.key) is ref:  # counted, and not settled yet
             del self._tracked[ref.key]
-        self._count_free(ref.small, ref.nbytes, ref.nbytes)
-        self._count_segment(ref.small, -ref.nbytes)
+            self._tracked_event(ref.small, -ref.nbytes)
 
     def is_tracked(self, array: np.ndarray) -> bool:
         ref = self._tracked.get(id(array))
