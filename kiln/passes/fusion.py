@@ -12,8 +12,11 @@ Decisions, in order (TorchInductor's and XLA's rules, simplified):
    softmax and layer_norm become one kernel.
 3. A *gemm group* takes the pointwise epilogue (bias, activation, scale, residual,
    cast) that follows a matmul into the GEMM template.
-4. Remaining materialized pointwise values form *loop groups*; values of one shape
-   that read common inputs share a kernel (one pass over the inputs).
+4. Remaining materialized pointwise values form *loop groups*; loop groups of one
+   shape share a kernel unless one waits on the other through a third kernel or an
+   unfused node: independent ones (horizontal fusion: one launch, one pass over common
+   inputs) and one that reads another's value directly (a multi-output kernel, where
+   that value becomes a register unless something outside still reads it).
 
 Every merge is checked on the group dependency graph (graphlib): a merge that would
 make a cycle is undone. The result is the same graph with each group replaced by a
@@ -308,12 +311,23 @@ def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
             mat.add(id(g.root))
     _prune(groups, analysis, mat)
     groups = _merge_horizontal([g for g in groups if g.values], analysis, mat)
+    _prune(groups, analysis, mat)  # a value only its merged kernel reads is a register now
     return _order(groups, analysis, mat), mat
 
 
+# Horizontal fusion (step 4): loop kernels over one iteration space share one kernel when
+# neither waits on the other through a third kernel or an unfused node. A benchmark flips
+# this off to measure what it saves (benchmarks/bench_horizontal.py).
+MERGE_INDEPENDENT = True
+
+
 def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Group]:
-    """Loop groups of one shape that read a common buffer share a kernel (one pass
-    over it), unless one of them depends on the other (the merge would make a cycle)."""
+    """Loop groups of one shape share a kernel (one launch, one pass over the domain):
+    independent ones (horizontal fusion, as XLA's), and one that reads another's value
+    directly (a multi-output kernel computes both; the read becomes a register). Never
+    when one reaches the other through a third kernel or an unfused node: that merge
+    would make a cycle. Without MERGE_INDEPENDENT, only loops that read a common buffer
+    and do not depend on each other merge (the earlier rule)."""
     reads: dict[int, set[int]] = {}
     for g in groups:
         nodes = g.nodes(analysis, mat)
@@ -321,30 +335,39 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
         reads[id(g)] = {id(o) for n in nodes for o in n.operands if id(o) not in made}
     owner = {id(v): g for g in groups for v in g.values}
 
-    def depends(a: _Group, b: _Group) -> bool:
-        """Does `a` read, directly or through other groups or unfused nodes (a loop,
-        a library call), a value `b` makes?"""
+    def depends(a: _Group, b: _Group, direct_ok: bool = False) -> bool:
+        """Does `a` read, through other groups or unfused nodes (a loop, a library call),
+        a value `b` makes? With `direct_ok`, `a` reading `b`'s buffer itself does not count."""
         stack, seen = [a], {id(a)}
         while stack:
-            for g in _source_groups(reads[id(stack.pop())], owner, analysis):
-                if g is b:
-                    return True
-                if id(g) not in seen:
-                    seen.add(id(g))
-                    stack.append(g)
+            current = stack.pop()
+            for vid in reads[id(current)]:
+                if direct_ok and current is a and owner.get(vid) is b:
+                    continue
+                for g in _source_groups({vid}, owner, analysis):
+                    if g is b:
+                        return True
+                    if id(g) not in seen:
+                        seen.add(id(g))
+                        stack.append(g)
         return False
+
+    def mergeable(h: _Group, g: _Group) -> bool:
+        if h.kind != "loop" or g.kind != "loop" or not shapes_equal(h.values[0].shape, g.values[0].shape):
+            return False
+        if not MERGE_INDEPENDENT:
+            return bool(reads[id(h)] & reads[id(g)]) and not depends(g, h) and not depends(h, g)
+        return not depends(g, h, direct_ok=True) and not depends(h, g)
 
     out: list[_Group] = []
     for g in groups:
-        host = next((h for h in out if h.kind == "loop" and g.kind == "loop"
-                     and shapes_equal(h.values[0].shape, g.values[0].shape)
-                     and reads[id(h)] & reads[id(g)]
-                     and not depends(g, h) and not depends(h, g)), None)
+        host = next((h for h in out if mergeable(h, g)), None)
         if host is None:
             out.append(g)
             continue
         host.values += g.values
         reads[id(host)] |= reads[id(g)]
+        reads[id(host)] -= {id(v) for v in host.values}
         for v in g.values:
             owner[id(v)] = host
     return out
@@ -403,12 +426,15 @@ def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Gr
         by_group = {vid: groups[k] for vid, k in owner.items()}
         index = {id(g): k for k, g in enumerate(groups)}
         for k, g in enumerate(groups):
-            for n in g.nodes(analysis, mat):
+            nodes = g.nodes(analysis, mat)
+            made = {id(r) for n in nodes for r in n.results}  # computed inside the kernel
+            for n in nodes:
                 for operand in n.operands:
                     j = owner.get(id(operand))
                     if j is not None and j != k and id(operand) in mat:
                         deps[k].add(j)
-                    elif j is None:  # made by an unfused node: depend on what it reads
+                    elif j is None and id(operand) not in made:  # made by an unfused node:
+                        # depend on what it reads
                         deps[k].update(index[id(h)] for h in
                                        _source_groups({id(operand)}, by_group, analysis))
         try:
