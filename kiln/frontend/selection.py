@@ -18,7 +18,7 @@ import numpy as np
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import normalize_axis
-from kiln.frontend.dispatch import creation_emitter, wrap
+from kiln.frontend.dispatch import apply, creation_emitter, wrap
 from kiln.frontend.functional import (
     MaxMin, _tensor, add, cumsum, ge, le, log, lt, sort, sum, to, where,
 )
@@ -115,12 +115,10 @@ def one_hot(x, num_classes: int = -1):
     if not isinstance(num_classes, (int, np.integer)) or num_classes < 0:
         raise KilnArgumentError(f"one_hot: num_classes must be an int >= 0 (or -1), got "
                                 f"{num_classes!r}")
-    if not x.is_traced:
-        values = x.numpy()
-        bad = (values < 0) | (values >= num_classes)
-        if bad.any():
-            raise KilnArgumentError(f"one_hot: class index {int(values[bad].flat[0])} is out of "
-                                    f"range for num_classes={num_classes}")
+    # the compare below would give an all-zero row for a class out of range: check first,
+    # eager and compiled alike (K104, kiln/ir/ops/indices.py)
+    x = apply("check_index", x, size=int(num_classes), caller="one_hot", what="class index",
+              negative=False, ignore=None)
     em = creation_emitter()
     classes = wrap(em, em.call("iota", dtype=dt.int64, shape=(int(num_classes),)))
     from kiln.frontend.functional import eq

@@ -125,6 +125,9 @@ USER_CASES = {
         [np.array([0, -2, 2]), np.array([5, -1, 2])], lambda x, t: _ce_oracle(x, t, -1)),
     "nll_loss": (lambda x, t: F.nll_loss(F.log_softmax(x, 1), t), np.array([1, 4, 3]),
                  [np.array([1, 4, 7]), np.array([-1, 4, 3])], lambda x, t: _ce_oracle(x, t)),
+    "one_hot": (lambda x, i: kn.one_hot(i, 5) * 2, np.array([0, 4, 2]),
+                [np.array([0, 5, 2]), np.array([-1, 0, 0])],
+                lambda x, i: (np.arange(5) == i[:, None]) * 2),
 }
 
 

@@ -61,7 +61,7 @@ def test_one_hot_matches_torch():
     want = torch.nn.functional.one_hot(torch.tensor(idx), 5).numpy()
     np.testing.assert_array_equal(got, want)
     assert kn.one_hot(kn.tensor(idx)).shape == (2, 2, 4)
-    with pytest.raises(kn.KilnArgumentError, match="out of range"):
+    with pytest.raises(kn.KilnIndexError, match="out of range"):
         kn.one_hot(kn.tensor(idx), 3)
 
 
