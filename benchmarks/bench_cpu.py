@@ -26,12 +26,15 @@ import kiln as kn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import median_s, write_section  # noqa: E402
+from bench_complex import chain_k as cchain_k, chain_np as cchain_np  # noqa: E402
 
 GELU_C = 0.7978845608028654
 # torch.compile could not compile the 20-step unrolled Newton loop within 120 s on this
 # machine (the CPU pipeline issue measured 162 s for 14 steps): not attempted here
 TORCH_COMPILE_SKIP = {"newton": "Inductor needs over 120 s to compile the 20-step unrolled "
-                                "loop here (14 steps took 162 s)"}
+                                "loop here (14 steps took 162 s)",
+                      "cchain": "Inductor runs complex tensors eagerly (no complex codegen)",
+                      "cgemm": "Inductor runs complex tensors eagerly (no complex codegen)"}
 
 
 BARE_BLAS = {"gemm": lambda x, w, b: x @ w, "mlp": lambda x, w1, b1, w2, b2: (x @ w1) @ w2}
@@ -130,6 +133,8 @@ def torch_fns():
         "ssq": lambda x: (x * x).sum(),
         "attention": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
         "newton": newton_np,
+        "cchain": lambda z, w: torch.exp(z) * w + z * 0.5 - torch.abs(z),
+        "cgemm": lambda a, b: a @ b,
     }
 
 
@@ -150,6 +155,8 @@ def jax_fns():
         "ssq": lambda x: (x * x).sum(),
         "attention": lambda q, k, v: softmax(q @ jnp.swapaxes(k, -1, -2) / jnp.sqrt(q.shape[-1])) @ v,
         "newton": newton_np,
+        "cchain": lambda z, w: jnp.exp(z) * w + z * 0.5 - jnp.abs(z),
+        "cgemm": lambda a, b: a @ b,
     }
 
 
@@ -181,6 +188,16 @@ def workloads(quick: bool):
         (r(8, 1024, 64), r(8, 1024, 64), r(8, 1024, 64)), 0, 4 * 8 * 1024 * 1024 * 64
     yield "newton", "20-step Newton sqrt over 2^20", newton_k, newton_np, \
         (np.abs(r(1 << 20)) + 0.5,), 8 * (1 << 20), 0
+
+    def c(*shape):  # complex64: compiled as float32 pairs by the `complex` pass (issue 21)
+        return (r(*shape) + 1j * r(*shape)).astype(np.complex64)
+
+    cn = 1 << (20 if quick else 22)
+    yield "cchain", f"complex exp(z)*w + z*0.5 - abs(z), 2^{cn.bit_length() - 1}", cchain_k, \
+        cchain_np, (c(cn), c(cn)), 24 * cn, 0
+    cm = 256 if quick else 512
+    yield "cgemm", f"complex64 matmul {cm}^3 (4 real GEMMs)", lambda a, b: a @ b, \
+        lambda a, b: a @ b, (c(cm, cm), c(cm, cm)), 0, 8 * cm ** 3
 
 
 def ceilings(repeat: int) -> tuple[float, float]:
@@ -254,7 +271,8 @@ def main() -> int:
         out = kiln_fn(*inputs)
         first = time.perf_counter() - t0
         expect = (npfn or kfn)(*[np.asarray(i) for i in inputs])
-        expect = np.asarray(expect.numpy() if hasattr(expect, "numpy") else expect, np.float64)
+        expect = expect.numpy() if hasattr(expect, "numpy") else expect
+        expect = np.asarray(expect, np.complex128 if np.iscomplexobj(expect) else np.float64)
         err = float(np.max(np.abs(out.numpy() - expect)) / max(1.0, float(np.max(np.abs(expect)))))
         result = {"workload": label, "kiln": median_s(lambda: kiln_fn(*inputs), repeat),
                   "kiln first call": first, "rel err": err}
