@@ -284,7 +284,11 @@ def _accumulate(leaf, g, traced) -> None:
             hint="compile the module (kn.compile(model)) and call loss.backward() outside, or use "
                  "kn.grad / kn.value_and_grad inside the compiled function")
 
-    grad = Tensor._make(g, traced)
+    if traced is None:  # on the leaf's device, counted there while it lives
+        from kiln.runtime.placement import charge
+
+        charge(g, leaf._device)
+    grad = Tensor._make(g, traced, None if traced is not None else leaf._device)
     if leaf._grad is None:
         leaf._grad = grad
     else:

@@ -267,36 +267,44 @@ class Module:
         return IncompatibleKeys(missing, unexpected)
 
     def to(self, *args, dtype=None, device=None, **_) -> "Module":
-        """Convert every floating-point parameter and buffer to `dtype`, in place;
-        `model.to(device)` accepts the CPU (kiln's eager tensors live there), and
-        `model.to(device, dtype)` both, as torch."""
+        """Convert every floating-point parameter and buffer to `dtype` and move every
+        parameter and buffer to `device`, in place, as torch (`model.to(device)`,
+        `model.to(dtype)`, `model.to(device, dtype)`)."""
         from kiln.frontend.functional import to
-        from kiln.frontend.tensor import _DEVICE_KINDS, as_device
+        from kiln.frontend.methods import _is_device
+        from kiln.frontend.tensor import as_device
         from kiln.ir import dtypes as dt
 
         for a in args:
-            if isinstance(a, str) and a.split(":")[0] in _DEVICE_KINDS or (
-                    not isinstance(a, (dt.DType, type)) and hasattr(a, "type")):
+            if _is_device(a):
                 device = a
             else:
                 dtype = a
-        as_device(device, "Module.to")
-        if dtype is None:
-            return self
-        target = dt.dtype(dtype)
-        if not target.is_floating:
+        where = None if device is None else as_device(device, "Module.to")
+        target = None if dtype is None else dt.dtype(dtype)
+        if target is not None and not target.is_floating:
             raise KilnDTypeError(f"Module.to: {target} is not a floating dtype")
+        if target is None and where is None:
+            return self
         for module in self.modules():
             for name, tensor, _ in list(module._own_tensors()):
-                if tensor.dtype.is_floating:
-                    new = to(tensor, target)
+                new = tensor
+                if target is not None and tensor.dtype.is_floating:
+                    new = to(new, target)
+                if where is not None and new.device != where:
+                    new = new.to(where)
+                if new is not tensor:
                     if tensor._requires_grad:
                         _trainable(new)
                     object.__setattr__(module, name, new)
         return self
 
     def cpu(self) -> "Module":
-        return self
+        return self.to("cpu")
+
+    def cuda(self, device=None) -> "Module":
+        return self.to("cuda" if device is None else f"cuda:{device}"
+                       if isinstance(device, int) else device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear `.grad` of every parameter (torch.nn.Module.zero_grad)."""

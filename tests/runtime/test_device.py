@@ -189,3 +189,28 @@ def test_runtime_memory_fraction_sets_the_cpu_allocator_limit():
     finally:
         kn.memory.set_per_process_memory_fraction(1.0)
     assert kn.runtime.memory_stats()["limit_bytes"] == kn.memory.memory_stats()["total_bytes"]
+
+
+def test_a_model_trains_on_the_fake_device(fake):
+    torch = pytest.importorskip("torch")
+    kn.manual_seed(0)
+    model = kn.nn.Linear(4, 3).to("fake")
+    assert {p.device for p in model.parameters()} == {"fake:0"}
+    assert all(p.requires_grad for p in model.parameters())
+    w0 = model.weight.numpy().copy()
+    b0 = model.bias.numpy().copy()
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    loss = (model(kn.tensor(x, device="fake")) ** 2).mean()
+    assert loss.device == "fake:0"
+    loss.backward()
+    assert model.weight.grad.device == "fake:0" and model.bias.grad.device == "fake:0"
+    kn.optim.SGD(model.parameters(), lr=0.1).step()
+    assert model.weight.device == "fake:0"
+    # the oracle: the same step in torch
+    tw = torch.tensor(w0, requires_grad=True)
+    tb = torch.tensor(b0, requires_grad=True)
+    ((torch.tensor(x) @ tw.T + tb) ** 2).mean().backward()
+    np.testing.assert_allclose(model.weight.numpy(), (tw - 0.1 * tw.grad).detach().numpy(),
+                               rtol=1e-5, atol=1e-6)
+    back = model.cpu()
+    assert back is model and model.bias.device == "cpu"
