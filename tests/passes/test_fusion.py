@@ -315,9 +315,12 @@ graph @g(%x: f32[4, 4], %w: f32[4, 4]) -> (f32[4], f32[4])
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fuse(name):
-    before, expected = CASES[name]
+    check_fuse_case(*CASES[name])
+
+
+def check_fuse_case(before: str, expected: str):
+    """`fuse(before)` prints as `expected`, and computes what `before` does."""
     result = assert_rewrites(fuse, before, expected)
-    # and the fused graph computes what the original does
     graph = parse_graph(before)
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal([int(d) for d in v.type.shape]).astype(v.type.dtype.np_dtype)
