@@ -73,5 +73,6 @@ register_backend("cpu", "kiln.codegen.cpu.backend:CpuBackend")
 register_backend("reference", ReferenceBackend)
 register_backend("triton", "kiln.codegen.triton.backend:TritonBackend", supports=_triton_supports,
                  example="cuda, rocm")
+register_backend("opencl", "kiln.codegen.opencl.backend:OpenCLBackend", supports=lambda t: t.split(":")[0] in ("opencl", "xpu"))
 
 TARGETS = ("cpu", "reference", "cuda", "rocm")

@@ -1,0 +1,1 @@
+"""The OpenCL backend (Intel XPU and any OpenCL device; PoCL on the CPU): see backend.py."""

@@ -1,0 +1,342 @@
+"""Kernel IR -> OpenCL C: pointwise kernels and reductions with local-memory trees.
+
+A `Kernel` without inner loops is *pointwise*: one work-item per point of its outer
+(parallel) loops, flattened into one global index and decomposed back with `/` and
+`%`. A kernel with inner loops (a reduction, and the stores over the reduced domain
+that follow it) runs on two-dimensional work-groups of RL x XL work-items:
+
+    XL outer points per group (dim 1), RL lanes per point (dim 0)
+    each lane folds the inner points lane, lane + RL, ... into a private accumulator
+    the RL partial values meet in local memory and combine in a log2(RL) tree
+    every lane reads the result; stores over the inner space split over lanes again
+
+Inner reductions (contiguous along the reduced axis) take RL wide and XL = 1; outer
+reductions (contiguous along the outer axis) take XL wide so neighbouring work-items
+read neighbouring addresses; a full reduction is one row. The group shape comes from
+`Limits` -- the device's maximum work-group size and local memory, read at run time
+(`DEFAULT_LIMITS` when printing without a device). Sizes of symbolic dims are `long`
+kernel arguments, so one program serves every size; index math is `long`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import sympy
+
+from kiln.codegen.backend import lookup
+from kiln.codegen.kernel_ir import (Acc, Const, GemmKernel, IndexValue, Kernel, Load, Op, Reduce,
+                                    ReduceRef, walk)
+from kiln.codegen.legalize import reduce_identity
+from kiln.codegen.opencl.scalar import HELPERS, SCALAR_TABLE, cl_type, combine, index_cl, literal
+from kiln.errors import KilnBackendContractError
+from kiln.ir.shapes import numel, symbol
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What of a device decides work-group shapes (read from the device at run time)."""
+
+    max_work_group_size: int = 256
+    local_mem_size: int = 32768
+    compute_units: int = 8
+    subgroups: bool = False  # cl_khr_subgroups or cl_intel_subgroups
+    intel_subgroups: bool = False  # cl_intel_subgroups (block reads)
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class EmittedKernel:
+    """OpenCL C for one kernel plus how to launch it.
+
+    `launch(sizes)` gives (global size, local size) for a binding of the size symbols;
+    the arguments are the buffers in order, then one `long` per entry of `sizes`."""
+
+    name: str
+    source: str
+    kind: str  # pointwise, reduction_inner, reduction_outer, reduction_full, gemm
+    buffers: tuple
+    sizes: tuple
+    local: tuple
+    # per launch dim: (extent expr, extent items per group, work-items per group)
+    work: tuple = field(hash=False)
+    uses_f64: bool = False
+
+
+def kernel_name(name: str) -> str:
+    return "kiln_" + re.sub(r"\W", "_", name)
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def static_int(e) -> int | None:
+    e = sympy.sympify(e)
+    return int(e) if e.is_Integer else None
+
+
+def uses_f64(kernel) -> bool:
+    values = [kernel.epilogue] if isinstance(kernel, GemmKernel) else [st.value for st in kernel.stages]
+    dts = {b.dtype.short for b in kernel.buffers} | {x.dtype.short for v in values for x in walk(v)}
+    dts |= {st.dtype.short for st in getattr(kernel, "stages", ()) if isinstance(st, Reduce)}
+    if isinstance(kernel, GemmKernel) and kernel.acc_dtype is not None:
+        dts.add(kernel.acc_dtype.short)
+    return "f64" in dts
+
+
+def prelude(f64: bool) -> str:
+    """What every program starts with: no FMA contraction (every op rounds, as numpy), the
+    float64 extension where used, and the index helpers."""
+    lines = ["#pragma OPENCL FP_CONTRACT OFF"]
+    if f64:
+        lines.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
+    return "\n".join(lines) + "\n" + HELPERS
+
+
+class ExprEmitter:
+    """Binds every node of an expression DAG to a `const` temporary once per scope."""
+
+    def __init__(self, names: dict, buffers: dict):
+        self.names, self.buffers = names, buffers  # symbol -> C name; buffer -> (C name, dtype)
+        self.counter = 0
+        self.refs: dict = {}  # ReduceRef name -> C name
+        self.acc: str | None = None
+
+    def emit(self, e, lines: list, pad: str) -> str:
+        memo: dict = {}
+        for x in walk(e):
+            if isinstance(x, Const):
+                memo[x] = literal(x.value, x.dtype)
+                continue
+            if isinstance(x, Load):
+                cname, d = self.buffers[x.buffer]
+                text = f"{cname}[{index_cl(x.index, self.names)}]"
+                if d != x.dtype:
+                    text = f"(({cl_type(x.dtype)}){text})"
+            elif isinstance(x, IndexValue):
+                text = f"(({cl_type(x.dtype)}){index_cl(x.expr, self.names)})"
+            elif isinstance(x, ReduceRef):
+                text = f"(({cl_type(x.dtype)}){self.refs[x.name]})"
+            elif isinstance(x, Acc):
+                if self.acc is None:
+                    raise KilnBackendContractError("opencl backend: Acc outside a GEMM epilogue")
+                text = f"(({cl_type(x.dtype)}){self.acc})"
+            elif isinstance(x, Op):
+                dts = [a.dtype for a in x.args]
+                emitter = lookup(SCALAR_TABLE, x.op, dts, x.dtype)
+                if emitter is None:
+                    raise KilnBackendContractError(f"opencl backend: scalar op {x.op!r} reached the emitter "
+                                                   "unlegalized")
+                text = emitter([memo[a] for a in x.args], dts, x.dtype)
+            else:
+                raise KilnBackendContractError(f"opencl backend: not a Kernel IR expression: {x!r}")
+            name = f"t{self.counter}"
+            self.counter += 1
+            lines.append(f"{pad}const {cl_type(x.dtype)} {name} = {text};")
+            memo[x] = name
+        return memo[e]
+
+
+def classify(kernel: Kernel) -> str:
+    """pointwise, or which reduction layout: inner / outer / full."""
+    first = next((s for s in kernel.stages if s.loops), None)
+    if first is None:
+        return "pointwise"
+    if not kernel.outer:
+        return "reduction_full"
+    r_last, x_last = symbol(first.loops[-1].var), symbol(kernel.outer[-1].var)
+    cr, cx = [], []
+    for x in walk(first.value):
+        if isinstance(x, Load):
+            idx = sympy.expand(sympy.sympify(x.index))
+            cr.append(idx.coeff(r_last))
+            cx.append(idx.coeff(x_last))
+    if any(c == 1 for c in cr):
+        return "reduction_inner"
+    if any(c == 1 for c in cx):
+        return "reduction_outer"
+    return "reduction_inner"
+
+
+def group_shape(kind: str, xnumel, rnumel, limits: Limits, acc_bytes: int) -> tuple[int, int]:
+    """(RL, XL): lanes per outer point and outer points per work-group, powers of two
+    within the device's work-group size and local memory (one accumulator per lane)."""
+    lanes = pow2_floor(min(256, limits.max_work_group_size))
+    lanes = max(1, min(lanes, pow2_floor(max(1, limits.local_mem_size // max(1, acc_bytes)))))
+    xs, rs = static_int(xnumel), static_int(rnumel)
+    if kind == "pointwise":
+        return 1, lanes
+    if kind == "reduction_outer":
+        rl = min(8, lanes)
+    else:
+        rl = lanes
+    if rs is not None:
+        rl = max(1, min(rl, next_pow2(rs)))
+    xl = max(1, lanes // rl)
+    if kind == "reduction_full":
+        xl = 1
+    if xs is not None:
+        xl = max(1, min(xl, next_pow2(xs)))
+    return rl, xl
+
+
+def _decompose(names: list[str], extents: list, flat: str, symnames: dict, pad: str) -> list[str]:
+    """Statements binding each loop variable from a flat row-major index."""
+    out, strides, stride = [], [], sympy.Integer(1)
+    for ext in reversed(extents):
+        strides.append(stride)
+        stride = sympy.expand(stride * ext)
+    strides.reverse()
+    for j, (v, ext, st) in enumerate(zip(names, extents, strides)):
+        text = flat if st == 1 else f"({flat} / {index_cl(st, symnames)})"
+        if j > 0:
+            text = f"({text} % {index_cl(ext, symnames)})"
+        out.append(f"{pad}const long {v} = {text};")
+    return out
+
+
+def emit_kernel(kernel, limits: Limits = DEFAULT_LIMITS) -> EmittedKernel:
+    """OpenCL C for one legalized Kernel IR kernel (a `Kernel` or a `GemmKernel`).
+
+        >>> print(emit_kernel(kernel).source)           # doctest: +SKIP
+    """
+    if isinstance(kernel, GemmKernel):
+        from kiln.codegen.opencl.emit_gemm import emit_gemm
+
+        return emit_gemm(kernel, limits)
+    if not isinstance(kernel, Kernel):
+        raise KilnBackendContractError(f"opencl backend: cannot compile {type(kernel).__name__}")
+    return _emit_loops(kernel, limits)
+
+
+def _signature(kernel, symnames: dict, buffers: dict) -> list[str]:
+    params = []
+    for b in kernel.buffers:
+        const = "const " if b.role == "in" else ""
+        params.append(f"__global {const}{cl_type(b.dtype)} *{buffers[b.name][0]}")
+    params += [f"const long {symnames[s]}" for s in kernel.sizes]
+    return params
+
+
+def _emit_loops(k: Kernel, limits: Limits) -> EmittedKernel:
+    kind = classify(k)
+    fname = kernel_name(k.name)
+    symnames = {s: f"s_{s}" for s in k.sizes}
+    buffers = {b.name: (f"b_{b.name}", b.dtype) for b in k.buffers}
+    for l in k.outer:
+        symnames[l.var] = f"v_{l.var}"
+    for st in k.stages:
+        for l in st.loops:
+            symnames[l.var] = f"v_{l.var}"
+    xnumel = numel([l.extent for l in k.outer]) if k.outer else 1
+    spaces = [numel([l.extent for l in st.loops]) for st in k.stages if st.loops]
+    rmax = None if any(static_int(r) is None for r in spaces) else max((static_int(r) for r in spaces), default=1)
+    acc_bytes = max([st.dtype.np_dtype.itemsize for st in k.stages if isinstance(st, Reduce)], default=1)
+    rl, xl = group_shape(kind, xnumel, rmax if rmax is not None else sympy.Symbol("R"), limits, acc_bytes)
+    ex = ExprEmitter(symnames, buffers)
+    body: list[str] = []
+    pad = "  "
+    xn = index_cl(xnumel, symnames)
+    outer_vars = [symnames[l.var] for l in k.outer]
+    if kind == "pointwise":
+        local = (xl,)
+        body.append(f"{pad}const long xi = get_global_id(0);")
+        body.append(f"{pad}if (xi >= {xn}) return;")
+        body += _decompose(outer_vars, [l.extent for l in k.outer], "xi", symnames, pad)
+        for st in k.stages:
+            value = ex.emit(st.value, body, pad)
+            cname, d = buffers[st.buffer]
+            body.append(f"{pad}{cname}[{index_cl(st.index, symnames)}] = {_store_cast(value, st.value.dtype, d)};")
+        work = ((xnumel, xl, xl),)
+    else:
+        local = (rl, xl)
+        body.append(f"{pad}const long xi = get_global_id(1);")
+        body.append(f"{pad}const int lr = get_local_id(0), lx = get_local_id(1);")
+        body.append(f"{pad}const int valid = xi < {xn};")
+        body += _decompose(outer_vars, [l.extent for l in k.outer], "xi", symnames, pad)
+        scratch: dict = {}
+        for st in k.stages:
+            body += _stage(st, ex, buffers, symnames, rl, xl, scratch)
+        decls = [f"{pad}__local {t} red_{t}[{rl * xl}];" for t in sorted(scratch)]
+        body = decls + body
+        work = ((1, 1, rl), (xnumel, xl, xl))
+    params = _signature(k, symnames, buffers)
+    attr = f"__attribute__((reqd_work_group_size({', '.join(map(str, local + (1,) * (3 - len(local))))})))"
+    head = f"__kernel {attr}\nvoid {fname}({', '.join(params)}) {{"
+    doc = _describe(k, kind, rl, xl)
+    f64 = uses_f64(k)
+    source = prelude(f64) + f"\n{doc}\n{head}\n" + "\n".join(body) + "\n}\n"
+    return EmittedKernel(fname, source, kind, tuple(b.name for b in k.buffers), tuple(k.sizes), local, work, f64)
+
+
+def _store_cast(value: str, src, dst) -> str:
+    if src == dst:
+        return value
+    if dst.is_bool:
+        return f"(({value}) != 0)"
+    return f"(({cl_type(dst)}){value})"
+
+
+def _stage(st, ex: ExprEmitter, buffers: dict, symnames: dict, rl: int, xl: int, scratch: dict) -> list[str]:
+    pad, lines = "  ", []
+    rnumel = numel([l.extent for l in st.loops]) if st.loops else 1
+    rvars = [symnames[l.var] for l in st.loops]
+
+    def loop(inner: list[str]) -> list[str]:
+        head = f"{pad}for (long rf = lr; valid && rf < {index_cl(rnumel, symnames)}; rf += {rl}) {{"
+        return [head] + _decompose(rvars, [l.extent for l in st.loops], "rf", symnames, pad * 2) + inner + [f"{pad}}}"]
+
+    if isinstance(st, Reduce):
+        t = cl_type(st.dtype)
+        acc = f"acc_{st.name}"
+        ident = literal(reduce_identity(st.op, st.dtype), st.dtype)
+        if not st.loops:  # a reduction over nothing: the value itself
+            v = ex.emit(st.value, lines, pad)
+            lines.append(f"{pad}const {t} r_{st.name} = {_store_cast(v, st.value.dtype, st.dtype)};")
+            ex.refs[st.name] = f"r_{st.name}"
+            return lines
+        lines.append(f"{pad}{t} {acc} = {ident};")
+        inner: list[str] = []
+        v = ex.emit(st.value, inner, pad * 2)
+        inner.append(f"{pad * 2}{acc} = {combine(st.op, st.dtype, acc, _store_cast(v, st.value.dtype, st.dtype))};")
+        lines += loop(inner)
+        scratch[t] = True
+        red = f"red_{t}"
+        lines.append(f"{pad}{red}[lx * {rl} + lr] = {acc};")
+        lines.append(f"{pad}barrier(CLK_LOCAL_MEM_FENCE);")
+        if rl > 1:
+            lines.append(f"{pad}for (int s = {rl // 2}; s > 0; s >>= 1) {{")
+            lines.append(f"{pad * 2}if (lr < s) {red}[lx * {rl} + lr] = "
+                         f"{combine(st.op, st.dtype, f'{red}[lx * {rl} + lr]', f'{red}[lx * {rl} + lr + s]')};")
+            lines.append(f"{pad * 2}barrier(CLK_LOCAL_MEM_FENCE);")
+            lines.append(f"{pad}}}")
+        lines.append(f"{pad}const {t} r_{st.name} = {red}[lx * {rl}];")
+        lines.append(f"{pad}barrier(CLK_LOCAL_MEM_FENCE);  /* the scratch is reused */")
+        ex.refs[st.name] = f"r_{st.name}"
+        return lines
+    cname, d = buffers[st.buffer]
+    if not st.loops:
+        inner = []
+        v = ex.emit(st.value, inner, pad * 2)
+        inner.append(f"{pad * 2}{cname}[{index_cl(st.index, symnames)}] = {_store_cast(v, st.value.dtype, d)};")
+        return [f"{pad}if (valid && lr == 0) {{"] + inner + [f"{pad}}}"]
+    inner = []
+    v = ex.emit(st.value, inner, pad * 2)
+    inner.append(f"{pad * 2}{cname}[{index_cl(st.index, symnames)}] = {_store_cast(v, st.value.dtype, d)};")
+    return loop(inner)
+
+
+def _describe(k: Kernel, kind: str, rl: int, xl: int) -> str:
+    outer = ", ".join(f"{l.var} < {l.extent}" for l in k.outer) or "one point"
+    if kind == "pointwise":
+        return f"/* pointwise over {outer}: one work-item per point, {xl} per group */"
+    return (f"/* {kind.replace('_', ' ')}: parallel {outer}; {xl} point(s) x {rl} lanes per group, "
+            "local-memory tree */")
