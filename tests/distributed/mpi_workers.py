@@ -52,21 +52,30 @@ def no_store(rank, world, addr, args):
     b = np.full(1000, 0.5 + rank, kd.bfloat16.np_dtype)
     pg.all_reduce(b, op="avg").wait()
     check(b, np.full(1000, 0.5 + (n - 1) / 2), kd.bfloat16, "bfloat16 avg")
-    return {"store": pg.store.address}
-
-
-@scenario
-def zero_copy(rank, world, addr, args):
-    """MPI receives straight into the user's memory: a view of a larger array changes,
-    nothing around it does."""
-    pg = join(rank, world, addr)
+    # large messages (MPI's rendezvous protocol), in place
+    x = np.arange(3_000_017, dtype=np.float32) * (rank + 1)
+    pg.all_reduce(x).wait()
+    check(x, np.arange(3_000_017, dtype=np.float64) * n * (n + 1) / 2, kd.float32, "large")
+    y = np.full(1_000_003, rank, np.float64)
+    pg.broadcast(y, src=n - 1).wait()
+    assert np.all(y == n - 1)
+    # zero-copy: MPI receives straight into the user's memory, a view of a larger array
+    # changes and nothing around it does
     base = np.zeros(10, np.float64)
     view = base[2:6]
     view[:] = rank + 1
     pg.all_reduce(view).wait()
     assert np.all(base[2:6] == world * (world + 1) / 2) and np.all(base[:2] == 0) and \
         np.all(base[6:] == 0), base
-    return {}
+    return {"store": pg.store.address}
+
+
+@scenario
+def every_collective(rank, world, addr, args):
+    """workers.collectives without its tcp-only second pass (forced ring segments)."""
+    pg = join(rank, world, addr)
+    dts = [kd.dtype(n) for n in args.get("dtypes", [d.name for d in kd.ALL_DTYPES])]
+    return {"works": workers.run_collectives(pg, dts, args.get("sizes", [0, 1, 21, 1003]), 0)}
 
 
 @scenario

@@ -17,21 +17,16 @@ pytestmark = [needs_mpi, pytest.mark.timeout(120)]
 def test_every_collective_every_dtype_on_four_ranks(tmp_path):
     """All ops outstanding at once, every kiln dtype and reduce op, uneven and empty
     sizes, all_to_all with uneven splits, send/recv: against numpy."""
-    data = check_all_ok(run_mpi("collectives", 4, tmp_path, timeout=100))
-    assert all(d["works"] > 500 for d in data)
+    data = check_all_ok(run_mpi("every_collective", 4, tmp_path, timeout=100))
+    assert all(d["works"] > 250 for d in data)
 
 
-def test_large_buffers(tmp_path):
-    check_all_ok(run_mpi("large", 4, tmp_path))
-
-
-def test_bare_mpirun_needs_no_store_big_tags_and_bfloat16(tmp_path):
+def test_bare_mpirun_big_tags_bfloat16_large_and_zero_copy_buffers(tmp_path):
+    """No store or token given (rank 0 hosts the store and shares it over MPI); tags
+    past MPI's 2**31 limit; bfloat16 avg (a user-defined MPI op); 12 MB messages; a
+    view of a larger array reduced in place, its neighbours untouched."""
     data = check_all_ok(run_mpi("no_store", 4, tmp_path, store=False))
     assert len({d["store"] for d in data}) == 1  # rank 0's store, shared over MPI
-
-
-def test_buffers_are_zero_copy_views(tmp_path):
-    check_all_ok(run_mpi("zero_copy", 4, tmp_path))
 
 
 def test_bad_input_splits_flight_recorder_and_sigusr1_dump(tmp_path):
@@ -66,9 +61,8 @@ def test_silent_peer_times_out_and_everyone_dumps(tmp_path):
         assert data[rank]["error"] == "CollectiveTimeout" and "K203" in data[rank]["message"]
 
 
-@pytest.mark.parametrize("size", [1000, 3_000_000])
-def test_dead_peer_fails_work_with_peer_failure_naming_it(tmp_path, size):
-    results = run_mpi("killed", 4, tmp_path, args={"victim": 2, "size": size})
+def test_dead_peer_fails_work_with_peer_failure_naming_it(tmp_path):
+    results = run_mpi("killed", 4, tmp_path, args={"victim": 2, "size": 3_000_000})
     for rank in (0, 1, 3):
         data = check_all_ok([results[rank]])[0]
         first = data["errors"][0]
