@@ -187,6 +187,10 @@ def _kind_of(device: Device, op: str) -> DeviceKind:
             from kiln.runtime import gpu_devices  # noqa: F401
 
             kind = _KINDS.get(device.type)
+        elif device.type in ("opencl", "xpu"):  # registered on first use, as cuda/rocm
+            from kiln.runtime import opencl_device  # noqa: F401
+
+            kind = _KINDS.get(device.type)
         if kind is None:
             hardware = _HARDWARE.get(device.type, "its backend")
             raise KilnDeviceUnavailableError(

@@ -42,7 +42,7 @@ class SvmMemory(RawMemory):
                 hint="compile with backend='opencl' on host tensors instead: kernels still run there")
         cl = ctx.cl
         flags = cl.svm_mem_flags.READ_WRITE | cl.svm_mem_flags.SVM_FINE_GRAIN_BUFFER
-        array = cl.svm_empty(ctx.context, flags, max(1, nbytes), np.uint8, alignment=256)
+        array = cl.svm_empty(ctx.context, flags, max(1, nbytes), np.uint8)
         address = array.ctypes.data
         with _lock:
             _SEGMENTS[address] = (address + nbytes, ctx)

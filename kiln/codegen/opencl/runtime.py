@@ -169,10 +169,22 @@ def _unwrap(blob: bytes) -> bytes:
     return blob[len(_BLOB_MAGIC) + 8 + n_ident:]
 
 
-@functools.lru_cache(maxsize=None)
 def context(kind: str = "opencl", index: int = 0) -> DeviceContext:
     """The context of device `kind:index` ("opencl" or "xpu"), made once per process."""
-    return DeviceContext(device_for(kind, index))
+    return _context(kind, int(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _context(kind: str, index: int) -> DeviceContext:
+    device = device_for(kind, index)
+    for (k, i), ctx in _BY_DEVICE.items():  # xpu:0 and opencl:N may be one device: one context
+        if ctx.device == device:
+            return ctx
+    ctx = _BY_DEVICE[(kind, index)] = DeviceContext(device)
+    return ctx
+
+
+_BY_DEVICE: dict = {}
 
 
 class OpenCLKernel:
