@@ -11,12 +11,16 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test,mpi]'
+	$(PY) -m pip install --quiet -e '.[test,mpi,opencl]'
 	# headless Chromium and Graphviz for the `kiln report` tests (Debian packages), where apt
 	# is available and we are root; elsewhere those tests skip, naming the package
 	-command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  --no-install-recommends chromium graphviz >/dev/null; } || true
+	# PoCL (the CPU OpenCL driver) and clang + llvm-spirv for the opencl backend's tests
+	-[ -e /etc/OpenCL/vendors/pocl.icd ] && command -v llvm-spirv-15 >/dev/null || { [ "$$(id -u)" = 0 ] && \
+	  command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends pocl-opencl-icd ocl-icd-libopencl1 clang llvm-spirv-15 >/dev/null; } || true
 	touch $(STAMP)
 
 install: $(STAMP)
