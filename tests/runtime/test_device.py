@@ -11,7 +11,7 @@ import pytest
 import kiln as kn
 from kiln.runtime.caching_allocator import RawMemory
 from kiln.runtime.device import (
-    KilnDeviceMismatchError, KilnDeviceRegistryError, KilnDeviceUnavailableError,
+    KilnDeviceMismatchError, as_device, KilnDeviceRegistryError, KilnDeviceUnavailableError,
     register_device_kind, unregister_device_kind,
 )
 
@@ -214,3 +214,33 @@ def test_a_model_trains_on_the_fake_device(fake):
                                rtol=1e-5, atol=1e-6)
     back = model.cpu()
     assert back is model and model.bias.device == "cpu"
+
+
+def _present(kind: str) -> bool:
+    try:
+        as_device(kind)
+    except kn.KilnError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _present("cuda"), reason="needs an NVIDIA GPU (and its driver)")
+def test_cuda_managed_tensors_round_trip_and_count():
+    from cuda.bindings import driver
+
+    x = kn.tensor(np.arange(1 << 20, dtype=np.float32), device="cuda")
+    assert x.device == "cuda:0" and x.is_cuda
+    assert kn.memory.memory_allocated("cuda") >= 4 << 20
+    free_before = driver.cuMemGetInfo()[1]
+    y = (x * 2).cpu()
+    np.testing.assert_array_equal(y.numpy(), np.arange(1 << 20, dtype=np.float32) * 2)
+    del x
+    released = kn.memory.empty_cache("cuda")
+    assert released > 0 and driver.cuMemGetInfo()[1] >= free_before
+
+
+@pytest.mark.skipif(not _present("rocm"), reason="needs an AMD GPU (and the HIP runtime)")
+def test_rocm_managed_tensors_round_trip():
+    x = kn.tensor([1.0, 2.0, 3.0], device="rocm")
+    assert x.device == "rocm:0"
+    np.testing.assert_array_equal((x + 1).cpu().numpy(), [2.0, 3.0, 4.0])

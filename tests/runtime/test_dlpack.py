@@ -86,3 +86,17 @@ def test_refusals_are_K382():
         kn.ones(2).__dlpack__(dl_device=(2, 0))
     with pytest.raises(kn.KilnError, match="K382.*require"):
         kn.from_dlpack(torch.ones(2, requires_grad=True))
+
+
+def test_jax_arrays_come_in_without_copying():
+    jnp = pytest.importorskip("jax.numpy", reason="needs jax (the peer extra)")
+    a = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+    t = kn.from_dlpack(a)
+    np.testing.assert_array_equal(t.numpy(), np.asarray(a))
+    assert t.numpy().ctypes.data == a.unsafe_buffer_pointer()
+
+
+def test_cupy_host_pinned_or_device_arrays_are_handled():
+    cp = pytest.importorskip("cupy", reason="needs cupy and an NVIDIA GPU")
+    with pytest.raises(KilnDLPackError, match="K382.*cuda"):
+        kn.from_dlpack(cp.arange(3))
