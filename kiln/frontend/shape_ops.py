@@ -199,6 +199,27 @@ def gather(x, dim: int, index):
     return apply("take_along", x, _tensor(index), axis=normalize_axis("gather", dim, x.ndim, "dim"))
 
 
+def take_along_dim(x, indices, dim: int | None = None):
+    """torch.take_along_dim: `gather` along `dim` after broadcasting `x` and `indices`
+    against each other in every other dim; with `dim=None`, both are flattened first.
+    Indices out of range raise K104 (negative ones count from the end)."""
+    from kiln.ir.shapes import broadcast_shapes
+
+    x, indices = _tensor(x), _tensor(indices)
+    if dim is None:
+        return apply("take_along", reshape(x, (-1,)), reshape(indices, (-1,)), axis=0)
+    axis = normalize_axis("take_along_dim", dim, x.ndim, "dim")
+    if indices.ndim != x.ndim:
+        raise KilnShapeError(f"take_along_dim: indices {indices.dtype.short}{list(indices.shape)} "
+                             f"must have the rank of x {x.dtype.short}{list(x.shape)}")
+    rest = broadcast_shapes("take_along_dim",
+                            tuple(1 if i == axis else d for i, d in enumerate(x.shape)),
+                            tuple(1 if i == axis else d for i, d in enumerate(indices.shape)))
+    xs = tuple(x.shape[i] if i == axis else d for i, d in enumerate(rest))
+    ids = tuple(indices.shape[i] if i == axis else d for i, d in enumerate(rest))
+    return apply("take_along", expand(x, xs), expand(indices, ids), axis=axis)
+
+
 def scatter_add(x, dim: int, index, src):
     x = _tensor(x)
     from kiln.frontend.functional import to

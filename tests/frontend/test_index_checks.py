@@ -125,6 +125,9 @@ USER_CASES = {
         [np.array([0, -2, 2]), np.array([5, -1, 2])], lambda x, t: _ce_oracle(x, t, -1)),
     "nll_loss": (lambda x, t: F.nll_loss(F.log_softmax(x, 1), t), np.array([1, 4, 3]),
                  [np.array([1, 4, 7]), np.array([-1, 4, 3])], lambda x, t: _ce_oracle(x, t)),
+    "take_along_dim": (lambda x, i: kn.take_along_dim(x, i, 1) + 1, np.array([[0], [2], [-1], [1], [0]]),
+                       [np.array([[0], [3], [0], [0], [0]]), np.array([[0], [0], [-4], [0], [0]])],
+                       lambda x, i: np.take_along_axis(x, i % 3, 1) + 1),
     "one_hot": (lambda x, i: kn.one_hot(i, 5) * 2, np.array([0, 4, 2]),
                 [np.array([0, 5, 2]), np.array([-1, 0, 0])],
                 lambda x, i: (np.arange(5) == i[:, None]) * 2),
@@ -188,3 +191,14 @@ def test_dynamic_slices_clamp_their_starts_instead():
         s = np.array(start, dtype=np.int64)
         np.testing.assert_allclose(f(kn.tensor(X), kn.tensor(s)).numpy(), want)
         np.testing.assert_allclose(kn.compile(f)(X, s).numpy(), want)
+
+
+def test_take_along_dim_broadcasts_and_flattens_as_torch():
+    torch = pytest.importorskip("torch", reason="torch (a test-only dependency) is not installed")
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for idx, dim in ((np.array([[0, 2, 1, 1]]), 0), (np.array([[3], [0], [1]]), 1),
+                     (np.array([5, 11, 0]), None)):
+        want = torch.take_along_dim(torch.from_numpy(x), torch.from_numpy(idx), dim).numpy()
+        np.testing.assert_array_equal(kn.take_along_dim(kn.tensor(x), kn.tensor(idx), dim).numpy(), want)
+        compiled = kn.compile(lambda x, i: kn.take_along_dim(x, i, dim))
+        np.testing.assert_array_equal(compiled(x, idx).numpy(), want)
