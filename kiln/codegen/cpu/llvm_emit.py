@@ -20,11 +20,10 @@ float32 products accumulate in float64.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from kiln.codegen.kernel_ir import Acc, Const, IndexValue, Kernel, Load, Op, Reduce, ReduceRef, Store
+from kiln.codegen.legalize import reduce_identity
 from kiln.errors import KilnArgumentError
 from kiln.ir import dtypes as dt
 from kiln.ir.dtypes import DType
@@ -103,24 +102,11 @@ def _acc_type(r: Reduce) -> str:
 
 
 def _reduce_init(r: Reduce, ty: str) -> V:
-    d = r.dtype
-    if r.op == "sum":
-        return const(ty, 0)
-    if r.op == "prod":
-        return const(ty, 1)
-    if d.is_floating:
-        return const(ty, -math.inf if r.op == "max" else math.inf)
-    if d.is_bool:
-        return const(ty, r.op in ("min", "and"))
-    info = np.iinfo(d.np_dtype)
-    if r.op == "and":
-        return const(ty, -1)
-    if r.op == "or":
-        return const(ty, 0)
-    lo, hi = int(info.min), int(info.max)
-    if dtype_map.is_unsigned(d):  # LLVM prints unsigned patterns as signed integers
-        hi = -1 if hi == (1 << d.bits) - 1 else hi
-    return const(ty, lo if r.op == "max" else hi)
+    """The reduction's identity (legalize.reduce_identity, the one definition)."""
+    value = reduce_identity(r.op, r.dtype)
+    if dtype_map.is_unsigned(r.dtype) and value == (1 << r.dtype.bits) - 1:
+        value = -1  # LLVM prints unsigned patterns as signed integers
+    return const(ty, value)
 
 
 def _combine(fn: Fn, r: Reduce, acc: V, x: V) -> V:

@@ -331,20 +331,13 @@ SCALAR_TABLE.update({f"reduce.{op}:bool": "reduce_combine" for op in ("and", "or
 # -- reductions -----------------------------------------------------------------------------
 
 def reduce_init(op: str, d: DType) -> str:
+    """The reduction's identity (legalize.reduce_identity, the one definition) as source."""
+    from kiln.codegen.legalize import reduce_identity
+
+    value = reduce_identity(op, d)
     if d.is_bool:
-        return "True" if op in ("prod", "min", "and") else "False"
-    if op == "sum":
-        return literal(0, d)
-    if op == "prod":
-        return literal(1, d)
-    if d.is_floating:
-        return literal(-math.inf if op == "max" else math.inf, d)
-    info = np.iinfo(d.np_dtype)
-    if op == "and":
-        return literal(-1 if not is_unsigned(d) else int(info.max), d)
-    if op == "or":
-        return literal(0, d)
-    return literal(int(info.min) if op == "max" else int(info.max), d)
+        return "True" if value else "False"
+    return literal(value, d)
 
 
 def _bool_op(op: str) -> str:
