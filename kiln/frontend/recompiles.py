@@ -111,7 +111,7 @@ def explain(key, entries: list[tuple[Any, SpecializationGuards | None]], paths: 
         old_spec, old_parts = old_key
         old_parts, old_duck = _split_duck(old_parts)
         if old_spec != spec or len(old_parts) != len(parts):
-            failures = [_structure(old_key, key)]
+            failures = [STRUCTURE_CHANGED]
         else:
             failures = [f for i, (new, old) in enumerate(zip(parts, old_parts)) if new != old
                         for f in [_leaf_failure(i, new, old, paths, guards)]]
@@ -129,9 +129,8 @@ def _split_duck(parts) -> tuple:
     return parts, None
 
 
-def _structure(old_key, key) -> str:
-    return ("the argument structure changed (a different nesting, container type or number "
-            "of tensors): guard on the pytree structure of the arguments failed")
+STRUCTURE_CHANGED = ("the argument structure changed (a different nesting, container type or "
+                     "number of tensors): guard on the pytree structure of the arguments failed")
 
 
 def _duck_failure(new, old, paths: list[str]) -> str | None:
@@ -156,10 +155,9 @@ def _duck_failure(new, old, paths: list[str]) -> str | None:
 def _leaf_failure(i: int, new, old, paths: list[str], guards) -> str:
     path = paths[i] if i < len(paths) else f"leaf {i}"
     if new[0] == "static" or old[0] == "static":
-        what = (f"argument `{path}` changed from {old[-1]!r} to {new[-1]!r}: guard "
+        return (f"argument `{path}` changed from {old[-1]!r} to {new[-1]!r}: guard "
                 f"`{path} == {old[-1]!r}` failed (a Python value is baked into the trace; "
                 "pass a tensor to keep one specialization)")
-        return what
     if new[0] != old[0]:
         text = (f"argument `{path}` dtype changed from {old[0]} to {new[0]}: guard "
                 f"`{path}.dtype == {old[0]}` failed")
