@@ -15,7 +15,8 @@ also appended to `<dir>/rank<N>.log` (a replacement in the slot appends to the s
 file): torchrun's `--tee`. A worker's last lines are never lost: what it wrote sits in
 the pipe after it died, and the reader takes everything up to end-of-file. A line
 without its newline at the end (the worker died mid-line) is written with one added; a
-line longer than MAX_LINE is written in MAX_LINE pieces, so memory stays bounded.
+line longer than MAX_LINE goes on as lines of MAX_LINE bytes (the last one shorter), so
+memory stays bounded.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class _Pump(threading.Thread):
                     break
                 pending += chunk
                 cut = pending.rfind(b"\n") + 1
-                if not cut and len(pending) >= MAX_LINE:
-                    cut = MAX_LINE
+                if not cut and len(pending) >= MAX_LINE:  # whole pieces of a long line
+                    cut = len(pending) - len(pending) % MAX_LINE
                 if cut:
                     self._emit(pending[:cut])
                     pending = pending[cut:]
@@ -102,7 +103,11 @@ class _Pump(threading.Thread):
         lines = data.split(b"\n")
         if not lines[-1]:
             lines.pop()
-        self.owner.emit(self.rank, self.dest, self.head, [line + b"\n" for line in lines])
+        pieces = []
+        for line in lines:
+            pieces += [line[i:i + MAX_LINE] + b"\n" for i in range(0, len(line), MAX_LINE)] \
+                or [b"\n"]
+        self.owner.emit(self.rank, self.dest, self.head, pieces)
 
 
 class Output:

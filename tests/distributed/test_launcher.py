@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 import re
 import socket
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness import REPO, worker_env
+from kiln.distributed import launch_output
 
 EXAMPLE = REPO / "examples" / "distributed_allreduce.py"
 
@@ -160,3 +163,63 @@ def test_log_dir_that_cannot_be_written(tmp_path):
     proc = launch(tmp_path, "--nproc", "1", "--log-dir", str(blocker / "logs"), "x.py")
     assert proc.returncode == 2
     assert "[K212] cannot write the workers' logs into --log-dir" in proc.stderr
+
+
+class _Pipes:
+    """Stands in for a Popen with stdout/stderr pipes: the test writes the worker's side."""
+
+    def __init__(self):
+        r1, self.out = os.pipe()
+        r2, self.err = os.pipe()
+        self.stdout, self.stderr = os.fdopen(r1, "rb"), os.fdopen(r2, "rb")
+
+    def write(self, fd: int, data: bytes) -> None:
+        os.write(fd, data)
+
+    def exit(self) -> None:
+        os.close(self.out)
+        os.close(self.err)
+
+
+class _Broken(io.BytesIO):
+    def write(self, data):
+        raise BrokenPipeError("the reader of kiln launch left")
+
+
+def test_output_pieces_of_long_lines_and_a_reader_that_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch_output, "MAX_LINE", 64)
+    out, err = io.BytesIO(), _Broken()
+    output = launch_output.Output(prefix=True, log_dir=str(tmp_path), stdout=out, stderr=err)
+    worker = _Pipes()
+    output.attach(3, worker)
+    worker.write(worker.out, b"a" * 150)  # no newline for 150 bytes: passed on in pieces
+    worker.write(worker.out, b"\nprogress 10%\rprogress 20%\n")
+    # stderr's reader is gone: its lines are still drained, so the worker never blocks
+    worker.write(worker.err, b"e" * 300_000 + b"\n")
+    worker.write(worker.out, b"last, no newline")
+    worker.exit()
+    assert output.close(timeout=10) == []
+    lines = out.getvalue().split(b"\n")
+    assert lines[:3] == [b"[rank 3] " + b"a" * 64] * 2 + [b"[rank 3] " + b"a" * 22]
+    assert lines[3:] == [b"[rank 3] progress 10%\rprogress 20%", b"[rank 3] last, no newline",
+                         b""]
+    # the log has both streams (their order between the two pipes is the reading order)
+    log = (tmp_path / "rank3.log").read_bytes().split(b"\n")
+    assert log.pop() == b""
+    assert [line for line in log if line[:1] == b"a"] == [b"a" * 64] * 2 + [b"a" * 22]
+    assert [line for line in log if line[:1] == b"e"] == [b"e" * 64] * 4687 + [b"e" * 32]
+    assert [line for line in log if line[:1] not in (b"a", b"e")] == [
+        b"progress 10%\rprogress 20%", b"last, no newline"]
+
+
+def test_workers_are_unbuffered_only_on_a_terminal(monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert "PYTHONUNBUFFERED" not in launch_output.unbuffered_on_terminal({})
+    monkeypatch.setattr(sys, "stdout", Tty())
+    assert launch_output.unbuffered_on_terminal({})["PYTHONUNBUFFERED"] == "1"
+    assert launch_output.unbuffered_on_terminal({"PYTHONUNBUFFERED": ""}) == {
+        "PYTHONUNBUFFERED": ""}  # the user's choice stays
