@@ -57,6 +57,13 @@ def test_dtype_rank_and_python_value_changes_are_explained():
     assert "argument `scale` changed from 2.0 to 0.5: guard `scale == 2.0` failed" in reasons[2]
 
 
+def test_a_changed_pytree_structure_is_explained():
+    f = kn.compile(lambda xs: sum(xs[1:], xs[0]))
+    f([np.ones(2, F32), np.ones(2, F32)])
+    f([np.ones(2, F32), np.ones(2, F32), np.ones(2, F32)])
+    assert "the argument structure changed" in f.stats()["recompiles"][0]["reason"]
+
+
 def test_kiln_logs_recompiles_and_explain_print_each_recompile(monkeypatch, capsys):
     quiet = kn.compile(lambda x: x + 1, dynamic=False)
     quiet(np.ones(2, F32))
