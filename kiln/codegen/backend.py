@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 from dataclasses import dataclass, fields, is_dataclass
 from functools import lru_cache
 from typing import Any, Callable, ClassVar, Mapping, Sequence
@@ -81,7 +82,9 @@ class Backend:
                                            f"got {type(options).__name__}")
         self.options = options
         self.target = target or self.name
-        self._legalized: dict = {}
+        # kernel -> its legalized form (None: already legal); weak, so a long-lived
+        # backend does not keep every kernel it ever compiled alive
+        self._legalized: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._legalize_lock = threading.Lock()
 
     def __init_subclass__(cls, **kwargs):
@@ -155,11 +158,11 @@ class Backend:
         from kiln.codegen.legalize import legalize_kernel
 
         with self._legalize_lock:
-            done = self._legalized.get(kernel)
-        if done is None:
-            done = legalize_kernel(kernel, self.native, self.name)
-            with self._legalize_lock:
-                self._legalized[kernel] = done
+            if kernel in self._legalized:
+                return self._legalized[kernel] or kernel
+        done = legalize_kernel(kernel, self.native, self.name)
+        with self._legalize_lock:
+            self._legalized[kernel] = None if done is kernel else done
         return done
 
     def compile_many(self, kernels: Sequence[AnyKernel]) -> list:
