@@ -13,7 +13,7 @@ import traceback
 
 import pytest
 
-from kiln.distributed.errors import GroupAborted, PeerFailure
+from kiln.distributed.errors import CollectiveTimeout, GroupAborted, PeerFailure
 from kiln.distributed.work import Work
 from tests.security.lifetimes import launched
 
@@ -78,3 +78,17 @@ def test_advice_follows_the_kind_of_group():
         work.wait()
     assert "not fault-tolerant: end the job" in str(info.value)
     assert "should_commit" not in str(info.value)
+
+
+def test_a_timeout_copy_keeps_its_message_and_fields():
+    # CollectiveTimeout is a TimeoutError, an OSError: its args are filled by __init__
+    stored = CollectiveTimeout("all_reduce (seq 4, group 'world') did not complete within "
+                               "2 s", rank=1)
+    work = Work("all_reduce", 4, "world")
+    work._finish(stored)
+    with pytest.raises(CollectiveTimeout) as info:
+        work.wait()
+    fresh = info.value
+    assert fresh is not stored and isinstance(fresh, TimeoutError) and fresh.rank == 1
+    assert str(fresh).startswith(str(stored)) and "pg.should_commit()" in str(fresh)
+    assert fresh.__cause__ is None  # never raised: nothing to chain
