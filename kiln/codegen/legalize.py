@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kiln.codegen.kernel_ir import Const, GemmKernel, Kernel, Op, Reduce, walk
+from kiln.codegen.kernel_ir import Const, GemmKernel, Kernel, Op, Reduce
 from kiln.errors import KilnNotLegalizableError
 from kiln.ir import dtypes as dt
 from kiln.ir import registry
@@ -93,7 +93,7 @@ def const(value, d: DType) -> Const:
     return Const(value, d)
 
 
-class KernelEmitter(Emitter):
+class ScalarEmitter(Emitter):
     """The graph-level `Emitter` over scalar Kernel IR expressions, so a registry op's
     `decompose` rule (written for graphs) expands a scalar op too."""
 
@@ -323,7 +323,7 @@ def rule_for(op: str, args: tuple, out: DType):
         return None
     opdef = registry.get(op)
     if opdef.kind == ELEMENTWISE and opdef.decompose is not None:
-        (value,) = KernelEmitter().decompose(op, list(args), {})
+        (value,) = ScalarEmitter().decompose(op, list(args), {})
         return value
     return None
 
@@ -410,17 +410,6 @@ def legalize_kernel(kernel, native: NativeFn, backend: str):
         stages.append(new)
     stages = tuple(stages)
     return kernel if stages == kernel.stages else replace(kernel, stages=stages)
-
-
-def ops_used(kernel) -> set[tuple[str, tuple[str, ...], str]]:
-    """Every (op, operand dtypes, result dtype) in `kernel` (tests check legality)."""
-    values = [kernel.epilogue] if isinstance(kernel, GemmKernel) else [s.value for s in kernel.stages]
-    used = set()
-    for v in values:
-        for x in walk(v):
-            if isinstance(x, Op):
-                used.add((x.op, tuple(a.dtype.short for a in x.args), x.dtype.short))
-    return used
 
 
 # -- evaluating legalized expressions with numpy (machine ops included) --------------------
