@@ -17,4 +17,8 @@ def launcher_for(backend: str) -> Launcher | None:
         from kiln.codegen.cpu.launch_list import CpuLauncher
 
         return CpuLauncher()
+    if backend.split(":")[0] in ("opencl", "xpu"):  # an enqueue loop per native run
+        from kiln.codegen.opencl.launcher import OpenCLLauncher
+
+        return OpenCLLauncher()
     return None

@@ -112,7 +112,11 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
         return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
     names = list(program.kernels)
     compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
-    executable = Executable(program, dict(zip(names, compiled)), externs=template_externs(target))
+    # a backend whose kernels run on a device of their own hands out that device's buffers
+    # (the opencl backend: SVM), so intermediates stay there between kernels
+    allocator = getattr(target, "runtime_allocator", lambda: None)()
+    executable = Executable(program, dict(zip(names, compiled)), allocator=allocator,
+                            externs=template_externs(target))
     return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
 
 

@@ -63,6 +63,7 @@ class OpenCLBackend(Backend):
 
     def __init__(self, target: str = "opencl", options: OpenCLOptions | None = None):
         self.kind, self.index = split_target(target)
+        self._allocator = None
         super().__init__(target, options)
 
     @classmethod
@@ -96,6 +97,17 @@ class OpenCLBackend(Backend):
         from kiln.codegen.opencl.clang_check import spir_text
 
         return spir_text(emitted.source)
+
+    def runtime_allocator(self):
+        """The runtime allocator compiled programs take their buffers from: this device's
+        caching allocator (SVM), so intermediates stay on the device between kernels and
+        count in its memory statistics."""
+        from kiln.runtime.allocator import Allocator
+        from kiln.runtime.device import allocator_for
+
+        if self._allocator is None:
+            self._allocator = Allocator(device_allocator=allocator_for(f"{self.kind}:{self.index}"))
+        return self._allocator
 
     def build(self, kernels: Sequence[AnyKernel]) -> list:
         from kiln.codegen.opencl.runtime import OpenCLKernel, context

@@ -88,6 +88,7 @@ class DeviceContext:
         self.cl, self.device = cl, device
         self.context = cl.Context([device])
         self.queue = cl.CommandQueue(self.context)
+        p = device.platform
         ext = set(device.extensions.split())
         self.extensions = ext
         self.limits = Limits(int(device.max_work_group_size), int(device.local_mem_size),
@@ -101,6 +102,10 @@ class DeviceContext:
             svm = 0
         self.svm_fine = bool(svm & cl.device_svm_capabilities.FINE_GRAIN_BUFFER)
         self.svm_system = bool(svm & cl.device_svm_capabilities.FINE_GRAIN_SYSTEM)
+        # PoCL's CPU devices run kernels on the host, in the process's own memory: any host
+        # pointer is as good as SVM there (what fine-grained system SVM promises elsewhere)
+        self.host_pointers = self.svm_system or (
+            bool(device.type & cl.device_type.CPU) and "portable computing language" in p.name.lower())
         options = []
         try:
             if device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
@@ -108,7 +113,6 @@ class DeviceContext:
         except Exception:
             pass
         self.build_options = tuple(options)
-        p = device.platform
         self.identity = "|".join([p.name, p.version, device.name, device.version, device.driver_version,
                                   device.opencl_c_version])
         self._programs: dict = {}
@@ -202,6 +206,15 @@ class OpenCLKernel:
         self.local = tuple(emitted.local)
         self.outputs = [i for i, b in enumerate(kernel.buffers) if b.role == "out"] if kernel is not None else []
         self._lock = threading.Lock()
+        # capture's mark that this kernel can join a native run (kiln/codegen/opencl/launcher.py
+        # enqueues it; nothing calls the value as a function address)
+        self.address = id(self)
+
+    def launch_info(self, sizes: dict) -> tuple:
+        """(size values, work-items, parallel) for capture (kiln/runtime/capture.py)."""
+        launch = self.launch_sizes(sizes)
+        total = 0 if launch is None else int(np.prod(launch[0]))
+        return tuple(int(sizes[s]) for s in self.emitted.sizes), total, False
 
     def launch_sizes(self, sizes: dict) -> tuple | None:
         """(global, local) work sizes for a size binding; None when there is nothing to do."""
@@ -255,7 +268,7 @@ def device_arg(ctx: DeviceContext, array: np.ndarray):
     cl = ctx.cl
     if array.size == 0:
         array = _EMPTY
-    if ctx.svm_system or owns(ctx, array):
+    if ctx.host_pointers or owns(ctx, array):
         return cl.SVM(array), None
     if not array.flags.c_contiguous:
         raise KilnOpenCLLaunchError("opencl backend: kernel arguments must be contiguous arrays")

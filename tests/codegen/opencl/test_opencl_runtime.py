@@ -80,3 +80,12 @@ def test_xpu_without_an_intel_gpu_is_a_clear_error():
         kn.zeros(3, device="xpu")
     with pytest.raises(KilnError, match="K400"):
         kn.compile(lambda a: a + 1, backend="xpu")(np.zeros(3, np.float32))
+
+
+def test_compiled_intermediates_come_from_the_device_allocator():
+    f = kn.compile(lambda a: kn.softmax(a * 2, dim=-1) + 1, backend="opencl")
+    x = np.random.default_rng(1).standard_normal((64, 300)).astype(np.float32)
+    out = f(x).numpy()
+    e = np.exp(2 * x - (2 * x).max(-1, keepdims=True))
+    np.testing.assert_allclose(out, e / e.sum(-1, keepdims=True) + 1, rtol=1e-5)
+    assert owns(context(), f(x)._x)  # the output is a block of the device's SVM
