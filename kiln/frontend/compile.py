@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import sympy
 
-from kiln.errors import KilnError, KilnShapeSpecError, KilnTraceError
+from kiln.errors import KilnError, KilnShapeSpecError, KilnTracedStateError, KilnTraceError
 from kiln.ir.graph import Graph
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import to_array
@@ -209,13 +209,20 @@ class CompiledFunction:
         self._hits = 0
         self._eager_calls = 0
         self._recompiles: list[dict] = []
+        self._functionalized = None  # fn changes state it does not receive: functionalize.py
         functools.update_wrapper(self, fn)
 
     # -- the call path: keep it lean ------------------------------------------------------
 
     def __call__(self, *args):
+        if self._functionalized is not None:
+            return self._functionalized(*args)
         for a in args:  # flat tensor arguments (the common case) skip the pytree walk
             if a.__class__ is not Tensor and a.__class__ is not np.ndarray:
+                if a.__class__.__name__ == "DTensor":  # sharded: one SPMD program per rank
+                    from kiln.frontend.spmd import call_spmd
+
+                    return call_spmd(self, args)
                 leaves, spec = pytree.flatten(tuple(args), _leaf)
                 break
         else:
@@ -224,6 +231,8 @@ class CompiledFunction:
         entry = self._cache.get(key)
         if entry is None:
             entry = self._compile(args, key)
+            if entry is None and self._functionalized is not None:
+                return self._functionalized(*args)
             if entry is None:  # fell back to eager (fullgraph=False)
                 self._eager_calls += 1
                 return self.fn(*_as_tensors(args))
@@ -289,6 +298,11 @@ class CompiledFunction:
         shapes, auto = self._shapes_for(args, key)
         try:
             traced, auto = self._trace(args, shapes, auto)
+        except KilnTracedStateError:  # lift the outside state into inputs (functionalize.py)
+            from kiln.frontend.functionalize import Functionalized
+
+            self._functionalized = Functionalized(self, args)
+            return None
         except KilnTraceError:
             if self.fullgraph:
                 raise

@@ -69,8 +69,11 @@ def test_placement_algebra():
 
 @pytest.mark.parametrize("op, shapes, placements, attrs, want_in, want_out, cost", [
     # row-parallel matmul: contracted dim sharded on both sides -> Partial, no traffic
-    ("matmul", [(8, 4), (4, 6)], [Shard(1), Shard(0)], {}, [Shard(1), Shard(0)],
+    ("matmul", [(8, 64), (64, 64)], [Shard(1), Shard(0)], {}, [Shard(1), Shard(0)],
      [Partial("sum")], 0.0),
+    # FSDP: batch and weight rows sharded: gather the weight (3/4 of 48 bytes), not the
+    # activations into a Partial that must be reduced later
+    ("matmul", [(8, 4), (4, 3)], [Shard(0), Shard(0)], {}, [Shard(0), R], [Shard(0)], 36.0),
     # column parallel: weight columns sharded, activations replicated
     ("matmul", [(8, 4), (4, 6)], [R, Shard(1)], {}, [R, Shard(1)], [Shard(1)], 0.0),
     # a Partial operand of exp: reduce_scatter (3/4 of 128 bytes) beats all_reduce

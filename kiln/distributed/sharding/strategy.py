@@ -126,13 +126,14 @@ def _nbytes(shape, dtype) -> int:
     size = 1
     for s in shape:
         size *= int(s)
-    return size * max(1, dtype.bits // 8)
+    return size * (4 if dtype is None else max(1, dtype.bits // 8))
 
 
 def choose(spec: OpSpec, current: tuple, forbidden: tuple = ()) -> tuple[Strategy, float]:
     """The cheapest strategy on one mesh dim given each operand's `current` placement
-    there; `forbidden[k]` is the set of dims of operand/result k another mesh dim
-    already cuts (a strategy may not cut them again). Returns (strategy, bytes)."""
+    there; `forbidden[k]` is the set of dims of operand/result k a strategy may not cut
+    (another mesh dim cuts them, or they do not divide). Returns (strategy, bytes moved
+    now); the ranking also counts what a Partial result will owe (a reduce_scatter)."""
     best, best_key = None, None
     for order, s in enumerate(strategies(spec)):
         if _cuts_forbidden(s, forbidden, len(spec.in_shapes)):
@@ -140,12 +141,23 @@ def choose(spec: OpSpec, current: tuple, forbidden: tuple = ()) -> tuple[Strateg
         bytes_ = sum(move_cost(_nbytes(shape, dtype), (cur,), (want,), (spec.n,))
                      for shape, dtype, cur, want in zip(spec.in_shapes, spec.in_dtypes,
                                                         current, s.inputs))
+        # a Partial result owes at least a reduce_scatter later (unless a linear op
+        # consumes it): counted, so that a cheap move now is not a dear one later
+        owed = sum(move_cost(_nbytes(shape, spec.in_dtypes[0] if spec.in_dtypes else None),
+                             (p,), (Shard(0),), (spec.n,))
+                   for shape, p in zip(spec.out_shapes, s.outputs)
+                   if p.is_partial() and not current_partial(current, p))
         moved = sum(1 for cur, want in zip(current, s.inputs) if cur != want)
         sharded = sum(1 for p in s.outputs if not p.is_replicate())
-        key = (bytes_, moved, -sharded, order)
+        key = (bytes_ + owed, moved, -sharded, order)
         if best_key is None or key < best_key:
-            best, best_key = s, key
-    return best, best_key[0]
+            best, best_key, best_bytes = s, key, bytes_
+    return best, (best_bytes if best is not None else 0.0)
+
+
+def current_partial(current: tuple, p: Placement) -> bool:
+    """An operand is already that Partial: the debt was counted where it was made."""
+    return any(c == p for c in current)
 
 
 def _cuts_forbidden(s: Strategy, forbidden: tuple, n_in: int) -> bool:

@@ -1,0 +1,35 @@
+"""Multiprocess scenarios of the SPMD tests (see harness.py): the examples of
+examples/sharded_training.py on 4 ranks against one process."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+
+import workers  # noqa: E402
+from workers import join, scenario  # noqa: E402
+
+from kiln.distributed import DeviceMesh  # noqa: E402
+
+
+@scenario
+def tp_and_fsdp(rank, world, addr, args):
+    import sharded_training as ex
+
+    join(rank, world, addr, timeout=60.0)
+    mesh = DeviceMesh((world,), ("x",))
+    got, want = ex.tensor_parallel_mlp(mesh)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    sharded = ex.fsdp_losses(mesh, steps=args.get("steps", 3))
+    single = ex.fsdp_losses(None, steps=args.get("steps", 3))
+    return {"sharded": sharded, "single": single}
+
+
+if __name__ == "__main__":
+    workers.main()
