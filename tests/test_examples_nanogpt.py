@@ -134,3 +134,44 @@ def test_compiled_model_trains_like_torch(worlds):
     tlosses = ttrain.train(tmodel, topt, feeder(torch.tensor), max_iters=5, log=lambda s: None)
     np.testing.assert_allclose(klosses, tlosses, rtol=5e-5)
     assert compiled.stats()["compiles"] == 1
+
+
+def test_a_whole_training_step_compiles_into_one_program(worlds):
+    """kn.compile of `loss.backward(); clip; opt.step(); opt.zero_grad()`: parameters,
+    grads, AdamW state and the scheduler's lr are lifted into inputs and written back;
+    the losses match torch eager step for step, with one compile."""
+    kmodel_mod, tmodel_mod, ktrain, ttrain = worlds
+    kmodel_mod.print = tmodel_mod.print = lambda *a, **k: None
+    kn.manual_seed(2)
+    kmodel = ktrain.make_model()
+    tmodel = ttrain.make_model()
+    tmodel.load_state_dict({k: torch.tensor(v.numpy()) for k, v in kmodel.state_dict().items()})
+    kopt = kmodel.configure_optimizers(0.1, 3e-3, (0.9, 0.99), "cpu")
+    topt = tmodel.configure_optimizers(0.1, 3e-3, (0.9, 0.99), "cpu")
+    ksched = kn.optim.lr_scheduler.CosineAnnealingLR(kopt, T_max=6)
+    tsched = torch.optim.lr_scheduler.CosineAnnealingLR(topt, T_max=6)
+
+    def make_step(model, opt, lib):
+        def step(X, Y):
+            _, loss = model(X, Y)
+            loss.backward()
+            lib.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+
+    kstep = kn.compile(make_step(kmodel, kopt, kn))
+    tstep = make_step(tmodel, topt, torch)
+    klosses, tlosses = [], []
+    for x, y in _batches(ktrain.train_data, ktrain.block_size, ktrain.batch_size, 5, seed=5):
+        klosses.append(float(kstep(kn.tensor(x), kn.tensor(y))))
+        tlosses.append(float(tstep(torch.tensor(x), torch.tensor(y)).detach()))
+        ksched.step()
+        tsched.step()
+    np.testing.assert_allclose(klosses, tlosses, rtol=5e-5)
+    assert kstep.stats()["compiles"] == 1
+    assert all(p.grad is None and not p.is_traced for p in kmodel.parameters())
+    for (name, p), (_, tp) in zip(kmodel.named_parameters(), tmodel.named_parameters()):
+        np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-4, atol=2e-6,
+                                   err_msg=name)

@@ -62,15 +62,27 @@ def rebind(x: Tensor, new, op: str) -> Tensor:
                                     "nn.init do)")
     if x._view is not None:
         x._view.refresh(x)  # the base may have changed since x was last read
+    if x._builder is None and new._builder is None:
+        from kiln.frontend.dispatch import current_builder
+
+        builder = current_builder()
+        if builder is not None:  # inside a trace even a value computed eagerly is traced
+            new = Tensor._make(builder.constant(new._x), builder)
     if x._builder is None and new._builder is not None:
         from kiln.errors import KilnTracedStateError, user_location
+        from kiln.frontend.functionalize import active_tracker
 
-        raise KilnTracedStateError(
-            f"{op}: changes a {x.dtype.short}{list(x.shape)} tensor that the traced function "
-            "did not receive as an argument (a closed-over tensor, a module attribute, "
-            "optimizer state); its new value would outlive the trace", where=user_location(),
-            hint="compile the module (kn.compile(model)) and step the optimizer outside it, or "
-                 "pass the tensor as an argument and return its new value")
+        tracker = active_tracker()  # kn.compile lifting the state (functionalize.py)
+        if tracker is not None:
+            tracker.record(x)
+        else:
+            raise KilnTracedStateError(
+                f"{op}: changes a {x.dtype.short}{list(x.shape)} tensor that the traced "
+                "function did not receive as an argument (a closed-over tensor, a module "
+                "attribute, optimizer state); its new value would outlive the trace",
+                where=user_location(),
+                hint="kn.compile lifts such state (see kiln/frontend/functionalize.py); under "
+                     "kn.trace/kn.export pass the tensor as an argument and return its new value")
     x._x, x._builder, x._node = new._x, new._builder, new._node
     x._version += 1
     if x._view is not None:  # a view: the write goes through to its base

@@ -273,7 +273,12 @@ def backward(tensor, gradient=None, inputs: Sequence | None = None) -> None:
 def _accumulate(leaf, g, traced) -> None:
     from kiln.frontend.tensor import Tensor
 
-    if traced is not None and leaf._builder is None:
+    from kiln.frontend.functionalize import active_tracker
+
+    tracker = active_tracker()
+    if tracker is not None and leaf._builder is None:
+        tracker.record_grad(leaf)
+    elif traced is not None and leaf._builder is None:
         from kiln.errors import KilnTracedStateError, user_location
 
         raise KilnTracedStateError(

@@ -114,6 +114,12 @@ class Tensor:
 
     @grad.setter
     def grad(self, value) -> None:
+        if self._builder is None:
+            from kiln.frontend.functionalize import active_tracker
+
+            tracker = active_tracker()  # a compiled step setting .grad (functionalize.py)
+            if tracker is not None:
+                tracker.record_grad(self)
         self._grad = value
 
     @property

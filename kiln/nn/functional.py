@@ -49,7 +49,7 @@ def _tensor(x):
 
     t = as_tensor(x)
     builder = current_builder()
-    if builder is not None and not t.is_traced:
+    if builder is not None and not t.is_traced and not t.requires_grad:  # a taped one keeps its tape
         return Tensor._make(builder.constant(t.numpy()), builder)
     return t
 

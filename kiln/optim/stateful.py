@@ -72,20 +72,53 @@ class ParamGroups:
         self.param_groups.append(full)
 
     def step(self) -> None:
+        """One update of every parameter with a `.grad`. The state is created concrete
+        and then updated in place, and each group's lr is a tensor the optimizer declares,
+        so a `kn.compile`d step lifts all of it into inputs (kiln/frontend/functionalize.py)."""
+        from kiln.frontend.functionalize import outside_trace
         from kiln.frontend.mutation import rebind
         from kiln.frontend.tape import no_grad
 
+        name = f"{type(self.owner).__name__}.step"
         with no_grad():
-            for group in self.param_groups:
+            for i, group in enumerate(self.param_groups):
                 kernel = type(self.owner)(**{k: group[k] for k in self.defaults})
+                if not callable(group["lr"]):
+                    kernel.lr = self._lr_tensor(i)
                 for p in group["params"]:
                     if p.grad is None:
                         continue
                     state = self.state.get(p)
-                    functional = _to_functional(state) if state else kernel.init([p])
-                    (new_p,), new_state = kernel.update([p.grad], functional, [p])
-                    self.state[p] = _from_functional(new_state)
-                    rebind(p, new_p, f"{type(self.owner).__name__}.step")
+                    if state is None:
+                        with outside_trace():
+                            state = _from_functional(kernel.init([p]))
+                        self.state[p] = state
+                    (new_p,), new_state = kernel.update([p.grad], _to_functional(state), [p])
+                    for key, value in _from_functional(new_state).items():
+                        rebind(state[key], value, name)
+                    rebind(p, new_p, name)
+
+    def _lr_tensor(self, i: int):
+        """Group i's learning rate as a float64 scalar tensor (data, not a constant)."""
+        import numpy as np
+
+        from kiln.frontend.functionalize import declare_state
+
+        lrs = self.__dict__.setdefault("_lrs", {})
+        t = lrs.get(i)
+        if t is None:
+            t = lrs[i] = Tensor._make(np.array(float(self.param_groups[i]["lr"]), np.float64))
+        self._sync_lrs()
+        declare_state(t, self._sync_lrs)
+        return t
+
+    def _sync_lrs(self) -> None:
+        import numpy as np
+
+        for i, t in self.__dict__.get("_lrs", {}).items():
+            lr = self.param_groups[i]["lr"] if i < len(self.param_groups) else None
+            if t._builder is None and isinstance(lr, (int, float)) and float(t._x) != lr:
+                t._x = np.array(float(lr), np.float64)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         from kiln.frontend.factories import zeros_like
@@ -128,7 +161,9 @@ class ParamGroups:
             p = by_index.get(int(i))
             if p is None:
                 raise KilnArgumentError(f"{name}.load_state_dict: state for unknown parameter {i}")
-            self.state[p] = {k: (v if isinstance(v, Tensor) else Tensor(v)) for k, v in s.items()}
+            # copies, as torch's load_state_dict deep-copies: the state is updated in place
+            self.state[p] = {k: Tensor(v.numpy() if isinstance(v, Tensor) else v)
+                             for k, v in s.items()}
 
 
 def _to_functional(state: dict) -> dict:
