@@ -1,0 +1,553 @@
+"""`kn.compile`: trace once per specialization, optimize, generate code, run fast.
+
+A compiled function keeps a cache of specializations keyed by guards: the argument
+structure, every tensor's dtype, its static dims (dims declared dynamic by a
+ShapeVar are wildcards, checked against their constraints instead) and the Python
+values baked in. `stats()` reports compiles, cache hits and each recompile's reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import sympy
+
+from kiln.errors import KilnError, KilnShapeSpecError, KilnTracedStateError, KilnTraceError
+from kiln.ir.graph import Graph
+from kiln.frontend import pytree
+from kiln.frontend.dispatch import to_array
+from kiln.frontend.tensor import Tensor
+from kiln.frontend.tracing import _leaf, is_tensor_like, trace_function
+
+
+class KilnRecompileLimitError(KilnError):
+    code = "K180"
+    title = "too many recompiles"
+
+
+@dataclass
+class CompiledGraph:
+    """A graph compiled for a backend: run it with `run(arrays)`."""
+
+    graph: Graph
+    optimized: Graph
+    program: Any
+    executable: Any
+    binder: Callable
+    stages: dict = field(default_factory=dict)
+    stage_seconds: dict = field(default_factory=dict)  # per graph pass (kiln report)
+
+    def run(self, arrays: list) -> list:
+        """Run on arrays from anywhere: dtypes, ranks and static dims are checked."""
+        from kiln.ir.interpret import bind_shapes
+
+        return self.executable.run(arrays, bind_shapes(self.graph, arrays))
+
+    def run_trusted(self, arrays: list) -> list:
+        """Run on arrays a guard already matched (kn.compile's cache key): only the
+        symbolic dims are bound and checked against their constraints."""
+        return self.executable.run(arrays, self.binder(arrays))
+
+
+def make_binder(graph: Graph) -> Callable[[list], dict]:
+    """A fast function from input arrays to shape-variable values (checks constraints)."""
+    plain, derived = [], []
+    for i, value in enumerate(graph.inputs):
+        for axis, d in enumerate(value.type.shape):
+            if isinstance(d, sympy.Symbol):
+                plain.append((i, axis, d.name, graph.shape_vars[d.name]))
+            elif not isinstance(d, int):
+                derived.append((i, axis, d))
+    if not plain and not derived:
+        return lambda arrays: {}
+
+    def bind(arrays):
+        sizes: dict[str, int] = {}
+        for i, axis, name, var in plain:
+            n = arrays[i].shape[axis]
+            if n < var.min or (var.max is not None and n > var.max) or n % var.multiple_of:
+                raise KilnShapeSpecError(
+                    f"@{graph.name} input {i} (%{graph.inputs[i].name}): dim {axis} ({name}) is {n}, "
+                    f"which breaks {var.describe()}", hint=f"the spec requires {var.check(n)}")
+            if sizes.setdefault(name, n) != n:
+                raise KilnShapeSpecError(f"@{graph.name} input {i}: dim {axis} is {n} but {name} "
+                                         f"is {sizes[name]} elsewhere")
+        for i, axis, d in derived:
+            from kiln.ir.shapes import evaluate
+
+            if evaluate(d, sizes) != arrays[i].shape[axis]:
+                raise KilnShapeSpecError(f"@{graph.name} input {i}: dim {axis} must be {d} = "
+                                         f"{evaluate(d, sizes)}, got {arrays[i].shape[axis]}")
+        return sizes
+
+    return bind
+
+
+def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
+                  build: bool = True) -> CompiledGraph:
+    """Optimize (with the backend's own graph passes), fuse, lower and build `graph` for
+    `backend`; `build=False` stops at the program (no machine code, executable None)."""
+    from kiln.codegen.backends import get_backend
+    from kiln.codegen.build_program import build_program
+    from kiln.codegen.lower import template_externs
+    from kiln.passes.fusion import fuse
+    from kiln.passes.manager import Pipeline
+    from kiln.passes.schedule_collectives import schedule_collectives
+    from kiln.runtime.executor import Executable
+
+    if mode not in ("default", "max-autotune"):
+        raise KilnError(f"compile: mode must be 'default' or 'max-autotune', got {mode!r}")
+    target = get_backend(backend)
+    pipeline = Pipeline(list(target.graph_passes(target.options))).extend(
+        [("fuse", fuse), ("schedule_collectives", schedule_collectives)])
+    stages: dict = {}
+    optimized = pipeline.run(graph, dump=stages)
+    seconds = {r.name: r.seconds for r in pipeline.records}
+    program = build_program(optimized)  # regions were optimized and fused with the graph
+    if not build:
+        return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
+    names = list(program.kernels)
+    compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
+    # a backend whose kernels run on a device of their own hands out that device's buffers
+    # (the opencl backend: SVM), so intermediates stay there between kernels
+    allocator = getattr(target, "runtime_allocator", lambda: None)()
+    executable = Executable(program, dict(zip(names, compiled)), allocator=allocator,
+                            externs=template_externs(target))
+    return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
+
+
+def compile_kernels(target, kernels: list, mode: str = "default") -> list:
+    """Callables for `kernels`, from the on-disk artifact cache when it has them.
+
+    max-autotune measures GEMM variants on this machine, so its choices are not cached."""
+    if mode == "max-autotune":
+        from kiln.progress import progress  # a bar on a terminal when tuning takes a while
+
+        return [target.compile(k, measure=True)
+                for k in progress(kernels, desc="autotuning", unit="kernel")]
+    if not kernels or not target.caches_object_code:
+        return target.compile_many(kernels)
+    from kiln import __version__
+    from kiln.codegen import artifact_cache
+    from kiln.codegen.kernel_ir import kernel_fingerprint
+
+    key = artifact_cache.content_key(__version__, _codegen_salt(), *target.cache_key(), _host_cpu(),
+                                     *[kernel_fingerprint(k) for k in kernels])
+    blob = artifact_cache.load(key)
+    if blob is not None:
+        try:
+            return target.load_object_code(kernels, blob)
+        except (KilnError, OSError, RuntimeError, ValueError):
+            pass  # an entry from an incompatible build: rebuild it below
+    blob = target.object_code(kernels)
+    artifact_cache.store(key, blob)
+    return target.load_object_code(kernels, blob)
+
+
+def _codegen_salt() -> str:
+    """A hash of the code generator's own source: changing how code is generated (not
+    only kiln's version) must invalidate cached machine code. Settings are the backend's
+    options, in `Backend.cache_key()`."""
+    return _codegen_source_hash()
+
+
+@functools.lru_cache(maxsize=1)
+def _codegen_source_hash() -> str:
+    import hashlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "codegen"
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _host_cpu() -> str:
+    from llvmlite import binding
+
+    return f"{binding.get_process_triple()}|{binding.get_host_cpu_name()}|" \
+           f"{binding.get_host_cpu_features().flatten()}"
+
+
+@dataclass
+class _Entry:
+    compiled: CompiledGraph
+    out_spec: Any
+    static_positions: tuple
+    guards: Any = None  # recompiles.SpecializationGuards: leaf paths, where guards came from
+
+
+class CompiledFunction:
+    """The callable `kn.compile` returns. `stats()` says what the cache did."""
+
+    def __init__(self, fn: Callable, backend: str = "cpu", mode: str = "default",
+                 fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8,
+                 trace_dir: str | None = None):
+        self.fn = fn
+        self.trace_dir = trace_dir  # kiln report's traces (else $KILN_TRACE_DIR)
+        self.backend = backend
+        self.mode = mode
+        self.fullgraph = fullgraph
+        self.dynamic_shapes = dynamic_shapes
+        self.recompile_limit = recompile_limit
+        # set by kn.compile (see auto_dynamic.py and recompiles.py)
+        self.dynamic: bool | None = None  # PyTorch's default: automatic dynamic
+        self.explain = False  # print each recompile's explanation (or KILN_LOGS=recompiles)
+        self.strict = False  # a recompile after the first compile is K321
+        self._auto_dims: dict[int, set] = {}  # dims automatic dynamic made symbolic
+        self._duck = False  # keys carry the equal-size pattern of automatic dims
+        self._dynamic_fallbacks: list[str] = []
+        self._cache: dict = {}
+        self._dynamic: dict[int, frozenset] | None = None
+        self._compiles = 0
+        self._hits = 0
+        self._eager_calls = 0
+        self._recompiles: list[dict] = []
+        self._functionalized = None  # fn changes state it does not receive: functionalize.py
+        functools.update_wrapper(self, fn)
+
+    # -- the call path: keep it lean ------------------------------------------------------
+
+    def __call__(self, *args):
+        if self._functionalized is not None:
+            return self._functionalized(*args)
+        for a in args:  # flat tensor arguments (the common case) skip the pytree walk
+            if a.__class__ is not Tensor and a.__class__ is not np.ndarray:
+                if a.__class__.__name__ == "DTensor":  # sharded: one SPMD program per rank
+                    from kiln.frontend.spmd import call_spmd
+
+                    return call_spmd(self, args)
+                leaves, spec = pytree.flatten(tuple(args), _leaf)
+                break
+        else:
+            leaves, spec = args, None
+        key = self._key(leaves, spec)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(args, key)
+            if entry is None and self._functionalized is not None:
+                return self._functionalized(*args)
+            if entry is None:  # fell back to eager (fullgraph=False)
+                self._eager_calls += 1
+                return self.fn(*_as_tensors(args))
+        else:
+            self._hits += 1
+        statics = entry.static_positions
+        arrays = [leaf._x if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
+                  for i, leaf in enumerate(leaves) if i not in statics]
+        outputs = entry.compiled.run_trusted(arrays)
+        made = [Tensor._make(o) for o in outputs]
+        if entry.out_spec == "*":
+            return made[0]
+        return pytree.unflatten(entry.out_spec, made)
+
+    def _key(self, leaves, spec):
+        dynamic = self._dynamic
+        parts = []
+        for i, leaf in enumerate(leaves):
+            cls = leaf.__class__
+            if cls is Tensor:
+                if leaf._builder is not None:
+                    raise KilnTraceError("a compiled function was called with a traced tensor; "
+                                         "call it outside kn.trace or trace the inner function")
+                array = leaf._x
+            elif cls is np.ndarray:
+                array = leaf
+            elif is_tensor_like(leaf):
+                array = to_array(leaf)
+            else:
+                parts.append(("static", cls.__name__, leaf))
+                continue
+            wild = dynamic.get(i) if dynamic else None
+            shape = array.shape if not wild else tuple(
+                None if a in wild else n for a, n in enumerate(array.shape))
+            parts.append((array.dtype, shape))
+        if self._duck:
+            from kiln.frontend.auto_dynamic import refine_key
+
+            parts = refine_key(parts, leaves, dynamic)
+        # a pytree spec is nested lists and dicts: its JSON text is the hashable key
+        return (None if spec is None else json.dumps(spec)), tuple(parts)
+
+    # -- compiling ----------------------------------------------------------------------
+
+    def _compile(self, args, key):
+        from kiln.frontend import recompiles
+
+        reason = self._reason(key, args) if self._cache else None
+        if reason is not None and self.strict:
+            raise recompiles.strict_error(self.fn, reason)
+        if len(self._cache) >= self.recompile_limit:
+            if self.fullgraph:
+                raise KilnRecompileLimitError(
+                    f"{getattr(self.fn, '__name__', 'function')}: {len(self._cache)} specializations "
+                    f"reached recompile_limit={self.recompile_limit}; the latest because {reason}",
+                    hint="declare the changing dims dynamic with ShapeVar (dynamic_shapes=) or "
+                         "raise recompile_limit")
+            return None
+        from kiln.report.trace import recorder_for
+
+        recorder = recorder_for(self)  # None unless tracing for `kiln report`
+        self._newly_dynamic: list = []
+        shapes, auto = self._shapes_for(args, key)
+        try:
+            traced, auto = self._trace(args, shapes, auto)
+        except KilnTracedStateError:  # lift the outside state into inputs (functionalize.py)
+            from kiln.frontend.functionalize import Functionalized
+
+            self._functionalized = Functionalized(self, args)
+            return None
+        except KilnTraceError:
+            if self.fullgraph:
+                raise
+            self._recompiles.append({"reason": "the function could not be traced; it runs eagerly"})
+            return None
+        if auto or self._dynamic is None:
+            merged = dict(self._dynamic or {})
+            for leaf, dims in _dynamic_positions(traced.graph, traced.static_args).items():
+                merged[leaf] = merged.get(leaf, frozenset()) | dims
+            self._dynamic, self._duck = merged, self._duck or auto
+            key = self._key(*_leaves_and_spec(args))
+        if reason is not None:
+            if auto and self.dynamic is None and self._newly_dynamic:
+                paths = self._paths(args)
+                dims = ", ".join(f"`{paths[leaf]}` dim {axis}" for leaf, axis in self._newly_dynamic)
+                reason += f"; automatic dynamic: {dims} symbolic from now on"
+            self._recompiles.append({"reason": reason})
+            if recompiles.logging_enabled(self.explain):
+                recompiles.report(self.fn, reason, len(self._cache) + 1)
+        if recorder is not None:
+            recorder.traced()
+        compiled = compile_graph(traced.graph, self.backend, self.mode)
+        if recorder is not None:
+            recorder.compiled(compiled, reason=self._recompiles[-1]["reason"] if self._cache else None,
+                              guards=guard_summary(traced.graph))
+        self._compiles += 1
+        out_spec = traced.out_spec
+        statics = tuple(i for i, _ in traced.static_args)
+        entry = _Entry(compiled, out_spec, statics, self._guards(args, traced, statics))
+        self._cache[key] = entry
+        return entry
+
+    def _reason(self, key, args) -> str:
+        """Why `key` needs a new specialization: every guard of the nearest one that it
+        fails, naming the argument, the dim and the user line (see recompiles.py)."""
+        from kiln.frontend.recompiles import explain
+
+        entries = [(k, e.guards) for k, e in self._cache.items()]
+        return explain(key, entries, self._paths(args))
+
+    def _paths(self, args) -> list[str]:
+        from kiln.frontend.recompiles import leaf_paths
+
+        leaves, spec = _leaves_and_spec(args)
+        return leaf_paths(self.fn, spec, len(leaves))
+
+    def _shapes_for(self, args, key) -> tuple:
+        """The dynamic_shapes to trace with, and whether automatic dynamic chose them."""
+        from kiln.frontend import auto_dynamic
+
+        declared = self.dynamic_shapes is not None or \
+            getattr(self.fn, "__kiln_dynamic_spec__", None) is not None
+        if declared or self.dynamic is False:
+            return self.dynamic_shapes, False
+        if self.dynamic is True:
+            marked = auto_dynamic.ALL
+        else:  # automatic: the dims that changed since the last specializations
+            tensors = auto_dynamic.top_level_tensors(tuple(args))
+            for leaf, axes in auto_dynamic.changed_dims(key, list(self._cache)).items():
+                if leaf in tensors:  # tensors inside pytrees stay static
+                    self._newly_dynamic += [(leaf, a) for a in sorted(axes)]
+                    self._auto_dims.setdefault(leaf, set()).update(axes)
+            marked = self._auto_dims
+        self._marked = marked
+        spec = auto_dynamic.auto_spec(tuple(args), marked) if marked else None
+        return (spec, True) if spec is not None else (self.dynamic_shapes, False)
+
+    def _trace(self, args, shapes, auto: bool):
+        """Trace with `shapes`. When code cannot run on the symbolic dims automatic
+        dynamic chose (a dim meets a static one in a matmul, a Python `int` of a size),
+        those dims are specialized, found by retracing: dims are made static from the
+        last one back until the trace succeeds, then each but the last is tried symbolic
+        again. Every dim made static is reported in `stats()["dynamic_fallbacks"]`."""
+        from kiln.frontend import auto_dynamic
+        from kiln.frontend.recompiles import LocatingBuilder
+
+        self._builders: list = []
+
+        def locating(graph):
+            self._builders.append(LocatingBuilder(graph))
+            return self._builders[-1]
+
+        def attempt(spec):
+            self._builders.clear()
+            return trace_function(self.fn, tuple(args), spec, builder_cls=locating)
+
+        try:
+            return attempt(shapes), auto
+        except (KilnError, TypeError, ValueError) as exc:
+            if not auto:
+                raise
+            error = exc
+        kept = auto_dynamic.symbolic_dims(tuple(args), self._marked)
+        dropped, traced = [], None
+        while kept and traced is None:
+            dropped.append(kept.pop())
+            traced = self._try(attempt, auto_dynamic.auto_spec(tuple(args), _by_leaf(kept)))
+        for dim in dropped[:-1]:  # the last one dropped is the one the code needs static
+            again = self._try(attempt, auto_dynamic.auto_spec(tuple(args), _by_leaf(kept + [dim])))
+            if again is not None:
+                kept.append(dim)
+                traced = again
+        static = [dim for dim in dropped if dim not in kept]
+        for leaf, axis in static:
+            self._auto_dims.get(leaf, set()).discard(axis)
+        paths = self._paths(args)
+        self._dynamic_fallbacks.append(
+            "static dims: the code needs concrete sizes for "
+            + ", ".join(f"`{paths[leaf]}` dim {axis}" for leaf, axis in static) + f" ({error})")
+        if traced is None:  # nothing symbolic: the plain trace raises the user's real error
+            return attempt(self.dynamic_shapes), False
+        return traced, bool(kept)
+
+    def _try(self, attempt, spec):
+        try:
+            return attempt(spec) if spec is not None else None
+        except (KilnError, TypeError, ValueError):
+            return None
+
+    def _guards(self, args, traced, statics):
+        from kiln.frontend.recompiles import SpecializationGuards
+
+        paths = self._paths(args)
+        sources = iter(self._builders[-1].sources() if self._builders else [])
+        return SpecializationGuards(paths, {i: next(sources, None) for i in range(len(paths))
+                                            if i not in statics})
+
+    def stats(self) -> dict:
+        """Compiles, cache hits, eager fallbacks, recompiles with their reasons, and the
+        guards of each specialization (which dims are static, and why)."""
+        return {"compiles": self._compiles, "hits": self._hits, "eager_calls": self._eager_calls,
+                "recompiles": list(self._recompiles), "specializations": len(self._cache),
+                "guards": [guard_summary(e.compiled.graph) for e in self._cache.values()],
+                "dynamic_fallbacks": list(self._dynamic_fallbacks)}
+
+    def compiled_graphs(self) -> list[CompiledGraph]:
+        return [e.compiled for e in self._cache.values()]
+
+
+def guard_summary(graph: Graph) -> list[str]:
+    """One line per input: its dtype, and per dim either the ShapeVar that serves every
+    allowed size or the static size it is specialized to, with the reason.
+
+    >>> guard_summary(g)   # ['%x: f32, dim 0 dynamic (B in [0, 64]), dim 1 == 8 (not declared dynamic)']
+    """
+    lines = []
+    for value in graph.inputs:
+        dims = []
+        for axis, d in enumerate(value.type.shape):
+            if isinstance(d, int):
+                dims.append(f"dim {axis} == {d} (not declared dynamic)")
+            elif isinstance(d, sympy.Symbol):
+                dims.append(f"dim {axis} dynamic ({graph.shape_vars[d.name].describe()})")
+            else:
+                dims.append(f"dim {axis} == {d}")
+        lines.append(", ".join([f"%{value.name}: {value.type.dtype.short}"] + dims))
+    return lines
+
+
+def _as_tensors(args: tuple) -> tuple:
+    """`args` with numpy arrays wrapped as kn.Tensors: an eager fallback computes with
+    kiln's semantics and returns kn.Tensors, as the compiled path does."""
+    leaves, spec = pytree.flatten(tuple(args), _leaf)
+    return pytree.unflatten(spec, [Tensor._make(leaf) if type(leaf) is np.ndarray else leaf
+                                   for leaf in leaves])
+
+
+def _leaves_and_spec(args):
+    from kiln.frontend.tensor import Tensor
+
+    if all(type(a) is Tensor or type(a) is np.ndarray for a in args):
+        return args, None
+    return pytree.flatten(tuple(args), _leaf)
+
+
+def _dynamic_positions(graph: Graph, static_args) -> dict[int, frozenset]:
+    """Leaf position -> dims that are symbolic in the traced graph."""
+    statics = {i for i, _ in static_args}
+    positions, k = {}, 0
+    total = len(graph.inputs) + len(statics)
+    for leaf in range(total):
+        if leaf in statics:
+            continue
+        value = graph.inputs[k]
+        k += 1
+        dims = frozenset(a for a, d in enumerate(value.type.shape) if not isinstance(d, int))
+        if dims:
+            positions[leaf] = dims
+    return positions
+
+
+def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "default",
+            fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8,
+            trace_dir: str | None = None, dynamic: bool | None = None, explain: bool = False,
+            strict: bool = False):
+    """Compile `fn` (tensors in, tensors out) into fused native kernels.
+
+    `dynamic`: True makes every dim of every tensor argument symbolic from the first
+    call, False keeps every dim static, None (the default) compiles static first and
+    makes the dims that changed symbolic at the first recompile (see auto_dynamic.py).
+    `explain=True` (or KILN_LOGS=recompiles) prints why each recompile happened;
+    `strict=True` raises K321 instead of recompiling (see recompiles.py).
+
+    >>> @kn.compile
+    ... def f(x, w, b):
+    ...     return kn.gelu(x @ w + b)
+    >>> f(x, w, b); f.stats()["compiles"]
+    1
+    """
+    from kiln.frontend.gil_guard import require_gil
+
+    require_gil("kn.compile")  # at the call, not at the first run: see gil_guard.py
+    if dynamic not in (None, True, False):
+        raise KilnError(f"compile: dynamic must be True, False or None, got {dynamic!r}")
+    if fn is None:
+        return lambda f: compile(f, backend=backend, mode=mode, fullgraph=fullgraph,
+                                 dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit,
+                                 trace_dir=trace_dir, dynamic=dynamic, explain=explain,
+                                 strict=strict)
+    if _is_module(fn):  # parameters and buffers become graph inputs: see kiln/nn/compiled.py
+        from kiln.nn.compiled import CompiledModule
+
+        module = CompiledModule(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
+        _configure(module._compiled, dynamic, explain, strict)
+        return module
+    return _configure(CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes,
+                                       recompile_limit, trace_dir), dynamic, explain, strict)
+
+
+def _by_leaf(dims: list) -> dict[int, set]:
+    out: dict[int, set] = {}
+    for leaf, axis in dims:
+        out.setdefault(leaf, set()).add(axis)
+    return out
+
+
+def _configure(compiled: CompiledFunction, dynamic, explain: bool, strict: bool) -> CompiledFunction:
+    compiled.dynamic, compiled.explain, compiled.strict = dynamic, bool(explain), bool(strict)
+    return compiled
+
+
+def _is_module(fn) -> bool:
+    """Whether `fn` is a kn.nn.Module (an object of a never-imported kiln.nn cannot be)."""
+    import sys
+
+    nn_module = sys.modules.get("kiln.nn.module")
+    return nn_module is not None and isinstance(fn, nn_module.Module)
+
