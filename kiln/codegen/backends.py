@@ -74,5 +74,6 @@ register_backend("reference", ReferenceBackend)
 register_backend("triton", "kiln.codegen.triton.backend:TritonBackend", supports=_triton_supports,
                  example="cuda, rocm")
 register_backend("opencl", "kiln.codegen.opencl.backend:OpenCLBackend", supports=lambda t: t.split(":")[0] in ("opencl", "xpu"))
+register_backend("metal", "kiln.codegen.metal.backend:MetalBackend", supports=lambda t: t.split(":")[0] in ("metal", "mps"))
 
 TARGETS = ("cpu", "reference", "cuda", "rocm")

@@ -1,0 +1,16 @@
+"""The Metal backend's errors (K410-K419; docs/errors.md lists them)."""
+
+from __future__ import annotations
+
+from kiln.errors import KilnError
+
+
+class KilnMetalUnavailableError(KilnError, RuntimeError):
+    code = "K410"
+    title = "running Metal kernels needs a Mac"
+
+
+class KilnMetalBuildError(KilnError, RuntimeError):
+    code = "K411"
+    title = "the Metal compiler rejected a generated program"
+
