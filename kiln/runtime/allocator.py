@@ -53,13 +53,13 @@ class Allocator:
         """A buffer of `shape`, refused (K170, nothing allocated) past the limit."""
         dtype = np.dtype(dtype)
         nbytes = nbytes_of(shape, dtype.itemsize)
-        what = f"allocating a {dtype.name} buffer of shape {tuple(shape)}"
         with self._lock:
             current = self.persistent + self.transient + nbytes
-            check_request(what, nbytes, self.persistent + self.transient, self.limit,
-                          self.fraction)
+            if current > self.limit:
+                check_request(f"allocating a {dtype.name} buffer of shape {tuple(shape)}", nbytes,
+                              self.persistent + self.transient, self.limit, self.fraction)
             device = self.device_allocator
-            block = device.malloc(nbytes, what)
+            block = device.malloc(nbytes, (dtype, shape))
             array = device.view_of(block, shape, dtype, nbytes // dtype.itemsize)
             if persistent:
                 self.persistent += nbytes

@@ -93,6 +93,7 @@ class Block:
     requested: int = 0
     allocated: bool = False
     reused: bool = False  # handed out before (a cache hit when handed out again)
+    quick: bool = False  # freed, waiting in the exact-size list (not merged yet)
     prev: "Block | None" = None
     next: "Block | None" = None
 
@@ -165,6 +166,10 @@ class CachingAllocator:
         self._free: dict[bool, list[Block]] = {True: [], False: []}
         self._segments: list[Segment] = []
         self._tracked: dict[int, _Tracked] = {}
+        # freed blocks by exact size, merged into the free lists only when a request finds
+        # none of its size (or the cache is emptied, or figures are read): a compiled
+        # function's next output is its last dropped one, for a dict lookup
+        self._quick: dict[int, list[Block]] = {}
         self._leases: dict[int, _Lease] = {}  # weakrefs live until their callback
         self.version = 0  # bumped on every change: the publisher (memory_tracking) polls it
         self._reset_stats()
@@ -260,6 +265,33 @@ class CachingAllocator:
             p[19] += 1
             self.num_device_free += 1
 
+    def _block_event(self, small: bool, size: int, requested: int) -> None:
+        """A block handed out (size > 0) or given back (size < 0): allocated (0), requested
+        (8) and block count (12) change; written out, as a compiled call pays it per
+        output."""
+        p, q, top = self._pools[small], self._pools[not small], self._all_peak
+        self.allocated += size
+        self.version += 1
+        if size > 0:
+            p[0] += size
+            p[2] += size
+            p[8] += requested
+            p[10] += requested
+            p[12] += 1
+            p[14] += 1
+            for k in (0, 8, 12):
+                if p[k] > p[k + 1]:
+                    p[k + 1] = p[k]
+                if p[k] + q[k] > top[k >> 2]:
+                    top[k >> 2] = p[k] + q[k]
+        else:
+            p[0] += size
+            p[3] -= size
+            p[8] += requested
+            p[11] -= requested
+            p[12] -= 1
+            p[15] += 1
+
     def memory_allocated(self) -> int:
         return self.allocated
 
@@ -294,6 +326,7 @@ class CachingAllocator:
         """PyTorch's flat dict: "allocated_bytes.all.current", ".small_pool.peak", ...
         (active = allocated: kiln frees nothing late for other streams)."""
         with self._guard:
+            self._flush_quick()
             small, large = self._pools[True], self._pools[False]
             out: dict = {}
             for m, name in enumerate(_METRICS):
@@ -331,20 +364,36 @@ class CachingAllocator:
 
     # -- blocks ---------------------------------------------------------------------------
 
-    def malloc(self, nbytes: int, what: str | None = None) -> Block:
-        """A block of at least `nbytes`: cached if one fits, else from a new segment."""
+    def malloc(self, nbytes: int, what=None) -> Block:
+        """A block of at least `nbytes`: cached if one fits, else from a new segment.
+        `what` names the request in an out-of-memory error (a string, or a runtime
+        buffer's (dtype, shape), formatted only then)."""
         nbytes = int(nbytes)
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        with self._guard:
-            block = self._take_free(size, small)
-            if block is None:
-                block = self._new_segment(size, small, nbytes, what)
-            self._split(block, size, small)
+        lock = self._lock
+        lock.acquire()
+        try:
+            quick = self._quick.get(size)
+            if quick:
+                block = quick.pop()
+                block.quick = False
+            else:
+                block = self._take_free(size, small)
+                if block is None and self._quick:
+                    self._flush_quick()
+                    block = self._take_free(size, small)
+                if block is None:
+                    block = self._new_segment(size, small, nbytes, what)
+                self._split(block, size, small)
             block.allocated = True
             block.requested = nbytes
-            self._event(small, block.size, 0, nbytes, 1, 0)
-            return block
+            self._block_event(small, block.size, nbytes)
+        finally:
+            lock.release()
+        if self._pending and lock.acquire(blocking=False):
+            self._unlock()
+        return block
 
     def _take_free(self, size: int, small: bool) -> Block | None:
         pool = self._free[small]
@@ -377,6 +426,8 @@ class CachingAllocator:
         why = ("the device refused it" if device_refused else
                f"{human(self.limit)} allowed ({self.fraction:g} of {self.device}'s "
                f"{human(self.total_memory)})")
+        if isinstance(what, tuple):  # (dtype, shape) of a runtime buffer
+            what = f"allocating a {what[0].name} buffer of shape {tuple(what[1])}"
         asked = f"{what} needs {human(nbytes)}" if what else f"allocating {human(nbytes)}"
         if seg_size != nbytes:
             asked += f" (taken as a {human(seg_size)} segment)"
@@ -403,13 +454,29 @@ class CachingAllocator:
     def _free_locked(self, block: Block) -> None:
         if not block.allocated:
             return
-        small = block.segment.small
         block.allocated = False
         block.reused = True
-        self._event(small, -block.size, 0, -block.requested, -1, 0)
-        pool = self._free[small]
+        block.quick = True
+        self._block_event(block.segment.small, -block.size, -block.requested)
+        quick = self._quick.get(block.size)
+        if quick is None:
+            self._quick[block.size] = [block]
+        else:
+            quick.append(block)
+
+    def _flush_quick(self) -> None:
+        """Merge every block waiting in the exact-size lists into the free lists."""
+        waiting = [b for blocks in self._quick.values() for b in blocks]
+        self._quick.clear()
+        for block in waiting:  # one by one: a block still waiting is no neighbour to merge
+            block.quick = False
+            self._merge_free(block)
+
+    def _merge_free(self, block: Block) -> None:
+        """Put a free block into its pool's free list, merged with free neighbours."""
+        pool = self._free[block.segment.small]
         for neighbour in (block.prev, block.next):
-            if neighbour is not None and not neighbour.allocated:
+            if neighbour is not None and not neighbour.allocated and not neighbour.quick:
                 pool.pop(self._index(pool, neighbour))
                 if neighbour is block.prev:
                     neighbour.size += block.size
@@ -438,6 +505,7 @@ class CachingAllocator:
             return self._release_cached()
 
     def _release_cached(self) -> int:
+        self._flush_quick()
         released = 0
         for small in (True, False):
             keep = []
@@ -477,9 +545,17 @@ class CachingAllocator:
 
     def _lease_done(self, lease: _Lease) -> None:
         self._leases.pop(id(lease), None)
-        self._pending.append((self._free_locked, lease.block))
-        if self._lock.acquire(blocking=False):
-            self._unlock()
+        lock = self._lock
+        if lock.acquire(blocking=False):
+            self._free_locked(lease.block)
+            if self._pending:
+                self._unlock()
+            else:
+                lock.release()
+        else:  # held (by this thread, inside a locked section, or another): queue it
+            self._pending.append((self._free_locked, lease.block))
+            if lock.acquire(blocking=False):
+                self._unlock()
 
     def _unlock(self) -> None:
         """Run the work callbacks queued while the lock was held, then release it."""
@@ -540,6 +616,7 @@ class CachingAllocator:
     def snapshot(self) -> list[dict]:
         """The segments and their blocks (torch.cuda.memory_snapshot's shape, abridged)."""
         with self._guard:
+            self._flush_quick()
             out = []
             for segment in self._segments:
                 blocks, block = [], segment.head

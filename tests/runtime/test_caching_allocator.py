@@ -152,3 +152,51 @@ def test_a_bad_fraction_is_refused():
         with pytest.raises(Exception, match="K103.*fraction must be in"):
             a.set_fraction(bad)
     assert a.fraction == 1.0
+
+
+def test_freed_blocks_of_other_sizes_merge_before_a_new_segment_is_taken():
+    a, raw = _allocator()
+    eighths = [a.array((256 << 10,), np.uint8) for _ in range(8)]  # fill a 2 MiB segment
+    start = eighths[0].ctypes.data
+    del eighths  # eight 256 KiB blocks wait, unmerged, for a request of their size
+    whole = a.array((1 << 20,), np.uint8)  # none that size: they merge and serve it
+    assert raw.allocs == [2 * MiB] and whole.ctypes.data == start
+    del whole
+    (segment,) = a.snapshot()
+    assert len(segment["blocks"]) == 1  # all merged back into one free block
+
+
+def test_threads_allocating_and_dropping_leave_consistent_figures():
+    import threading
+
+    a, _ = _allocator()
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            held = []
+            for _ in range(400):
+                n = int(rng.integers(1, 300_000))
+                if rng.random() < 0.5:
+                    held.append(a.array((n,), np.uint8))  # a block
+                else:
+                    held.append(np.ones(n // 8))  # an eager-style result, tracked
+                    a.track(held[-1])
+                if len(held) > 8:
+                    held.pop(int(rng.integers(0, len(held))))
+        except Exception as exc:  # reported below: a thread's failure fails the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    gc.collect()
+    stats = a.memory_stats()
+    assert a.memory_allocated() == 0 and stats["allocation.all.current"] == 0
+    assert stats["requested_bytes.all.current"] == 0
+    assert a.empty_cache() == stats["reserved_bytes.all.current"]
+    assert a.memory_reserved() == 0 and a.memory_stats()["segment.all.current"] == 0
