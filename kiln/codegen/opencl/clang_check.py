@@ -1,8 +1,8 @@
 """Generated OpenCL C checked by clang for an Intel target, and SPIR / SPIR-V through it.
 
-`clang -cl-std=CL2.0 -target spir64 -Xclang -finclude-default-header` compiles OpenCL C
-for the SPIR target with every built-in and extension declared (subgroup functions,
-`intel_sub_group_block_read`), so kernels a CPU OpenCL driver cannot build (PoCL has no
+`clang -cl-std=CL2.0 -target spir64` with clang's opencl-c.h and the extensions of an
+Intel GPU driver enabled compiles OpenCL C for the SPIR target with every built-in
+declared (subgroup functions, `intel_sub_group_block_read`), so kernels a CPU OpenCL driver cannot build (PoCL has no
 subgroups) are still type-checked here. `spir_text` gives the SPIR LLVM IR (the `spir`
 stage of `kiln dump`); `spirv_binary` SPIR-V, where llvm-spirv is installed.
 """
@@ -18,6 +18,8 @@ from kiln.codegen.opencl.errors import KilnOpenCLBuildError, KilnOpenCLUnavailab
 
 _CLANGS = ("clang-15", "clang")
 _SPIRV = ("llvm-spirv-15", "llvm-spirv")
+# what an Intel GPU driver reports, declared for the check (subgroups, block reads, fp64)
+_EXTENSIONS = "+cl_khr_subgroups,+cl_intel_subgroups,+cl_khr_fp64"
 
 
 def clang() -> str | None:
@@ -48,8 +50,10 @@ def compile_spir(source: str, std: str = "CL2.0", emit: str = "-S", opt: str = "
         src = os.path.join(tmp, "k.cl")
         with open(src, "w") as f:
             f.write(source)
-        return _run([cc, f"-cl-std={std}", "-target", "spir64", "-Xclang", "-finclude-default-header",
-                     opt, emit, "-emit-llvm", "-o", "-", src], "clang -target spir64")
+        # opencl-c.h included by hand: -finclude-default-header's precompiled form ignores
+        # -cl-ext, so it would not declare the Intel subgroup functions
+        return _run([cc, f"-cl-std={std}", "-target", "spir64", "-Xclang", f"-cl-ext={_EXTENSIONS}",
+                     "-Xclang", "-include", "-Xclang", "opencl-c.h", opt, emit, "-emit-llvm", "-o", "-", src], "clang -target spir64")
 
 
 def spir_text(source: str) -> str:
@@ -67,6 +71,6 @@ def spirv_binary(source: str) -> bytes:
         bc, out = os.path.join(tmp, "k.bc"), os.path.join(tmp, "k.spv")
         with open(bc, "wb") as f:
             f.write(bitcode)
-        _run([tool, bc, "-o", out], "llvm-spirv")
+        _run([tool, "--spirv-ext=+SPV_INTEL_subgroups", bc, "-o", out], "llvm-spirv")
         with open(out, "rb") as f:
             return f.read()

@@ -245,6 +245,7 @@ def _emit_loops(k: Kernel, limits: Limits) -> EmittedKernel:
     body: list[str] = []
     pad = "  "
     xn = index_cl(xnumel, symnames)
+    uses_sg = False
     outer_vars = [symnames[l.var] for l in k.outer]
     if kind == "pointwise":
         local = (xl,)
@@ -263,17 +264,25 @@ def _emit_loops(k: Kernel, limits: Limits) -> EmittedKernel:
         body.append(f"{pad}const int valid = xi < {xn};")
         body += _decompose(outer_vars, [l.extent for l in k.outer], "xi", symnames, pad)
         scratch: dict = {}
+        sg = limits.subgroups and xl == 1
         for st in k.stages:
-            body += _stage(st, ex, buffers, symnames, rl, xl, scratch)
-        decls = [f"{pad}__local {t} red_{t}[{rl * xl}];" for t in sorted(scratch)]
+            body += _stage(st, ex, buffers, symnames, rl, xl, scratch, sg)
+        decls = [f"{pad}__local {t} {name}[{rl * xl}];" for name, t in sorted(scratch.items())]
         body = decls + body
+        uses_sg = any(name.startswith("red_sg_") for name in scratch)
         work = ((1, 1, rl), (xnumel, xl, xl))
     params = _signature(k, symnames, buffers)
     attr = f"__attribute__((reqd_work_group_size({', '.join(map(str, local + (1,) * (3 - len(local))))})))"
     head = f"__kernel {attr}\nvoid {fname}({', '.join(params)}) {{"
     doc = _describe(k, kind, rl, xl)
     f64 = uses_f64(k)
-    source = prelude(f64) + f"\n{doc}\n{head}\n" + "\n".join(body) + "\n}\n"
+    ext = ""
+    if kind != "pointwise" and uses_sg:
+        from kiln.codegen.opencl.subgroups import pragma
+
+        ext = pragma(limits)
+        doc = doc.replace("local-memory tree", "subgroup reductions, one partial per subgroup in local memory")
+    source = prelude(f64) + ext + f"\n{doc}\n{head}\n" + "\n".join(body) + "\n}\n"
     return EmittedKernel(fname, source, kind, tuple(b.name for b in k.buffers), tuple(k.sizes), local, work, f64)
 
 
@@ -285,7 +294,8 @@ def _store_cast(value: str, src, dst) -> str:
     return f"(({cl_type(dst)}){value})"
 
 
-def _stage(st, ex: ExprEmitter, buffers: dict, symnames: dict, rl: int, xl: int, scratch: dict) -> list[str]:
+def _stage(st, ex: ExprEmitter, buffers: dict, symnames: dict, rl: int, xl: int, scratch: dict,
+           subgroups: bool = False) -> list[str]:
     pad, lines = "  ", []
     rnumel = numel([l.extent for l in st.loops]) if st.loops else 1
     rvars = [symnames[l.var] for l in st.loops]
@@ -308,8 +318,15 @@ def _stage(st, ex: ExprEmitter, buffers: dict, symnames: dict, rl: int, xl: int,
         v = ex.emit(st.value, inner, pad * 2)
         inner.append(f"{pad * 2}{acc} = {combine(st.op, st.dtype, acc, _store_cast(v, st.value.dtype, st.dtype))};")
         lines += loop(inner)
-        scratch[t] = True
+        from kiln.codegen.opencl.subgroups import reduce_eligible, subgroup_tree
+
+        if subgroups and reduce_eligible(st.op, st.dtype):
+            scratch[f"red_sg_{t}"] = t
+            lines += subgroup_tree(st.op, st.dtype, acc, st.name, pad)
+            ex.refs[st.name] = f"r_{st.name}"
+            return lines
         red = f"red_{t}"
+        scratch[red] = t
         lines.append(f"{pad}{red}[lx * {rl} + lr] = {acc};")
         lines.append(f"{pad}barrier(CLK_LOCAL_MEM_FENCE);")
         if rl > 1:

@@ -45,6 +45,10 @@ def emit_gemm(k: GemmKernel, limits: Limits) -> EmittedKernel:
     a, b = buffers[k.a][0], buffers[k.b][0]
     sa, sb = [ix(s) for s in k.a_strides], [ix(s) for s in k.b_strides]
     p = "  "
+    from kiln.codegen.opencl import subgroups
+
+    if subgroups.gemm_eligible(k, in_dtype, limits):
+        return _emit_block_read(k, symnames, buffers, a, b, sa, sb, limits)
     lines = [
         f"{p}__local {at} As[{BK}][{bm}];",
         f"{p}__local {at} Bs[{BK}][{bn}];",
@@ -99,6 +103,33 @@ def emit_gemm(k: GemmKernel, limits: Limits) -> EmittedKernel:
     work = ((k.n, bn, tx), (k.m, bm, ty), (k.batch, 1, 1))
     return EmittedKernel(fname, source, "gemm", tuple(b.name for b in k.buffers), tuple(k.sizes),
                          (tx, ty, 1), work, f64)
+
+
+def _emit_block_read(k: GemmKernel, symnames: dict, buffers: dict, a: str, b: str, sa: list, sb: list,
+                     limits: Limits) -> EmittedKernel:
+    """The Intel subgroup variant (kiln/codegen/opencl/subgroups.py) with the same epilogue."""
+    from kiln.codegen.opencl.subgroups import SG, SG_GROUPS, SG_ROWS, gemm_main_loop, pragma
+
+    p = "  "
+    ix = lambda e: index_cl(e, symnames)  # noqa: E731
+    lines = [f"{p}const long M = {ix(k.m)}, N = {ix(k.n)}, K = {ix(k.k)};"]
+    lines += gemm_main_loop(a, b, sa, sb, p)
+    ex = ExprEmitter(symnames, buffers)
+    ex.acc = "accv"
+    value = ex.emit(k.epilogue, lines, p * 3)
+    out, od = buffers[k.out]
+    lines.append(f"{p * 3}{out}[(gb * M + gi) * N + gj] = {_store_cast(value, k.epilogue.dtype, od)};")
+    lines += [f"{p * 2}}}", f"{p}}}"]
+    fname = kernel_name(k.name)
+    attr = (f"__attribute__((intel_reqd_sub_group_size({SG}))) "
+            f"__attribute__((reqd_work_group_size({SG}, {SG_GROUPS}, 1)))")
+    head = f"__kernel {attr}\nvoid {fname}({', '.join(_signature(k, symnames, buffers))}) {{"
+    doc = (f"/* gemm [{k.batch}] x [{k.m}, {k.k}] @ [{k.k}, {k.n}], Intel subgroups: one column per lane, "
+           f"{SG_ROWS} rows per subgroup, block reads of A and B rows, epilogue fused */")
+    source = prelude(uses_f64(k)) + pragma(limits) + f"\n{doc}\n{head}\n" + "\n".join(lines) + "\n}\n"
+    work = ((k.n, SG, SG), (k.m, SG_GROUPS * SG_ROWS, SG_GROUPS), (k.batch, 1, 1))
+    return EmittedKernel(fname, source, "gemm", tuple(bb.name for bb in k.buffers), tuple(k.sizes),
+                         (SG, SG_GROUPS, 1), work, uses_f64(k))
 
 
 def _mac(acc: str, x: str, y: str, d) -> str:
