@@ -38,8 +38,8 @@ def test_save_on_4_load_on_2_and_3(tmp_path):
     path = str(tmp_path / "ckpt")
     data = check_all_ok(run_scenario("save_world", 4, tmp_path, workers=WORKERS,
                                      args={"path": path}, timeout=90.0))
-    # w: 4 shards (one empty); m on 2x2 [Shard(1), Shard(0)]: 4 blocks; steps: rank 0
-    assert data[0]["files"] == 9
+    # one shard file per rank (each holds its blocks of w, m and, on rank 0, steps)
+    assert data[0]["files"] == 4
     for world in (2, 3):
         check_all_ok(run_scenario("load_world", world, tmp_path / str(world), workers=WORKERS,
                                   args={"path": path}, timeout=90.0))
@@ -99,10 +99,11 @@ def test_corrupt_and_missing_shards_are_named(tmp_path):
     raw = bytearray(Path(path, shard).read_bytes())
     raw[5] ^= 0xFF
     Path(path, shard).write_bytes(bytes(raw))
-    with pytest.raises(CheckpointCorrupt, match="K246.*%s of tensor 'a' fails its sha256" % shard):
+    with pytest.raises(CheckpointCorrupt, match="K246.*tensor 'a' at byte 0 of shard file %s "
+                       "fails its sha256" % shard):
         checkpoint.load(target, path)
     Path(path, shard).write_bytes(bytes(raw[:10]))
-    with pytest.raises(CheckpointCorrupt, match="has 10 bytes.*truncated"):
+    with pytest.raises(CheckpointCorrupt, match="holds 10 of the block's 48 bytes.*truncated"):
         checkpoint.load(target, path)
     os.unlink(Path(path, shard))
     with pytest.raises(CheckpointCorrupt, match="%s of tensor 'a' is missing" % shard):
@@ -120,6 +121,8 @@ def test_corrupt_and_missing_shards_are_named(tmp_path):
      "overlap"),
     (lambda d: d["tensors"]["a"].update(shape=[-3, 4]), "non-negative ints"),
     (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d["tensors"]["a"]["shards"][0].update(byte_offset=-1), "byte_offset -1"),
+    (lambda d: d["tensors"]["t"]["shards"][0].update(byte_offset=8), "share bytes"),
 ])
 def test_hostile_manifests_are_refused(tmp_path, edit, message):
     path, doc = _saved(tmp_path)

@@ -29,7 +29,7 @@ def _group(state: dict):
     return rendezvous.get_world() if rendezvous.is_initialized() else None
 
 
-def _snapshot(state: dict, rank: int) -> list:
+def _snapshot(state: dict, rank: int, copy: bool) -> list:
     """[(key, dtype, shape, placements text, [(offsets, block copy)])] for this rank."""
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError("save: the state must be a dict with string keys")
@@ -43,11 +43,13 @@ def _snapshot(state: dict, rank: int) -> list:
             coord = mesh.get_coordinate()
             owner = all(coord[i] == 0 for i, p in enumerate(value.placements) if not p.is_shard())
             offsets = tuple(lo for lo, _ in value.local_bounds())
-            blocks = [(offsets, np.array(value.local_array(), copy=True))] if owner else []
+            local = value.local_array()
+            blocks = [(offsets, local.copy() if copy else local)] if owner else []
             items.append((key, value.dtype, value.shape, [str(p) for p in value.placements],
                           blocks))
         else:
-            arr = np.array(value.numpy() if hasattr(value, "numpy") else value, copy=True)
+            arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            arr = arr.copy() if copy else arr
             dtype = kd.from_numpy(arr.dtype)
             blocks = [((0,) * arr.ndim, arr)] if rank == 0 else []
             items.append((key, dtype, arr.shape, [], blocks))
@@ -72,26 +74,35 @@ def _fsync_dir(folder: str) -> None:
 
 
 def _write_shards(folder: str, save_id: str, rank: int, items: list) -> dict:
-    """Write this rank's blocks (fsynced); return its part of the manifest."""
-    part, k = {}, 0
-    for key, dtype, shape, placements, blocks in items:
-        entry = part.setdefault(key, {"dtype": mf.dtype_name(dtype), "shape": list(shape),
-                                      "placements": placements, "shards": []})
-        for offsets, block in blocks:
-            name = "%s%s-r%d-%d.bin" % (_PREFIX, save_id, rank, k)
-            k += 1
-            data = np.require(block, requirements="C").tobytes()
-            try:
-                with open(os.path.join(folder, name), "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as err:
-                raise CheckpointError("save: cannot write shard %s of %r: %s"
-                                      % (name, key, err)) from None
-            entry["shards"].append({"file": name, "offsets": list(offsets),
-                                    "shape": list(block.shape), "nbytes": len(data),
-                                    "sha256": hashlib.sha256(data).hexdigest()})
+    """Write this rank's blocks into one file (one fsync), each block's SHA-256 computed
+    on a second thread while the next block is written (hashlib and write release the
+    GIL); return this rank's part of the manifest."""
+    part: dict = {}
+    name = "%s%s-r%d.bin" % (_PREFIX, save_id, rank)
+    pending = []
+    with concurrent.futures.ThreadPoolExecutor(1) as hasher:
+        try:
+            with open(os.path.join(folder, name), "wb") as f:
+                offset = 0
+                for key, dtype, shape, placements, blocks in items:
+                    entry = part.setdefault(key, {"dtype": mf.dtype_name(dtype),
+                                                  "shape": list(shape),
+                                                  "placements": placements, "shards": []})
+                    for offsets, block in blocks:
+                        data = memoryview(np.require(block, requirements="C").reshape(-1).view(np.uint8))
+                        digest = hasher.submit(lambda d: hashlib.sha256(d).hexdigest(), data)
+                        f.write(data)
+                        shard = {"file": name, "byte_offset": offset, "offsets": list(offsets),
+                                 "shape": list(block.shape), "nbytes": data.nbytes}
+                        entry["shards"].append(shard)
+                        pending.append((shard, digest))
+                        offset += data.nbytes
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise CheckpointError("save: cannot write %s in %s: %s" % (name, folder, err)) from None
+        for shard, digest in pending:
+            shard["sha256"] = digest.result()
     return part
 
 
@@ -162,11 +173,11 @@ def _finish(folder: str, save_id: str, rank: int, world: int, items: list, store
         raise CheckpointError("save to %s failed: %s" % (folder, verdict))
 
 
-def _prepare(state: dict, path: str, timeout: float | None):
+def _prepare(state: dict, path: str, timeout: float | None, copy: bool):
     group = _group(state)
     rank = group.rank if group is not None else 0
     world = group.world_size if group is not None else 1
-    items = _snapshot(state, rank)
+    items = _snapshot(state, rank, copy)
     save_id = _agree_save_id(group)
     try:
         os.makedirs(path, exist_ok=True)
@@ -184,7 +195,7 @@ def save(state: dict, path: str, *, timeout: float | None = None) -> None:
 
         >>> dist.checkpoint.save({"w": w, "b": b}, "ckpt")
     """
-    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout)
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, False)
     _finish(path, save_id, rank, world, items, store, timeout)
 
 
@@ -195,7 +206,7 @@ def async_save(state: dict, path: str, *,
 
         >>> fut = dist.checkpoint.async_save(state, "ckpt"); ...; fut.result()
     """
-    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout)
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, True)
     future: concurrent.futures.Future = concurrent.futures.Future()
     own_store = store.clone() if store is not None else None
 
@@ -216,27 +227,28 @@ def async_save(state: dict, path: str, *,
 
 # -- loading -----------------------------------------------------------------------------
 def _read_shard(folder: str, key: str, shard: dict, dtype: kd.DType, cache: dict) -> np.ndarray:
-    name = shard["file"]
-    if name in cache:
-        return cache[name]
+    name, start = shard["file"], shard["byte_offset"]
+    if (name, start) in cache:
+        return cache[name, start]
     path = mf.shard_path(folder, name)
     try:
         with open(path, "rb") as f:
-            data = f.read(shard["nbytes"] + 1)
+            f.seek(start)
+            data = f.read(shard["nbytes"])
     except FileNotFoundError:
         raise CheckpointCorrupt("load: shard file %s of tensor %r is missing from %s"
                                 % (name, key, folder)) from None
     except OSError as err:
         raise CheckpointCorrupt("load: cannot read shard %s of %r: %s" % (name, key, err)) from None
     if len(data) != shard["nbytes"]:
-        raise CheckpointCorrupt("load: shard file %s of tensor %r has %d bytes, the manifest "
-                                "says %d (truncated or replaced)" % (name, key, len(data),
-                                                                     shard["nbytes"]))
+        raise CheckpointCorrupt("load: shard file %s of tensor %r holds %d of the block's %d "
+                                "bytes at offset %d (truncated or replaced)"
+                                % (name, key, len(data), shard["nbytes"], start))
     if hashlib.sha256(data).hexdigest() != shard["sha256"]:
-        raise CheckpointCorrupt("load: shard file %s of tensor %r fails its sha256 checksum"
-                                % (name, key))
+        raise CheckpointCorrupt("load: the block of tensor %r at byte %d of shard file %s fails "
+                                "its sha256 checksum" % (key, start, name))
     arr = np.frombuffer(data, dtype=dtype.np_dtype).reshape(shard["shape"])
-    cache[name] = arr
+    cache[name, start] = arr
     return arr
 
 

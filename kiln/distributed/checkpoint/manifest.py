@@ -2,11 +2,12 @@
 
     {"format": "kiln-checkpoint", "version": 1, "save_id": "9f2c...", "world_size": 4,
      "tensors": {"w": {"dtype": "float32", "shape": [8, 6], "placements": ["Shard(0)"],
-                       "shards": [{"file": "shard-9f2c-r0-0.bin", "offsets": [0, 0],
-                                   "shape": [2, 6], "nbytes": 48, "sha256": "..."}, ...]}}}
+                       "shards": [{"file": "shard-9f2c-r0.bin", "byte_offset": 0,
+                                   "offsets": [0, 0], "shape": [2, 6], "nbytes": 48,
+                                   "sha256": "..."}, ...]}}}
 
-A shard file is the raw little-endian bytes of one C-ordered block (numpy's `tobytes`);
-its dtype and shape live here. Nothing is unpickled or evaluated. `validate` refuses a
+Each rank writes one shard file: the raw little-endian bytes of its C-ordered blocks one
+after the other; each block's place in the file, dtype and shape live here. Nothing is unpickled or evaluated. `validate` refuses a
 hostile or broken manifest before any shard is opened: unknown dtypes, shapes that are
 not non-negative ints, blocks outside the global shape, blocks that overlap or leave
 holes, byte counts that do not match, and file names that are not plain names inside
@@ -101,13 +102,29 @@ def validate(doc, folder: str) -> dict:
                 raise CheckpointManifestError(
                     "manifest: shard %r of %r declares %r bytes (its shape and dtype make %d) or "
                     "has no sha256" % (s.get("file"), key, s.get("nbytes"), nbytes))
+            start = s.get("byte_offset")
+            if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < 1 << 50:
+                raise CheckpointManifestError("manifest: shard %r of %r has byte_offset %r; it "
+                                              "must be a non-negative int" % (s.get("file"), key,
+                                                                              start))
             shard_path(folder, s.get("file"))
-            shards.append({"file": s["file"], "offsets": offs, "shape": sshape,
-                           "nbytes": nbytes, "sha256": s["sha256"]})
+            shards.append({"file": s["file"], "byte_offset": start, "offsets": offs,
+                           "shape": sshape, "nbytes": nbytes, "sha256": s["sha256"]})
             total += _volume(sshape)
         _check_cover(key, shape, shards, total)
         out[key] = (dtype, shape, shards)
+    _check_bytes(out)
     return out
+
+
+def _check_bytes(tensors: dict) -> None:
+    """No two blocks (of any tensors) claim the same bytes of a file."""
+    spans = sorted((s["file"], s["byte_offset"], s["byte_offset"] + s["nbytes"], key)
+                   for key, (_, _, shards) in tensors.items() for s in shards if s["nbytes"])
+    for (f1, _, end, k1), (f2, start, _, k2) in zip(spans, spans[1:]):
+        if f1 == f2 and start < end:
+            raise CheckpointManifestError("manifest: blocks of %r and %r share bytes of file %s"
+                                          % (k1, k2, f1))
 
 
 def _check_cover(key: str, shape: tuple, shards: list, total: int) -> None:
