@@ -141,7 +141,8 @@ def test_work_group_shapes_follow_the_device_limits():
     assert (rl, xl) == (8, 32)  # outer reductions put neighbouring work-items on neighbouring addresses
     from kiln.codegen.opencl.emit_gemm import gemm_shape
 
-    assert gemm_shape(small, 4) == (8, 8) and gemm_shape(Limits(1024, 65536), 4) == (16, 16)
+    assert gemm_shape(Limits(64, 65536), 4) == (8, 8) and gemm_shape(Limits(1024, 65536), 4) == (16, 16)
+    assert gemm_shape(small, 4) == (2, 2)  # two 16-deep tiles of 8 x 4-byte values fill 1 KiB
 
 
 def _softmax(x):
