@@ -143,7 +143,8 @@ def run_job(impl: str, world: int, sizes: list[int]) -> dict[int, float]:
             server.close()
     lines = [l for l in outs[0].splitlines() if l.startswith("RESULT ")]
     if not lines:
-        raise SystemExit("%s with %d ranks failed: %s" % (impl, world, [p.returncode for p in procs]))
+        raise SystemExit("%s with %d ranks failed: %s"
+                         % (impl, world, [p.returncode for p in procs]))
     line = lines[0]
     return {int(k): v for k, v in json.loads(line[len("RESULT "):]).items()}
 

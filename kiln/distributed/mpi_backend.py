@@ -1,23 +1,25 @@
 """`MpiBackend`: the collective contract on MPI communicators (mpi4py, Open MPI 5 + ULFM).
 
-    >>> pg = kiln.distributed.init_process_group("mpi")     # under mpirun / kiln launch --engine mpi
+    >>> pg = kiln.distributed.init_process_group("mpi")  # mpirun, kiln launch --engine mpi
 
 Every kiln call maps to one nonblocking MPI call on the user's memory (zero-copy: numpy
 views go to MPI as they are): all_reduce -> Iallreduce(IN_PLACE), broadcast -> Ibcast,
 reduce -> Ireduce, all_gather -> Iallgather, gather/scatter -> Igather/Iscatter,
 reduce_scatter -> Ireduce_scatter_block, all_to_all -> Ialltoallv, barrier -> Ibarrier,
-send/recv -> Isend/Irecv with the tag. Data-moving calls go as bytes, so every kiln
-dtype travels; reductions use MPI's own ops where MPI has the type (bool, integers,
-float16/32/64, complex64) and a user-defined op over kiln's `Reducer` for bfloat16 and
-the float8 types (reduced in float32, as the tcp backend does), and for 8- and 16-bit
-integer sums (Open MPI's AVX op saturates them).
+send/recv -> Isend/Irecv with the tag; the group's thread waits in `Wait`. (Open MPI's
+blocking collectives were 1.5-1.8x faster at 16-64 MB here, but with them the 12 MB
+all_reduce of the dead-peer test hung after the SIGKILL, where the nonblocking one fails
+with ERR_PROC_FAILED.) Data-moving calls go as bytes, so every kiln dtype travels;
+reductions use MPI's own ops where MPI has the type (bool, integers, float16/32/64,
+complex64) and a user-defined op over kiln's `Reducer` for bfloat16 and the float8
+types (reduced in float32, as the tcp backend does), and for 8- and 16-bit integer sums
+(Open MPI's AVX op saturates them).
 
-Deadlines and failures. The calling thread blocks in `Wait` (Open MPI progresses a
-nonblocking collective only inside MPI calls: a blocking wait is its fastest path). A
-watcher thread keeps the call's deadline and the p2p requests: past the deadline it
-*revokes* the communicator (ULFM `MPI_Comm_revoke`), which ends every pending call on
-it, on every rank. A dead peer makes MPI return `ERR_PROC_FAILED` (Open MPI's detector
-sees a SIGKILL in tens of ms); the backend names the rank from `Get_failed` and
+Deadlines and failures. A watcher thread keeps the running call's deadline and the
+p2p requests: past the deadline it *revokes* the communicator (ULFM `MPI_Comm_revoke`),
+which ends every pending call on it, on every rank. A dead peer makes MPI
+return `ERR_PROC_FAILED` (Open MPI reports a SIGKILL in tens of ms; while idle, the
+watcher's wildcard probe finds it); the backend names the rank from `Get_failed` and
 revokes, so peers blocked elsewhere (`ERR_REVOKED`) get out too, and read the reason
 the first rank posted in the store. A hung peer (SIGSTOP) is invisible to MPI: kiln's
 heartbeat declares it dead and aborts the group, which revokes here as well.
@@ -112,13 +114,13 @@ class MpiBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm, prefix: str, store):
+    def __init__(self, comm, prefix: str, store, p2p_comms: list | None = None):
         MPI = mpi_world.load_mpi()
         self.MPI, self.comm, self.prefix, self.store = MPI, comm, prefix, store
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         self.group = prefix.split("/")[1] if prefix.count("/") >= 2 else prefix  # its name
         # p2p on four communicators: MPI tags stop at 2**31 - 1, kiln's go up to 2**32
-        self.p2p_comms = [comm] + [comm.Dup() for _ in range(3)]
+        self.p2p_comms = p2p_comms or [comm] + [comm.Dup() for _ in range(3)]
         for c in self.p2p_comms:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.check = os.environ.get("KILN_MPI_CHECK", "1") != "0"
@@ -128,7 +130,7 @@ class MpiBackend(Backend):
         self._revoked = False
         self._lock = threading.Lock()
         self._call: tuple | None = None  # (deadline, ctx) of the collective in MPI now
-        self._pending: list = []  # [request, done, what] of p2p calls in flight
+        self._pending: list = []  # [request, done, ctx] of p2p calls in flight
         self._wake = threading.Event()
         self._stop = False
         self._sig = np.zeros(4, np.int64)
@@ -140,8 +142,11 @@ class MpiBackend(Backend):
     @classmethod
     def rendezvous(cls, store, prefix: str, rank: int, world_size: int, token: str,
                    timeout: float, epoch: int = 0) -> "MpiBackend":
+        deadline = time.monotonic() + timeout
         comm = mpi_world.communicator(store, prefix, rank, world_size, token, timeout, epoch)
-        return cls(comm, prefix, store)
+        dups = mpi_world.bounded(lambda: [comm.Dup() for _ in range(3)], deadline,
+                                 "group '%s' (p2p communicators)" % prefix)
+        return cls(comm, prefix, store, [comm] + dups)
 
     # -- running one call ------------------------------------------------------------
     def _run(self, ctx: CallContext, start) -> None:
@@ -156,11 +161,11 @@ class MpiBackend(Backend):
             self._compare(ctx)
         self._wait(ctx, start)
 
-    def _wait(self, ctx: CallContext, start) -> None:
+    def _wait(self, ctx: CallContext, run) -> None:
         with self._lock:
             self._call = (ctx.deadline, ctx)
         try:
-            start().Wait()
+            run().Wait()
         except self.MPI.Exception as err:
             raise self._translate(err, "%s (seq %d)" % (ctx.op, ctx.seq)) from None
         finally:
@@ -172,11 +177,11 @@ class MpiBackend(Backend):
         if (sigs == sigs[0]).all():
             return
         bad = [r for r in range(self.world_size) if not (sigs[r] == sigs[0]).all()]
+        calls = [_describe_sig(tuple(int(v) for v in sigs[r])) for r in [0] + bad]
         raise CollectiveMismatch(
             "group '%s' seq %d: rank 0 called %s but rank%s %s called %s" % (
-                self.group, ctx.seq, _describe_sig(tuple(int(v) for v in sigs[0])), "s" if len(bad) > 1 else "",
-                ", ".join(map(str, bad)), "; ".join(_describe_sig(tuple(int(v) for v in sigs[r])) for r in bad)),
-            rank=bad[0])
+                self.group, ctx.seq, calls[0], "s" if len(bad) > 1 else "",
+                ", ".join(map(str, bad)), "; ".join(calls[1:])), rank=bad[0])
 
     def _translate(self, err, what: str) -> DistributedError:
         """The kiln error of a failed MPI call."""

@@ -156,7 +156,7 @@ def _group_of(uids) -> object:
     return group
 
 
-def _bounded(fn, deadline: float, what: str):
+def bounded(fn, deadline: float, what: str):
     """Run a blocking MPI call on a helper thread, waiting for it until `deadline`."""
     box: dict = {}
 
@@ -195,7 +195,7 @@ def communicator(store, prefix: str, rank: int, world_size: int, token: str, tim
         for r in range(world_size):
             _PROCS[r] = group.Incl([r])
         _ME[0] = rank
-        comm = _bounded(MPI.COMM_WORLD.Dup, deadline, "group '%s'" % prefix)
+        comm = bounded(MPI.COMM_WORLD.Dup, deadline, "group '%s'" % prefix)
     else:
         if world:
             view = View.from_json(store.get("ft/view/%d" % epoch, timeout=timeout))
@@ -208,7 +208,7 @@ def communicator(store, prefix: str, rank: int, world_size: int, token: str, tim
                 _replace(store, token, len(view.removed))
         else:
             uids = _member_uids(store, prefix, rank, world_size, deadline)
-        comm = _bounded(lambda: MPI.Intracomm.Create_from_group(_group_of(uids), prefix),
+        comm = bounded(lambda: MPI.Intracomm.Create_from_group(_group_of(uids), prefix),
                         deadline, "group '%s'" % prefix)
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm
@@ -233,7 +233,7 @@ def _admit(store, prefix: str, view: View, me: int, deadline: float) -> None:
     port_key, turn = "%s/mpi/port" % prefix, "%s/mpi/turn/%%d" % prefix
     left = lambda: max(deadline - time.monotonic(), 0.01)  # noqa: E731
     if me in survivors:
-        comm = _bounded(lambda: MPI.Intracomm.Create_from_group(_group_of(survivors),
+        comm = bounded(lambda: MPI.Intracomm.Create_from_group(_group_of(survivors),
                                                                 prefix + "/survivors"),
                         deadline, "group '%s' (survivors)" % prefix)
         port = MPI.Open_port() if comm.Get_rank() == 0 else None
@@ -244,14 +244,14 @@ def _admit(store, prefix: str, view: View, me: int, deadline: float) -> None:
         port = store.get(port_key, timeout=left()).decode()
         k = joined.index(me)
         store.wait([turn % k], timeout=left())
-        inter = _bounded(lambda: MPI.COMM_SELF.Connect(port, root=0), deadline,
+        inter = bounded(lambda: MPI.COMM_SELF.Connect(port, root=0), deadline,
                          "joiner %d connecting to group '%s'" % (me, prefix))
         comm = _merge(inter, True, deadline)
         first = k + 1
     for k in range(first, len(joined)):
         if comm.Get_rank() == 0:
             store.set(turn % k, "1")
-        inter = _bounded(lambda: comm.Accept(port, root=0), deadline,
+        inter = bounded(lambda: comm.Accept(port, root=0), deadline,
                          "group '%s' admitting joiner %d" % (prefix, joined[k]))
         comm = _merge(inter, False, deadline)
     if port is not None and me in survivors:
@@ -261,10 +261,10 @@ def _admit(store, prefix: str, view: View, me: int, deadline: float) -> None:
 def _merge(inter, high: bool, deadline: float):
     """Merge an intercommunicator; every process learns the uids of the merged ones."""
     MPI = load_mpi()
-    comm = _bounded(lambda: inter.Merge(high=high), deadline, "merging a joiner")
+    comm = bounded(lambda: inter.Merge(high=high), deadline, "merging a joiner")
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     uids = np.zeros(comm.Get_size(), np.int64)
-    _bounded(lambda: comm.Allgather(np.array([_ME[0]], np.int64), uids), deadline,
+    bounded(lambda: comm.Allgather(np.array([_ME[0]], np.int64), uids), deadline,
              "exchanging uids with a joiner")
     group = comm.Get_group()
     for i, uid in enumerate(uids.tolist()):
