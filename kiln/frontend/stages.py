@@ -90,7 +90,10 @@ def render_stage(graph: Graph, stage: str, target: str = "cpu") -> str:
         from kiln.codegen.kernel_ir import format_kernel
 
         prepare = backend.legalize if stage == "legalized" else (lambda k: k)
-        return "\n\n".join(format_kernel(prepare(k)) for k in kernels.values()) + "\n"
+        # a backend may say how it implements a kernel (cuda: CuTeDSL or Triton GEMM, and why)
+        note = getattr(backend, "kernel_note", lambda k: None)
+        texts = [format_kernel(prepare(k)) + (f"\n  # {n}" if (n := note(k)) else "") for k in kernels.values()]
+        return "\n\n".join(texts) + "\n"
     mapping = backend.dump_stages
     backend_stage = stage if stage in own and stage not in mapping else mapping.get(stage)
     if backend_stage is None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kiln.codegen.backend import Backend, Options
-from kiln.codegen.kernel_ir import AnyKernel
+from kiln.codegen.kernel_ir import AnyKernel, GemmKernel
 from kiln.codegen.triton.emit import EmitOptions, EmittedKernel, emit_kernel
 from kiln.codegen.triton.scalar import SCALAR_TABLE
 from kiln.codegen.triton.targets import ARCHS, DEFAULT_ARCH, KilnNoGpuError, split_spec
@@ -49,12 +49,16 @@ class TritonOptions(Options):
     f32_matmul: float32 GEMM products, "ieee" (exact, as numpy; FMA units), "tf32"
     (tensor cores, 10-bit mantissas) or "tf32x3" (tensor cores, ~float32 accuracy).
     fp_fusion: let the compiler contract a*b+c into one FMA (off: every op rounds, as
-    numpy and the cpu backend do)."""
+    numpy and the cpu backend do).
+    cuda_gemm: who implements GEMM templates on cuda: "auto" (CuTeDSL where it can,
+    else Triton; kiln/codegen/cute/select.py), "cute" or "triton"; default: the
+    environment variable KILN_CUDA_GEMM, else "auto"."""
 
     arch: str | None = None
     fast_math: bool = False
     f32_matmul: str = "ieee"
     fp_fusion: bool = False
+    cuda_gemm: str = "auto"
 
     def __post_init__(self):
         if self.arch is not None and self.arch not in ARCHS:
@@ -62,6 +66,8 @@ class TritonOptions(Options):
         if self.f32_matmul not in _F32_MATMUL:
             raise KilnArgumentError(f"TritonOptions: f32_matmul must be one of {', '.join(_F32_MATMUL)}, "
                                     f"got {self.f32_matmul!r}")
+        if self.cuda_gemm not in ("auto", "cute", "triton"):
+            raise KilnArgumentError(f"TritonOptions: cuda_gemm must be auto, cute or triton, got {self.cuda_gemm!r}")
 
     @property
     def emit_options(self) -> EmitOptions:
@@ -81,7 +87,10 @@ class TritonBackend(Backend):
 
     def __init__(self, target: str = "cuda", options: TritonOptions | None = None):
         self.vendor, explicit = split_spec(target)
-        options = options or TritonOptions()
+        if options is None:
+            from kiln.codegen.cute.cuda_gemm import default_force
+
+            options = TritonOptions(cuda_gemm=default_force())
         if explicit and options.arch and options.arch != explicit:
             raise KilnArgumentError(f"triton backend: target {target!r} and TritonOptions(arch="
                                     f"{options.arch!r}) name different architectures")
@@ -127,8 +136,26 @@ class TritonBackend(Backend):
     def compile_options(self) -> dict:
         return {"enable_fp_fusion": self.options.fp_fusion}
 
+    def gemm_choice(self, kernel: AnyKernel):
+        """For a GEMM on cuda: CuTeDSL or Triton, and why (kiln/codegen/cute); else None."""
+        if self.vendor != "cuda" or not isinstance(kernel, GemmKernel):
+            return None
+        from kiln.codegen.cute import cuda_gemm
+
+        return cuda_gemm.choice(self.legalize(kernel), self.arch, self.options.cuda_gemm)
+
+    def kernel_note(self, kernel: AnyKernel) -> str | None:
+        """A line `kiln dump --stage kernels` prints under `kernel` (the GEMM choice)."""
+        picked = self.gemm_choice(kernel)
+        return picked.note() if picked is not None else None
+
     def render(self, kernel: AnyKernel, stage: str) -> str:
         """The text of one named stage (see STAGES) for a legalized kernel."""
+        picked = self.gemm_choice(kernel) if stage in ("source", "asm") else None
+        if picked is not None and picked.impl == "cute":
+            from kiln.codegen.cute import cuda_gemm
+
+            return cuda_gemm.render(kernel, picked, stage)
         if stage == "source":
             return self.emit(kernel).source
         art = self.artifact(kernel)

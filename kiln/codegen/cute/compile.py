@@ -1,0 +1,152 @@
+"""Ahead-of-time compilation of kiln's CuTeDSL GEMMs, with no GPU present.
+
+`compile_gemm(kernel, arch, tile)` describes every argument of the kernel to CuTeDSL
+as a fake tensor (static extents where the Kernel IR has numbers, `sym_int32` where it
+has symbols), names the architecture explicitly (`--gpu-arch sm_90a`), and keeps the
+PTX and cubin that `cute.compile` produces. The result is stored in kiln's artifact
+cache (kind "cute", authenticated like every entry; the cubin must be well-formed CUDA
+ELF) under a key of the Kernel IR fingerprint, the arch, the tile, the CuTeDSL version
+and the kernel template's own source, so a second process loads it instead of compiling.
+
+CuTeDSL reads the source file of the kernel it traces (sm90_gemm.py): the kernel is a
+module of this package, never generated text. What is generated is the epilogue, a
+Python closure over the Kernel IR expression that the trace calls per element.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kiln import __version__ as _KILN_VERSION
+from kiln.codegen import artifact_cache, cache_elf
+from kiln.codegen.kernel_ir import GemmKernel, kernel_fingerprint
+
+_CACHE_KIND = "cute"
+_FORMAT = "kiln-cute-artifact/1"
+# CuTeDSL's compiler keeps process-wide MLIR state: one compile at a time
+_LOCK = threading.Lock()
+# persistent grid: one CTA per SM of the largest part of the arch (H100/H200: 132; B200: 148)
+MAX_CTAS = {"sm_90a": 132, "sm_100a": 148}
+
+
+@dataclass(frozen=True)
+class CuteArtifact:
+    """One GEMM compiled for one architecture: PTX text, cubin bytes and how it was made."""
+
+    name: str
+    arch: str
+    tile: tuple
+    ptx: str = field(repr=False)
+    cubin: bytes = field(repr=False)
+    compile_seconds: float = 0.0
+    operands: tuple = ()
+    sizes: tuple = ()
+    key: str = ""
+
+
+def _template_source(arch: str) -> str:
+    from kiln.codegen.cute import epilogue, sm90_gemm
+
+    module = sm90_gemm
+    parts = []
+    for m in (module, epilogue):
+        with open(m.__file__, "rb") as f:
+            parts.append(hashlib.sha256(f.read()).hexdigest())
+    return ",".join(parts)
+
+
+def cache_key(kernel: GemmKernel, arch: str, tile: tuple) -> str:
+    """The artifact-cache key of `kernel` compiled for `arch` with `tile`."""
+    arch_env()
+    import cutlass
+
+    return artifact_cache.content_key(_FORMAT, _KILN_VERSION, getattr(cutlass, "__version__", "?"), arch,
+                                      repr(tuple(tile)), _template_source(arch), kernel_fingerprint(kernel),
+                                      ",".join(f"{b.name}:{b.dtype.short}" for b in kernel.buffers))
+
+
+def compile_gemm(kernel: GemmKernel, arch: str, tile: tuple) -> CuteArtifact:
+    """`kernel` compiled for `arch` ("sm_90a") with CTA tile `tile` = (M, N): PTX + cubin,
+    from the artifact cache when kiln compiled it before."""
+    key = cache_key(kernel, arch, tile)
+    blob = artifact_cache.load(key, _CACHE_KIND, validate=_check_entry)
+    if blob is not None:
+        return _decode(blob, key)
+    artifact = _compile(kernel, arch, tile, key)
+    artifact_cache.store(key, _encode(artifact), _CACHE_KIND)
+    return artifact
+
+
+def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifact:
+    arch_env()
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from kiln.codegen.cute import layouts
+    from kiln.codegen.cute.epilogue import cutlass_type, make_epilogue
+    from kiln.codegen.cute.sm90_gemm import Sm90Gemm
+
+    fn, operand_names, size_names = make_epilogue(kernel)
+    dims = layouts.FakeDims()
+    plan = layouts.gemm_layouts(kernel)
+    buffers = {b.name: b for b in kernel.buffers}
+    a = make_fake_compact_tensor(cutlass_type(buffers[kernel.a].dtype), dims.shape(plan.a_shape),
+                                 stride_order=plan.a_order, assumed_align=16)
+    b = make_fake_compact_tensor(cutlass_type(buffers[kernel.b].dtype), dims.shape(plan.b_shape),
+                                 stride_order=plan.b_order, assumed_align=16)
+    c = make_fake_compact_tensor(cutlass_type(buffers[kernel.out].dtype), dims.shape(plan.c_shape),
+                                 stride_order=(1, 0, 2), assumed_align=16)
+    operands = tuple(make_fake_compact_tensor(cutlass_type(buffers[n].dtype), dims.shape((layouts.numel(buffers[n]),)),
+                                              assumed_align=buffers[n].dtype.itemsize)
+                     for n in operand_names)
+    # at least one (unused) size: an empty tuple is no JIT argument
+    sizes = tuple(cutlass.Int32(1) for _ in size_names) or (cutlass.Int32(0),)
+    gemm = Sm90Gemm(tuple(tile), fn)
+    with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump:
+        start = time.perf_counter()
+        compiled = cute.compile(gemm, a, b, c, operands, sizes, MAX_CTAS[arch], make_fake_stream(),
+                                options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump}")
+        seconds = time.perf_counter() - start
+    ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+    if not ptx or not cubin:
+        raise RuntimeError(f"cute.compile of {kernel.name} for {arch} kept no PTX/cubin")
+    return CuteArtifact(kernel.name, arch, tuple(tile), ptx, bytes(cubin), seconds, operand_names,
+                        size_names, key)
+
+
+def _encode(art: CuteArtifact) -> bytes:
+    return json.dumps({"format": _FORMAT, "name": art.name, "arch": art.arch, "tile": list(art.tile),
+                       "ptx": art.ptx, "cubin": base64.b64encode(art.cubin).decode(),
+                       "seconds": art.compile_seconds, "operands": list(art.operands),
+                       "sizes": list(art.sizes)}).encode()
+
+
+def _decode(blob: bytes, key: str) -> CuteArtifact:
+    d = json.loads(blob)
+    if d.get("format") != _FORMAT:
+        raise ValueError("cute artifact format")
+    return CuteArtifact(d["name"], d["arch"], tuple(d["tile"]), d["ptx"], base64.b64decode(d["cubin"]),
+                        float(d["seconds"]), tuple(d["operands"]), tuple(d["sizes"]), key)
+
+
+def _check_entry(blob: bytes) -> None:
+    """ValueError unless the entry decodes and its cubin is well-formed CUDA ELF."""
+    try:
+        art = _decode(blob, "")
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cute artifact: {e!r}") from None
+    cache_elf.check_object(art.cubin, machine=cache_elf.EM_CUDA)
+
+
+def arch_env() -> None:
+    """CuTeDSL reads its default arch from CUTE_DSL_ARCH at import; kiln always passes
+    --gpu-arch, and sets the variable only where unset so the import never probes a GPU."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")

@@ -1,0 +1,235 @@
+"""kiln's Hopper (sm_90a) GEMM in CuTeDSL: persistent, warp-specialized, wgmma + TMA.
+
+One CTA per SM walks the output tiles of every batch (a static persistent schedule).
+Warp group 0 is the producer: one warp issues TMA loads of A and B k-slices into a ring
+of shared-memory stages, each guarded by an mbarrier pipeline. The other warp groups
+are consumers: they wait for a stage, issue `wgmma.mma_async` over it, keep one wgmma
+group in flight and release the stage behind it. When a tile's K loop ends, each
+consumer thread applies kiln's epilogue (a Python callable made from the Kernel IR
+expression, see epilogue.py) to its accumulator registers, element by element with the
+element's (row, column, batch) coordinate, then writes the tile through shared memory
+and a TMA store in sub-tiles (the TMA store clips rows and columns past M and N).
+
+Layouts: A is (M, K, L), B is (N, K, L), C is (M, N, L); each may be K- or M/N-major
+(16-bit types) as its strides say. This file is the kernel only; compile.py builds the
+fake tensors and compiles it ahead of time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90
+
+
+class Sm90Gemm:
+    """C = epilogue(A @ B) on Hopper; `epilogue(acc, coord, operands, sizes)` -> Float32."""
+
+    def __init__(self, tile_mn: tuple[int, int], epilogue: Callable, acc_dtype=cutlass.Float32):
+        if tile_mn[0] not in (64, 128) or tile_mn[1] not in (64, 128, 256):
+            raise ValueError(f"sm90 GEMM tile {tile_mn}: M must be 64/128, N 64/128/256")
+        self.tile_mn = tile_mn
+        self.epilogue = epilogue
+        self.acc_dtype = acc_dtype
+        # two consumer warp groups split a wide 128-row tile; otherwise one does it all
+        self.atom_layout = (2, 1, 1) if tile_mn[0] == 128 and tile_mn[1] > 128 else (1, 1, 1)
+        self.consumer_groups = math.prod(self.atom_layout)
+        self.threads = (1 + self.consumer_groups) * 128
+        self.producer_regs, self.consumer_regs = 40, 232
+        self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_groups * 128)
+
+    def _configure(self, a, b, c):
+        self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
+        self.a_major = utils.LayoutEnum.from_tensor(a)
+        self.b_major = utils.LayoutEnum.from_tensor(b)
+        self.c_major = utils.LayoutEnum.from_tensor(c)
+        self.mma = sm90.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, self.a_major.sm90_mma_major_mode(), self.b_major.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout, tiler_mn=(64, self.tile_mn[1]))
+        # four wgmma k-steps per pipeline stage (64 elements of 16 bits, 128 of 8)
+        k_step = cute.size(self.mma.shape_mnk, mode=[2])
+        self.tile = (self.tile_mn[0], self.tile_mn[1], 4 * k_step)
+        self.epi_tile = sm90.compute_tile_shape_or_override(
+            self.tile, self.c_dtype, is_cooperative=self.consumer_groups == 2)
+        self.epi_stages = 4
+        ab_bytes = (self.tile[0] * self.tile[2] * self.a_dtype.width
+                    + self.tile[1] * self.tile[2] * self.b_dtype.width) // 8
+        epi_bytes = self.epi_stages * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+        self.ab_stages = (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
+        self.sa_layout = sm90.make_smem_layout_a(self.a_major, self.tile, self.a_dtype, self.ab_stages)
+        self.sb_layout = sm90.make_smem_layout_b(self.b_major, self.tile, self.b_dtype, self.ab_stages)
+        self.sc_layout = sm90.make_smem_layout_epi(self.c_dtype, self.c_major, self.epi_tile, self.epi_stages)
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, operands, sizes,
+                 max_ctas: cutlass.Constexpr, stream):
+        self._configure(a, b, c)
+        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            load, a, cute.slice_(self.sa_layout, (None, None, 0)), (self.tile[0], self.tile[2]))
+        tma_b, tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            load, b, cute.slice_(self.sb_layout, (None, None, 0)), (self.tile[1], self.tile[2]))
+        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(self.sc_layout, (None, None, 0)),
+            self.epi_tile)
+        tiles_mnl = cute.zipped_divide(c, tiler=(self.tile[0], self.tile[1]))[(0, (None, None, None))].shape
+        sched = utils.PersistentTileSchedulerParams(tiles_mnl, (1, 1, 1), 1, True)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_ctas)
+
+        @cute.struct
+        class Shared:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.sa_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.sb_layout)], 1024]
+            sc: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.sc_layout)], 1024]
+
+        self.shared = Shared
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, self.mma, self.sa_layout, self.sb_layout, self.sc_layout,
+                    c.shape, operands, sizes, sched).launch(
+            grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, ma: cute.Tensor, tma_b: cute.CopyAtom, mb: cute.Tensor,
+               tma_c: cute.CopyAtom, mc: cute.Tensor, mma: cute.TiledMma, sa_layout: cute.ComposedLayout,
+               sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout, c_shape, operands, sizes,
+               sched: utils.PersistentTileSchedulerParams):
+        # layouts and the tiled MMA made on the host arrive as arguments (a kernel is its own region)
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+
+        storage = utils.SmemAllocator().allocate(self.shared)
+        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sa_layout, (None, None, 0)))
+                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sb_layout, (None, None, 0))))
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(), num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_groups * 4),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        sa = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        sc = storage.sc.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
+
+        # every tile of A (m, k, l), B (n, k, l) and C (m, n, l), and its TMA view
+        ga = cute.local_tile(ma, (self.tile[0], self.tile[2]), (None, None, None))
+        gb = cute.local_tile(mb, (self.tile[1], self.tile[2]), (None, None, None))
+        gc = cute.local_tile(mc, (self.tile[0], self.tile[1]), (None, None, None))
+        one = cute.make_layout(1)
+        tsa, tga = cute.nvgpu.cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
+        tsb, tgb = cute.nvgpu.cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
+        k_tiles = cute.size(ga, mode=[3])
+
+        group = cute.arch.make_warp_uniform(tidx // 128)
+        if group == 0:
+            # the producer: TMA loads into the ring, one stage per k-slice
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp == 0:
+                sched_tiles = utils.StaticPersistentTileScheduler.create(
+                    sched, cute.arch.block_idx(), cute.arch.grid_dim())
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                work = sched_tiles.initial_work_tile_info()
+                while work.is_valid_tile:
+                    m, n, l = work.tile_idx
+                    state.reset_count()
+                    for _k in range(k_tiles):
+                        ring.producer_acquire(state)
+                        bar = ring.producer_get_barrier(state)
+                        cute.copy(tma_a, tga[(None, m, state.count, l)], tsa[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tgb[(None, n, state.count, l)], tsb[(None, state.index)], tma_bar_ptr=bar)
+                        ring.producer_commit(state)
+                        state.advance()
+                    sched_tiles.advance_to_next_work()
+                    work = sched_tiles.get_current_work()
+                ring.producer_tail(state)
+        else:
+            # the consumers: wgmma over the ring, the epilogue, the TMA store
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            sched_tiles = utils.StaticPersistentTileScheduler.create(
+                sched, cute.arch.block_idx(), cute.arch.grid_dim())
+            thr = mma.get_slice(cute.make_layout(self.consumer_groups, stride=128)(group - 1))
+            ra = mma.make_fragment_A(thr.partition_A(sa))
+            rb = mma.make_fragment_B(thr.partition_B(sb))
+            acc = cute.make_rmem_tensor(thr.partition_C(gc).shape[:3], self.acc_dtype)
+            # the (row, col, batch) of every accumulator element: an identity tensor tiled like C
+            coords = thr.partition_C(cute.local_tile(cute.make_identity_tensor(c_shape),
+                                                     (self.tile[0], self.tile[1]), (None, None, None)))
+            k_blocks = cute.size(ra, mode=[2])
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+
+            ctid = tidx - 128
+            store_atom = sm90.get_smem_store_op(self.c_major, self.c_dtype, self.acc_dtype)
+            stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_major.is_m_major_c(), 4),
+                                           self.c_dtype)
+            r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(stmatrix, mma))
+            thr_r2s = r2s.get_slice(ctid)
+            dst = thr_r2s.partition_D(sc)
+            src_acc = r2s.retile(acc)
+            piece_shape = cute.shape(thr_r2s.partition_S(sc))[:3]
+            piece = cute.make_rmem_tensor(piece_shape, self.acc_dtype)
+            piece_out = cute.make_rmem_tensor(piece_shape, self.c_dtype)
+            piece_len = cute.size(piece)
+            stores = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_groups * 128))
+
+            work = sched_tiles.initial_work_tile_info()
+            while work.is_valid_tile:
+                m, n, l = work.tile_idx
+                read.reset_count()
+                release.reset_count()
+                acc.fill(0.0)
+                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                for kt in range(k_tiles):
+                    ring.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(mma, acc, ra[(None, None, kb, read.index)], rb[(None, None, kb, read.index)], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    # keep one wgmma group in flight; the stage before it is free again
+                    if kt > 0:
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ring.consumer_release(release)
+                        release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    ring.consumer_release(release)
+                    release.advance()
+
+                # kiln's epilogue on the accumulators, before anything is stored
+                tile_coords = coords[(None, None, None, m, n, l)]
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = self.epilogue(acc[i], tile_coords[i], operands, sizes, c_shape)
+
+                # registers -> shared (epilogue sub-tiles) -> TMA store
+                g_tile = cute.zipped_divide(gc[(None, None, m, n, l)], self.epi_tile)
+                ssc, gsc = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sc, 0, 2), g_tile)
+                pieces = cute.size(g_tile, mode=[1])
+                order = cute.make_layout(g_tile.shape[1], stride=(g_tile.shape[1][1], 1))
+                done_before = sched_tiles.num_tiles_executed * pieces
+                for p in cutlass.range_constexpr(pieces):
+                    for v in cutlass.range_constexpr(piece_len):
+                        piece[v] = src_acc[p * piece_len + v]
+                    piece_out.store(piece.load().to(self.c_dtype))
+                    buf = (done_before + p) % self.epi_stages
+                    cute.copy(r2s, piece_out, dst[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epi_barrier.arrive_and_wait()
+                    if warp == 4:
+                        cute.copy(tma_c, ssc[(None, buf)], gsc[(None, order.get_hier_coord(p))])
+                        stores.producer_commit()
+                        stores.producer_acquire()
+                    self.epi_barrier.arrive_and_wait()
+                sched_tiles.advance_to_next_work()
+                work = sched_tiles.get_current_work()
+            stores.producer_tail()
