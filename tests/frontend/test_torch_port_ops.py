@@ -164,3 +164,18 @@ def test_export_names_inputs_after_forward_and_takes_dynamic_shapes_by_name():
                      dynamic_shapes={"idx": kn.TensorSpec([B, kn.STATIC])})
     assert str(prog.graph).splitlines()[0].startswith("graph @Head(%idx: f32[B, 4])")
     assert prog(kn.ones(5, 4)).shape == (5, 2)
+
+
+def test_the_new_ops_compile_and_match_eager():
+    x = kn.tensor(_x(2, 5, 5))
+    idx = kn.tensor(np.array([[0, 3], [4, 1]]))
+
+    def f(x, idx):
+        masked = kn.tril(x).masked_fill(kn.triu(kn.ones(5, 5), 1) > 0, -1.0)
+        values, indices = kn.topk(masked, 2, dim=-1)
+        mixed = kn.einsum("bij,bkj->bik", masked, x.clone().contiguous())
+        return values, indices, mixed.sum(-1), kn.one_hot(idx, 5)
+
+    fast = kn.compile(f)
+    for got, want in zip(fast(x, idx), f(x, idx)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
