@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "nanogpt"))
@@ -44,7 +42,6 @@ def main(argv=None) -> None:
 
     import kiln as kn
     from kiln import nn, optim
-    from kiln.nn import functional as F
     import model as gpt
 
     gpt.print = lambda *a, **k: None

@@ -3,7 +3,6 @@ training loop (examples/nanogpt/), ported by changing import lines only, train w
 same losses as the torch original step for step, and generate the same greedy tokens."""
 
 import difflib
-import importlib.util
 import pathlib
 import sys
 import types

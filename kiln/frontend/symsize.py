@@ -149,9 +149,9 @@ class SymSize:
                              if n in {s.name for s in self.expr.free_symbols})
         raise KilnConcretizationError(
             f"the comparison `{self.expr} {text} {_expr(other)}` on the symbolic size {names} is "
-            f"true for some sizes the dynamic spec allows and false for others"
+            "true for some sizes the dynamic spec allows and false for others"
             + (f" ({declared})" if declared else ""), where=user_location(),
-            hint=f"narrow the ShapeVar's min/max so the range decides it, or branch with kn.cond")
+            hint="narrow the ShapeVar's min/max so the range decides it, or branch with kn.cond")
 
     def __le__(self, o):
         return self._decide(o, operator.le, "<=")
