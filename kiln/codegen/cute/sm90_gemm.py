@@ -23,6 +23,7 @@ from typing import Callable
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.tensor_utils as tensor_utils
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 
@@ -41,14 +42,14 @@ class Sm90Gemm:
         self.consumer_groups = math.prod(self.atom_layout)
         self.threads = (1 + self.consumer_groups) * 128
         self.producer_regs, self.consumer_regs = 40, 232
-        self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
+        self.smem_bytes = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_groups * 128)
 
     def _configure(self, a, b, c):
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
-        self.a_major = utils.LayoutEnum.from_tensor(a)
-        self.b_major = utils.LayoutEnum.from_tensor(b)
-        self.c_major = utils.LayoutEnum.from_tensor(c)
+        self.a_major = tensor_utils.LayoutEnum.from_tensor(a)
+        self.b_major = tensor_utils.LayoutEnum.from_tensor(b)
+        self.c_major = tensor_utils.LayoutEnum.from_tensor(c)
         self.mma = sm90.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, self.a_major.sm90_mma_major_mode(), self.b_major.sm90_mma_major_mode(),
             self.acc_dtype, self.atom_layout, tiler_mn=(64, self.tile_mn[1]))
@@ -79,8 +80,8 @@ class Sm90Gemm:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(self.sc_layout, (None, None, 0)),
             self.epi_tile)
         tiles_mnl = cute.zipped_divide(c, tiler=(self.tile[0], self.tile[1]))[(0, (None, None, None))].shape
-        sched = utils.PersistentTileSchedulerParams(tiles_mnl, (1, 1, 1), 1, True)
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_ctas)
+        # persistent: at most one CTA per SM, each striding over the linear tile index
+        grid = [cutlass.min(cute.size(tiles_mnl), max_ctas), 1, 1]
 
         @cute.struct
         class Shared:
@@ -91,14 +92,19 @@ class Sm90Gemm:
 
         self.shared = Shared
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, self.mma, self.sa_layout, self.sb_layout, self.sc_layout,
-                    c.shape, operands, sizes, sched).launch(
+                    c.shape, operands, sizes, tiles_mnl).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    @cute.jit
+    def tile_coord(self, t, tiles_mnl):
+        """(m, n, batch) of linear tile `t`: m fastest, so CTAs running together share B panels."""
+        return t % tiles_mnl[0], (t // tiles_mnl[0]) % tiles_mnl[1], t // (tiles_mnl[0] * tiles_mnl[1])
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, ma: cute.Tensor, tma_b: cute.CopyAtom, mb: cute.Tensor,
                tma_c: cute.CopyAtom, mc: cute.Tensor, mma: cute.TiledMma, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout, c_shape, operands, sizes,
-               sched: utils.PersistentTileSchedulerParams):
+               tiles_mnl):
         # layouts and the tiled MMA made on the host arrive as arguments (a kernel is its own region)
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -107,7 +113,7 @@ class Sm90Gemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
-        storage = utils.SmemAllocator().allocate(self.shared)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared)
         stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sa_layout, (None, None, 0)))
                        + cute.size_in_bytes(self.b_dtype, cute.slice_(sb_layout, (None, None, 0))))
         ring = pipeline.PipelineTmaAsync.create(
@@ -129,16 +135,16 @@ class Sm90Gemm:
         k_tiles = cute.size(ga, mode=[3])
 
         group = cute.arch.make_warp_uniform(tidx // 128)
+        first_tile, _, _ = cute.arch.block_idx()
+        tile_stride, _, _ = cute.arch.grid_dim()
+        tile_count = cute.size(tiles_mnl)
         if group == 0:
             # the producer: TMA loads into the ring, one stage per k-slice
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
-                sched_tiles = utils.StaticPersistentTileScheduler.create(
-                    sched, cute.arch.block_idx(), cute.arch.grid_dim())
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                work = sched_tiles.initial_work_tile_info()
-                while work.is_valid_tile:
-                    m, n, l = work.tile_idx
+                for t in cutlass.range(first_tile, tile_count, tile_stride):
+                    m, n, l = self.tile_coord(t, tiles_mnl)
                     state.reset_count()
                     for _k in range(k_tiles):
                         ring.producer_acquire(state)
@@ -147,14 +153,10 @@ class Sm90Gemm:
                         cute.copy(tma_b, tgb[(None, n, state.count, l)], tsb[(None, state.index)], tma_bar_ptr=bar)
                         ring.producer_commit(state)
                         state.advance()
-                    sched_tiles.advance_to_next_work()
-                    work = sched_tiles.get_current_work()
                 ring.producer_tail(state)
         else:
             # the consumers: wgmma over the ring, the epilogue, the TMA store
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            sched_tiles = utils.StaticPersistentTileScheduler.create(
-                sched, cute.arch.block_idx(), cute.arch.grid_dim())
             thr = mma.get_slice(cute.make_layout(self.consumer_groups, stride=128)(group - 1))
             ra = mma.make_fragment_A(thr.partition_A(sa))
             rb = mma.make_fragment_B(thr.partition_B(sb))
@@ -182,9 +184,9 @@ class Sm90Gemm:
                 num_stages=self.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_groups * 128))
 
-            work = sched_tiles.initial_work_tile_info()
-            while work.is_valid_tile:
-                m, n, l = work.tile_idx
+            done = cutlass.Int32(0)  # tiles this CTA finished: picks the epilogue buffers
+            for t in cutlass.range(first_tile, tile_count, tile_stride):
+                m, n, l = self.tile_coord(t, tiles_mnl)
                 read.reset_count()
                 release.reset_count()
                 acc.fill(0.0)
@@ -208,7 +210,7 @@ class Sm90Gemm:
 
                 # kiln's epilogue on the accumulators, before anything is stored
                 tile_coords = coords[(None, None, None, m, n, l)]
-                for i in cutlass.range_constexpr(cute.size(acc)):
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
                     acc[i] = self.epilogue(acc[i], tile_coords[i], operands, sizes, c_shape)
 
                 # registers -> shared (epilogue sub-tiles) -> TMA store
@@ -216,7 +218,7 @@ class Sm90Gemm:
                 ssc, gsc = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sc, 0, 2), g_tile)
                 pieces = cute.size(g_tile, mode=[1])
                 order = cute.make_layout(g_tile.shape[1], stride=(g_tile.shape[1][1], 1))
-                done_before = sched_tiles.num_tiles_executed * pieces
+                done_before = done * pieces
                 for p in cutlass.range_constexpr(pieces):
                     for v in cutlass.range_constexpr(piece_len):
                         piece[v] = src_acc[p * piece_len + v]
@@ -230,6 +232,5 @@ class Sm90Gemm:
                         stores.producer_commit()
                         stores.producer_acquire()
                     self.epi_barrier.arrive_and_wait()
-                sched_tiles.advance_to_next_work()
-                work = sched_tiles.get_current_work()
+                done += 1
             stores.producer_tail()
