@@ -84,7 +84,8 @@ class OpenCLBackend(Backend):
         except Exception:
             return DEFAULT_LIMITS
         if self.options.subgroups == "off":
-            limits = Limits(limits.max_work_group_size, limits.local_mem_size, limits.compute_units)
+            limits = Limits(limits.max_work_group_size, limits.local_mem_size, limits.compute_units,
+                            cpu=limits.cpu)
         return limits
 
     def emit(self, kernel: AnyKernel, limits: Limits | None = None):

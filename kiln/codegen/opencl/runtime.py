@@ -94,7 +94,7 @@ class DeviceContext:
         self.limits = Limits(int(device.max_work_group_size), int(device.local_mem_size),
                              int(device.max_compute_units),
                              "cl_khr_subgroups" in ext or "cl_intel_subgroups" in ext,
-                             "cl_intel_subgroups" in ext)
+                             "cl_intel_subgroups" in ext, bool(device.type & cl.device_type.CPU))
         self.fp64 = "cl_khr_fp64" in ext or bool(getattr(device, "double_fp_config", 0))
         try:
             svm = int(device.svm_capabilities)

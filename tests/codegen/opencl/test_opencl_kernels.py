@@ -138,7 +138,10 @@ def test_work_group_shapes_follow_the_device_limits():
     rl, xl = group_shape("reduction_inner", 1000, 4096, Limits(64, 128), 4)
     assert (rl, xl) == (32, 1)  # 32 float accumulators fill 128 bytes of local memory
     rl, xl = group_shape("reduction_outer", 1000, 4096, Limits(256, 65536), 4)
-    assert (rl, xl) == (8, 32)  # outer reductions put neighbouring work-items on neighbouring addresses
+    assert (rl, xl) == (8, 32)
+    cpu = Limits(4096, 1 << 21, 2, cpu=True)  # PoCL: few lanes per row, many rows per group
+    assert group_shape("reduction_inner", 1000, 4096, cpu, 4) == (4, 64)
+    assert group_shape("reduction_outer", 1000, 4096, cpu, 4) == (1, 256)  # outer reductions put neighbouring work-items on neighbouring addresses
     from kiln.codegen.opencl.emit_gemm import gemm_shape
 
     assert gemm_shape(Limits(64, 65536), 4) == (8, 8) and gemm_shape(Limits(1024, 65536), 4) == (16, 16)
