@@ -66,3 +66,21 @@ def test_second_compile_is_a_cache_hit(bare):
     again = compile_gemm(gemm(), "sm_90a", TILE)
     assert artifact_cache.STATS["hits"] == hits + 1
     assert again.ptx == first.ptx == bare.ptx and again.cubin == first.cubin and again.key == first.key
+
+
+def test_batched_fp16_gemm_tiles_every_batch():
+    from kiln.ir import dtypes as dt
+
+    art = compile_gemm(gemm(256, 256, 128, in_dtype=dt.float16, out_dtype=dt.float16, batch=4), "sm_90a", TILE)
+    ops = instructions(art.ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ops
+    # A, B and C are (rows, cols, batch): the TMA boxes are 3-D, the batch a coordinate
+    assert any(o.startswith("cp.async.bulk.tensor.3d.shared::cta.global") for o in ops)
+    assert any(o.startswith("cp.async.bulk.tensor.3d.global.shared::cta") for o in ops)
+
+
+def test_fp8_gemm_uses_the_fp8_wgmma():
+    from kiln.ir import dtypes as dt
+
+    art = compile_gemm(gemm(256, 256, 256, in_dtype=dt.float8_e4m3fn, b_rows=False), "sm_90a", TILE)
+    assert any(o.startswith("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") for o in instructions(art.ptx))
