@@ -113,7 +113,7 @@ class _Lease(weakref.ref):
 
 class _Tracked(weakref.ref):
     """Uncounts an eager result when its array dies."""
-    __slots__ = ("key", "nbytes", "small")
+    __slots__ = ("key", "nbytes")
 
 
 def _bump(p: list, q: list, top: list, m: int, amount: int) -> None:
@@ -138,7 +138,10 @@ class _Guard:
         self.owner = owner
 
     def __enter__(self) -> None:
-        self.owner._lock.acquire()
+        owner = self.owner
+        owner._lock.acquire()
+        if owner._log:
+            owner._settle()
 
     def __exit__(self, *exc) -> bool:
         self.owner._unlock()
@@ -166,6 +169,8 @@ class CachingAllocator:
         self._free: dict[bool, list[Block]] = {True: [], False: []}
         self._segments: list[Segment] = []
         self._tracked: dict[int, _Tracked] = {}
+        self._log: collections.deque = collections.deque()  # tracked arrays' +n / -n bytes
+        self._unsettled = 0  # bytes charged to the log since it was last replayed
         # freed blocks by exact size, merged into the free lists only when a request finds
         # none of its size (or the cache is emptied, or figures are read): a compiled
         # function's next output is its last dropped one, for a dict lookup
@@ -293,15 +298,19 @@ class CachingAllocator:
             p[15] += 1
 
     def memory_allocated(self) -> int:
+        self.settle()
         return self.allocated
 
     def memory_reserved(self) -> int:
+        self.settle()
         return self.reserved
 
     def max_memory_allocated(self) -> int:
+        self.settle()
         return self._all_peak[0]
 
     def max_memory_reserved(self) -> int:
+        self.settle()
         return self._all_peak[1]
 
     def reset_peak_memory_stats(self) -> None:
@@ -374,6 +383,8 @@ class CachingAllocator:
         lock = self._lock
         lock.acquire()
         try:
+            if self._log:  # tracked arrays' events first: the figures keep their order
+                self._settle()
             quick = self._quick.get(size)
             if quick:
                 block = quick.pop()
@@ -404,6 +415,7 @@ class CachingAllocator:
 
     def _new_segment(self, size: int, small: bool, nbytes: int, what: str | None) -> Block:
         seg_size = segment_size(size)
+        self._settle()  # the limit is checked against exact figures
         if self.reserved + seg_size > self.limit:
             if self._release_cached():
                 self.num_alloc_retries += 1
@@ -454,6 +466,8 @@ class CachingAllocator:
     def _free_locked(self, block: Block) -> None:
         if not block.allocated:
             return
+        if self._log:
+            self._settle()
         block.allocated = False
         block.reused = True
         block.quick = True
@@ -558,11 +572,14 @@ class CachingAllocator:
                 self._unlock()
 
     def _unlock(self) -> None:
-        """Run the work callbacks queued while the lock was held, then release it."""
+        """Run the work callbacks queued while the lock was held and replay the tracked
+        arrays' log, then release the lock."""
         while True:
             while self._pending:
                 work, item = self._pending.popleft()
                 work(item)
+            if self._log:
+                self._settle()
             self._lock.release()
             # a callback on another thread may have queued after the last check
             if not self._pending or not self._lock.acquire(blocking=False):
@@ -571,43 +588,92 @@ class CachingAllocator:
     # -- tracked (eager) arrays -------------------------------------------------------------
 
     def track(self, array: np.ndarray) -> None:
-        """Count `array` (memory numpy allocated for kiln on this device) while it lives."""
+        """Count `array` (memory numpy allocated for kiln on this device) while it lives.
+
+        The cheap path of every eager result: no lock. The charge is appended to an event
+        log (a deque: atomic appends) that is replayed in order, under the lock, whenever
+        figures are read or blocks change hands, so the counters and peaks are exact. The
+        limit is checked against an estimate of the unreplayed growth, and precisely
+        (under the lock) when the estimate comes near it."""
         key = id(array)
         known = self._tracked.get(key)
         if known is not None and known() is array:
             return
         nbytes = array.nbytes
-        small = nbytes <= SMALL_SIZE
+        if self.reserved + self._unsettled + nbytes > self.limit:
+            self._check_tracked(array, nbytes)
         ref = _Tracked(array, self._untrack)
-        ref.key, ref.nbytes, ref.small = key, nbytes, small
-        lock = self._lock
-        lock.acquire()  # the plain lock, not the guard: this runs once per eager result
-        try:
+        ref.key, ref.nbytes = key, nbytes
+        self._tracked[key] = ref
+        self._log.append(nbytes)
+        self._unsettled += nbytes
+        if len(self._log) > 1024 and self._lock.acquire(blocking=False):
+            self._unlock()  # replays the log
+
+    def _check_tracked(self, array: np.ndarray, nbytes: int) -> None:
+        with self._guard:
+            self._settle()
             if self.reserved + nbytes > self.limit:
                 if self._release_cached():
                     self.num_alloc_retries += 1
                 if self.reserved + nbytes > self.limit:
                     self._oom(nbytes, f"an eager {array.dtype.name}{list(array.shape)} result",
                               nbytes)
-            stale = self._tracked.get(key)
-            if stale is not None:  # a dead array's id, its callback still queued: settle it
-                self._untrack_locked(stale)
-            self._tracked[key] = ref
-            self._tracked_event(small, nbytes)
-        finally:
-            lock.release()
-        if self._pending and lock.acquire(blocking=False):
-            self._unlock()
 
     def _untrack(self, ref: _Tracked) -> None:
-        self._pending.append((self._untrack_locked, ref))
-        if self._lock.acquire(blocking=False):
-            self._unlock()
-
-    def _untrack_locked(self, ref: _Tracked) -> None:
-        if self._tracked.get(ref.key) is ref:  # counted, and not settled yet
+        # runs when the array dies, before its id can be reused: no other thread can be
+        # tracking an array with this id now
+        if self._tracked.get(ref.key) is ref:  # counted (not refused at the limit)
             del self._tracked[ref.key]
-            self._tracked_event(ref.small, -ref.nbytes)
+            self._log.append(-ref.nbytes)
+
+    def _settle(self) -> None:
+        """Replay the tracked arrays' charges and releases, in order (lock held): one by
+        one when few, else with running sums (numpy), which give the same peaks."""
+        log = self._log
+        if len(log) < 64:
+            while log:
+                n = log.popleft()
+                self._tracked_event((n if n > 0 else -n) <= SMALL_SIZE, n)
+        else:
+            events = []
+            while log:
+                events.append(log.popleft())
+            self._replay(np.array(events, np.int64))
+        self._unsettled = 0
+
+    def _replay(self, events: np.ndarray) -> None:
+        """`_tracked_event` for every entry of `events`, in order, vectorized."""
+        small = np.abs(events) <= SMALL_SIZE
+        counts = np.sign(events)
+        pools = {True: small, False: ~small}
+        self.allocated += int(events.sum())
+        self.reserved += int(events.sum())
+        self.version += 1
+        grown = int(np.count_nonzero(counts > 0))
+        self.num_device_alloc += grown
+        self.num_device_free += len(events) - grown
+        for m, values in ((0, events), (1, events), (2, events), (3, counts), (4, counts)):
+            k = 4 * m
+            # the peak of the two pools' sum: running sum of every event from the current sum
+            start = self._pools[True][k] + self._pools[False][k]
+            peak = start + int(np.cumsum(values).max())
+            if peak > self._all_peak[m]:
+                self._all_peak[m] = peak
+            for flag, mask in pools.items():
+                p = self._pools[flag]
+                mine = np.where(mask, values, 0)
+                running = int(np.cumsum(mine).max())
+                if p[k] + running > p[k + 1]:
+                    p[k + 1] = p[k] + running
+                p[k] += int(mine.sum())
+                p[k + 2] += int(mine[mine > 0].sum())
+                p[k + 3] -= int(mine[mine < 0].sum())
+
+    def settle(self) -> None:
+        """Bring every figure up to date (what `kiln mem`'s publisher calls)."""
+        with self._guard:
+            pass
 
     def is_tracked(self, array: np.ndarray) -> bool:
         ref = self._tracked.get(id(array))

@@ -84,7 +84,11 @@ def figures() -> dict:
 def _versions() -> tuple:
     from kiln.runtime.device import allocators
 
-    return tuple((d, a.version) for d, a in sorted(allocators().items()))
+    out = []
+    for device, allocator in sorted(allocators().items()):
+        allocator.settle()
+        out.append((device, allocator.version))
+    return tuple(out)
 
 
 def publish() -> None:

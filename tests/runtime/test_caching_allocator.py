@@ -200,3 +200,22 @@ def test_threads_allocating_and_dropping_leave_consistent_figures():
     assert stats["requested_bytes.all.current"] == 0
     assert a.empty_cache() == stats["reserved_bytes.all.current"]
     assert a.memory_reserved() == 0 and a.memory_stats()["segment.all.current"] == 0
+
+
+def test_batched_replay_of_tracked_events_equals_one_by_one():
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        one, batch = _allocator()[0], _allocator()[0]
+        live, events = [], []
+        for _ in range(300):
+            if live and rng.random() < 0.45:
+                events.append(-live.pop(int(rng.integers(len(live)))))
+            else:
+                live.append(int(rng.choice([100, 5000, 600_000, 2 * MiB, 3 * MiB])))
+                events.append(live[-1])
+        for n in events:
+            one._tracked_event(abs(n) <= MiB, n)
+        batch._replay(np.array(events, np.int64))
+        assert one._pools == batch._pools and one._all_peak == batch._all_peak
+        assert (one.allocated, one.reserved) == (batch.allocated, batch.reserved)
+        assert one.memory_stats() == batch.memory_stats()
