@@ -65,6 +65,7 @@ class EmittedKernel:
     # per launch dim: (extent expr, extent items per group, work-items per group)
     work: tuple = field(hash=False)
     uses_f64: bool = False
+    tail_name: str | None = None  # pointwise: the bounds-checked entry for the last group
 
 
 def kernel_name(name: str) -> str:
@@ -254,16 +255,21 @@ def _emit_loops(k: Kernel, limits: Limits) -> EmittedKernel:
     xn = index_cl(xnumel, symnames)
     uses_sg = False
     outer_vars = [symnames[l.var] for l in k.outer]
+    tail_body = None
     if kind == "pointwise":
         local = (xl,)
         body.append(f"{pad}const long xi = get_global_id(0);")
-        body.append(f"{pad}if (xi >= {xn}) return;")
         body += _decompose(outer_vars, [l.extent for l in k.outer], "xi", symnames, pad)
         for st in k.stages:
             value = ex.emit(st.value, body, pad)
             cname, d = buffers[st.buffer]
             body.append(f"{pad}{cname}[{index_cl(st.index, symnames)}] = {_store_cast(value, st.value.dtype, d)};")
         work = ((xnumel, xl, xl),)
+        # no bounds check in the main kernel (a branch there stops the driver vectorizing
+        # across work-items: 6x on PoCL); a second entry checks it for the last group
+        xs = static_int(xnumel)
+        if xs is None or xs % xl:
+            tail_body = body[:1] + [f"{pad}if (xi >= {xn}) return;"] + body[1:]
     else:
         local = (rl, xl)
         body.append(f"{pad}const long xi = get_global_id(1);")
@@ -290,7 +296,13 @@ def _emit_loops(k: Kernel, limits: Limits) -> EmittedKernel:
         ext = pragma(limits)
         doc = doc.replace("local-memory tree", "subgroup reductions, one partial per subgroup in local memory")
     source = prelude(f64) + ext + f"\n{doc}\n{head}\n" + "\n".join(body) + "\n}\n"
-    return EmittedKernel(fname, source, kind, tuple(b.name for b in k.buffers), tuple(k.sizes), local, work, f64)
+    tail = None
+    if tail_body is not None:
+        tail = f"{fname}_tail"
+        source += (f"\n/* the same, bounds-checked: the last, partial group */\n"
+                   f"{head.replace(fname + '(', tail + '(')}\n" + "\n".join(tail_body) + "\n}\n")
+    return EmittedKernel(fname, source, kind, tuple(b.name for b in k.buffers), tuple(k.sizes), local, work, f64,
+                         tail)
 
 
 def _store_cast(value: str, src, dst) -> str:

@@ -31,7 +31,7 @@ class _Launch:
         k = op.kernel
         sizes = dict(zip(op.size_names, op.sizes))
         self.kernel, self.ctx, self.args = k, k.ctx, op.args
-        self.work = k.launch_sizes(sizes)
+        self.launches = k.launches(sizes)
         self.nbytes = []
         for b in k.kernel.buffers:
             n = 1
@@ -42,21 +42,24 @@ class _Launch:
         self.outputs = set(k.outputs)
 
     def enqueue(self, table, held: list, back: list) -> None:
-        if self.work is None:
+        if not self.launches:
             return
-        cl, kernel = self.ctx.cl, self.kernel.cl_kernel
+        cl, kernels = self.ctx.cl, self.kernel.cl_kernels
         nargs = len(self.args)
         with self.kernel._lock:
             for i, (index, nbytes) in enumerate(zip(self.args, self.nbytes)):
                 view = _view(table[index], nbytes)
                 arg, copied = device_arg(self.ctx, view)
                 held.append(arg)
-                kernel.set_arg(i, arg)
+                for kernel in kernels:
+                    kernel.set_arg(i, arg)
                 if copied is not None and i in self.outputs:
                     back.append((copied, view))
             for j, v in enumerate(self.size_values):
-                kernel.set_arg(nargs + j, v)
-            cl.enqueue_nd_range_kernel(self.ctx.queue, kernel, *self.work)
+                for kernel in kernels:
+                    kernel.set_arg(nargs + j, v)
+            for kernel, glob, local, offset in self.launches:
+                cl.enqueue_nd_range_kernel(self.ctx.queue, kernel, glob, local, global_work_offset=offset)
         for buf, host in back:
             cl.enqueue_copy(self.ctx.queue, host, buf)
         back.clear()

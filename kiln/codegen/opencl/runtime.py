@@ -201,7 +201,11 @@ class OpenCLKernel:
                                          hint="compute in float32 on this device, or use backend='cpu'")
         self.emitted, self.ctx = emitted, ctx
         self.kernel = kernel  # a Kernel IR kernel (capture reads its sizes)
-        self.cl_kernel = getattr(ctx.program(emitted.source), emitted.name)
+        program = ctx.program(emitted.source)
+        self.cl_kernels = [getattr(program, emitted.name)]
+        if emitted.tail_name:
+            self.cl_kernels.append(getattr(program, emitted.tail_name))
+        self.cl_kernel = self.cl_kernels[0]
         self.work = [(dim_function(e), per, items) for e, per, items in emitted.work]
         self.local = tuple(emitted.local)
         self.outputs = [i for i, b in enumerate(kernel.buffers) if b.role == "out"] if kernel is not None else []
@@ -226,6 +230,22 @@ class OpenCLKernel:
             glob.append(-(-extent // per) * items)
         return tuple(glob), self.local
 
+    def launches(self, sizes: dict) -> list:
+        """[(cl.Kernel, global, local, offset)] for a size binding: the unchecked main
+        kernel over whole groups, then the bounds-checked tail entry for the rest."""
+        launch = self.launch_sizes(sizes)
+        if launch is None:
+            return []
+        glob, local = launch
+        if len(self.cl_kernels) == 1:
+            return [(self.cl_kernel, glob, local, None)]
+        n, width = int(self.work[0][0](sizes)), local[0]
+        main = n // width * width
+        out = [(self.cl_kernels[0], (main,), local, None)] if main else []
+        if n > main:
+            out.append((self.cl_kernels[1], (width,), local, (main,)))
+        return out
+
     def set_args(self, arrays: list, sizes: dict) -> tuple[list, list]:
         """Set every argument; returns the (device buffer, host array) pairs to copy back
         and every argument object (the caller keeps them alive until the kernel is done)."""
@@ -234,22 +254,25 @@ class OpenCLKernel:
         for i, a in enumerate(arrays):
             arg, copied = device_arg(ctx, a)
             held.append(arg)
-            self.cl_kernel.set_arg(i, arg)
+            for kernel in self.cl_kernels:
+                kernel.set_arg(i, arg)
             if copied is not None and i in self.outputs:
                 back.append((copied, a))
         for j, name in enumerate(self.emitted.sizes):
-            self.cl_kernel.set_arg(len(arrays) + j, np.int64(sizes[name]))
+            for kernel in self.cl_kernels:
+                kernel.set_arg(len(arrays) + j, np.int64(sizes[name]))
         return back, held
 
     def __call__(self, arrays: list, sizes: dict) -> None:
-        launch = self.launch_sizes(sizes)
-        if launch is None:
+        launches = self.launches(sizes)
+        if not launches:
             return
         cl = self.ctx.cl
         with self._lock:
             back, held = self.set_args(arrays, sizes)
             try:
-                cl.enqueue_nd_range_kernel(self.ctx.queue, self.cl_kernel, *launch)
+                for kernel, glob, local, offset in launches:
+                    cl.enqueue_nd_range_kernel(self.ctx.queue, kernel, glob, local, global_work_offset=offset)
                 for buf, host in back:  # the queue is in order: after the kernel
                     cl.enqueue_copy(self.ctx.queue, host, buf)
                 self.ctx.queue.finish()
