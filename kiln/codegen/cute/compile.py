@@ -53,14 +53,24 @@ class CuteArtifact:
 
 
 def _template_source(arch: str) -> str:
-    from kiln.codegen.cute import epilogue, sm90_gemm
+    from kiln.codegen.cute import epilogue
 
-    module = sm90_gemm
     parts = []
-    for m in (module, epilogue):
+    for m in (_kernel_module(arch), epilogue):
         with open(m.__file__, "rb") as f:
             parts.append(hashlib.sha256(f.read()).hexdigest())
     return ",".join(parts)
+
+
+def _kernel_module(arch: str):
+    """The module of the kernel class for `arch`."""
+    if arch == "sm_100a":
+        from kiln.codegen.cute import sm100_gemm
+
+        return sm100_gemm
+    from kiln.codegen.cute import sm90_gemm
+
+    return sm90_gemm
 
 
 def cache_key(kernel: GemmKernel, arch: str, tile: tuple) -> str:
@@ -93,8 +103,6 @@ def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifa
 
     from kiln.codegen.cute import layouts
     from kiln.codegen.cute.epilogue import cutlass_type, make_epilogue
-    from kiln.codegen.cute.sm90_gemm import Sm90Gemm
-
     fn, operand_names, size_names = make_epilogue(kernel)
     dims = layouts.FakeDims()
     plan = layouts.gemm_layouts(kernel)
@@ -110,7 +118,8 @@ def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifa
                      for n in operand_names)
     # at least one (unused) size: an empty tuple is no JIT argument
     sizes = tuple(cutlass.Int32(1) for _ in size_names) or (cutlass.Int32(0),)
-    gemm = Sm90Gemm(tuple(tile), fn)
+    module = _kernel_module(arch)
+    gemm = (module.Sm100Gemm if arch == "sm_100a" else module.Sm90Gemm)(tuple(tile), fn)
     with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump, warnings.catch_warnings():
         # an epilogue without loads passes an empty operand tuple, which CuTeDSL warns it
         # takes as a compile-time constant: exactly what it is

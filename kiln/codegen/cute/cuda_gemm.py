@@ -5,7 +5,7 @@ implementation the kernel gets (select.py) and, when that is CuTeDSL, shows this
 module's stages instead of Triton's:
 
     source   what is compiled: the CuTeDSL kernel class, its tile and the epilogue
-    asm      the PTX, compiled ahead of time for sm_90a (compile.py, artifact cache)
+    asm      the PTX, compiled ahead of time for sm_90a / sm_100a (compile.py, artifact cache)
 
 `note(...)` is the line `kiln dump --target cuda --stage kernels` prints under each
 GEMM: the implementation chosen and why.
@@ -53,9 +53,10 @@ def note(kernel, arch: str, force: str) -> str | None:
 def render(kernel: GemmKernel, picked: Choice, stage: str) -> str:
     """Stage `stage` ("source" or "asm") of a kernel CuTeDSL compiles."""
     if stage == "source":
-        return (f"# CuTeDSL GEMM: kiln/codegen/cute/sm90_gemm.py Sm90Gemm(tile_mn={picked.tile}), "
+        kernel_class = "sm100_gemm.py Sm100Gemm" if picked.arch == "sm_100a" else "sm90_gemm.py Sm90Gemm"
+        return (f"# CuTeDSL GEMM: kiln/codegen/cute/{kernel_class}(tile_mn={picked.tile}), "
                 f"compiled for {picked.arch}\n# {picked.note()}\n"
-                "# epilogue, applied to each float32 accumulator before the TMA store:\n"
+                "# epilogue, applied to each float32 accumulator before the store:\n"
                 + "\n".join(f"#   {line}" for line in format_kernel(kernel).splitlines()) + "\n")
     from kiln.codegen.cute.compile import compile_gemm
 

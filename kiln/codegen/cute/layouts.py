@@ -72,7 +72,7 @@ def gemm_layouts(k: GemmKernel) -> LayoutPlan:
     _aligned(k.n if b_rows else k.k, dtypes[k.b].itemsize, "the leading dimension of b (" + ("N" if b_rows else "K") + ")")
     _aligned(k.n, dtypes[k.out].itemsize, "the output's row length N")
     if dtypes[k.a].itemsize == 1 and not (a_rows and not b_rows):
-        raise LayoutRefused("8-bit operands must both be K-major for wgmma (a row-major, b column-major)")
+        raise LayoutRefused("8-bit operands must both be K-major for the tensor cores (a row-major, b column-major)")
     return LayoutPlan(a_shape=(k.m, k.k, k.batch), a_order=(1, 0, 2) if a_rows else (0, 1, 2), a_k_major=a_rows,
                       b_shape=(k.n, k.k, k.batch), b_order=(0, 1, 2) if b_rows else (1, 0, 2), b_k_major=not b_rows,
                       c_shape=(k.m, k.n, k.batch))

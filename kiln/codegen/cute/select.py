@@ -3,7 +3,8 @@
 `choose(kernel, arch, force)` returns a `Choice`. The CuTeDSL GEMM is taken when every
 rule below holds; the first rule broken is the reason Triton gets the kernel instead:
 
-- the architecture has a CuTeDSL kernel here: sm_90 (compiled as sm_90a: wgmma + TMA);
+- the architecture has a CuTeDSL kernel here: sm_90 (compiled as sm_90a: persistent,
+  warp-specialized wgmma + TMA) or sm_100 (sm_100a: TMA + tcgen05 into tensor memory);
 - nvidia-cutlass-dsl is importable;
 - a and b are both float16 or both bfloat16, or both float8 (e4m3fn/e5m2); the
   accumulator is float32 (float32 operands stay on Triton: wgmma would round them to
@@ -34,7 +35,7 @@ import sympy
 from kiln.codegen.kernel_ir import GemmKernel
 
 FORCES = ("auto", "cute", "triton")
-CUTE_ARCHS = {"sm_90": "sm_90a"}
+CUTE_ARCHS = {"sm_90": "sm_90a", "sm_100": "sm_100a"}
 CUTE_TILES = ((128, 256), (128, 128), (128, 64), (64, 256), (64, 128), (64, 64))
 _DOT_DTYPES = {"f16", "bf16", "f8e4m3fn", "f8e5m2"}
 

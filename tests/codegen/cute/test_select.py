@@ -47,7 +47,9 @@ def test_unsupported_cases_fall_back_to_triton_with_the_reason(kernel, words):
 
 
 def test_arch_without_a_cute_kernel_and_forcing():
-    assert "no CuTeDSL GEMM for sm_100" in choose(gemm(), "sm_100").reason
+    assert "no CuTeDSL GEMM for sm_80" in choose(gemm(), "sm_80").reason
+    blackwell = choose(gemm(), "sm_100")
+    assert blackwell.impl == "cute" and blackwell.arch == "sm_100a"
     assert choose(gemm(), "sm_90", "triton").impl == "triton"
     assert choose(gemm(), "sm_90", "cute").reason.startswith("forced by cuda_gemm='cute'")
 
