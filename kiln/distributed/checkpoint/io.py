@@ -56,12 +56,24 @@ def _snapshot(state: dict, rank: int, copy: bool) -> list:
     return items
 
 
+_NONCES: dict = {}  # id(group) -> (group, nonce, saves so far)
+_NONCE_LOCK = threading.Lock()
+
+
 def _agree_save_id(group) -> str:
-    """16 random hex digits from rank 0 (a broadcast: every rank saves at the same point)."""
-    token = np.frombuffer(os.urandom(8), np.uint8).copy()
-    if group is not None and group.world_size > 1:
-        group.broadcast(token, src=0).wait()
-    return token.tobytes().hex()
+    """A save id every rank computes alike: a random nonce from rank 0 (broadcast once per
+    group, at its first save), then a count of saves, so later saves need no
+    communication before their snapshot returns."""
+    key = id(group)
+    with _NONCE_LOCK:
+        entry = _NONCES.get(key)
+        if entry is None or entry[0] is not group:
+            token = np.frombuffer(os.urandom(8), np.uint8).copy()
+            if group is not None and group.world_size > 1:
+                group.broadcast(token, src=0).wait()
+            entry = (group, token.tobytes().hex(), 0)
+        _NONCES[key] = (group, entry[1], entry[2] + 1)
+        return "%s%06d" % (entry[1], entry[2])
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -208,10 +220,11 @@ def async_save(state: dict, path: str, *,
     """
     rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, True)
     future: concurrent.futures.Future = concurrent.futures.Future()
-    own_store = store.clone() if store is not None else None
 
     def work():
+        own_store = None
         try:
+            own_store = store.clone() if store is not None else None  # its own connection
             _finish(path, save_id, rank, world, items, own_store, timeout)
             future.set_result(None)
         except BaseException as err:  # handed to the caller through the future
