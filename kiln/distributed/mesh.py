@@ -62,7 +62,7 @@ class DeviceMesh:
         if _dim_groups is not None:
             self._dim_groups = list(_dim_groups)
         elif group is None or len(shape) == 1:
-            self._dim_groups = [group]
+            self._dim_groups = [group] * len(shape)  # one rank, or the group is the dim
         else:
             self._dim_groups = [self._split(group, (i,)) for i in range(len(shape))]
 
