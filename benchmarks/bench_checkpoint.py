@@ -75,13 +75,15 @@ def worker(rank: int, world: int, address: str, args: dict) -> None:
     dist.destroy_process_group()
 
 
-def run_job(world: int, args: dict) -> dict:
+def run_ranks(script: str, world: int, arg: str, extra_env: dict | None = None) -> dict:
+    """Start `world` ranks of `script --worker RANK WORLD STORE ARG` around a store
+    hosted here (killed at the end); rank 0's `RESULT {json}` line, parsed."""
     from kiln.distributed.store import StoreServer
 
-    env = dict(os.environ, KILN_TOKEN=secrets.token_hex(16))
+    env = dict(os.environ, KILN_TOKEN=secrets.token_hex(16), **(extra_env or {}))
     server = StoreServer("127.0.0.1", 0, env["KILN_TOKEN"])
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world),
-                               server.address, json.dumps(args)], env=env,
+    procs = [subprocess.Popen([sys.executable, script, "--worker", str(r), str(world),
+                               server.address, arg], env=env,
                               stdout=subprocess.PIPE, text=True) for r in range(world)]
     try:
         outs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -92,8 +94,8 @@ def run_job(world: int, args: dict) -> dict:
         server.close()
     lines = [line for line in outs[0].splitlines() if line.startswith("RESULT ")]
     if not lines:
-        raise SystemExit("checkpoint job with %d ranks failed: %s"
-                         % (world, [p.returncode for p in procs]))
+        raise SystemExit("%s with %d ranks failed: %s"
+                         % (os.path.basename(script), world, [p.returncode for p in procs]))
     return json.loads(lines[0][len("RESULT "):])
 
 
@@ -123,7 +125,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("KILN_BENCH_DIR")) as folder:
         for world in opts.ranks:
             dd = [dd_bandwidth(folder, opts.mb)]  # the disk before and after the job
-            t = run_job(world, {"mb": opts.mb, "repeat": opts.repeat, "dir": folder})
+            t = run_ranks(__file__, world, json.dumps({"mb": opts.mb, "repeat": opts.repeat,
+                                                       "dir": folder}))
             dd.append(dd_bandwidth(folder, opts.mb))
             disk = statistics.median(dd)
             save, load = statistics.median(t["save"]), statistics.median(t["load"])

@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -95,25 +94,10 @@ def worker(rank: int, world: int, address: str, steps: int) -> None:
 
 
 def run_job(world: int, steps: int) -> dict:
-    from kiln.distributed.store import StoreServer
+    from benchmarks.bench_checkpoint import run_ranks
 
     # more ranks than cores: each rank's BLAS on one thread (as a launcher pins them)
-    env = dict(os.environ, KILN_TOKEN=secrets.token_hex(16), OPENBLAS_NUM_THREADS="1")
-    server = StoreServer("127.0.0.1", 0, env["KILN_TOKEN"])
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world),
-                               server.address, str(steps)], env=env, stdout=subprocess.PIPE,
-                              text=True) for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=1800)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        server.close()
-    lines = [line for line in outs[0].splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit("spmd job failed: %s" % [p.returncode for p in procs])
-    return json.loads(lines[0][len("RESULT "):])
+    return run_ranks(__file__, world, str(steps), {"OPENBLAS_NUM_THREADS": "1"})
 
 
 def run_single(steps: int) -> dict:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.distributed.placements import (
-    Partial, Replicate, Shard, chunk_bounds, chunk_size, local_bounds,
-)
+from kiln.distributed.placements import Replicate, chunk_bounds, chunk_size, local_bounds
 
 # bytes moved per rank, as a fraction of the (block) size, for a group of n ranks
 _FACTOR = {
@@ -209,4 +207,4 @@ def partition(full: np.ndarray, placements: tuple, mesh) -> np.ndarray:
         tuple(Replicate() for _ in placements), tuple(placements))
 
 
-__all__ = ["Partial", "Redistributor", "Replicate", "Shard", "cost", "move_kind", "partition"]
+__all__ = ["Redistributor", "cost", "move_kind", "partition"]

@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workers  # noqa: E402
 from workers import join, scenario  # noqa: E402
 
-import kiln.distributed as dist  # noqa: E402
 from kiln.distributed.dtensor import DTensor, distribute_tensor  # noqa: E402
 from kiln.distributed.mesh import DeviceMesh  # noqa: E402
 from kiln.distributed.placements import Partial, Replicate, Shard  # noqa: E402
