@@ -36,9 +36,11 @@ from kiln.frontend import collectives  # noqa: F401  (also registers `kiln dump 
 from kiln.frontend.control_flow import cond, nonzero, switch, while_loop  # noqa: F401
 from kiln.frontend.autodiff import grad, stop_gradient, value_and_grad, vjp  # noqa: F401
 from kiln.frontend.moe import grouped_matmul  # noqa: F401
+from kiln.frontend.lowp import quantize_fp8, quantize_mxfp8, quantize_nvfp4, scaled_matmul  # noqa: F401
 from kiln.io import load_state_dict, save_state_dict  # noqa: F401  (safetensors)
 from kiln.interop import from_torch  # noqa: F401  (torch is imported only when called)
 from kiln.runtime.profiler import profile  # noqa: F401
+from kiln.runtime.threads import get_num_threads, set_num_threads  # noqa: F401
 from kiln.frontend.selection import (  # noqa: F401
     clone, contiguous, einsum, masked_fill, multinomial, one_hot, topk, tril, triu,
 )

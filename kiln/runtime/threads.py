@@ -1,0 +1,202 @@
+"""The runtime owns threading: how many CPUs this process may use, kiln's intra-op thread
+count (`kn.set_num_threads` / `kn.get_num_threads`, as torch's), and the BLAS library's
+thread count.
+
+Why: numpy's OpenBLAS starts one thread per core and busy-waits between calls. Next to
+kiln's own worker pool, or on a machine where another process holds cores, those threads
+fight: a batched small `np.matmul` measured 0.5 s with OpenBLAS's default threads and
+0.25 ms with one (issue 22). So kiln sizes its pool to the CPUs the process may really
+use (affinity mask and cgroup CPU quota, not `os.cpu_count()`), keeps BLAS at one thread
+inside its parallel regions and for small or batched products, and lets the user set
+both with one call. No environment variable is needed.
+
+    >>> kn.get_num_threads()         # CPUs this process may use (affinity, cgroup quota)
+    >>> kn.set_num_threads(1)        # kiln's kernels and BLAS: one thread each
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import threading
+from functools import lru_cache
+from typing import Iterator
+
+from kiln.errors import KilnArgumentError
+
+CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_QUOTA = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"
+CGROUP_V1_PERIOD = "/sys/fs/cgroup/cpu/cpu.cfs_period_us"
+
+
+# -- how many CPUs the process may use ------------------------------------------------
+
+def parse_cpu_max(text: str) -> float | None:
+    """CPUs allowed by a cgroup v2 `cpu.max` text ("QUOTA PERIOD", QUOTA "max" when
+    unlimited); None when unlimited or unreadable.
+
+    >>> parse_cpu_max("150000 100000")   # 1.5
+    """
+    parts = text.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_quota() -> float | None:
+    """This process's cgroup CPU quota in CPUs (v2 `cpu.max`, else v1 cfs files)."""
+    text = _read(CGROUP_V2_CPU_MAX)
+    if text is not None:
+        return parse_cpu_max(text)
+    quota, period = _read(CGROUP_V1_QUOTA), _read(CGROUP_V1_PERIOD)
+    if quota is None or period is None:
+        return None
+    return parse_cpu_max(f"{quota.strip()} {period.strip()}".replace("-1 ", "max "))
+
+
+def affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (`taskset`, `os.sched_setaffinity`)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def available_cpus(quota: float | None = None, affinity: int | None = None) -> int:
+    """CPUs the process may use: its affinity mask capped by the cgroup quota (rounded
+    up: a 1.5-CPU quota runs 2 threads at 75%). Arguments override the live readings."""
+    cpus = affinity_cpus() if affinity is None else affinity
+    quota = cgroup_cpu_quota() if quota is None else quota
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+# -- the BLAS library's threads ---------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _openblas():
+    """(set, get) of numpy's bundled OpenBLAS thread count, or None (no OpenBLAS)."""
+    from kiln.codegen.cpu.jit import find_openblas
+
+    path = find_openblas()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    for suffix in ("64_", ""):  # scipy-openblas64 (numpy >= 2) and plain builds
+        setter = getattr(lib, f"scipy_openblas_set_num_threads{suffix}", None)
+        getter = getattr(lib, f"scipy_openblas_get_num_threads{suffix}", None)
+        if setter is None:
+            setter = getattr(lib, f"openblas_set_num_threads{suffix}", None)
+            getter = getattr(lib, f"openblas_get_num_threads{suffix}", None)
+        if setter is not None and getter is not None:
+            setter.argtypes, setter.restype = [ctypes.c_int], None
+            getter.argtypes, getter.restype = [], ctypes.c_int
+            return setter, getter
+    return None
+
+
+def blas_num_threads() -> int | None:
+    """The BLAS library's current thread count (None: no controllable BLAS found)."""
+    lib = _openblas()
+    return None if lib is None else int(lib[1]())
+
+
+def set_blas_num_threads(n: int) -> None:
+    """Set the BLAS library's thread count (no-op without a controllable BLAS)."""
+    lib = _openblas()
+    if lib is not None:
+        lib[0](int(n))
+
+
+_blas_lock = threading.Lock()
+_blas_depth = 0  # nested/concurrent single-thread regions: the outermost restores
+_blas_saved: int | None = None
+
+
+@contextlib.contextmanager
+def blas_single_thread() -> Iterator[None]:
+    """BLAS runs on one thread inside the block (kiln's parallel regions, small and
+    batched products); the count in force before is restored when the last such block
+    on any thread exits."""
+    global _blas_depth, _blas_saved
+    with _blas_lock:
+        if _blas_depth == 0:
+            current = blas_num_threads()
+            _blas_saved = current
+            if current is not None and current != 1:
+                set_blas_num_threads(1)
+        _blas_depth += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_depth -= 1
+            if _blas_depth == 0:
+                if _blas_saved is not None and _blas_saved != 1:
+                    set_blas_num_threads(_blas_saved)
+                _blas_saved = None
+
+
+# -- kiln's intra-op thread count -------------------------------------------------------
+
+_num_threads: int | None = None  # None: available_cpus(), read once
+
+
+def get_num_threads() -> int:
+    """Threads kiln's CPU kernels split a large launch over (caller + pool workers), as
+    `torch.get_num_threads()`: by default the CPUs this process may use.
+
+    >>> kn.get_num_threads()
+    """
+    global _num_threads
+    if _num_threads is None:
+        _num_threads = available_cpus()
+    return _num_threads
+
+
+def set_num_threads(n: int) -> None:
+    """Use `n` threads for kiln's CPU kernels and the BLAS library, as
+    `torch.set_num_threads`. Kernels already compiled split over at most `n`; kernels
+    compiled afterwards default to `n`.
+
+    >>> kn.set_num_threads(1)   # e.g. one process per core
+    """
+    global _num_threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KilnArgumentError(f"set_num_threads: n must be a positive int, got {n!r}",
+                                hint="kn.set_num_threads(2)")
+    _num_threads = n
+    with _blas_lock:
+        if _blas_depth == 0:
+            set_blas_num_threads(n)
+        else:  # inside a single-thread region: applied when it ends
+            global _blas_saved
+            _blas_saved = n
+
+
+def limit_blas_to_quota() -> None:
+    """At import: OpenBLAS counts the affinity mask but not a cgroup quota, so on a
+    quota-limited container it would start more threads than the process may run."""
+    quota = cgroup_cpu_quota()
+    if quota is not None and math.ceil(quota) < affinity_cpus():
+        current = blas_num_threads()
+        if current is not None and current > get_num_threads():
+            set_blas_num_threads(get_num_threads())
