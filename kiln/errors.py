@@ -117,6 +117,19 @@ class KilnGradientError(KilnError, ValueError):
     title = "cannot differentiate this function"
 
 
+# -- low precision: quantization and scaled GEMMs (K420-K429) ------------------------------
+
+
+class KilnQuantizeError(KilnError, ValueError):
+    code = "K420"
+    title = "cannot quantize this tensor in this format"
+
+
+class KilnScaledMatmulError(KilnError, ValueError):
+    code = "K421"
+    title = "scaled_matmul operands and scales do not fit one format"
+
+
 # -- PyTorch idioms: mutation and tape autograd (K300-K319) --------------------------------
 
 

@@ -2,3 +2,4 @@
 
 from kiln.ir.ops import autodiff, collective, control, creation, elementwise, fusion, linalg, moe, nn, reduction, shape  # noqa: F401
 from kiln.ir.ops import indices  # noqa: F401  (check_index; INDEX_OPERANDS)
+from kiln.ir.ops import lowp  # noqa: F401  (quantizers and scaled_matmul)
