@@ -13,12 +13,12 @@ that makes them runs; `peak_bytes` is the most kiln's runtime held at once.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
 
-from kiln.memory_limits import KilnMemoryError, check_request, limit_for, nbytes_of, \
-    set_process_fraction
+from kiln.memory_limits import KilnMemoryError, check_request, limit_for, set_process_fraction
 from kiln.runtime.caching_allocator import CachingAllocator, RawMemory
 
 __all__ = ["Allocator", "KilnMemoryError", "default_allocator", "memory_stats",
@@ -52,7 +52,7 @@ class Allocator:
     def empty(self, shape, dtype, persistent: bool = False) -> np.ndarray:
         """A buffer of `shape`, refused (K170, nothing allocated) past the limit."""
         dtype = np.dtype(dtype)
-        nbytes = nbytes_of(shape, dtype.itemsize)
+        nbytes = math.prod(map(int, shape)) * dtype.itemsize  # Python ints: no overflow
         with self._lock:
             current = self.persistent + self.transient + nbytes
             if current > self.limit:
@@ -65,7 +65,8 @@ class Allocator:
                 self.persistent += nbytes
             else:
                 self.transient += nbytes
-            self.peak = max(self.peak, current)
+            if current > self.peak:
+                self.peak = current
             if not block.reused:
                 self.allocations += 1
         return array

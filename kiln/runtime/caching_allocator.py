@@ -176,6 +176,8 @@ class CachingAllocator:
         # function's next output is its last dropped one, for a dict lookup
         self._quick: dict[int, list[Block]] = {}
         self._leases: dict[int, _Lease] = {}  # weakrefs live until their callback
+        self._lease_callback = self._lease_done  # one bound method, not one per lease
+        self._untrack_callback = self._untrack
         self.version = 0  # bumped on every change: the publisher (memory_tracking) polls it
         self._reset_stats()
         self.set_fraction(fraction)
@@ -552,10 +554,10 @@ class CachingAllocator:
     def view_of(self, block: Block, shape, dtype: np.dtype, count: int) -> np.ndarray:
         start = block.offset
         flat = np.frombuffer(block.segment.memory[start:start + block.size], dtype, count)
-        lease = _Lease(flat.base, self._lease_done)
+        lease = _Lease(flat.base, self._lease_callback)
         lease.block = block
         self._leases[id(lease)] = lease
-        return flat.reshape(shape)
+        return flat if len(shape) == 1 else flat.reshape(shape)
 
     def _lease_done(self, lease: _Lease) -> None:
         self._leases.pop(id(lease), None)
@@ -602,7 +604,7 @@ class CachingAllocator:
         nbytes = array.nbytes
         if self.reserved + self._unsettled + nbytes > self.limit:
             self._check_tracked(array, nbytes)
-        ref = _Tracked(array, self._untrack)
+        ref = _Tracked(array, self._untrack_callback)
         ref.key, ref.nbytes = key, nbytes
         self._tracked[key] = ref
         self._log.append(nbytes)
