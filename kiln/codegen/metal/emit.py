@@ -26,7 +26,7 @@ exact in half and stay there (no needless up-cast).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -279,11 +279,17 @@ def _emit_loops(k: Kernel) -> EmittedKernel:
                          groups, vec4)
 
 
-def _acc_dtype(st: Reduce):
-    """max/min of half are exact in half: no up-cast to the float accumulator."""
+def _narrowed(st: Reduce) -> Reduce:
+    """max/min of half values are exact in half: the up-cast the Kernel IR puts before a
+    float accumulator is dropped, and the accumulator stays half (a ReduceRef reads it
+    back as float, exactly)."""
+    v = st.value
+    if (st.op in ("max", "min") and isinstance(v, Op) and v.op == "convert" and v.dtype.short == "f32"
+            and v.args[0].dtype.short == "f16"):
+        return replace(st, value=v.args[0], dtype=v.args[0].dtype)
     if st.op in ("max", "min") and st.value.dtype.short == "f16":
-        return st.value.dtype
-    return st.dtype
+        return replace(st, dtype=st.value.dtype)
+    return st
 
 
 def _vec4_loads(st: Reduce, k: Kernel, symnames: dict) -> list | None:
@@ -329,8 +335,10 @@ def _cross_lanes(st: Reduce, kind: str, acc: str, t: str, d, rl: int, xl: int, s
             lines.append(f"{pad}const {t} {out} = {direct};")
             return lines
         lines.append(f"{pad}{t} {out} = {acc};")
-        lines.append(f"{pad}for (ushort o = {width // 2}; o > 0; o >>= 1) "
-                     f"{out} = {fold(out, f'simd_shuffle_xor({out}, o)')};")
+        lines.append(f"{pad}for (ushort o = {width // 2}; o > 0; o >>= 1) {{")
+        lines.append(f"{pad * 2}const {t} other = simd_shuffle_xor({out}, o);  // every lane shuffles once")
+        lines.append(f"{pad * 2}{out} = {fold(out, 'other')};")
+        lines.append(f"{pad}}}")
         return lines
     if kind == "outer":  # partials [RL][XL] in threadgroup memory, folded in lane order
         red = f"red_{t}"
@@ -351,8 +359,10 @@ def _cross_lanes(st: Reduce, kind: str, acc: str, t: str, d, rl: int, xl: int, s
         lines.append(f"{pad}const {t} {part} = {direct};")
     else:
         lines.append(f"{pad}{t} {part} = {acc};")
-        lines.append(f"{pad}for (ushort o = {SIMD_WIDTH // 2}; o > 0; o >>= 1) "
-                     f"{part} = {fold(part, f'simd_shuffle_xor({part}, o)')};")
+        lines.append(f"{pad}for (ushort o = {SIMD_WIDTH // 2}; o > 0; o >>= 1) {{")
+        lines.append(f"{pad * 2}const {t} other = simd_shuffle_xor({part}, o);  // every lane shuffles once")
+        lines.append(f"{pad * 2}{part} = {fold(part, 'other')};")
+        lines.append(f"{pad}}}")
     lines.append(f"{pad}if (lane == 0) {red}[sg] = {part};")
     lines.append(f"{pad}threadgroup_barrier(mem_flags::mem_threadgroup);")
     lines.append(f"{pad}{t} {out} = {red}[0];")
@@ -373,7 +383,8 @@ def _stage(st, k: Kernel, kind: str, ex: ExprEmitter, buffers: dict, symnames: d
         return [head] + _decompose(rvars, [l.extent for l in st.loops], "rf", symnames, pad * 2) + inner + [f"{pad}}}"]
 
     if isinstance(st, Reduce):
-        d = _acc_dtype(st)
+        st = _narrowed(st)
+        d = st.dtype
         t = msl_type(d)
         acc = f"acc_{st.name}"
         if not st.loops:  # a reduction over nothing: the value itself
