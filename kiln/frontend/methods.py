@@ -82,8 +82,10 @@ def _to(self, *args, dtype=None, device=None, copy: bool = False, non_blocking: 
     from kiln.frontend.tensor import as_device
 
     for a in args:
-        if isinstance(a, Tensor):
+        if isinstance(a, Tensor):  # torch's x.to(other): other's dtype and device
             dtype = a.dtype
+            if a._builder is None:
+                device = a.device
         elif _is_device(a):
             device = a
         else:

@@ -105,6 +105,8 @@ def test_to_round_trips_copy_through_the_device(fake):
     assert on.cpu().device == "cpu" and x.cpu() is x and on.to("fake:0") is on
     other = on.to(kn.device("fake", 1))
     assert other.device == "fake:1"
+    like = x.to(other)  # torch's .to(tensor): its dtype and its device
+    assert like.device == "fake:1" and other.to(x).device == "cpu"
     np.testing.assert_array_equal(other.numpy(), data)
 
 
