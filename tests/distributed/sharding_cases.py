@@ -65,10 +65,26 @@ def _elementwise(name: str, rng):
     raise AssertionError("no dtype fits elementwise op %s" % name)
 
 
+def _lowp(name: str, rng):
+    """Quantizers on float32 input; scaled_matmul on the quantizers' own outputs."""
+    quant = lambda op, x, **attrs: registry.get(op).reference(  # noqa: E731
+        x, **registry.get(op).normalize_attrs(attrs))
+    x = _floats(rng, (8, 64))
+    if name == "quantize_fp8":
+        return [x], {"per_row": True}
+    if name in ("quantize_mxfp8", "quantize_nvfp4"):
+        return [x], {}
+    a, sa = quant("quantize_fp8", _floats(rng, (8, 16)), per_row=True)
+    b, sb = quant("quantize_fp8", _floats(rng, (16, 4)))
+    return [a, b, sa, sb], {}
+
+
 def case(name: str, rng):
     """(operands, attrs) for op `name`."""
     if registry.get(name).kind == ELEMENTWISE:
         return _elementwise(name, rng)
+    if registry.get(name).family == "lowp":
+        return _lowp(name, rng)
     f = lambda *s: _floats(rng, s)  # noqa: E731
     x = f(*SHAPE)
     key = np.array([7, 11], np.uint32)

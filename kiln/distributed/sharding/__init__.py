@@ -6,7 +6,7 @@
     choose(spec, (Shard(1), Shard(0)))   # ([Shard(1), Shard(0)] -> Partial('sum'), 0.0)
 
 `strategy.py` holds the machinery; `pointwise.py` the rules an op's kind decides;
-`shape_rules.py` and `linalg_rules.py` the explicit ones; `dispatch.py` runs an op on
+`shape_rules.py`, `linalg_rules.py` and `lowp_rules.py` the explicit ones; `dispatch.py` runs an op on
 DTensors with them. (ARCHITECTURE.md puts an op's rules beside it; they live here while
 the op families are being edited, keyed by op name so the registry walk still checks
 that every op has one.)
@@ -26,7 +26,9 @@ def load_rules() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from kiln.distributed.sharding import linalg_rules, pointwise, shape_rules  # noqa: F401
+        from kiln.distributed.sharding import (  # noqa: F401
+            linalg_rules, lowp_rules, pointwise, shape_rules,
+        )
 
 
 __all__ = ["KIND_RULES", "LOCAL_ATTRS", "OpSpec", "RULES", "Strategy", "choose",
