@@ -169,6 +169,7 @@ def get_num_threads() -> int:
     global _num_threads
     if _num_threads is None:
         _num_threads = available_cpus()
+        limit_blas_to_quota()
     return _num_threads
 
 
@@ -193,7 +194,7 @@ def set_num_threads(n: int) -> None:
 
 
 def limit_blas_to_quota() -> None:
-    """At import: OpenBLAS counts the affinity mask but not a cgroup quota, so on a
+    """When the count is first read: OpenBLAS counts the affinity mask but not a cgroup quota, so on a
     quota-limited container it would start more threads than the process may run."""
     quota = cgroup_cpu_quota()
     if quota is not None and math.ceil(quota) < affinity_cpus():

@@ -16,7 +16,6 @@ work threshold.
 from __future__ import annotations
 
 import ctypes
-import os
 import queue
 import threading
 
@@ -28,6 +27,10 @@ from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir.shapes import dim_function, format_shape
 from kiln.codegen.cpu.mathlib import F32_FUNCS
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.runtime.threads import blas_single_thread, get_num_threads
+
+# below this many multiply-adds (~128^3) one BLAS call runs single-threaded
+SMALL_GEMM_FLOPS = 1 << 21
 
 KERNEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
@@ -43,10 +46,20 @@ class WorkerPool:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = []
         self._lock = threading.Lock()  # one parallel call at a time shares the workers
-        for i in range(self.size):
+        self._start(0, self.size)
+
+    def _start(self, first: int, last: int) -> None:
+        for i in range(first, last):
             t = threading.Thread(target=self._loop, name=f"kiln-cpu-{i}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def grow(self, workers: int) -> None:
+        """Add workers up to `workers` (kn.set_num_threads raised the count)."""
+        with self._lock:  # not while a parallel call is using the workers
+            if workers > self.size:
+                self._start(self.size, workers)
+                self.size = workers
 
     def _loop(self) -> None:
         while True:
@@ -63,11 +76,12 @@ class WorkerPool:
                 fn(bufs, sizes, lo, hi)
             return
         try:
-            done: queue.SimpleQueue = queue.SimpleQueue()
-            for lo, hi in ranges[1:]:
-                self._tasks.put((fn, (bufs, sizes, lo, hi), done))
-            fn(bufs, sizes, *ranges[0])
-            errors = [done.get() for _ in ranges[1:]]
+            with blas_single_thread():  # BLAS threads would fight the pool's for cores
+                done: queue.SimpleQueue = queue.SimpleQueue()
+                for lo, hi in ranges[1:]:
+                    self._tasks.put((fn, (bufs, sizes, lo, hi), done))
+                fn(bufs, sizes, *ranges[0])
+                errors = [done.get() for _ in ranges[1:]]
         finally:
             self._lock.release()
         for err in errors:
@@ -75,20 +89,26 @@ class WorkerPool:
                 raise err
 
 
-_POOLS: dict[int, WorkerPool] = {}
-_POOLS_LOCK = threading.Lock()
+_POOL: WorkerPool | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def pool(threads: int) -> WorkerPool:
-    """The shared pool for `threads` total threads (threads - 1 workers + the caller)."""
-    with _POOLS_LOCK:
-        if threads not in _POOLS:
-            _POOLS[threads] = WorkerPool(threads - 1)
-        return _POOLS[threads]
+    """kiln's one intra-op pool, grown to at least `threads - 1` workers (the caller is
+    the last thread): every kernel shares it, so threads never multiply per kernel."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = WorkerPool(threads - 1)
+        elif _POOL.size < threads - 1:
+            _POOL.grow(threads - 1)
+        return _POOL
 
 
 def default_threads() -> int:
-    return max(1, os.cpu_count() or 1)
+    """kiln's intra-op thread count (kn.get_num_threads: the CPUs this process may use,
+    affinity and cgroup quota included, unless kn.set_num_threads changed it)."""
+    return get_num_threads()
 
 
 def split(total: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -167,12 +187,20 @@ class CompiledKernel:
             self._work = None
         else:
             self._work = _work_per_point(kernel)
-        self._threads, self._threshold = threads, threshold
+        self._max_threads, self._threshold = threads, threshold
         self._pool = pool(threads) if threads > 1 and self._work is not None else None
+        self._gemm_dims = None
+        if isinstance(kernel, GemmKernel):  # sizes of a product, to judge small/batched
+            self._gemm_dims = [dim_function(d) for d in (kernel.batch, kernel.m, kernel.n, kernel.k)]
         self._bufs = (ctypes.c_void_p * max(1, self._n))()
         self._sizes = (ctypes.c_int64 * max(1, len(self._size_names)))()
         self._busy = threading.Lock()
         self._resolved: dict = {}
+
+    @property
+    def _threads(self) -> int:
+        """Threads a launch splits over now: the compiled count capped by kn.set_num_threads."""
+        return min(self._max_threads, get_num_threads())
 
     def _check(self, i: int, a, env) -> None:
         b = self.kernel.buffers[i]
@@ -201,7 +229,13 @@ class CompiledKernel:
         total = self._count(env)
         parallel = (self._pool is not None and total > 1
                     and total * self._work(env) >= self._threshold)
-        entry = (shapes, total, parallel)
+        one_blas = False
+        if self._gemm_dims is not None:
+            batch, m, n, k = (int(f(env)) for f in self._gemm_dims)
+            # BLAS threads pay off only on one large product: a batch of small ones calls
+            # BLAS per item, and each call would wake (and spin) every BLAS thread
+            one_blas = batch > 1 or m * n * k < SMALL_GEMM_FLOPS
+        entry = (shapes, total, parallel, one_blas)
         if len(self._resolved) > 64:
             self._resolved.clear()
         self._resolved[key] = entry
@@ -223,7 +257,7 @@ class CompiledKernel:
             raise KilnArgumentError(f"{self.name}: sizes must bind {', '.join(self._size_names)}; "
                                     f"got {sizes!r}") from None
         entry = self._resolved.get(key)
-        shapes, total, parallel = entry if entry is not None else self._resolve(key)
+        shapes, total, parallel, one_blas = entry if entry is not None else self._resolve(key)
         own = self._busy.acquire(False)
         bufs = self._bufs if own else (ctypes.c_void_p * max(1, self._n))()
         csizes = self._sizes if own else (ctypes.c_int64 * max(1, len(self._size_names)))()
@@ -239,8 +273,12 @@ class CompiledKernel:
                 bufs[i] = id(a) if self._by_object else a.ctypes.data
             if total <= 0:
                 return
-            if parallel:
-                self._pool.run(self._fn, bufs, csizes, split(total, self._threads, 64 if total >= 1024 else 1))
+            threads = self._threads if parallel else 1
+            if threads > 1:
+                self._pool.run(self._fn, bufs, csizes, split(total, threads, 64 if total >= 1024 else 1))
+            elif one_blas:
+                with blas_single_thread():
+                    self._fn(bufs, csizes, 0, total)
             else:
                 self._fn(bufs, csizes, 0, total)
         finally:

@@ -1,0 +1,187 @@
+"""The runtime owns threading (issue 22): the pool follows the affinity mask and the cgroup
+quota, kn.set_num_threads changes how launches split, BLAS is one thread inside kiln's
+parallel regions and for batched products."""
+
+import contextlib
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.codegen.cpu import compiled as cc
+from kiln.codegen.cpu.backend import CpuBackend, CpuOptions
+from kiln.codegen.cpu.jit import find_openblas
+from kiln.codegen.kernel_ir import IN, OUT, BufferParam, Kernel, Load, Loop, Store, loop_var
+from kiln.errors import KilnArgumentError
+from kiln.ir import dtypes as dt
+from kiln.ir.shapes import symbol
+from tests.codegen.ir_builders import op
+
+B = symbol("B")
+from kiln.runtime import threads
+
+
+def _blas_getter():
+    """numpy's OpenBLAS thread count, read with ctypes independently of kiln."""
+    path = find_openblas()
+    if path is None:
+        pytest.skip("numpy is not built with its bundled OpenBLAS")
+    lib = ctypes.CDLL(path)
+    getter = getattr(lib, "scipy_openblas_get_num_threads64_", None) \
+        or getattr(lib, "openblas_get_num_threads", None)
+    getter.restype = ctypes.c_int
+    return getter
+
+
+@pytest.fixture
+def restore_threads():
+    before = kn.get_num_threads()
+    blas = threads.blas_num_threads()
+    yield
+    kn.set_num_threads(before)
+    if blas is not None:
+        threads.set_blas_num_threads(blas)
+
+
+def test_cpu_max_text_is_parsed():
+    assert threads.parse_cpu_max("max 100000\n") is None
+    assert threads.parse_cpu_max("150000 100000\n") == 1.5
+    assert threads.parse_cpu_max("50000 100000") == 0.5
+    assert threads.parse_cpu_max("garbage") is None
+    assert threads.parse_cpu_max("0 100000") is None
+
+
+def test_available_cpus_is_the_affinity_capped_by_the_quota():
+    assert threads.available_cpus(quota=1.5, affinity=8) == 2
+    assert threads.available_cpus(quota=0.5, affinity=8) == 1
+    assert threads.available_cpus(quota=16.0, affinity=3) == 3
+    assert threads.available_cpus(quota=threads.parse_cpu_max("300000 100000"), affinity=64) == 3
+
+
+_CHILD = """
+import os, sys
+os.sched_setaffinity(0, {cpu})
+import kiln as kn
+from kiln.codegen.cpu.compiled import default_threads
+print(kn.get_num_threads(), default_threads())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_pool_size_follows_the_affinity_mask():
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    out = subprocess.run([sys.executable, "-c", _CHILD.format(cpu={cpu})], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
+
+
+def _tanh_kernel():
+    i0, i1 = loop_var("i0"), loop_var("i1")
+    y = op("tanh", Load("x", 64 * i0 + i1, dt.float32))
+    return Kernel("tanh64", (BufferParam("x", dt.float32, (B, 64), IN),
+                             BufferParam("y", dt.float32, (B, 64), OUT)),
+                  ("B",), (Loop("i0", B), Loop("i1", 64)), (Store("y", 64 * i0 + i1, y),))
+
+
+def test_set_num_threads_changes_how_a_launch_splits(monkeypatch, restore_threads):
+    seen = []
+    original = cc.WorkerPool.run
+
+    def run(self, fn, bufs, sizes, ranges):
+        seen.append(len(ranges))
+        return original(self, fn, bufs, sizes, ranges)
+
+    monkeypatch.setattr(cc.WorkerPool, "run", run)
+    kn.set_num_threads(2)
+    kernel = CpuBackend(CpuOptions(threads=2, parallel_threshold=1)).compile(_tanh_kernel())
+    x = np.random.default_rng(0).standard_normal((512, 64)).astype(np.float32)
+    want = np.tanh(x.astype(np.float64)).astype(np.float32)
+    for n, splits in ((2, [2]), (1, [])):
+        kn.set_num_threads(n)
+        seen.clear()
+        y = np.empty_like(x)
+        kernel([x, y], {"B": 512})
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+        assert seen == splits, (n, seen)
+    assert CpuOptions().threads == 1  # options made now default to the set count
+
+
+def test_set_num_threads_rejects_bad_counts():
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(KilnArgumentError, match="set_num_threads"):
+            kn.set_num_threads(bad)
+
+
+def test_set_num_threads_sets_blas_threads(restore_threads):
+    getter = _blas_getter()
+    kn.set_num_threads(1)
+    assert getter() == 1
+    kn.set_num_threads(2)
+    assert getter() == 2
+
+
+def test_blas_is_one_thread_inside_a_parallel_region(restore_threads):
+    getter = _blas_getter()
+    kn.set_num_threads(2)
+    assert getter() == 2
+    seen = []
+
+    def body(bufs, sizes, lo, hi):  # stands in for a kernel: what does each range see?
+        seen.append((threading.current_thread().name, getter(), lo, hi))
+
+    cc.pool(2).run(body, None, None, [(0, 5), (5, 10)])
+    assert sorted(s[2:] for s in seen) == [(0, 5), (5, 10)]
+    assert [s[1] for s in seen] == [1, 1]
+    assert any(name.startswith("kiln-cpu-") for name, *_ in seen)  # a worker took a range
+    assert getter() == 2  # restored after the region
+
+
+def test_one_pool_is_shared_and_grows():
+    p = cc.pool(2)
+    assert cc.pool(1) is p and cc.pool(2) is p
+    n = p.size
+    assert cc.pool(n + 2) is p and p.size == n + 1  # n + 2 threads: the caller + n + 1 workers
+    assert sum(t.name.startswith("kiln-cpu-") for t in threading.enumerate()) == p.size
+
+
+def test_blas_single_thread_nests_and_restores(restore_threads):
+    getter = _blas_getter()
+    kn.set_num_threads(2)
+    with threads.blas_single_thread():
+        assert getter() == 1
+        with threads.blas_single_thread():
+            assert getter() == 1
+        assert getter() == 1
+        kn.set_num_threads(2)  # applied when the region ends
+        assert getter() == 1
+    assert getter() == 2
+
+
+def test_batched_gemm_matches_numpy_and_restores_blas(monkeypatch, restore_threads):
+    getter = _blas_getter()
+    kn.set_num_threads(2)
+    seen = []
+    original = cc.blas_single_thread
+
+    @contextlib.contextmanager
+    def recording():
+        with original():
+            seen.append(getter())
+            yield
+
+    monkeypatch.setattr(cc, "blas_single_thread", recording)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((16, 32, 256)).astype(np.float32)
+    b = rng.standard_normal((16, 256, 64)).astype(np.float32)
+    f = kn.compile(lambda a, b: a @ b)
+    out = f(kn.tensor(a), kn.tensor(b)).numpy()
+    np.testing.assert_allclose(out, np.matmul(a.astype(np.float64), b).astype(np.float32),
+                               rtol=1e-4, atol=1e-4)
+    assert seen and set(seen) == {1}  # the batched BLAS GEMM ran with one BLAS thread
+    assert getter() == 2
