@@ -21,7 +21,7 @@
 #else
 #define thread
 #define device __attribute__((address_space(1)))
-#define constant __attribute__((address_space(2)))
+#define constant const __attribute__((address_space(2)))  // read-only, as in MSL
 #define threadgroup __attribute__((address_space(3)))
 #endif
 #define kernel
