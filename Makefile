@@ -21,6 +21,10 @@ $(STAMP): $(PY) pyproject.toml
 	-[ -e /etc/OpenCL/vendors/pocl.icd ] && command -v llvm-spirv-15 >/dev/null || { [ "$$(id -u)" = 0 ] && \
 	  command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  --no-install-recommends pocl-opencl-icd ocl-icd-libopencl1 clang llvm-spirv-15 >/dev/null; } || true
+	# clang-15 for the metal backend's checks (MSL syntax and the threadgroup simulator)
+	-command -v clang++-15 >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends clang-15 >/dev/null; } || true
 	touch $(STAMP)
 
 install: $(STAMP)

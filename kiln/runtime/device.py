@@ -191,6 +191,10 @@ def _kind_of(device: Device, op: str) -> DeviceKind:
             from kiln.runtime import opencl_device  # noqa: F401
 
             kind = _KINDS.get(device.type)
+        elif device.type in ("metal", "mps"):  # registered on first use (PyObjC imported lazily)
+            from kiln.codegen.metal import device as _metal_device  # noqa: F401
+
+            kind = _KINDS.get(device.type)
         if kind is None:
             hardware = _HARDWARE.get(device.type, "its backend")
             raise KilnDeviceUnavailableError(

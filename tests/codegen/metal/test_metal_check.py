@@ -124,3 +124,11 @@ def test_kiln_dump_prints_the_generated_msl(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "kernel void kiln_" in done.stdout and "simd_shuffle_xor" in done.stdout
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on a Mac, the metal device exists")
+@pytest.mark.parametrize("name", ["metal", "mps:0"])
+def test_the_metal_device_kind_without_a_mac_is_k381_carrying_k410(name):
+    with pytest.raises(KilnError, match="K381") as info:
+        kn.zeros(3, device=name)
+    assert "K410" in str(info.value) and "macOS" in str(info.value)
