@@ -20,6 +20,7 @@ triton.testing.do_bench (median of warm runs, L2 flushed between runs).
     python scripts/gpu_check.py                       # print the tables
     python scripts/gpu_check.py --out benchmarks/results/gpu-h200.md
     python scripts/gpu_check.py --quick               # smaller shapes, no tuning
+    python scripts/gpu_check.py --cute                # only kiln's CuTeDSL GEMMs (scripts/gpu_check_cute.py)
 
 Needs: an NVIDIA GPU, a CUDA build of torch, triton. Exits with status 2 and says what
 is missing when there is no GPU.
@@ -363,6 +364,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the tables to this markdown file")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
                                                    "numerics,speed,tuning,generated")
+    parser.add_argument("--cute", action="store_true", help="only the CuTeDSL GEMMs: numerics of every "
+                        "epilogue and dtype, TFLOP/s vs cuBLAS and _scaled_mm (needs nvidia-cutlass-dsl: "
+                        "see scripts/gpu_check_cute.py for how its wheels travel)")
     args = parser.parse_args(argv)
     torch = gpu_or_exit()
     sys.path.insert(0, ROOT)
@@ -386,6 +390,12 @@ def main(argv=None) -> int:
              ("speed", "Grouped GEMM speed", lambda: grouped_speed(torch, report, args.quick, device)),
              ("tuning", "Tile selector vs measurement", lambda: grouped_tuning(torch, report, device)),
              ("generated", "Generated kernels", lambda: generated_kernels(torch, report, args.quick))]
+    if args.cute:  # the CuTeDSL part replaces the Triton parts (a few minutes of GPU time)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_check_cute
+
+        parts = [("cute", "CuTeDSL GEMMs",
+                  lambda: gpu_check_cute.run(torch, report, table, bench_ms, args.quick))]
     for key, title, run in parts:
         if key in skip or (args.quick and key == "tuning"):
             continue

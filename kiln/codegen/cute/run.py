@@ -1,0 +1,78 @@
+"""Running a CuTeDSL GEMM on real buffers: what a GPU session (scripts/gpu_check_cute.py)
+uses to launch the kernels compile.py builds ahead of time.
+
+`bind(kernel, arrays)` turns the kernel's buffers (DLPack-capable arrays: torch tensors
+on the GPU, or on the CPU to check the binding) into the arguments the kernel class
+takes: A as (M, K, L), B as (N, K, L), C as (M, N, L) views of the same memory (no
+copies; a batch dimension of 1 is added where the buffer has none), the epilogue's
+operands flat, and the symbolic sizes as Int32. `GemmLauncher` compiles once for those
+arguments' layouts and launches on a CUDA stream:
+
+    launch = GemmLauncher(kernel, "sm_90a", (128, 256), arrays)   # compiles
+    launch(arrays, stream)                                        # runs (GPU only)
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import sympy
+
+from kiln.codegen.cute.compile import MAX_CTAS, _kernel_module, arch_env
+from kiln.codegen.cute.epilogue import make_epilogue
+from kiln.codegen.cute.layouts import gemm_layouts
+from kiln.codegen.kernel_ir import GemmKernel
+
+
+def _size(expr, sizes: Mapping[str, int]) -> int:
+    return int(sympy.sympify(expr).subs({sympy.Symbol(k, integer=True): v for k, v in sizes.items()}))
+
+
+def bind(kernel: GemmKernel, arrays: Mapping, sizes: Mapping[str, int] | None = None) -> tuple:
+    """(a, b, c, operands, sizes) CuTe tensors/values for `kernel` over `arrays` (by buffer name)."""
+    arch_env()
+    import cutlass
+    from cutlass.cute.runtime import from_dlpack
+
+    sizes = dict(sizes or {})
+    plan = gemm_layouts(kernel)
+    m, n, k = (_size(d, sizes) for d in (kernel.m, kernel.n, kernel.k))
+    batch = _size(kernel.batch, sizes)
+
+    def view(x, rows, cols, row_major: bool):
+        """(rows, cols, L) over a contiguous buffer of L row- (or column-) major matrices."""
+        if row_major:
+            return x.reshape(batch, rows, cols).permute(1, 2, 0)
+        return x.reshape(batch, cols, rows).permute(2, 1, 0)
+
+    a = view(arrays[kernel.a], m, k, plan.a_k_major)
+    b = view(arrays[kernel.b], k, n, not plan.b_k_major).permute(1, 0, 2)  # (K, N, L) -> (N, K, L)
+    c = view(arrays[kernel.out], m, n, True)
+    _, operand_names, size_names = make_epilogue(kernel)
+    tensors = [from_dlpack(t, assumed_align=16) for t in (a, b, c)]
+    operands = tuple(from_dlpack(arrays[name].reshape(-1), assumed_align=arrays[name].element_size())
+                     for name in operand_names)
+    values = tuple(cutlass.Int32(sizes[s]) for s in size_names) or (cutlass.Int32(0),)
+    return (*tensors, operands, values)
+
+
+class GemmLauncher:
+    """One CuTeDSL GEMM compiled for real arguments' layouts; call it to launch."""
+
+    def __init__(self, kernel: GemmKernel, arch: str, tile: tuple, arrays: Mapping,
+                 sizes: Mapping[str, int] | None = None):
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_stream
+
+        self.kernel, self.sizes = kernel, dict(sizes or {})
+        fn, _, _ = make_epilogue(kernel)
+        module = _kernel_module(arch)
+        gemm = (module.Sm100Gemm if arch == "sm_100a" else module.Sm90Gemm)(tuple(tile), fn)
+        a, b, c, operands, values = bind(kernel, arrays, self.sizes)
+        self.compiled = cute.compile(gemm, a, b, c, operands, values, MAX_CTAS[arch], make_fake_stream(),
+                                     options=f"--gpu-arch {arch}")
+
+    def __call__(self, arrays: Mapping, stream) -> None:
+        """Launch on `stream` (a `cuda.bindings.driver.CUstream`) over `arrays`."""
+        a, b, c, operands, values = bind(self.kernel, arrays, self.sizes)
+        self.compiled(a, b, c, operands, values, stream)

@@ -1,0 +1,254 @@
+"""The `--cute` part of scripts/gpu_check.py: kiln's CuTeDSL GEMMs on a real GPU.
+
+Sections (markdown tables, like the rest of gpu_check):
+
+1. numerics: every epilogue kiln fuses (none, bias, relu, gelu-tanh, silu, row and column
+   scale, residual, all together) for bfloat16 and float16, an unaligned tail (M and N
+   not multiples of the tile), a batched GEMM, and fp8 (e4m3, per-row x per-column
+   scales: what kn.scaled_matmul's fp8 form runs), each against torch on the same GPU;
+2. speed: bf16 TFLOP/s at 4096^3 and 8192^3 against torch.matmul (cuBLAS; the issue's
+   target is >= 0.9x at 8192^3), the cost of the full epilogue over the bare GEMM (target
+   < 3%), and fp8 against torch._scaled_mm.
+3. grouped GEMM against a loop of per-expert matmuls: not here yet; kiln's grouped GEMM on
+   cuda is the Triton one (gpu_check's own sections), the table says so.
+
+The GPU machine has no nvidia-cutlass-dsl. Its wheels travel with the command (see
+`wheels_hint()`); without them this part reports "not run" with that instruction and the
+rest of gpu_check still runs. Kernels for the GPU's arch (sm_90a on an H200) are compiled
+there, for the real tensors' layouts (kiln/codegen/cute/run.py), a few seconds each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+WHEELS = ("nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1",
+          "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu12==4.8.1")
+
+
+def wheels_hint() -> str:
+    """How nvidia-cutlass-dsl reaches a GPU machine that cannot reach a package index."""
+    return ("nvidia-cutlass-dsl is not installed here. On a machine with network access: "
+            "`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform "
+            f"manylinux_2_28_x86_64 -d shared/wheels/cute {' '.join(WHEELS)}` (the GPU machine's "
+            "python is 3.12; shared/ travels with the command), then on the GPU machine, before "
+            "this script: `pip install --no-index --no-deps shared/wheels/cute/*.whl` (cuda-bindings "
+            "is already there). KILN_CUTE_WHEELS=DIR installs from DIR automatically. The four "
+            "wheels are ~96 MB (libs-cu12 alone 92 MB): more than the device tool's 64 MiB `carry`, "
+            "so they must travel in shared/ (or be fetched onto the GPU machine another way).")
+
+
+def ensure_cutlass() -> None:
+    """Import nvidia-cutlass-dsl, installing it from $KILN_CUTE_WHEELS when given; raise
+    RuntimeError with `wheels_hint()` when it is not available."""
+    if importlib.util.find_spec("cutlass") is None:
+        folder = os.environ.get("KILN_CUTE_WHEELS")
+        if folder and os.path.isdir(folder):
+            import glob
+            import subprocess
+            import sys
+
+            wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                            *wheels], check=True, timeout=600)
+            importlib.invalidate_caches()
+    if importlib.util.find_spec("cutlass") is None:
+        raise RuntimeError(wheels_hint())
+
+
+def _epilogues(m, n, out_dtype):
+    """name -> (GemmKernel builder arguments, torch reference of the epilogue)."""
+    from kiln.codegen.kernel_ir import IN, Acc, BufferParam, Const, Load, Op
+    from kiln.ir import dtypes as dt
+    from kiln.ir.shapes import symbol
+
+    f32 = dt.float32
+    gi, gj = symbol("gi"), symbol("gj")
+
+    def op(name, *args, dtype=f32):
+        return Op(name, tuple(args), dtype)
+
+    bias = op("convert", Load("bias", gj, out_dtype))
+    rs, cs = Load("row_scale", gi, f32), Load("col_scale", gj, f32)
+    res = op("convert", Load("res", gi * n + gj, out_dtype))
+
+    def gelu(t):
+        inner = op("mul", op("add", t, op("mul", op("mul", op("mul", t, t), t), Const(0.044715, f32))),
+                   Const(0.7978845608028654, f32))
+        return op("mul", op("mul", t, Const(0.5, f32)), op("add", op("tanh", inner), Const(1.0, f32)))
+
+    def silu(t):
+        return op("div", t, op("add", Const(1.0, f32), op("exp", op("neg", t))))
+
+    acc = Acc(f32)
+    all_ops = op("add", op("max", op("add", gelu(op("mul", op("mul", op("add", acc, bias), rs), cs)),
+                                     silu(op("add", acc, bias))), Const(0.0, f32)), res)
+    exprs = {
+        "none": acc,
+        "bias": op("add", acc, bias),
+        "bias + relu": op("max", op("add", acc, bias), Const(0.0, f32)),
+        "bias + gelu(tanh)": gelu(op("add", acc, bias)),
+        "bias + silu": silu(op("add", acc, bias)),
+        "row x column scale": op("mul", op("mul", acc, rs), cs),
+        "residual add": op("add", acc, res),
+        "all of them": all_ops,
+    }
+    extra = (BufferParam("bias", out_dtype, (n,), IN), BufferParam("row_scale", f32, (m,), IN),
+             BufferParam("col_scale", f32, (n,), IN), BufferParam("res", out_dtype, (m, n), IN))
+
+    def torch_ref(name, torch, acc, t):
+        b, r, c, rr = t["bias"].float(), t["row_scale"][:, None], t["col_scale"][None, :], t["res"].float()
+        g = torch.nn.functional.gelu
+        return {"none": lambda: acc, "bias": lambda: acc + b, "bias + relu": lambda: torch.relu(acc + b),
+                "bias + gelu(tanh)": lambda: g(acc + b, approximate="tanh"),
+                "bias + silu": lambda: torch.nn.functional.silu(acc + b),
+                "row x column scale": lambda: acc * r * c, "residual add": lambda: acc + rr,
+                "all of them": lambda: torch.relu(g((acc + b) * r * c, approximate="tanh")
+                                                  + torch.nn.functional.silu(acc + b)) + rr}[name]()
+
+    return exprs, extra, torch_ref
+
+
+def _kernel(m, n, k, in_dtype, out_dtype, expr, extra, batch=1, b_rows=True):
+    from kiln.codegen.kernel_ir import IN, OUT, BufferParam, GemmKernel, Op
+    from kiln.ir import dtypes as dt
+
+    used = {x.buffer for x in _loads(expr)}
+    bufs = (BufferParam("a", in_dtype, (batch, m, k), IN),
+            BufferParam("b", in_dtype, (batch, k, n) if b_rows else (batch, n, k), IN),
+            *[e for e in extra if e.name in used], BufferParam("y", out_dtype, (batch, m, n), OUT))
+    epi = Op("convert", (expr,), out_dtype) if out_dtype != dt.float32 else expr
+    b_strides = (k * n, n, 1) if b_rows else (k * n, 1, k)
+    return GemmKernel("gpu_check", bufs, (), "a", "b", "y", batch, m, n, k, (m * k, k, 1), b_strides, epi,
+                      dt.float32)
+
+
+def _loads(expr):
+    from kiln.codegen.kernel_ir import Load, walk
+
+    return [x for x in walk(expr) if isinstance(x, Load)]
+
+
+def _inputs(torch, kernel, gen):
+    arrays = {}
+    for buf in kernel.buffers:
+        shape = tuple(int(d) for d in buf.shape)
+        tdtype = getattr(torch, buf.dtype.name)
+        if buf.dtype.itemsize == 1:  # float8: small values, exactly representable
+            arrays[buf.name] = (torch.randn(shape, generator=gen, device="cuda") * 2).to(tdtype)
+        else:
+            arrays[buf.name] = torch.randn(shape, generator=gen, device="cuda").to(tdtype)
+    return arrays
+
+
+def numerics(torch, report, table, arch, quick: bool) -> None:
+    from cuda.bindings import driver
+
+    from kiln.codegen.cute.run import GemmLauncher
+    from kiln.ir import dtypes as dt
+
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    cases = [(dt.bfloat16, 512, 768, 1024, 1), (dt.float16, 384, 256, 512, 1)]
+    if not quick:
+        cases += [(dt.bfloat16, 333, 200, 1024, 1), (dt.float16, 256, 512, 256, 4)]  # tail; batched
+    for dtype, m, n, k, batch in cases:
+        exprs, extra, torch_ref = _epilogues(m, n, dtype)
+        for name, expr in exprs.items():
+            kern = _kernel(m, n, k, dtype, dtype, expr, extra, batch)
+            t = _inputs(torch, kern, gen)
+            GemmLauncher(kern, arch, (128, 128), t)(t, stream)
+            torch.cuda.synchronize()
+            acc = (t["a"].double() @ t["b"].double()).float()
+            ref = torch_ref(name, torch, acc, t).to(t["y"].dtype).float()
+            err = (t["y"].float() - ref).abs().max().item()
+            scale = ref.abs().max().item() or 1.0
+            tol = 2 ** -6 if dtype == dt.bfloat16 else 2 ** -9
+            rows.append([f"{dtype.name} {batch}x{m}x{n}x{k}", name, f"{err:.3g}", f"{err / scale:.2e}",
+                         "ok" if err <= tol * scale * 4 else "FAIL"])
+    # fp8 with per-row x per-column scales (kn.scaled_matmul's fp8 form), b K-major
+    from kiln.codegen.kernel_ir import IN, Acc, BufferParam, Load, Op
+    from kiln.ir.shapes import symbol
+
+    m = n = k = 1024
+    f32 = dt.float32
+    expr = Op("mul", (Op("mul", (Acc(f32), Load("sa", symbol("gi"), f32)), f32), Load("sb", symbol("gj"), f32)), f32)
+    extra = (BufferParam("sa", f32, (m,), IN), BufferParam("sb", f32, (n,), IN))
+    kern = _kernel(m, n, k, dt.float8_e4m3fn, dt.bfloat16, expr, extra, b_rows=False)
+    t = _inputs(torch, kern, gen)
+    t["sa"], t["sb"] = t["sa"].abs() + 0.5, t["sb"].abs() + 0.5
+    GemmLauncher(kern, arch, (128, 128), t)(t, stream)
+    torch.cuda.synchronize()
+    acc = (t["a"][0].double() @ t["b"][0].double().T).float()
+    ref = (acc * t["sa"][:, None] * t["sb"][None, :]).to(torch.bfloat16).float()
+    err = (t["y"][0].float() - ref).abs().max().item()
+    rows.append(["float8_e4m3fn 1024^3 -> bf16", "row x column scale", f"{err:.3g}",
+                 f"{err / ref.abs().max().item():.2e}", "ok" if err <= 2 ** -6 * ref.abs().max().item() * 4 else "FAIL"])
+    report.add("CuTeDSL GEMM numerics (vs torch on this GPU)",
+               table(["problem", "epilogue", "max abs err", "relative", "verdict"], rows))
+
+
+def speed(torch, report, table, bench_ms, arch, quick: bool) -> None:
+    from cuda.bindings import driver
+
+    from kiln.codegen.cute.run import GemmLauncher
+    from kiln.codegen.cute.select import choose
+    from kiln.ir import dtypes as dt
+
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for size in ((4096,) if quick else (4096, 8192)):
+        exprs, extra, _ = _epilogues(size, size, dt.bfloat16)
+        flops = 2.0 * size ** 3
+        times = {}
+        for name in ("none", "all of them"):
+            kern = _kernel(size, size, size, dt.bfloat16, dt.bfloat16, exprs[name], extra)
+            picked = choose(kern, "sm_" + arch[3:-1])
+            t = _inputs(torch, kern, gen)
+            launch = GemmLauncher(kern, arch, picked.tile, t)
+            times[name] = bench_ms(lambda: launch(t, stream))
+        a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cublas = bench_ms(lambda: torch.matmul(a, b))
+        tf = lambda ms: flops / ms / 1e9  # noqa: E731
+        rows.append([f"bf16 {size}^3", f"{tf(times['none']):.0f}", f"{tf(cublas):.0f}",
+                     f"{cublas / times['none']:.2f}x", f"{(times['all of them'] / times['none'] - 1) * 100:+.1f}%"])
+    report.add("CuTeDSL GEMM speed (TFLOP/s)",
+               table(["problem", "kiln CuTeDSL", "torch.matmul", "kiln / cuBLAS", "full epilogue cost"], rows))
+    if hasattr(torch, "_scaled_mm"):
+        size = 4096 if quick else 8192
+        from kiln.codegen.kernel_ir import Acc
+        from kiln.ir import dtypes as kdt
+
+        kern = _kernel(size, size, size, kdt.float8_e4m3fn, kdt.bfloat16, Acc(kdt.float32), (), b_rows=False)
+        t = _inputs(torch, kern, gen)
+        launch = GemmLauncher(kern, arch, choose(kern, "sm_" + arch[3:-1]).tile, t)
+        ours = bench_ms(lambda: launch(t, stream))
+        one = torch.ones((), device="cuda")
+        theirs = bench_ms(lambda: torch._scaled_mm(t["a"][0], t["b"][0].T, scale_a=one, scale_b=one,
+                                                   out_dtype=torch.bfloat16))
+        tf = lambda ms: 2.0 * size ** 3 / ms / 1e9  # noqa: E731
+        report.add("CuTeDSL fp8 GEMM speed (TFLOP/s)",
+                   table(["problem", "kiln CuTeDSL", "torch._scaled_mm", "ratio"],
+                         [[f"e4m3 {size}^3 -> bf16", f"{tf(ours):.0f}", f"{tf(theirs):.0f}", f"{theirs / ours:.2f}x"]]))
+
+
+def run(torch, report, table, bench_ms, quick: bool) -> None:
+    """Every CuTeDSL section; each failure is reported in its table, the rest still runs."""
+    ensure_cutlass()
+    props = torch.cuda.get_device_properties(0)
+    arch = {9: "sm_90a", 10: "sm_100a"}.get(props.major)
+    if arch is None:
+        raise RuntimeError(f"kiln's CuTeDSL GEMMs are for sm_90a and sm_100a; this GPU is sm_{props.major}{props.minor}")
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    for title, part in (("CuTeDSL GEMM numerics", lambda: numerics(torch, report, table, arch, quick)),
+                        ("CuTeDSL GEMM speed", lambda: speed(torch, report, table, bench_ms, arch, quick))):
+        try:
+            part()
+        except Exception as exc:  # one part failing must not hide the others
+            report.failed(title, exc)
+    report.add("CuTeDSL grouped GEMM", "**not run**: kiln has no CuTeDSL grouped GEMM yet; "
+                                       "kn.grouped_matmul on cuda runs the Triton persistent kernel (above)")

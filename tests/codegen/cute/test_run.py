@@ -1,0 +1,57 @@
+"""The GPU-session path without a GPU: real (CPU) torch tensors bound to the CuTeDSL
+kernel's (M, K, L) / (N, K, L) / (M, N, L) views without copies, the kernel compiled for
+their layouts, and scripts/gpu_check_cute.py's guidance when nvidia-cutlass-dsl is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+from kiln.codegen.cute.run import GemmLauncher, bind
+from tests.codegen.cute.gemms import full_epilogue, gemm
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "gpu_check_cute.py"
+
+
+def arrays_for(kernel):
+    out = {}
+    for b in kernel.buffers:
+        out[b.name] = torch.zeros(tuple(int(d) for d in b.shape), dtype=getattr(torch, b.dtype.name))
+    return out
+
+
+def test_bind_views_the_buffers_in_place():
+    k = full_epilogue(256, 512, 384)
+    t = arrays_for(k)
+    a, b, c, operands, sizes = bind(k, t)
+    assert (a.shape, a.stride) == ((256, 384, 1), (384, 1, 98304))      # row-major A: K-major
+    assert (b.shape, b.stride) == ((512, 384, 1), (1, 512, 196608))     # row-major B [K, N]: N-major
+    assert (c.shape, c.stride) == ((256, 512, 1), (512, 1, 131072))
+    assert [o.shape for o in operands] == [(512,), (256,), (512,), (256 * 512,)]
+    address = lambda x: int(str(x).split("<", 1)[1].split("@", 1)[0], 16)  # noqa: E731  (the data pointer)
+    assert address(a) == t["a"].data_ptr() and address(c) == t["y"].data_ptr()
+    kt = gemm(128, 64, 256, b_rows=False, batch=2)                      # b stored [N, K]: K-major
+    _, b2, _, _, _ = bind(kt, arrays_for(kt))
+    assert (b2.shape, b2.stride) == ((64, 256, 2), (256, 1, 64 * 256))
+
+
+def test_launcher_compiles_for_real_tensor_layouts():
+    k = full_epilogue(256, 512, 384)
+    launcher = GemmLauncher(k, "sm_100a", (128, 128), arrays_for(k))
+    assert launcher.compiled is not None
+
+
+def test_gpu_check_cute_says_how_the_wheels_travel(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check_cute", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    hint = mod.wheels_hint()
+    assert "pip download" in hint and "--python-version 3.12" in hint and "shared/" in hint
+    assert all(w in hint for w in mod.WHEELS)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("KILN_CUTE_WHEELS", raising=False)
+    with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl is not installed here"):
+        mod.ensure_cutlass()
