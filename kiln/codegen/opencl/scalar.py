@@ -129,7 +129,9 @@ def _shift_unsigned(sym):
     return lambda a, d, out: f"(({cl_type(out)})(({UNSIGNED[out.short]}){a[0]} {sym} {a[1]}))"
 
 
-SCALAR_TABLE: dict = {"convert": _cast, "select": lambda a, d, out: f"({a[0]} ? {a[1]} : {a[2]})"}
+SCALAR_TABLE: dict = {"convert": _cast, "select": lambda a, d, out: f"({a[0]} ? {a[1]} : {a[2]})",
+                      # same width by the op's type rule: OpenCL's as_<type> reinterprets the bits
+                      "bitcast_convert": lambda a, d, out: f"as_{cl_type(out)}({a[0]})"}
 SCALAR_TABLE.update({f"{op}:float": _binop(sym) for op, sym in (("add", "+"), ("sub", "-"), ("mul", "*"))})
 SCALAR_TABLE.update({f"{op}:int": _wrapping(sym) for op, sym in (("add", "+"), ("sub", "-"), ("mul", "*"))})
 SCALAR_TABLE["neg:float"] = lambda a, d, out: f"(-{a[0]})"

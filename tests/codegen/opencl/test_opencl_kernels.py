@@ -151,3 +151,17 @@ def test_work_group_shapes_follow_the_device_limits():
 def _softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
+
+
+def test_erf_float32_polynomial_on_cpu_devices_and_native_float64():
+    import math
+
+    z = np.linspace(-5, 5, 20001)
+    ref = np.array([math.erf(v) for v in z])
+    f = opencl(lambda a: kn.erf(a))
+    # float32 on a CPU device: legalize's polynomial (through bitcast_convert), ~1e-7 absolute
+    np.testing.assert_allclose(f(z.astype(np.float32)).numpy(), ref, rtol=0, atol=3e-7)
+    np.testing.assert_allclose(f(z).numpy(), ref, rtol=1e-14, atol=1e-15)  # the driver's erf
+    backend = get_backend("opencl")
+    assert backend.native("erf", [kn.float64], kn.float64)
+    assert backend.native("erf", [kn.float32], kn.float32) == (not backend.limits().cpu)
