@@ -42,7 +42,8 @@ examples:
   kiln dump mlp.kir --stage source --target cpu   # LLVM IR
   kiln dump mlp.kir --stage source --target cuda  # Triton source
   kiln dump mlp.kir --stage asm --target cuda:sm_100   # PTX, built without a GPU
-  kiln dump mlp.kir --stage asm --target rocm     # AMDGCN (gfx942)"""
+  kiln dump mlp.kir --stage asm --target rocm     # AMDGCN (gfx942)
+  kiln dump mlp.kir --stage source --target opencl   # OpenCL C (Intel XPU, PoCL)"""
 
 
 def register(subparsers) -> None:
@@ -63,7 +64,8 @@ def register(subparsers) -> None:
     dump.add_argument("--target", default="cpu",
                       help="backend for code stages (default: cpu): cpu, cuda or rocm, optionally with "
                            "an architecture (cuda:sm_80|sm_90|sm_100, rocm:gfx90a|gfx942|gfx950); "
-                           "cuda/rocm also show the stages ttir, ttgir, llir")
+                           "cuda/rocm also show the stages ttir, ttgir, llir; opencl (or xpu) shows "
+                           "opencl-c and spir")
     dump.set_defaults(handler=dump_command)
 
     run = subparsers.add_parser(
