@@ -135,6 +135,58 @@ def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifa
                         size_names, key)
 
 
+def compile_grouped_gemm(arch: str, dtype, out_dtype, k: int, n: int, experts: int, *, activation: str = "none",
+                         alpha: float = 1.0, bias: bool = False, row_scale: bool = False,
+                         transpose_rhs: bool = False, tile: tuple = (128, 128)) -> CuteArtifact:
+    """The MoE grouped GEMM (grouped_gemm.py) for x [T, K] (T symbolic), w [E, K, N] ([E, N, K]
+    with transpose_rhs), bias [E, N], row_scale [T]: PTX + cubin for `arch` (sm_100a), cached."""
+    if arch != "sm_100a":
+        raise ValueError(f"the CuTeDSL grouped GEMM is for sm_100a, not {arch}")
+    import cutlass
+
+    spec = (dtype.name, out_dtype.name, int(k), int(n), int(experts), activation, float(alpha), bool(bias),
+            bool(row_scale), bool(transpose_rhs))
+    from kiln.codegen.cute import grouped_gemm, sm100_gemm
+
+    parts = []
+    for m in (grouped_gemm, sm100_gemm):
+        with open(m.__file__, "rb") as f:
+            parts.append(hashlib.sha256(f.read()).hexdigest())
+    key = artifact_cache.content_key(_FORMAT, _KILN_VERSION, getattr(cutlass, "__version__", "?"), arch,
+                                     repr(tuple(tile)), ",".join(parts), "grouped", repr(spec))
+    blob = artifact_cache.load(key, _CACHE_KIND, validate=_check_entry)
+    if blob is not None:
+        return _decode(blob, key)
+    arch_env()
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from kiln.codegen.cute.epilogue import cutlass_type
+
+    t = cute.sym_int32()
+    a_t, o_t = cutlass_type(dtype), cutlass_type(out_dtype)
+    x = make_fake_compact_tensor(a_t, (t, k, 1), stride_order=(1, 0, 2), assumed_align=16)
+    # w as (N, K, E): [E, K, N] has N contiguous, [E, N, K] (transpose_rhs) K
+    w = make_fake_compact_tensor(a_t, (n, k, experts), stride_order=(1, 0, 2) if transpose_rhs else (0, 1, 2),
+                                 assumed_align=16)
+    y = make_fake_compact_tensor(o_t, (t, n, 1), stride_order=(1, 0, 2), assumed_align=16)
+    sizes = make_fake_compact_tensor(cutlass.Int32, (experts,), assumed_align=4)
+    b = make_fake_compact_tensor(o_t if bias else cutlass.Float32, (experts, n) if bias else (1, 1),
+                                 stride_order=(1, 0), assumed_align=16 if bias else 4)
+    rs = make_fake_compact_tensor(cutlass.Float32, (t,) if row_scale else (1,), assumed_align=4)
+    gemm = grouped_gemm.Sm100GroupedGemm(tuple(tile), activation, alpha, bias, row_scale)
+    with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump:
+        start = time.perf_counter()
+        compiled = cute.compile(gemm, x, w, y, sizes, b, rs, make_fake_stream(),
+                                options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump}")
+        seconds = time.perf_counter() - start
+    names = ("bias",) * bias + ("row_scale",) * row_scale
+    art = CuteArtifact("grouped_gemm", arch, tuple(tile), compiled.artifacts.PTX, bytes(compiled.artifacts.CUBIN),
+                       seconds, names, ("T",), key)
+    artifact_cache.store(key, _encode(art), _CACHE_KIND)
+    return art
+
+
 def _encode(art: CuteArtifact) -> bytes:
     return json.dumps({"format": _FORMAT, "name": art.name, "arch": art.arch, "tile": list(art.tile),
                        "ptx": art.ptx, "cubin": base64.b64encode(art.cubin).decode(),

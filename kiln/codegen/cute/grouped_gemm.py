@@ -1,0 +1,209 @@
+"""kiln's grouped GEMM for mixture-of-experts layers in CuTeDSL, for Blackwell (sm_100a).
+
+    y[rows of e] = epilogue(x[rows of e] @ w[e])    for every expert e, in one launch
+
+The `grouped_matmul` op (kiln/ir/ops/moe.py): x [T, K] holds the tokens sorted by expert,
+group_sizes [E] how many rows each expert owns, w [E, K, N] (or [E, N, K]). The grid has
+one CTA per (row tile, column tile) of the work list, sized for the worst case
+(ceil(T / BM) + E row tiles); each CTA walks group_sizes on the device to find its expert
+and the first row of its tile (no host sync, no prefix-sum kernel), and CTAs past the
+end of the list leave at once. The tile's A rows start at that row: TMA addresses rows
+by element, so an expert's first row needs no alignment; rows of the next expert that a
+partial tile loads are computed and never stored. B is expert e's matrix (the batch
+coordinate of the TMA view of w). The accumulator lives in tensor memory (tcgen05), the
+epilogue (the Triton grouped kernel's, in the same order) is applied per element:
+
+    acc * alpha -> + bias[e, col] -> activation -> * row_scale[row] -> cast to y's dtype
+
+and stores are masked to the expert's rows and to N.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from kiln.codegen.cute.sm100_gemm import Sm100Gemm
+
+ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
+
+
+class Sm100GroupedGemm(Sm100Gemm):
+    """The grouped GEMM; `activation` one of ACTIVATIONS, bias / row_scale operands optional."""
+
+    def __init__(self, tile_mn: tuple[int, int], activation: str = "none", alpha: float = 1.0,
+                 has_bias: bool = False, has_row_scale: bool = False):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"grouped GEMM: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        super().__init__(tile_mn, None)
+        self.activation, self.alpha = activation, float(alpha)
+        self.has_bias, self.has_row_scale = has_bias, has_row_scale
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, y: cute.Tensor, group_sizes: cute.Tensor,
+                 bias: cute.Tensor, row_scale: cute.Tensor, stream):
+        self._configure(x, w, y)
+        tma_a, ta = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100.cluster_shape_to_tma_atom_A((1, 1), self.mma.thr_id), x,
+            cute.slice_(self.sa_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
+        tma_b, tb = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100.cluster_shape_to_tma_atom_B((1, 1), self.mma.thr_id), w,
+            cute.slice_(self.sb_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
+        experts = cute.size(group_sizes)
+        grid = (cute.ceil_div(y.shape[0], self.tile[0]) + experts, cute.ceil_div(y.shape[1], self.tile[1]), 1)
+        self.kernel(self.mma, tma_a, ta, tma_b, tb, y, self.cluster, self.sa_layout, self.sb_layout,
+                    group_sizes, bias, row_scale).launch(grid=grid, block=[self.threads, 1, 1],
+                                                         cluster=(1, 1, 1), stream=stream)
+
+    @cute.jit
+    def epilogue_value(self, acc, row, col, expert, bias, row_scale):
+        v = acc * cutlass.Float32(self.alpha) if self.alpha != 1.0 else acc
+        if cutlass.const_expr(self.has_bias):
+            v = v + bias[(expert, col)].to(cutlass.Float32)
+        if cutlass.const_expr(self.activation == "relu"):
+            v = cutlass.max(v, cutlass.Float32(0.0))
+        if cutlass.const_expr(self.activation == "silu"):
+            v = v / (cutlass.Float32(1.0) + cute.math.exp(-v))
+        if cutlass.const_expr(self.activation == "gelu"):
+            v = cutlass.Float32(0.5) * v * (cutlass.Float32(1.0) + cute.math.erf(v * cutlass.Float32(1 / math.sqrt(2))))
+        if cutlass.const_expr(self.activation == "gelu_tanh"):
+            inner = cutlass.Float32(math.sqrt(2 / math.pi)) * (v + cutlass.Float32(0.044715) * v * v * v)
+            v = cutlass.Float32(0.5) * v * (cutlass.Float32(1.0) + cute.math.tanh(inner))
+        if cutlass.const_expr(self.has_row_scale):
+            v = v * row_scale[row].to(cutlass.Float32)
+        return v
+
+    @cute.kernel
+    def kernel(self, mma: cute.TiledMma, tma_a: cute.CopyAtom, ma: cute.Tensor, tma_b: cute.CopyAtom,
+               mb: cute.Tensor, mc: cute.Tensor, cluster: cute.Layout, sa_layout: cute.ComposedLayout,
+               sb_layout: cute.ComposedLayout, group_sizes: cute.Tensor, bias: cute.Tensor,
+               row_scale: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bm, bn, _ = cute.arch.block_idx()
+        # this CTA's expert and first row: walk the work list (tiles of expert 0, then 1, ...)
+        expert = cutlass.Int32(-1)
+        row0 = cutlass.Int32(0)
+        row_end = cutlass.Int32(0)
+        tiles_before = cutlass.Int32(0)
+        offset = cutlass.Int32(0)
+        for e in cutlass.range(cute.size(group_sizes), unroll=1):
+            rows = group_sizes[e]
+            tiles = (rows + self.tile[0] - 1) // self.tile[0]
+            if expert < 0:
+                if bm < tiles_before + tiles:
+                    expert = e
+                    row0 = offset + (bm - tiles_before) * self.tile[0]
+                    row_end = offset + rows
+            tiles_before = tiles_before + tiles
+            offset = offset + rows
+        if expert >= 0:
+            self.tile_body(mma, tma_a, ma, tma_b, mb, mc, cluster, sa_layout, sb_layout, bias, row_scale,
+                           tidx, warp, bn, expert, row0, row_end)
+
+    @cute.jit
+    def tile_body(self, mma, tma_a, ma, tma_b, mb, mc, cluster, sa_layout, sb_layout, bias, row_scale,
+                  tidx, warp, bn, expert, row0, row_end):
+        """One output tile: rows row0.. of expert `expert`, columns of tile `bn`."""
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        @cute.struct
+        class Shared:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            acc_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            tmem_address: cutlass.Int32
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(Shared)
+        loads, mmas = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.load_bytes, cta_layout_vmnk=cluster, defer_sync=True).make_participants()
+        acc_ready = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_barriers.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
+            cta_layout_vmnk=cluster, defer_sync=True)
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_address.ptr, barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=2, num_threads=self.threads))
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+        sa = smem.allocate_tensor(element_type=self.a_dtype, layout=sa_layout.outer, byte_alignment=128,
+                                  swizzle=sa_layout.inner)
+        sb = smem.allocate_tensor(element_type=self.b_dtype, layout=sb_layout.outer, byte_alignment=128,
+                                  swizzle=sb_layout.inner)
+
+        thr = mma.get_slice(0)
+        # A: the tile's rows start at row0, anywhere (TMA coordinates are elements)
+        ga = thr.partition_A(cute.local_tile(cute.domain_offset((row0, 0, 0), ma),
+                                             cute.slice_(self.tile, (None, 0, None)), (0, None, 0)))
+        gb = thr.partition_B(cute.local_tile(mb, cute.slice_(self.tile, (0, None, None)), (bn, None, expert)))
+        tiler_mn = cute.slice_(self.tile, (None, None, 0))
+        gc = thr.partition_C(cute.local_tile(cute.domain_offset((row0, 0, 0), mc), tiler_mn, (0, bn, 0)))
+        cc = thr.partition_C(cute.local_tile(cute.domain_offset((row0, 0, 0), cute.make_identity_tensor(mc.shape)),
+                                             tiler_mn, (0, bn, 0)))
+        one = cute.make_layout(1)
+        tsa, tga = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sa, 0, 3), cute.group_modes(ga, 0, 3))
+        tsb, tgb = cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sb, 0, 3), cute.group_modes(gb, 0, 3))
+        ra = mma.make_fragment_A(sa)
+        rb = mma.make_fragment_B(sb)
+        acc_layout = mma.make_fragment_C(mma.partition_shape_C(self.tile[:2])).layout
+        k_tiles = cute.size(tga, mode=[1])
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
+
+        tmem.allocate(self.tmem_cols)
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        acc = cute.make_tensor(tmem_ptr, acc_layout)
+
+        if warp == 0:
+            ahead = cutlass.min(self.stages - 1, k_tiles)
+            for kt in cutlass.range(ahead, unroll=1):
+                slot = loads.acquire_and_advance()
+                cute.copy(tma_a, tga[(None, kt)], tsa[(None, slot.index)], tma_bar_ptr=slot.barrier)
+                cute.copy(tma_b, tgb[(None, kt)], tsb[(None, slot.index)], tma_bar_ptr=slot.barrier)
+            mma.set(tcgen05.Field.ACCUMULATE, False)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                if kt + ahead < k_tiles:
+                    slot = loads.acquire_and_advance()
+                    cute.copy(tma_a, tga[(None, slot.count)], tsa[(None, slot.index)], tma_bar_ptr=slot.barrier)
+                    cute.copy(tma_b, tgb[(None, slot.count)], tsb[(None, slot.index)], tma_bar_ptr=slot.barrier)
+                ready = mmas.wait_and_advance()
+                for kb in cutlass.range(cute.size(ra, mode=[2]), unroll_full=True):
+                    cute.gemm(mma, acc, ra[(None, None, kb, ready.index)], rb[(None, None, kb, ready.index)], acc)
+                    mma.set(tcgen05.Field.ACCUMULATE, True)
+                ready.release()
+            acc_ready.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
+        tmem.relinquish_alloc_permit()
+        acc_ready.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+
+        t2r_atom = sm100.get_tmem_load_op(self.tile, self.c_major, self.c_dtype, self.acc_dtype, self.epi_tile, False)
+        acc_slices = cute.flat_divide(acc[((None, None), 0, 0)], self.epi_tile)
+        t2r = tcgen05.make_tmem_copy(t2r_atom, acc_slices[(None, None, 0, 0)])
+        thr_t2r = t2r.get_slice(tidx)
+        t_acc = cute.group_modes(thr_t2r.partition_S(acc_slices), 3, 5)
+        t_gc = thr_t2r.partition_D(cute.flat_divide(gc[((None, None), 0, 0)], self.epi_tile))
+        t_cc = thr_t2r.partition_D(cute.flat_divide(cc[((None, None), 0, 0)], self.epi_tile))
+        r_acc = cute.make_rmem_tensor(t_gc[(None, None, None, 0, 0)].shape, self.acc_dtype)
+        t_gc = cute.group_modes(t_gc, 3, 5)
+        t_cc = cute.group_modes(t_cc, 3, 5)
+        for s in cutlass.range(cute.size(t_acc.shape, mode=[3])):
+            cute.copy(t2r, t_acc[(None, None, None, s)], r_acc)
+            g_slice = t_gc[(None, None, None, s)]
+            c_slice = t_cc[(None, None, None, s)]
+            for i in cutlass.range(cute.size(r_acc), unroll_full=True):
+                row, col, _ = c_slice[i]
+                if row < row_end:
+                    if col < mc.shape[1]:
+                        g_slice[i] = self.epilogue_value(r_acc[i], row, col, expert, bias, row_scale).to(self.c_dtype)
+        pipeline.sync(barrier_id=1)
+        tmem.free(tmem_ptr)
+        if warp == 0:
+            loads.tail()
