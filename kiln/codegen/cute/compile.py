@@ -138,18 +138,19 @@ def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifa
 def compile_grouped_gemm(arch: str, dtype, out_dtype, k: int, n: int, experts: int, *, activation: str = "none",
                          alpha: float = 1.0, bias: bool = False, row_scale: bool = False,
                          transpose_rhs: bool = False, tile: tuple = (128, 128)) -> CuteArtifact:
-    """The MoE grouped GEMM (grouped_gemm.py) for x [T, K] (T symbolic), w [E, K, N] ([E, N, K]
-    with transpose_rhs), bias [E, N], row_scale [T]: PTX + cubin for `arch` (sm_100a), cached."""
-    if arch != "sm_100a":
-        raise ValueError(f"the CuTeDSL grouped GEMM is for sm_100a, not {arch}")
+    """The MoE grouped GEMM for x [T, K] (T symbolic), w [E, K, N] ([E, N, K] with
+    transpose_rhs), bias [E, N], row_scale [T]: PTX + cubin for `arch` (sm_90a: sm90_grouped.py,
+    sm_100a: grouped_gemm.py), cached."""
+    if arch not in MAX_CTAS:
+        raise ValueError(f"the CuTeDSL grouped GEMM is for {', '.join(MAX_CTAS)}, not {arch}")
     import cutlass
 
     spec = (dtype.name, out_dtype.name, int(k), int(n), int(experts), activation, float(alpha), bool(bias),
             bool(row_scale), bool(transpose_rhs))
-    from kiln.codegen.cute import grouped_gemm, sm100_gemm
+    from kiln.codegen.cute import grouped_gemm, sm90_gemm, sm90_grouped, sm100_gemm
 
     parts = []
-    for m in (grouped_gemm, sm100_gemm):
+    for m in (grouped_gemm, sm90_grouped, sm90_gemm, sm100_gemm):
         with open(m.__file__, "rb") as f:
             parts.append(hashlib.sha256(f.read()).hexdigest())
     key = artifact_cache.content_key(_FORMAT, _KILN_VERSION, getattr(cutlass, "__version__", "?"), arch,
@@ -174,10 +175,12 @@ def compile_grouped_gemm(arch: str, dtype, out_dtype, k: int, n: int, experts: i
     b = make_fake_compact_tensor(o_t if bias else cutlass.Float32, (experts, n) if bias else (1, 1),
                                  stride_order=(1, 0), assumed_align=16 if bias else 4)
     rs = make_fake_compact_tensor(cutlass.Float32, (t,) if row_scale else (1,), assumed_align=4)
-    gemm = grouped_gemm.Sm100GroupedGemm(tuple(tile), activation, alpha, bias, row_scale)
+    kind = grouped_gemm.Sm100GroupedGemm if arch == "sm_100a" else sm90_grouped.Sm90GroupedGemm
+    gemm = kind(tuple(tile), activation, alpha, bias, row_scale)
+    args = (x, w, y, sizes, b, rs) + ((MAX_CTAS[arch],) if arch == "sm_90a" else ())
     with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump:
         start = time.perf_counter()
-        compiled = cute.compile(gemm, x, w, y, sizes, b, rs, make_fake_stream(),
+        compiled = cute.compile(gemm, *args, make_fake_stream(),
                                 options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump}")
         seconds = time.perf_counter() - start
     names = ("bias",) * bias + ("row_scale",) * row_scale

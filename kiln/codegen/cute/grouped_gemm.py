@@ -33,32 +33,35 @@ from kiln.codegen.cute.sm100_gemm import Sm100Gemm
 ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
 
 
-class Sm100GroupedGemm(Sm100Gemm):
-    """The grouped GEMM; `activation` one of ACTIVATIONS, bias / row_scale operands optional."""
+class GroupedParts:
+    """What both grouped kernels share: their options, the work-list walk, the epilogue."""
 
-    def __init__(self, tile_mn: tuple[int, int], activation: str = "none", alpha: float = 1.0,
-                 has_bias: bool = False, has_row_scale: bool = False):
+    def _options(self, activation: str, alpha: float, has_bias: bool, has_row_scale: bool) -> None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"grouped GEMM: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        super().__init__(tile_mn, None)
         self.activation, self.alpha = activation, float(alpha)
         self.has_bias, self.has_row_scale = has_bias, has_row_scale
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, w: cute.Tensor, y: cute.Tensor, group_sizes: cute.Tensor,
-                 bias: cute.Tensor, row_scale: cute.Tensor, stream):
-        self._configure(x, w, y)
-        tma_a, ta = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100.cluster_shape_to_tma_atom_A((1, 1), self.mma.thr_id), x,
-            cute.slice_(self.sa_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
-        tma_b, tb = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100.cluster_shape_to_tma_atom_B((1, 1), self.mma.thr_id), w,
-            cute.slice_(self.sb_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
-        experts = cute.size(group_sizes)
-        grid = (cute.ceil_div(y.shape[0], self.tile[0]) + experts, cute.ceil_div(y.shape[1], self.tile[1]), 1)
-        self.kernel(self.mma, tma_a, ta, tma_b, tb, y, self.cluster, self.sa_layout, self.sb_layout,
-                    group_sizes, bias, row_scale).launch(grid=grid, block=[self.threads, 1, 1],
-                                                         cluster=(1, 1, 1), stream=stream)
+    def find_tile(self, bm, group_sizes):
+        """(expert, first row, end row of the expert) of row tile `bm` of the work list; expert
+        is -1 past its end. Tiles are numbered expert by expert."""
+        expert = cutlass.Int32(-1)
+        row0 = cutlass.Int32(0)
+        row_end = cutlass.Int32(0)
+        tiles_before = cutlass.Int32(0)
+        offset = cutlass.Int32(0)
+        for e in cutlass.range(cute.size(group_sizes), unroll=1):
+            rows = group_sizes[e]
+            tiles = (rows + self.tile[0] - 1) // self.tile[0]
+            if expert < 0:
+                if bm < tiles_before + tiles:
+                    expert = e
+                    row0 = offset + (bm - tiles_before) * self.tile[0]
+                    row_end = offset + rows
+            tiles_before = tiles_before + tiles
+            offset = offset + rows
+        return expert, row0, row_end
 
     @cute.jit
     def epilogue_value(self, acc, row, col, expert, bias, row_scale):
@@ -78,6 +81,31 @@ class Sm100GroupedGemm(Sm100Gemm):
             v = v * row_scale[row].to(cutlass.Float32)
         return v
 
+
+class Sm100GroupedGemm(GroupedParts, Sm100Gemm):
+    """The grouped GEMM for sm_100a; `activation` one of ACTIVATIONS, bias / row_scale optional."""
+
+    def __init__(self, tile_mn: tuple[int, int], activation: str = "none", alpha: float = 1.0,
+                 has_bias: bool = False, has_row_scale: bool = False):
+        super().__init__(tile_mn, None)
+        self._options(activation, alpha, has_bias, has_row_scale)
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, w: cute.Tensor, y: cute.Tensor, group_sizes: cute.Tensor,
+                 bias: cute.Tensor, row_scale: cute.Tensor, stream):
+        self._configure(x, w, y)
+        tma_a, ta = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100.cluster_shape_to_tma_atom_A((1, 1), self.mma.thr_id), x,
+            cute.slice_(self.sa_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
+        tma_b, tb = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100.cluster_shape_to_tma_atom_B((1, 1), self.mma.thr_id), w,
+            cute.slice_(self.sb_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
+        experts = cute.size(group_sizes)
+        grid = (cute.ceil_div(y.shape[0], self.tile[0]) + experts, cute.ceil_div(y.shape[1], self.tile[1]), 1)
+        self.kernel(self.mma, tma_a, ta, tma_b, tb, y, self.cluster, self.sa_layout, self.sb_layout,
+                    group_sizes, bias, row_scale).launch(grid=grid, block=[self.threads, 1, 1],
+                                                         cluster=(1, 1, 1), stream=stream)
+
     @cute.kernel
     def kernel(self, mma: cute.TiledMma, tma_a: cute.CopyAtom, ma: cute.Tensor, tma_b: cute.CopyAtom,
                mb: cute.Tensor, mc: cute.Tensor, cluster: cute.Layout, sa_layout: cute.ComposedLayout,
@@ -87,21 +115,7 @@ class Sm100GroupedGemm(Sm100Gemm):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bm, bn, _ = cute.arch.block_idx()
         # this CTA's expert and first row: walk the work list (tiles of expert 0, then 1, ...)
-        expert = cutlass.Int32(-1)
-        row0 = cutlass.Int32(0)
-        row_end = cutlass.Int32(0)
-        tiles_before = cutlass.Int32(0)
-        offset = cutlass.Int32(0)
-        for e in cutlass.range(cute.size(group_sizes), unroll=1):
-            rows = group_sizes[e]
-            tiles = (rows + self.tile[0] - 1) // self.tile[0]
-            if expert < 0:
-                if bm < tiles_before + tiles:
-                    expert = e
-                    row0 = offset + (bm - tiles_before) * self.tile[0]
-                    row_end = offset + rows
-            tiles_before = tiles_before + tiles
-            offset = offset + rows
+        expert, row0, row_end = self.find_tile(bm, group_sizes)
         if expert >= 0:
             self.tile_body(mma, tma_a, ma, tma_b, mb, mc, cluster, sa_layout, sb_layout, bias, row_scale,
                            tidx, warp, bn, expert, row0, row_end)

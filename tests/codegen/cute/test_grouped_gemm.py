@@ -1,4 +1,4 @@
-"""The CuTeDSL grouped GEMM of kn.grouped_matmul (MoE) for sm_100a, compiled without a GPU:
+"""The CuTeDSL grouped GEMMs of kn.grouped_matmul (MoE) for sm_100a and sm_90a, compiled without a GPU:
 tcgen05 into tensor memory, TMA loads of x rows from any offset and of expert e's w, the
 group-size walk on the device, the fused epilogue (bias per expert, activation, router
 scale) and masked stores; for both weight layouts."""
@@ -42,3 +42,16 @@ def test_grouped_gemm_epilogue_in_the_ptx(bare):
     gelu = compile_grouped_gemm("sm_100a", dt.float16, dt.float32, 512, 256, 4, activation="gelu_tanh")
     assert "copysign.f32" in instructions(gelu.ptx)          # tanh
     assert "st.global.b32" in instructions(gelu.ptx)         # float32 output
+
+
+def test_sm90_grouped_gemm_ptx():
+    """The Hopper variant: the persistent warp-specialized wgmma kernel over the work list."""
+    art = compile_grouped_gemm("sm_90a", dt.bfloat16, dt.bfloat16, 1024, 768, 8, activation="silu",
+                               bias=True, row_scale=True)
+    ops = instructions(art.ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ops
+    assert any(o.startswith("cp.async.bulk.tensor.3d.shared::cta.global") for o in ops)  # w[e] by TMA
+    assert "setmaxnreg" in art.ptx and "mbarrier.try_wait.parity.shared.b64" in ops
+    assert {"ld.global.b32", "ld.global.b16", "st.global.b16", "ex2.approx.ftz.f32", "div.rn.f32"} <= ops
+    assert not any(o.startswith("cp.async.bulk.tensor.2d.global.shared::cta") for o in ops)  # no TMA store
+    cache_elf.check_object(art.cubin, machine=cache_elf.EM_CUDA)
