@@ -39,7 +39,10 @@ def save_world(rank, world, addr, args):
         mesh2 = DeviceMesh((2, 2), ("dp", "tp"))
         state["m"] = distribute_tensor(v["m"], mesh2, [Shard(1), Shard(0)], src_data_rank=None)
     dist.checkpoint.save(state, args["path"])
-    return _load_and_check(world, args["path"], v)
+    data = _load_and_check(world, args["path"], v)
+    if args.get("async_path"):
+        _async_while_training(world, args["async_path"])
+    return data
 
 
 def _load_and_check(world, path, v):
@@ -63,15 +66,15 @@ def load_world(rank, world, addr, args):
     return _load_and_check(world, args["path"], values(args.get("version", 0)))
 
 
-@scenario
-def async_while_training(rank, world, addr, args):
-    join(rank, world, addr)
+def _async_while_training(world, path):
+    """async_save, then three steps that change the state in place; the checkpoint
+    holds the values of the call."""
     v = values()
     mesh = DeviceMesh((world,), ("x",))
     state = {"w": distribute_tensor(v["w"], mesh, [Shard(0)], src_data_rank=None),
              "m": distribute_tensor(v["m"], mesh, [Replicate()], src_data_rank=None),
              "steps": v["steps"].copy()}
-    fut = dist.checkpoint.async_save(state, args["path"])
+    fut = dist.checkpoint.async_save(state, path)
     for _ in range(3):  # training goes on and changes the state in place
         state["w"].local_array().setflags(write=True)
         np.add(state["w"].local_array(), 1.0, out=state["w"].local_array())
@@ -79,7 +82,7 @@ def async_while_training(rank, world, addr, args):
         x = state["w"] + 1.0
         x.full_tensor()
     fut.result(timeout=60)
-    return _load_and_check(world, args["path"], v)
+    return _load_and_check(world, path, v)
 
 
 @scenario

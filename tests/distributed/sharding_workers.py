@@ -75,6 +75,8 @@ def mesh_and_redistribute(rank, world, addr, args):
         start = outer[0] + min(coord[1] * inner_step, 3)
         assert bounds == (start, min(start + inner_step, outer[1])), (bounds, coord)
         data["pairs_2d"] = pairs
+    if world == 4:
+        data["placements_2d"] = _ops_on_2d_mesh()
     # distribute_tensor takes rank 0's value by default
     mine = np.full((4, 2), float(rank), np.float32)
     d = distribute_tensor(mine, mesh, [Shard(0)])
@@ -130,10 +132,8 @@ def every_op_sharded(rank, world, addr, args):
     return {"runs": runs, "ops": len(runnable_ops()), "sharded": sharded_results}
 
 
-@scenario
-def ops_on_2d_mesh(rank, world, addr, args):
+def _ops_on_2d_mesh():
     """matmul, add and a reduction on a 2 x 2 mesh, inputs sharded two ways."""
-    join(rank, world, addr)
     mesh = DeviceMesh((2, 2), ("dp", "tp"))
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 8)).astype(np.float32)
@@ -146,7 +146,7 @@ def ops_on_2d_mesh(rank, world, addr, args):
     z = (y + 1.0).sum(dim=0)
     np.testing.assert_allclose(z.full_tensor().numpy(), (x @ w + 1.0).sum(0), rtol=1e-4,
                                atol=1e-4)
-    return {"placements": str(y.placements)}
+    return str(y.placements)
 
 
 if __name__ == "__main__":
