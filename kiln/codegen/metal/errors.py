@@ -14,3 +14,8 @@ class KilnMetalBuildError(KilnError, RuntimeError):
     code = "K411"
     title = "the Metal compiler rejected a generated program"
 
+
+
+class KilnMetalArgumentError(KilnError, ValueError):
+    code = "K412"
+    title = "a batched linear-algebra kernel cannot take this matrix shape"

@@ -44,7 +44,7 @@ namespace metal {
 using std::fabs; using std::fmod; using std::pow; using std::atan2; using std::rint; using std::exp;
 using std::log; using std::sin; using std::cos; using std::tan; using std::asin; using std::acos;
 using std::atan; using std::sinh; using std::cosh; using std::tanh; using std::sqrt; using std::floor;
-using std::ceil; using std::trunc; using std::min; using std::max;
+using std::ceil; using std::trunc; using std::min; using std::max; using std::isfinite; using std::isnan;
 #define KILN_HALF1(f) inline half f(half x) { return (half)std::f((float)x); }
 #define KILN_HALF2(f) inline half f(half x, half y) { return (half)std::f((float)x, (float)y); }
 KILN_HALF1(fabs) KILN_HALF1(rint) KILN_HALF1(exp) KILN_HALF1(log) KILN_HALF1(sin) KILN_HALF1(cos)

@@ -39,7 +39,8 @@ def rewrite(source: str) -> str:
     and function-scope threadgroup arrays made static (one per threadgroup, which the
     simulator runs one at a time)."""
     source = source.replace("#include <metal_stdlib>", '#include "metal_compat.h"')
-    source = re.sub(r"^(\s+)threadgroup ", r"\1static threadgroup ", source, flags=re.M)
+    # a declaration (no initializer, no pointer): `threadgroup T name[N];` or `threadgroup T name;`
+    source = re.sub(r"^(\s+)threadgroup (\w+ \w+(\[[^\]]*\])*;)", r"\1static threadgroup \2", source, flags=re.M)
     return re.sub(r"\[\[threadgroup\((\d+)\)\]\]", r"[[kiln_threadgroup(\1)]]", source)
 
 
@@ -60,10 +61,12 @@ def check_msl(source: str) -> None:
         _clang(["-fsyntax-only"], rewrite(source), ".cpp", tmp)
 
 
-def _launcher(kernel, emitted) -> str:
-    args = [f"({msl_type(b.dtype)}*)bufs[{i}]" for i, b in enumerate(kernel.buffers)]
+def _launcher(types: list[str], emitted) -> str:
+    args = [f"({t}*)bufs[{i}]" for i, t in enumerate(types)]
     args += [f"sizes[{j}]" for j in range(len(emitted.sizes))]
     call = emitted.name
+    thread_args = ["(uint)g", "(uint)t"] if "thread_index_in_simdgroup" not in emitted.source else \
+        ["(uint)g", "(uint)t", "(uint)(t % 32)", "(uint)(t / 32)"]
     return f"""
 thread_local std::barrier<>* metal::kiln_tg_barrier;
 thread_local metal::KilnSimd* metal::kiln_simd;
@@ -76,7 +79,7 @@ extern "C" void kiln_sim_launch(void** bufs, long* sizes, long groups, int threa
   for (int t = 0; t < threads; ++t) lanes.emplace_back([&, t] {{
     metal::kiln_tg_barrier = &tg; metal::kiln_simd = sgs[t / 32].get(); metal::kiln_lane = t % 32;
     for (long g = 0; g < groups; ++g) {{
-      {call}({", ".join(args + ["(uint)g", "(uint)t", "(uint)(t % 32)", "(uint)(t / 32)"])});
+      {call}({", ".join(args + thread_args)});
       tg.arrive_and_wait();
     }}
   }});
@@ -88,7 +91,12 @@ extern "C" void kiln_sim_launch(void** bufs, long* sizes, long groups, int threa
 def build(kernel, tmp_root: str):
     """The simulator library for one legalized kernel (built once per source)."""
     emitted = emit_kernel(kernel)
-    source = rewrite(emitted.source) + _launcher(kernel, emitted)
+    return build_emitted(emitted, [msl_type(b.dtype) for b in kernel.buffers], tmp_root)
+
+
+def build_emitted(emitted, types: list[str], tmp_root: str):
+    """The simulator library for an EmittedKernel whose buffers have MSL types `types`."""
+    source = rewrite(emitted.source) + _launcher(types, emitted)
     key = hashlib.sha256(source.encode()).hexdigest()[:20]
     if key not in _BUILT:
         tmp = tempfile.mkdtemp(dir=tmp_root)
@@ -103,7 +111,18 @@ def build(kernel, tmp_root: str):
 def simulate(kernel, arrays: list, sizes: dict, tmp_root: str):
     """Run `kernel` (legalized) under the simulator on contiguous `arrays`, in place;
     returns the EmittedKernel (its kind, threads, vec4)."""
-    lib, emitted = build(kernel, tmp_root)
+    return _launch(build(kernel, tmp_root), arrays, sizes)
+
+
+def simulate_emitted(emitted, arrays: list, sizes: dict, tmp_root: str):
+    """Run an EmittedKernel (e.g. a linear-algebra kernel) on `arrays` (their dtypes give
+    the buffer types) under the simulator, in place."""
+    names = {np.dtype(np.float32): "float", np.dtype(np.int32): "int", np.dtype(np.float16): "half"}
+    return _launch(build_emitted(emitted, [names[a.dtype] for a in arrays], tmp_root), arrays, sizes)
+
+
+def _launch(built, arrays: list, sizes: dict):
+    lib, emitted = built
     arrays = [np.ascontiguousarray(a) for a in arrays]
     ptrs = (ctypes.c_void_p * max(1, len(arrays)))(*[a.ctypes.data for a in arrays])
     svals = (ctypes.c_long * max(1, len(emitted.sizes)))(*[int(sizes[s]) for s in emitted.sizes])
