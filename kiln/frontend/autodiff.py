@@ -14,7 +14,9 @@ function closes over are constants of the differentiation (no gradient flows to 
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,6 +29,7 @@ from kiln.ir.interpret import run_graph
 from kiln.ir.types import TensorType
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import apply, current_builder, raw, to_array, trace_stack
+from kiln.frontend.closure_guards import closure_guards
 from kiln.frontend.control_flow import region_value
 from kiln.frontend.tensor import Tensor
 from kiln.passes.autodiff import VJP, differentiable_dtype, inline, vjp_graph
@@ -96,6 +99,16 @@ class _Differentiated:
         self.vjp: VJP = vjp_graph(graph, [i for i, w in enumerate(wrt) if w], n_out)
         self.inputs = [v if self.traced else _array(leaf) for leaf, v, _ in leaf_values] + captured
         self.wrt_mask = wrt
+        self.n_captured = len(captured)
+
+    def rebound(self, primals: tuple) -> "_Differentiated":
+        """This eager trace applied to new `primals` of the same signature (the cache
+        key): the traced graphs are shared, the inputs and residuals are the new call's."""
+        other = copy.copy(self)
+        other.arg_leaves = [pytree.flatten(arg, _is_leaf)[0] for arg in primals]
+        other.inputs = [_array(leaf) for leaves in other.arg_leaves for leaf in leaves
+                        if _is_tensor(leaf)]
+        return other
 
     @staticmethod
     def _outer_builder(primals) -> GraphBuilder | None:
@@ -130,6 +143,8 @@ class _Differentiated:
                               for leaf in leaves]
         finally:
             b.regions.pop()
+            # what the graph's constants were made from: eager kn.grad guards on them
+            self.constant_sources = [src for src, _ in b._constant_ids.values()]
             b._constant_ids = saved_constants
             if pushed:
                 trace_stack().pop()
@@ -261,17 +276,71 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     if not nums:
         raise KilnArgumentError("value_and_grad: argnums must name at least one argument")
 
+    cache: dict = {}
+
     @functools.wraps(fn)
     def wrapper(*args):
         what = "grad" if not getattr(wrapper, "_value", True) else "value_and_grad"
-        d = _Differentiated(fn, args, nums, has_aux, what)
+        key = _eager_key(args) if current_builder() is None else None
+        hit = cache.get(key) if key is not None else None
+        if hit is not None and hit[1].check():
+            d = hit[0].rebound(args)
+        else:
+            rng = _rng_state()
+            d = _Differentiated(fn, args, nums, has_aux, what)
+            if key is not None and not d.traced and not d.n_captured and _rng_state() == rng:
+                guards = closure_guards(fn, d.constant_sources)
+                if guards is not None:
+                    cache.pop(key, None)
+                    if len(cache) >= EAGER_CACHE_SIZE:  # oldest first out
+                        cache.pop(next(iter(cache)))
+                    template = copy.copy(d)  # keeps the graphs, not this call's arrays
+                    template.inputs, template.arg_leaves = [], []
+                    cache[key] = (template, guards)
         outs = d.forward()
         main = outs[:d.n_out]
         grads = d.grads_tree(d.backward(_scalar_seed(d, main, what)), nums)
         grads = grads[0] if single else grads
         return d.outputs(outs), grads
 
+    wrapper.cache_size = lambda: len(cache)
     return wrapper
+
+
+# traced vjp programs an eager value_and_grad keeps (one per argument signature)
+EAGER_CACHE_SIZE = 8
+
+
+def _eager_key(args: tuple):
+    """The argument signature kn.compile keys on (pytree structure, dtype and shape of
+    each tensor, value of every other leaf), or None: traced or unhashable arguments."""
+    parts, specs = [], []
+    for arg in args:
+        leaves, spec = pytree.flatten(arg, _is_leaf)
+        specs.append(spec)
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                if leaf._builder is not None:
+                    return None
+                parts.append((leaf._x.dtype, leaf._x.shape))
+            elif isinstance(leaf, np.ndarray):
+                parts.append((leaf.dtype, leaf.shape))
+            else:
+                parts.append(("static", leaf.__class__.__name__, leaf))
+    try:
+        key = (json.dumps(specs, default=repr), tuple(parts))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _rng_state() -> tuple:
+    """The global random stream's position: a trace that draws from it (an unseeded
+    kn.randn, dropout) is not reused, or every call would get the same numbers."""
+    from kiln.frontend.factories import _rng
+
+    return getattr(_rng, "seed", 0), getattr(_rng, "counter", 0)
 
 
 def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
@@ -290,4 +359,5 @@ def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
         value, grads = inner(*args)
         return (grads, value[1]) if has_aux else grads
 
+    wrapper.cache_size = inner.cache_size  # traced programs kept (tests, kiln report)
     return wrapper
