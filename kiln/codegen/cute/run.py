@@ -76,3 +76,41 @@ class GemmLauncher:
         """Launch on `stream` (a `cuda.bindings.driver.CUstream`) over `arrays`."""
         a, b, c, operands, values = bind(self.kernel, arrays, self.sizes)
         self.compiled(a, b, c, operands, values, stream)
+
+
+class GroupedLauncher:
+    """The MoE grouped GEMM (compile.compile_grouped_gemm's kernels) compiled for real tensors:
+    x [T, K], w [E, K, N] (or [E, N, K] with transpose_rhs), y [T, N], group_sizes int32 [E],
+    optional bias [E, N] and row_scale [T]; call it with the same tensors and a stream."""
+
+    def __init__(self, arch: str, x, w, y, group_sizes, *, bias=None, row_scale=None, activation: str = "none",
+                 alpha: float = 1.0, transpose_rhs: bool = False, tile: tuple = (128, 128)):
+        arch_env()
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_stream
+
+        from kiln.codegen.cute import grouped_gemm, sm90_grouped
+
+        self.arch, self.transpose_rhs = arch, transpose_rhs
+        kind = grouped_gemm.Sm100GroupedGemm if arch == "sm_100a" else sm90_grouped.Sm90GroupedGemm
+        gemm = kind(tuple(tile), activation, alpha, bias is not None, row_scale is not None)
+        self.dummy = x.new_zeros((1, 1)).float()  # stands in for an absent bias / row_scale (never read)
+        args = self._args(x, w, y, group_sizes, bias, row_scale)
+        extra = (MAX_CTAS[arch],) if arch == "sm_90a" else ()
+        self.compiled = cute.compile(gemm, *args, *extra, make_fake_stream(), options=f"--gpu-arch {arch}")
+
+    def _args(self, x, w, y, group_sizes, bias, row_scale) -> tuple:
+        from cutlass.cute.runtime import from_dlpack
+
+        t, k = x.shape
+        wv = w.permute(1, 2, 0) if self.transpose_rhs else w.permute(2, 1, 0)  # (N, K, E)
+        b = bias if bias is not None else self.dummy
+        r = row_scale if row_scale is not None else self.dummy.reshape(-1)
+        return (from_dlpack(x.reshape(1, t, k).permute(1, 2, 0), assumed_align=16), from_dlpack(wv, assumed_align=16),
+                from_dlpack(y.reshape(1, *y.shape).permute(1, 2, 0), assumed_align=16),
+                from_dlpack(group_sizes, assumed_align=4), from_dlpack(b, assumed_align=4),
+                from_dlpack(r, assumed_align=4))
+
+    def __call__(self, x, w, y, group_sizes, stream, *, bias=None, row_scale=None) -> None:
+        self.compiled(*self._args(x, w, y, group_sizes, bias, row_scale), stream)
+

@@ -55,3 +55,16 @@ def test_gpu_check_cute_says_how_the_wheels_travel(monkeypatch):
     monkeypatch.delenv("KILN_CUTE_WHEELS", raising=False)
     with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl is not installed here"):
         mod.ensure_cutlass()
+
+
+def test_grouped_launcher_compiles_for_real_tensors():
+    from kiln.codegen.cute.run import GroupedLauncher
+
+    t, k, n, e = 1000, 256, 384, 8
+    x, y = torch.zeros(t, k, dtype=torch.bfloat16), torch.zeros(t, n, dtype=torch.bfloat16)
+    sizes = torch.full((e,), t // e, dtype=torch.int32)
+    launch = GroupedLauncher("sm_100a", x, torch.zeros(e, n, k, dtype=torch.bfloat16), y, sizes,
+                             row_scale=torch.zeros(t), activation="gelu_tanh", transpose_rhs=True)
+    assert launch.compiled is not None
+    args = launch._args(x, torch.zeros(e, n, k, dtype=torch.bfloat16), y, sizes, None, torch.zeros(t))
+    assert (args[1].shape, args[1].stride) == ((n, k, e), (k, 1, n * k))  # w [E, N, K] viewed as (N, K, E)
