@@ -142,3 +142,15 @@ def test_symlink_out_of_the_folder_is_refused(tmp_path):
 def test_no_manifest_is_no_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="holds no committed checkpoint"):
         checkpoint.load({}, str(tmp_path))
+
+
+def test_async_saves_into_one_folder_commit_in_call_order(tmp_path):
+    path = str(tmp_path / "chain")
+    futures = [checkpoint.async_save({"a": np.full((64, 256), i, np.float32)}, path)
+               for i in range(4)]
+    checkpoint.save({"a": np.full((64, 256), 9, np.float32)}, path)  # waits for them
+    assert all(f.done() and f.exception() is None for f in futures)
+    state = {"a": np.zeros((64, 256), np.float32)}
+    checkpoint.load(state, path)
+    assert np.all(state["a"] == 9)
+    assert len([n for n in os.listdir(path) if n.startswith("shard-")]) == 1

@@ -201,6 +201,18 @@ def _prepare(state: dict, path: str, timeout: float | None, copy: bool):
     return rank, world, items, save_id, store, timeout
 
 
+_IN_FLIGHT: dict = {}  # folder -> the Future of the last async save into it
+
+
+def _after_previous(path: str, timeout: float) -> None:
+    """Wait for the async save still writing into `path` (its error is its caller's):
+    saves into one folder commit in call order, and one never deletes the files of
+    another that is still being written."""
+    prev = _IN_FLIGHT.get(os.path.realpath(path))
+    if prev is not None:  # its error is reported through its own future
+        concurrent.futures.wait([prev], timeout=timeout)
+
+
 def save(state: dict, path: str, *, timeout: float | None = None) -> None:
     """Write `state` (DTensors, kn.Tensors, arrays) to folder `path`; every rank calls
     it. Returns once the manifest is committed.
@@ -208,6 +220,7 @@ def save(state: dict, path: str, *, timeout: float | None = None) -> None:
         >>> dist.checkpoint.save({"w": w, "b": b}, "ckpt")
     """
     rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, False)
+    _after_previous(path, timeout)
     _finish(path, save_id, rank, world, items, store, timeout)
 
 
@@ -215,15 +228,21 @@ def async_save(state: dict, path: str, *,
                timeout: float | None = None) -> concurrent.futures.Future:
     """Like `save`, but returns at once with a Future: the state is copied at the call
     and a background thread writes and commits it (training may change the tensors).
+    Saves into one folder commit in call order.
 
         >>> fut = dist.checkpoint.async_save(state, "ckpt"); ...; fut.result()
     """
     rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, True)
     future: concurrent.futures.Future = concurrent.futures.Future()
+    key = os.path.realpath(path)
+    previous = _IN_FLIGHT.get(key)
+    _IN_FLIGHT[key] = future
 
     def work():
         own_store = None
         try:
+            if previous is not None:  # its error is reported through its own future
+                concurrent.futures.wait([previous], timeout=timeout)
             own_store = store.clone() if store is not None else None  # its own connection
             _finish(path, save_id, rank, world, items, own_store, timeout)
             future.set_result(None)
@@ -232,6 +251,8 @@ def async_save(state: dict, path: str, *,
         finally:
             if own_store is not None:
                 own_store.close()
+            if _IN_FLIGHT.get(key) is future:
+                _IN_FLIGHT.pop(key, None)
 
     future.set_running_or_notify_cancel()
     threading.Thread(target=work, name="kiln-checkpoint-" + save_id, daemon=True).start()
