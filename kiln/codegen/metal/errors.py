@@ -18,4 +18,4 @@ class KilnMetalBuildError(KilnError, RuntimeError):
 
 class KilnMetalArgumentError(KilnError, ValueError):
     code = "K412"
-    title = "a batched linear-algebra kernel cannot take this matrix shape"
+    title = "a Metal linear-algebra or attention kernel cannot take this shape"

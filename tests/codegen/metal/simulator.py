@@ -117,7 +117,8 @@ def simulate(kernel, arrays: list, sizes: dict, tmp_root: str):
 def simulate_emitted(emitted, arrays: list, sizes: dict, tmp_root: str):
     """Run an EmittedKernel (e.g. a linear-algebra kernel) on `arrays` (their dtypes give
     the buffer types) under the simulator, in place."""
-    names = {np.dtype(np.float32): "float", np.dtype(np.int32): "int", np.dtype(np.float16): "half"}
+    names = {np.dtype(np.float32): "float", np.dtype(np.int32): "int", np.dtype(np.float16): "half",
+             np.dtype(np.bool_): "bool"}
     return _launch(build_emitted(emitted, [names[a.dtype] for a in arrays], tmp_root), arrays, sizes)
 
 
