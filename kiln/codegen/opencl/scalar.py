@@ -162,6 +162,8 @@ COMBINE = {"sum": "{a} + {x}", "prod": "{a} * {x}", "and": "{a} & {x}", "or": "{
 
 def combine(op: str, d, a: str, x: str) -> str:
     """`a` folded with `x` by reduction `op`, cast back to the accumulator type `d`."""
+    if op in ("max", "min") and not d.is_floating:  # no NaN to propagate
+        return f"(({cl_type(d)})(({x}) {'>' if op == 'max' else '<'} ({a}) ? ({x}) : ({a})))"
     if op in ("sum", "prod") and d.short in ("i32", "i64"):  # wrap, as numpy's integers do
         u = UNSIGNED[d.short]
         a, x = f"(({u}){a})", f"(({u}){x})"

@@ -165,3 +165,22 @@ def test_erf_float32_polynomial_on_cpu_devices_and_native_float64():
     backend = get_backend("opencl")
     assert backend.native("erf", [kn.float64], kn.float64)
     assert backend.native("erf", [kn.float32], kn.float32) == (not backend.limits().cpu)
+
+
+@pytest.mark.parametrize("case", ["cat_slice_transpose", "uint8_max", "int16_sum", "var"])
+def test_more_ops_and_dtypes_match_numpy(case):
+    x = rng.standard_normal((6, 7, 5)).astype(np.float32)
+    if case == "cat_slice_transpose":
+        f, args = (lambda a: kn.cat([a[:, :3], a[:, 3:] * 2], dim=1).transpose(0, 2).sum(1)), (x,)
+        want = np.swapaxes(np.concatenate([x[:, :3], x[:, 3:] * 2], 1), 0, 2).sum(1)  # torch transpose(0, 2)
+    elif case == "uint8_max":
+        u = rng.integers(0, 255, (300, 3)).astype(np.uint8)
+        f, args, want = (lambda a: kn.amax(a, 0)), (u,), u.max(0)
+    elif case == "int16_sum":
+        s = rng.integers(-100, 100, (9, 40)).astype(np.int16)
+        f, args, want = (lambda a: (a * 3 + 7).sum(-1)), (s,), (s * 3 + 7).sum(-1)
+    else:
+        f, args, want = (lambda a: a.var(-1)), (x,), x.var(-1, ddof=1)
+    got = opencl(f)(*args).numpy()
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
