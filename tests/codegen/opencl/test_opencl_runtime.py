@@ -89,3 +89,22 @@ def test_compiled_intermediates_come_from_the_device_allocator():
     e = np.exp(2 * x - (2 * x).max(-1, keepdims=True))
     np.testing.assert_allclose(out, e / e.sum(-1, keepdims=True) + 1, rtol=1e-5)
     assert owns(context(), f(x)._x)  # the output is a block of the device's SVM
+
+
+def test_a_program_the_driver_rejects_is_k401_and_float64_without_fp64_is_k402():
+    from kiln.codegen.opencl.emit import emit_kernel
+    from kiln.codegen.opencl.runtime import OpenCLKernel
+
+    with pytest.raises(KilnError, match="K401") as info:
+        context().program("__kernel void broken(__global float *a) { a[0] = undeclared_name; }\n")
+    assert "kiln dump --target opencl" in str(info.value)
+    exported = kn.export(lambda a: a * 2, (kn.zeros(4, dtype=kn.float64),))
+    from kiln.frontend.compile import compile_graph
+
+    (kernel,) = compile_graph(exported.graph, "opencl", build=False).program.kernels.values()
+    emitted = emit_kernel(kernel)
+    assert emitted.uses_f64 and "cl_khr_fp64" in emitted.source
+    ctx = context()
+    no_fp64 = type("NoFp64", (), {"fp64": False, "device": ctx.device})()
+    with pytest.raises(KilnError, match="K402"):
+        OpenCLKernel(emitted, no_fp64, kernel)
