@@ -190,6 +190,68 @@ def compile_grouped_gemm(arch: str, dtype, out_dtype, k: int, n: int, experts: i
     return art
 
 
+def compile_blockscaled_gemm(fmt: str, m, n, k, out_dtype, *, tensor_scale: bool = False,
+                             tile: tuple = (128, 128)) -> CuteArtifact:
+    """The sm_100a block-scaled GEMM (sm100_blockscaled.py) for `fmt` "nvfp4" (e2m1 values,
+    e4m3 scales per 16) or "mxfp8" (e4m3 values, E8M0 scales per 32): a [M, K] and b [N, K]
+    K-major, scale factors in the tensor cores' blocked layout, out [M, N] of `out_dtype`.
+    tensor_scale: the epilogue multiplies by alpha[0] (NVFP4's two per-tensor scales,
+    multiplied), an operand "alpha". Sizes may be ints or symbols; cached like compile_gemm."""
+    from kiln.codegen.cute import sm100_blockscaled
+    from kiln.codegen.kernel_ir import IN, OUT, Acc, BufferParam, GemmKernel, Load, Op
+    from kiln.ir import dtypes as dt
+
+    if fmt not in sm100_blockscaled.FORMATS:
+        raise ValueError(f"block-scaled GEMM: format {fmt!r} is not one of {', '.join(sm100_blockscaled.FORMATS)}")
+    value = Op("mul", (Acc(dt.float32), Load("alpha", 0, dt.float32)), dt.float32) if tensor_scale else Acc(dt.float32)
+    if out_dtype != dt.float32:
+        value = Op("convert", (value,), out_dtype)
+    # the logical GEMM, for the epilogue and the cache key (values are stored as bytes)
+    bufs = (BufferParam("a", dt.uint8, (m, k), IN), BufferParam("b", dt.uint8, (n, k), IN)) + (
+        (BufferParam("alpha", dt.float32, (1,), IN),) if tensor_scale else ()) + (BufferParam("y", out_dtype, (m, n), OUT),)
+    kernel = GemmKernel(f"blockscaled_{fmt}", bufs, (), "a", "b", "y", 1, m, n, k, (m * k, k, 1), (n * k, 1, k),
+                        value, dt.float32)
+    with open(sm100_blockscaled.__file__, "rb") as f:
+        source = hashlib.sha256(f.read()).hexdigest()
+    key = artifact_cache.content_key(_FORMAT, "blockscaled", fmt, cache_key(kernel, "sm_100a", tile), source)
+    blob = artifact_cache.load(key, _CACHE_KIND, validate=_check_entry)
+    if blob is not None:
+        return _decode(blob, key)
+    arch_env()
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from kiln.codegen.cute import layouts
+    from kiln.codegen.cute.epilogue import cutlass_type, make_epilogue
+
+    fn, operand_names, _ = make_epilogue(kernel)
+    vec = sm100_blockscaled.FORMATS[fmt]
+    values_t = cutlass.Float4E2M1FN if fmt == "nvfp4" else cutlass.Float8E4M3FN
+    sf_t = cutlass.Float8E4M3FN if fmt == "nvfp4" else cutlass.Float8E8M0FNU
+    dims = layouts.FakeDims()
+    fake = lambda t, shape, order, align: make_fake_compact_tensor(t, dims.shape(shape), stride_order=order,  # noqa: E731
+                                                                   assumed_align=align)
+    a = fake(values_t, (m, k, 1), (1, 0, 2), 32)
+    b = fake(values_t, (n, k, 1), (1, 0, 2), 32)
+    c = fake(cutlass_type(out_dtype), (m, n, 1), (1, 0, 2), 16)
+    sfa = make_fake_compact_tensor(sf_t, (cute.sym_int32(),), assumed_align=16)
+    sfb = make_fake_compact_tensor(sf_t, (cute.sym_int32(),), assumed_align=16)
+    operands = tuple(make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4) for _ in operand_names)
+    gemm = sm100_blockscaled.Sm100BlockScaledGemm(fmt, fn, tuple(tile))
+    with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Argument operands .* cannot be converted", category=UserWarning)
+        start = time.perf_counter()
+        compiled = cute.compile(gemm, a, b, c, sfa, sfb, operands, (cutlass.Int32(0),), MAX_CTAS["sm_100a"],
+                                make_fake_stream(),
+                                options=f"--gpu-arch sm_100a --keep-ptx --keep-cubin --dump-dir={dump}")
+        seconds = time.perf_counter() - start
+    art = CuteArtifact(kernel.name, "sm_100a", tuple(tile), compiled.artifacts.PTX, bytes(compiled.artifacts.CUBIN),
+                       seconds, operand_names, (), key)
+    artifact_cache.store(key, _encode(art), _CACHE_KIND)
+    return art
+
+
 def _encode(art: CuteArtifact) -> bytes:
     return json.dumps({"format": _FORMAT, "name": art.name, "arch": art.arch, "tile": list(art.tile),
                        "ptx": art.ptx, "cubin": base64.b64encode(art.cubin).decode(),

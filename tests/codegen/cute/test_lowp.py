@@ -204,3 +204,19 @@ def test_scaled_fp8_gemm_kernel_has_its_scales_in_the_ptx(arch):
             else "tcgen05.mma.cta_group::1.kind::f8f6f4") in art.ptx
     assert art.ptx.count("ld.global.b32") >= 2 and "mul.f32" in art.ptx  # the two scale vectors
     assert art.operands == ("scale_a", "scale_b")
+
+
+@pytest.mark.parametrize("fmt, kind, block", [("nvfp4", "kind::mxf4nvf4.block_scale.block16", 16),
+                                              ("mxfp8", "kind::mxf8f6f4.block_scale.block32", 32)])
+def test_blockscaled_kernel_has_its_scale_factors_in_the_ptx(fmt, kind, block):
+    """sm_100a's block-scaled tensor-core GEMM: the scale factors arrive by TMA with the
+    operands, move to tensor memory with tcgen05.cp, and the MMA reads them there."""
+    from kiln.codegen.cute.compile import compile_blockscaled_gemm
+
+    art = compile_blockscaled_gemm(fmt, 512, 256, 1024, dt.bfloat16, tensor_scale=fmt == "nvfp4")
+    assert f"tcgen05.mma.cta_group::1.{kind}" in art.ptx
+    assert "tcgen05.cp.cta_group::1.32x128b.warpx4" in art.ptx  # SFA / SFB: shared -> tensor memory
+    loads = [ln for ln in art.ptx.splitlines() if "cp.async.bulk.tensor" in ln and "shared::cta.global" in ln]
+    assert len(loads) >= 4  # A, B, SFA, SFB each stage
+    if fmt == "nvfp4":
+        assert art.operands == ("alpha",) and "ld.global.b32" in art.ptx  # the per-tensor scales
