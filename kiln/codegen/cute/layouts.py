@@ -104,3 +104,24 @@ class FakeDims:
 
     def shape(self, extents) -> tuple:
         return tuple(self.dim(e) for e in extents)
+
+
+def blocked_scales(scales):
+    """Row-major block scale factors [R, C] (R rows of A, or of B as [N, K]; C = K / block)
+    in the tensor cores' blocked layout: 128-row x 4-column atoms of 512 bytes, atoms
+    row-major over (R / 128, C / 4), inside an atom row r and column c at
+    (r % 32) * 16 + (r // 32) * 4 + c (NVIDIA's 32x4x4 scale-factor layout, CuTe's
+    `BlockScaledBasicChunk`). Padding rows and columns are zero. Returns a flat array.
+
+    >>> blocked_scales(np.zeros((128, 4), np.uint8)).shape
+    (512,)
+    """
+    import numpy as np
+
+    s = np.asarray(scales)
+    rows, cols = s.shape
+    r_atoms, c_atoms = -(-rows // 128), -(-cols // 4)
+    padded = np.zeros((r_atoms * 128, c_atoms * 4), dtype=s.dtype)
+    padded[:rows, :cols] = s
+    atoms = padded.reshape(r_atoms, 4, 32, c_atoms, 4)     # (atom row, r // 32, r % 32, atom col, c)
+    return atoms.transpose(0, 3, 2, 1, 4).reshape(-1)     # atom, then r % 32, r // 32, c

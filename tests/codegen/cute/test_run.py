@@ -68,3 +68,19 @@ def test_grouped_launcher_compiles_for_real_tensors():
     assert launch.compiled is not None
     args = launch._args(x, torch.zeros(e, n, k, dtype=torch.bfloat16), y, sizes, None, torch.zeros(t))
     assert (args[1].shape, args[1].stride) == ((n, k, e), (k, 1, n * k))  # w [E, N, K] viewed as (N, K, E)
+
+
+def test_blocked_scales_follow_the_32x4x4_layout():
+    import numpy as np
+
+    from kiln.codegen.cute.layouts import blocked_scales
+
+    rows, cols = 200, 10  # padded to 256 x 12: 2 x 3 atoms
+    s = np.arange(1, rows * cols + 1, dtype=np.int32).reshape(rows, cols)
+    flat = blocked_scales(s)
+    assert flat.shape == (256 * 12,)
+    for r in range(rows):
+        for c in range(cols):
+            atom = (r // 128) * 3 + c // 4
+            assert flat[atom * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4] == s[r, c]
+    assert np.count_nonzero(flat) == rows * cols  # the padding is zero
