@@ -25,6 +25,7 @@ from kiln.ir.ops.rules import (
     conj, full_like, via_f32, zeros,
 )
 from kiln.ir.registry import ELEMENTWISE, defop
+from kiln.ir.ops.erf_reference import erf_reference as _erf, erfc_reference as _erfc
 
 
 def _unary(name: str, allowed: str, reference, *, result_dtype=None, differentiable=True,
@@ -100,11 +101,6 @@ def _erf_vjp(b, ct, x, y):
     return b.mul(ct, b.binary("mul", b.exp(b.neg(_square(b, x))), 2 / math.sqrt(math.pi)))
 
 
-def _erf(x):
-    # numpy has no erf; math.erf is correctly rounded in float64
-    return np.asarray(np.frompyfunc(math.erf, 1, 1)(x.astype(np.float64))).astype(np.float64)
-
-
 def _round_half_even(x):
     return np.round(x)
 
@@ -157,11 +153,6 @@ rsqrt = _unary("rsqrt", FLOATING, via_f32(_rsqrt), vjp=_pullback(
     lambda b, ct, x, y: b.mul(ct, b.binary("mul", b.mul(_square(b, y), y), -0.5))))
 erf = _unary("erf", FLOATING, via_f32(_erf), vjp=_erf_vjp)
 floor = _unary("floor", FLOATING, via_f32(np.floor), differentiable=False)
-
-
-def _erfc(x):
-    # math.erfc is correctly rounded in float64 (1 - erf(x) would lose every digit for large x)
-    return np.asarray(np.frompyfunc(math.erfc, 1, 1)(x.astype(np.float64))).astype(np.float64)
 
 
 # Numerical Recipes' erfc: t exp(-x^2 + P(t)), t = 1 / (1 + |x| / 2); relative error < 1.2e-7
