@@ -1,5 +1,5 @@
-"""Progress bars for long work (autotuning, checkpoint writes): tqdm on a terminal, silent
-otherwise.
+"""Progress bars for long work (autotuning, large compiles, checkpoint writes): tqdm on a
+terminal, silent otherwise.
 
 A bar appears only when stderr is a terminal (or `KILN_PROGRESS=1` forces it; `=0`
 turns bars off everywhere), tqdm is installed, and the work is still running after
@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
+from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -94,3 +96,33 @@ def write_with_progress(write: Callable[[str], None], path: str, total_bytes: in
         bar.close()
     if error:
         raise error[0]
+
+
+@contextmanager
+def working(desc: str) -> Iterator[None]:
+    """A bar showing the elapsed time while the block runs, for work without a count (a
+    large compile: LLVM optimizes one module); nothing when the block ends within
+    `DELAY_S` or bars are off. The ticking thread ends with the block (bounded join)."""
+    if not enabled():
+        yield
+        return
+    start = time.monotonic()
+    stop = threading.Event()
+    bar = []
+
+    def tick():
+        while not stop.wait(POLL_S):
+            if time.monotonic() - start >= DELAY_S:
+                if not bar:
+                    bar.append(_bar(None, desc, "s", bar_format="{desc}: {elapsed}"))
+                bar[0].refresh()
+
+    ticker = threading.Thread(target=tick, name="kiln-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join(timeout=1.0)
+        if bar:
+            bar[0].close()

@@ -66,3 +66,27 @@ def test_max_autotune_shows_a_bar(shown, capsys):
     a, b = np.ones((32, 32), np.float32), np.ones((32, 32), np.float32)
     np.testing.assert_allclose(f(a, b).numpy(), np.maximum(a @ b, 0))
     assert "autotuning" in capsys.readouterr().err
+
+
+def test_a_long_compile_shows_a_working_bar(shown, capsys, monkeypatch):
+    from kiln.frontend import compile as kc
+
+    real = kc.compile_kernels
+
+    def slow(*args, **kwargs):  # a build that lasts a few ticks
+        import time
+        time.sleep(3 * kp.POLL_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kc, "compile_kernels", slow)
+    f = kn.compile(lambda x: kn.exp(x) * 3)
+    np.testing.assert_allclose(f(kn.ones(4)).numpy(), np.exp(np.ones(4, np.float32)) * 3, rtol=1e-6)
+    err = capsys.readouterr().err
+    assert "kiln: compiling" in err and "(1 kernel)" in err
+
+
+def test_working_is_silent_for_short_work(monkeypatch, capsys):
+    monkeypatch.setenv("KILN_PROGRESS", "1")
+    with kp.working("short"):
+        pass
+    assert "short" not in capsys.readouterr().err

@@ -111,7 +111,10 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     if not build:
         return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
     names = list(program.kernels)
-    compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
+    from kiln.progress import working  # a bar on a terminal when the build takes a while
+
+    with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
+        compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
     # a backend whose kernels run on a device of their own hands out that device's buffers
     # (the opencl backend: SVM), so intermediates stay there between kernels
     allocator = getattr(target, "runtime_allocator", lambda: None)()
