@@ -82,6 +82,11 @@ def test_single_process_round_trip_and_second_save_cleans_up(tmp_path):
     checkpoint.save({"a": np.ones((3, 4), np.float32)}, path)
     files = [n for n in os.listdir(path) if n.startswith("shard-")]
     assert len(files) == 1  # the previous save's files are gone once the new one commits
+    # a rank's shard file is a safetensors file (each block under its tensor's key)
+    from kiln.io.safetensors_io import load_safetensors
+
+    np.testing.assert_array_equal(load_safetensors(os.path.join(path, files[0]))["a"],
+                                  np.ones((3, 4), np.float32))
     with pytest.raises(CheckpointError, match="K245.*no tensor 't'"):
         checkpoint.load({"t": np.zeros(2, np.float32)}, path)
     with pytest.raises(CheckpointError, match="K245.*float32\\[3, 4\\].*float32\\[4, 3\\]"):
@@ -91,14 +96,15 @@ def test_single_process_round_trip_and_second_save_cleans_up(tmp_path):
 def test_corrupt_and_missing_shards_are_named(tmp_path):
     path, doc = _saved(tmp_path)
     shard = doc["tensors"]["a"]["shards"][0]["file"]
+    start = doc["tensors"]["a"]["shards"][0]["byte_offset"]  # after the safetensors header
     target = {"a": np.zeros((3, 4), np.float32)}
     raw = bytearray(Path(path, shard).read_bytes())
-    raw[5] ^= 0xFF
+    raw[start + 5] ^= 0xFF
     Path(path, shard).write_bytes(bytes(raw))
-    with pytest.raises(CheckpointCorrupt, match="K246.*tensor 'a' at byte 0 of shard file %s "
-                       "fails its sha256" % shard):
+    with pytest.raises(CheckpointCorrupt, match="K246.*tensor 'a' at byte %d of shard file %s "
+                       "fails its sha256" % (start, shard)):
         checkpoint.load(target, path)
-    Path(path, shard).write_bytes(bytes(raw[:10]))
+    Path(path, shard).write_bytes(bytes(raw[:start + 10]))
     with pytest.raises(CheckpointCorrupt, match="holds 10 of the block's 48 bytes.*truncated"):
         checkpoint.load(target, path)
     os.unlink(Path(path, shard))
@@ -118,7 +124,8 @@ def test_corrupt_and_missing_shards_are_named(tmp_path):
     (lambda d: d["tensors"]["a"].update(shape=[-3, 4]), "non-negative ints"),
     (lambda d: d.update(version=99), "version 99"),
     (lambda d: d["tensors"]["a"]["shards"][0].update(byte_offset=-1), "byte_offset -1"),
-    (lambda d: d["tensors"]["t"]["shards"][0].update(byte_offset=8), "share bytes"),
+    (lambda d: d["tensors"]["t"]["shards"][0].update(
+        byte_offset=d["tensors"]["a"]["shards"][0]["byte_offset"] + 8), "share bytes"),
 ])
 def test_hostile_manifests_are_refused(tmp_path, edit, message):
     path, doc = _saved(tmp_path)

@@ -6,6 +6,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import struct
 import threading
 
 import numpy as np
@@ -16,9 +17,11 @@ from kiln.distributed.dtensor import DTensor
 from kiln.distributed.errors import CheckpointCorrupt, CheckpointError, StoreTimeout
 from kiln.distributed.placements import Replicate, local_bounds
 from kiln.distributed.redistribute import Redistributor
+from kiln.io.safetensors_io import FILE_DTYPES
 from kiln.ir import dtypes as kd
 
 _PREFIX = "shard-"
+_ST_CODES = {dtype: code for code, dtype in FILE_DTYPES.items()}  # numpy dtype -> safetensors
 
 
 # -- the snapshot: what this rank writes, copied at the call --------------------------------
@@ -85,23 +88,42 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def _safetensors_header(save_id: str, blocks: list) -> bytes:
+    """The header that makes a rank's shard file a valid safetensors file: each block
+    under its tensor's key, in write order (8-byte length, JSON padded to 8 bytes)."""
+    header: dict = {"__metadata__": {"format": "kiln-checkpoint-shard", "save_id": save_id}}
+    pos = 0
+    for key, block in blocks:
+        header[key] = {"dtype": _ST_CODES[block.dtype], "shape": list(block.shape),
+                       "data_offsets": [pos, pos + block.nbytes]}
+        pos += block.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
 def _write_shards(folder: str, save_id: str, rank: int, items: list) -> dict:
-    """Write this rank's blocks into one file (one fsync), each block's SHA-256 computed
-    on a second thread while the next block is written (hashlib and write release the
-    GIL); return this rank's part of the manifest."""
+    """Write this rank's blocks into one safetensors file (one fsync), each block's
+    SHA-256 computed on a second thread while the next block is written (hashlib and
+    write release the GIL); return this rank's part of the manifest."""
     part: dict = {}
-    name = "%s%s-r%d.bin" % (_PREFIX, save_id, rank)
+    name = "%s%s-r%d.safetensors" % (_PREFIX, save_id, rank)
+    blocks = [(key, np.require(block, requirements="C"))
+              for key, _, _, _, bl in items for _, block in bl]
+    head = _safetensors_header(save_id, blocks)
     pending = []
     with concurrent.futures.ThreadPoolExecutor(1) as hasher:
         try:
             with open(os.path.join(folder, name), "wb") as f:
-                offset = 0
-                for key, dtype, shape, placements, blocks in items:
+                f.write(head)
+                offset = len(head)
+                for key, dtype, shape, placements, bl in items:
                     entry = part.setdefault(key, {"dtype": mf.dtype_name(dtype),
                                                   "shape": list(shape),
                                                   "placements": placements, "shards": []})
-                    for offsets, block in blocks:
-                        data = memoryview(np.require(block, requirements="C").reshape(-1).view(np.uint8))
+                    for offsets, block in bl:
+                        data = memoryview(np.require(block, requirements="C").reshape(-1)
+                                          .view(np.uint8))
                         digest = hasher.submit(lambda d: hashlib.sha256(d).hexdigest(), data)
                         f.write(data)
                         shard = {"file": name, "byte_offset": offset, "offsets": list(offsets),

@@ -2,12 +2,13 @@
 
     {"format": "kiln-checkpoint", "version": 1, "save_id": "9f2c...", "world_size": 4,
      "tensors": {"w": {"dtype": "float32", "shape": [8, 6], "placements": ["Shard(0)"],
-                       "shards": [{"file": "shard-9f2c-r0.bin", "byte_offset": 0,
+                       "shards": [{"file": "shard-9f2c-r0.safetensors", "byte_offset": 88,
                                    "offsets": [0, 0], "shape": [2, 6], "nbytes": 48,
                                    "sha256": "..."}, ...]}}}
 
-Each rank writes one shard file: the raw little-endian bytes of its C-ordered blocks one
-after the other; each block's place in the file, dtype and shape live here. Nothing is unpickled or evaluated. `validate` refuses a
+Each rank writes one shard file, a safetensors file (an 8-byte header length, a JSON
+header, then the raw little-endian bytes of its C-ordered blocks one after the other);
+load reads only the manifest: each block's place in the file, dtype and shape. Nothing is unpickled or evaluated. `validate` refuses a
 hostile or broken manifest before any shard is opened: unknown dtypes, shapes that are
 not non-negative ints, blocks outside the global shape, blocks that overlap or leave
 holes, byte counts that do not match, and file names that are not plain names inside
