@@ -530,6 +530,7 @@ def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "de
 
         module = CompiledModule(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
         _configure(module._compiled, dynamic, explain, strict)
+        module._compiled.trace_dir = module._compiled_grad.trace_dir = trace_dir
         return module
     return _configure(CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes,
                                        recompile_limit, trace_dir), dynamic, explain, strict)

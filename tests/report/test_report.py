@@ -184,3 +184,13 @@ def test_unwritable_trace_dir_warns_and_compiles(tmp_path):
     with pytest.warns(RuntimeWarning, match="could not write the compile trace"):
         out = f(np.ones(3, np.float32))
     np.testing.assert_array_equal(out.numpy(), np.full(3, 2.0, np.float32))
+
+
+def test_trace_dir_of_a_compiled_module(tmp_path):
+    """kn.compile(module, trace_dir=) records like a function's (not only KILN_TRACE_DIR)."""
+    model = kn.nn.Linear(8, 4)
+    fast = kn.compile(model, trace_dir=str(tmp_path))
+    fast(kn.randn(2, 8, seed=0))
+    records = [json.loads((tmp_path / d / "compile.json").read_text())
+               for d in os.listdir(tmp_path) if (tmp_path / d / "compile.json").exists()]
+    assert len(records) == 1 and records[0]["backend"] == "cpu"
