@@ -105,9 +105,7 @@ def _kernels(compiled, backend_name: str, put) -> list[dict]:
     from kiln.errors import KilnError
 
     backend = get_backend(backend_name)
-    # kiln dump's names for the backend's stages (cpu: LLVM IR and x86 assembly)
-    mapping = dict(getattr(backend, "dump_stages", None) or
-                   {"source": "llvm", "llvm-optimized": "optimized", "asm": "asm"})
+    mapping = dict(backend.dump_stages)  # kiln dump's names for the backend's own stages
     out = []
     for name, kernel in compiled.program.kernels.items():
         entry = {"name": name, "kind": type(kernel).__name__}
@@ -115,7 +113,7 @@ def _kernels(compiled, backend_name: str, put) -> list[dict]:
         put(f"kernel:{name}:ir", f"kernel-{slug}.kir.txt", format_kernel(kernel))
         entry["ir"] = f"kernel-{slug}.kir.txt"
         for stage in ("source", "asm"):
-            if stage not in mapping or not hasattr(backend, "stage_text"):
+            if stage not in mapping:
                 continue
             try:
                 text = backend.stage_text(kernel, mapping[stage])
