@@ -70,6 +70,7 @@ tanh = _unary_float("tanh")
 sqrt = _unary_float("sqrt")
 rsqrt = _unary_float("rsqrt")
 erf = _unary_float("erf")
+erfc = _unary_float("erfc")
 sigmoid = _unary_float("sigmoid")
 silu = _unary_float("silu")
 

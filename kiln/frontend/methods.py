@@ -34,7 +34,7 @@ _OPERATORS = {
 
 _METHODS = {name: getattr(F, name) for name in (
     "exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
-    "tanh", "sqrt", "rsqrt", "erf", "sigmoid", "relu", "abs", "neg", "sign", "floor", "ceil",
+    "tanh", "sqrt", "rsqrt", "erf", "erfc", "sigmoid", "relu", "abs", "neg", "sign", "floor", "ceil",
     "round", "trunc", "isnan", "isinf", "isfinite", "logical_not", "bitwise_not",
     "add", "sub", "mul", "div", "floor_divide", "remainder", "fmod", "pow", "maximum", "minimum",
     "atan2", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge",
