@@ -136,19 +136,7 @@ class Sm100GroupedGemm(GroupedParts, Sm100Gemm):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Shared)
-        loads, mmas = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.load_bytes, cta_layout_vmnk=cluster, defer_sync=True).make_participants()
-        acc_ready = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_barriers.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
-            cta_layout_vmnk=cluster, defer_sync=True)
-        tmem = cutlass.memory.TmemAllocator(
-            storage.tmem_address.ptr, barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=2, num_threads=self.threads))
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+        loads, mmas, acc_ready, tmem = self.pipelines(storage, cluster)
         sa = smem.allocate_tensor(element_type=self.a_dtype, layout=sa_layout.outer, byte_alignment=128,
                                   swizzle=sa_layout.inner)
         sb = smem.allocate_tensor(element_type=self.b_dtype, layout=sb_layout.outer, byte_alignment=128,
@@ -198,26 +186,18 @@ class Sm100GroupedGemm(GroupedParts, Sm100Gemm):
         tmem.relinquish_alloc_permit()
         acc_ready.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
 
-        t2r_atom = sm100.get_tmem_load_op(self.tile, self.c_major, self.c_dtype, self.acc_dtype, self.epi_tile, False)
-        acc_slices = cute.flat_divide(acc[((None, None), 0, 0)], self.epi_tile)
-        t2r = tcgen05.make_tmem_copy(t2r_atom, acc_slices[(None, None, 0, 0)])
-        thr_t2r = t2r.get_slice(tidx)
-        t_acc = cute.group_modes(thr_t2r.partition_S(acc_slices), 3, 5)
-        t_gc = thr_t2r.partition_D(cute.flat_divide(gc[((None, None), 0, 0)], self.epi_tile))
-        t_cc = thr_t2r.partition_D(cute.flat_divide(cc[((None, None), 0, 0)], self.epi_tile))
-        r_acc = cute.make_rmem_tensor(t_gc[(None, None, None, 0, 0)].shape, self.acc_dtype)
-        t_gc = cute.group_modes(t_gc, 3, 5)
-        t_cc = cute.group_modes(t_cc, 3, 5)
-        for s in cutlass.range(cute.size(t_acc.shape, mode=[3])):
-            cute.copy(t2r, t_acc[(None, None, None, s)], r_acc)
-            g_slice = t_gc[(None, None, None, s)]
-            c_slice = t_cc[(None, None, None, s)]
-            for i in cutlass.range(cute.size(r_acc), unroll_full=True):
-                row, col, _ = c_slice[i]
-                if row < row_end:
-                    if col < mc.shape[1]:
-                        g_slice[i] = self.epilogue_value(r_acc[i], row, col, expert, bias, row_scale).to(self.c_dtype)
+        self.epilogue_slices(tidx, acc, gc[((None, None), 0, 0)], cc[((None, None), 0, 0)], self.store_grouped,
+                             (row_end, mc.shape[1], expert, bias, row_scale))
         pipeline.sync(barrier_id=1)
         tmem.free(tmem_ptr)
         if warp == 0:
             loads.tail()
+
+    @cute.jit
+    def store_grouped(self, value, coord, out, i, extra):
+        """The grouped epilogue on one element, stored inside the expert's rows and N."""
+        row_end, n, expert, bias, row_scale = extra
+        row, col, _ = coord
+        if row < row_end:
+            if col < n:
+                out[i] = self.epilogue_value(value, row, col, expert, bias, row_scale).to(self.c_dtype)
