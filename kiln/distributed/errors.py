@@ -300,3 +300,32 @@ class CheckpointManifestError(CheckpointError):
 
     code = "K247"
     title = "invalid checkpoint manifest"
+
+
+# -- the nccl layer (kiln/distributed/nccl_*.py): K250..K259 ----------------------------
+class NcclError(DistributedError):
+    """An NCCL call returned an error: the message names the call, the communicator's
+    rank, NCCL's result name and its own error string. A communicator that failed this
+    way is aborted (abort is safe because kiln creates nonblocking communicators)."""
+
+    code = "K250"
+    title = "NCCL call failed"
+
+    def __init__(self, message: str, *, call: str = "", result: int = 0,
+                 hint: str | None = None):
+        self.call, self.result = call, result
+        super().__init__(message, hint=hint or "NCCL_DEBUG=WARN shows NCCL's own log; "
+                         "ncclRemoteError/ncclSystemError mean a peer or the network failed")
+
+
+class NcclUnavailable(RendezvousError):
+    """NCCL cannot be used here: no libnccl.so.2 loads, the library is older than 2.29
+    or lacks a call kiln needs, or there is no CUDA GPU to create a communicator on."""
+
+    code = "K251"
+    title = "NCCL unavailable"
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message, hint=hint or "pip install nvidia-nccl-cu12 (or -cu13) "
+                         "on a machine with an NVIDIA GPU, or set KILN_NCCL_LIBRARY to a "
+                         "libnccl.so.2 >= 2.29; on CPUs use backend='tcp' or 'mpi'")
