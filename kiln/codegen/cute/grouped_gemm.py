@@ -166,22 +166,7 @@ class Sm100GroupedGemm(GroupedParts, Sm100Gemm):
         acc = cute.make_tensor(tmem_ptr, acc_layout)
 
         if warp == 0:
-            ahead = cutlass.min(self.stages - 1, k_tiles)
-            for kt in cutlass.range(ahead, unroll=1):
-                slot = loads.acquire_and_advance()
-                cute.copy(tma_a, tga[(None, kt)], tsa[(None, slot.index)], tma_bar_ptr=slot.barrier)
-                cute.copy(tma_b, tgb[(None, kt)], tsb[(None, slot.index)], tma_bar_ptr=slot.barrier)
-            mma.set(tcgen05.Field.ACCUMULATE, False)
-            for kt in cutlass.range(k_tiles, unroll=1):
-                if kt + ahead < k_tiles:
-                    slot = loads.acquire_and_advance()
-                    cute.copy(tma_a, tga[(None, slot.count)], tsa[(None, slot.index)], tma_bar_ptr=slot.barrier)
-                    cute.copy(tma_b, tgb[(None, slot.count)], tsb[(None, slot.index)], tma_bar_ptr=slot.barrier)
-                ready = mmas.wait_and_advance()
-                for kb in cutlass.range(cute.size(ra, mode=[2]), unroll_full=True):
-                    cute.gemm(mma, acc, ra[(None, None, kb, ready.index)], rb[(None, None, kb, ready.index)], acc)
-                    mma.set(tcgen05.Field.ACCUMULATE, True)
-                ready.release()
+            self.mainloop(mma, acc, ra, rb, loads, mmas, k_tiles, tma_a, tga, tsa, tma_b, tgb, tsb)
             acc_ready.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
         tmem.relinquish_alloc_permit()
         acc_ready.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
