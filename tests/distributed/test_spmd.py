@@ -51,15 +51,21 @@ def test_partial_result_without_out_placements_stays_partial():
     assert "all_reduce" not in str(res.graph)
 
 
-def test_fsdp_gathers_weights_and_reduce_scatters_gradients():
-    def step(w, x):
-        loss, g = kn.value_and_grad(lambda w: (kn.gelu(x @ w)).sum())(w)
-        return loss, w - 0.1 * g
+def _sgd_step(w, x):
+    loss, g = kn.value_and_grad(lambda w: (kn.gelu(x @ w)).sum())(w)
+    return loss, w - 0.1 * g
 
+
+def _fsdp_graph():
+    """The local graph of one SGD step, weight and batch Shard(0) over 4 ranks."""
+    g = kn.trace(_sgd_step, *_args((16, 8), (64, 16)))
+    return spmd_partition(g, [Shard(0), Shard(0)], world_size=4, out_placements=[R, Shard(0)])
+
+
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients():
     # 64 tokens of width 16: gathering the 16 x 8 weight moves fewer bytes than moving
     # the activations (the cost model's choice, not a rule: small batches go the other way)
-    g = kn.trace(step, *_args((16, 8), (64, 16)))
-    res = spmd_partition(g, [Shard(0), Shard(0)], world_size=4, out_placements=[R, Shard(0)])
+    res = _fsdp_graph()
     text = str(res.graph)
     counts = res.graph.op_counts()
     assert counts.get("all_gather") == 1 and counts.get("reduce_scatter") == 1, text
@@ -97,13 +103,7 @@ def test_tp_mlp_and_fsdp_block_on_4_ranks(tmp_path):
 def test_inserted_collectives_are_overlapped_by_the_scheduling_pass():
     from kiln.frontend.compile import compile_graph
 
-    def step(w, x):
-        loss, g = kn.value_and_grad(lambda w: (kn.gelu(x @ w)).sum())(w)
-        return loss, w - 0.1 * g
-
-    g = kn.trace(step, *_args((16, 8), (64, 16)))
-    res = spmd_partition(g, [Shard(0), Shard(0)], world_size=4, out_placements=[R, Shard(0)])
-    optimized = compile_graph(res.graph, build=False).optimized
+    optimized = compile_graph(_fsdp_graph().graph, build=False).optimized
     ops = [n.op for n in optimized.nodes]
     # every inserted collective is split into start/wait; the gradient's reduce_scatter
     # runs while the kernels after it compute (its wait comes later)
