@@ -185,3 +185,31 @@ def test_batched_gemm_matches_numpy_and_restores_blas(monkeypatch, restore_threa
                                rtol=1e-4, atol=1e-4)
     assert seen and set(seen) == {1}  # the batched BLAS GEMM ran with one BLAS thread
     assert getter() == 2
+
+
+def test_a_large_batched_gemm_is_split_over_the_pool_by_whole_items(monkeypatch, restore_threads):
+    seen = []
+    original = cc.WorkerPool.run
+
+    def run(self, fn, bufs, sizes, ranges):
+        seen.append(list(ranges))
+        return original(self, fn, bufs, sizes, ranges)
+
+    monkeypatch.setattr(cc.WorkerPool, "run", run)
+    rng = np.random.default_rng(2)
+    f = kn.compile(lambda a, b: a @ b)
+    for batch, m, splits in ((32, 64, 2), (4, 32, 0)):  # 2^24 multiply-adds, and 2^20
+        a = rng.standard_normal((batch, m, 128)).astype(np.float32)
+        b = rng.standard_normal((batch, 128, 64)).astype(np.float32)
+        for n in (2, 1):
+            kn.set_num_threads(n)
+            seen.clear()
+            out = f(kn.tensor(a), kn.tensor(b)).numpy()
+            np.testing.assert_allclose(out, np.matmul(a.astype(np.float64), b), rtol=1e-4, atol=1e-4)
+            want = splits if n == 2 else 0
+            assert len(seen) == (1 if want else 0)
+            if want:
+                ranges = seen[0]
+                assert len(ranges) == want and ranges[0][0] == 0 and ranges[-1][1] % batch == 0
+                per_item = ranges[-1][1] // batch
+                assert all(lo % per_item == 0 for lo, _ in ranges)  # whole batch items

@@ -31,6 +31,10 @@ from kiln.runtime.threads import blas_single_thread, get_num_threads
 
 # below this many multiply-adds (~128^3) one BLAS call runs single-threaded
 SMALL_GEMM_FLOPS = 1 << 21
+# a batched GEMM of at least this many multiply-adds (~0.3 ms on one core) is split over
+# kiln's pool; below it the hand-off (20-50 us on a loaded machine) would not pay:
+# bench_eager.py's (16,32,256)x(16,256,64) measured no faster split on 2 busy cores
+BATCH_SPLIT_FLOPS = 1 << 24
 
 KERNEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
@@ -72,8 +76,9 @@ class WorkerPool:
 
     def run(self, fn, bufs, sizes, ranges: list[tuple[int, int]]) -> None:
         if len(ranges) == 1 or not self._lock.acquire(blocking=False):
-            for lo, hi in ranges:  # busy (nested/concurrent use): run inline
-                fn(bufs, sizes, lo, hi)
+            with blas_single_thread():
+                for lo, hi in ranges:  # busy (nested/concurrent use): run inline
+                    fn(bufs, sizes, lo, hi)
             return
         try:
             with blas_single_thread():  # BLAS threads would fight the pool's for cores
@@ -229,13 +234,17 @@ class CompiledKernel:
         total = self._count(env)
         parallel = (self._pool is not None and total > 1
                     and total * self._work(env) >= self._threshold)
-        one_blas = False
+        one_blas, batch_align = False, 0
         if self._gemm_dims is not None:
             batch, m, n, k = (int(f(env)) for f in self._gemm_dims)
             # BLAS threads pay off only on one large product: a batch of small ones calls
             # BLAS per item, and each call would wake (and spin) every BLAS thread
             one_blas = batch > 1 or m * n * k < SMALL_GEMM_FLOPS
-        entry = (shapes, total, parallel, one_blas)
+            if batch > 1 and total >= batch and batch * m * n * k >= BATCH_SPLIT_FLOPS:
+                # instead a large batch is split over kiln's pool, whole batch items per
+                # thread (B is packed once per item), one BLAS thread each
+                batch_align = total // batch
+        entry = (shapes, total, parallel, one_blas, batch_align)
         if len(self._resolved) > 64:
             self._resolved.clear()
         self._resolved[key] = entry
@@ -257,7 +266,7 @@ class CompiledKernel:
             raise KilnArgumentError(f"{self.name}: sizes must bind {', '.join(self._size_names)}; "
                                     f"got {sizes!r}") from None
         entry = self._resolved.get(key)
-        shapes, total, parallel, one_blas = entry if entry is not None else self._resolve(key)
+        shapes, total, parallel, one_blas, batch_align = entry if entry is not None else self._resolve(key)
         own = self._busy.acquire(False)
         bufs = self._bufs if own else (ctypes.c_void_p * max(1, self._n))()
         csizes = self._sizes if own else (ctypes.c_int64 * max(1, len(self._size_names)))()
@@ -276,6 +285,9 @@ class CompiledKernel:
             threads = self._threads if parallel else 1
             if threads > 1:
                 self._pool.run(self._fn, bufs, csizes, split(total, threads, 64 if total >= 1024 else 1))
+            elif batch_align and get_num_threads() > 1:
+                n = get_num_threads()
+                pool(n).run(self._fn, bufs, csizes, split(total, n, batch_align))
             elif one_blas:
                 with blas_single_thread():
                     self._fn(bufs, csizes, 0, total)
