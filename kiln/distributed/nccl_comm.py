@@ -1,0 +1,267 @@
+"""`NcclComm`: one nonblocking NCCL communicator with deadlines, over any `NcclApi`.
+
+Every communicator kiln makes is nonblocking (`config.blocking = 0`): management calls
+may return `ncclInProgress` and are finished by polling `ncclCommGetAsyncError`, and
+that is what makes `ncclCommAbort`/`ncclCommShrink(NCCL_SHRINK_ABORT)` safe while a
+peer is dead. Collectives are enqueued on a stream and complete through an event; a
+`NcclWork.wait` polls the event and the communicator's async error, bounded by its
+deadline. On a failure or a timeout the communicator is aborted and the error raised;
+deciding who survives is the caller's business (kiln's store-agreed epochs).
+
+    comm = NcclComm.init(api, nranks, unique_id, rank, timeout=60.0)
+    comm.all_reduce(send_ptr, recv_ptr, n, np.float32, "sum").wait()
+"""
+
+from __future__ import annotations
+
+import time
+
+from kiln.distributed import nccl_api as api
+from kiln.distributed.errors import CollectiveTimeout, NcclError
+
+_POLL_MIN, _POLL_MAX = 1e-4, 5e-3  # seconds between polls of a pending call
+
+
+def _sleep(step: float) -> float:
+    time.sleep(step)
+    return min(step * 2, _POLL_MAX)
+
+
+class NcclWork:
+    """A call enqueued on a stream: done when its event is, failed when the
+    communicator's async error says so."""
+
+    def __init__(self, comm: "NcclComm", call: str, event: int, deadline: float):
+        self.comm, self.call, self.event, self.deadline = comm, call, event, deadline
+        self._done = False
+
+    def is_completed(self) -> bool:
+        """Poll once: True when done; raises if the communicator failed."""
+        if self._done:
+            return True
+        if self.comm.api.event_query(self.event):
+            self._finish()
+            return True
+        self.comm.check_async(self.call)
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done, at most until the call's deadline (or `timeout` seconds);
+        on timeout the communicator is aborted and `CollectiveTimeout` (K203) raised."""
+        deadline = self.deadline if timeout is None else min(
+            self.deadline, time.monotonic() + timeout)
+        step = _POLL_MIN
+        while not self.is_completed():
+            if time.monotonic() >= deadline:
+                self.comm.abort()
+                raise CollectiveTimeout(
+                    "NCCL %s on rank %d did not complete within its deadline; the "
+                    "communicator was aborted" % (self.call, self.comm.rank))
+            step = _sleep(step)
+
+    def _finish(self) -> None:
+        self._done = True
+        self.comm.api.event_destroy(self.event)
+
+
+class NcclComm:
+    """A nonblocking communicator (`handle`) of `size` ranks; this process is `rank`."""
+
+    def __init__(self, napi: api.NcclApi, handle: int, rank: int, size: int,
+                 timeout: float):
+        self.api, self.handle, self.rank, self.size = napi, handle, rank, size
+        self.timeout = timeout
+        self.aborted = False
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def init(cls, napi: api.NcclApi, nranks: int, unique_id: bytes, rank: int, *,
+             timeout: float) -> "NcclComm":
+        """ncclCommInitRankConfig(blocking=0), polled to completion within `timeout`."""
+        res, handle = napi.comm_init_rank_config(nranks, unique_id, rank, blocking=False)
+        comm = cls(napi, handle, rank, nranks, timeout)
+        comm._settle("ncclCommInitRankConfig", res, time.monotonic() + timeout)
+        return comm
+
+    def _settle(self, call: str, res: int, deadline: float) -> None:
+        """Finish a nonblocking management call on this communicator: poll its async
+        state until it is no longer in progress, abort and raise on error or deadline."""
+        if res not in (api.SUCCESS, api.IN_PROGRESS):
+            self._fail(call, res)
+        step = _POLL_MIN
+        while True:
+            got, state = self.api.comm_get_async_error(self.handle)
+            if got != api.SUCCESS:
+                self._fail("ncclCommGetAsyncError", got)
+            if state == api.SUCCESS:
+                return
+            if state != api.IN_PROGRESS:
+                self._fail(call, state)
+            if time.monotonic() >= deadline:
+                self.abort()
+                raise CollectiveTimeout("NCCL %s on rank %d was still in progress at its "
+                                        "deadline; the communicator was aborted" % (call, self.rank))
+            step = _sleep(step)
+
+    def _child(self, call: str, res: int, handle: int, rank: int, size: int) -> "NcclComm | None":
+        if res not in (api.SUCCESS, api.IN_PROGRESS):
+            self._fail(call, res)
+        if not handle:
+            return None
+        child = NcclComm(self.api, handle, rank, size, self.timeout)
+        child._settle(call, res, time.monotonic() + self.timeout)
+        return child
+
+    def split(self, color: int, key: int, *, rank: int, size: int) -> "NcclComm | None":
+        """ncclCommSplit: the ranks with this `color` (api.SPLIT_NOCOLOR: none) form a new
+        communicator ordered by `key`; `rank`/`size` are this rank's place in it, which
+        the caller computed from the colors every rank agreed on through the store."""
+        res, handle = self.api.comm_split(self.handle, color, key, blocking=False)
+        return self._child("ncclCommSplit", res, handle, rank, size)
+
+    def shrink(self, exclude: list[int], *, abort_pending: bool = True) -> "NcclComm":
+        """ncclCommShrink without the `exclude` ranks (the failed ones, agreed through the
+        store); with `abort_pending` (NCCL_SHRINK_ABORT) pending work is dropped first,
+        as it must be when a peer is dead. Survivors keep their order."""
+        flags = api.SHRINK_ABORT if abort_pending else api.SHRINK_DEFAULT
+        gone = sorted(set(exclude))
+        res, handle = self.api.comm_shrink(self.handle, gone, flags, blocking=False)
+        new_rank = self.rank - sum(1 for r in gone if r < self.rank)
+        return self._child("ncclCommShrink", res, handle, new_rank, self.size - len(gone))
+
+    def grow_id(self) -> bytes:
+        """ncclCommGetUniqueId: the id one member publishes (through the store) for the
+        ranks that will join at the next grow."""
+        res, uid = self.api.comm_get_unique_id(self.handle)
+        if res != api.SUCCESS:
+            self._fail("ncclCommGetUniqueId", res)
+        return uid
+
+    def grow(self, nranks: int) -> "NcclComm":
+        """ncclCommGrow as a member: the new communicator has `nranks` ranks; members keep
+        their ranks, joiners take the ranks after them."""
+        res, handle = self.api.comm_grow(self.handle, nranks, None, -1, blocking=False)
+        return self._child("ncclCommGrow", res, handle, self.rank, nranks)
+
+    @classmethod
+    def join(cls, napi: api.NcclApi, nranks: int, grow_id: bytes, rank: int, *,
+             timeout: float) -> "NcclComm":
+        """ncclCommGrow as a joiner (no parent communicator), with the members' grow id."""
+        res, handle = napi.comm_grow(0, nranks, grow_id, rank, blocking=False)
+        comm = cls(napi, handle, rank, nranks, timeout)
+        comm._settle("ncclCommGrow", res, time.monotonic() + timeout)
+        return comm
+
+    # -- failure and teardown ---------------------------------------------------------------
+    def check_async(self, call: str) -> None:
+        """Raise (after aborting) if the communicator reports an asynchronous error."""
+        if self.aborted:
+            raise NcclError("NCCL %s on rank %d: the communicator was aborted" % (call, self.rank),
+                            call=call, result=api.INVALID_USAGE)
+        got, state = self.api.comm_get_async_error(self.handle)
+        if got != api.SUCCESS:
+            self._fail("ncclCommGetAsyncError", got)
+        if state not in (api.SUCCESS, api.IN_PROGRESS):
+            self._fail(call, state)
+
+    def _fail(self, call: str, res: int):
+        text = self.api.get_error_string(res)
+        self.abort()
+        raise NcclError("%s on rank %d of %d failed: %s (%s); the communicator was aborted"
+                        % (call, self.rank, self.size, api.result_name(res), text),
+                        call=call, result=res)
+
+    def revoke(self) -> None:
+        """ncclCommRevoke: stop this communicator's in-flight work (before a shrink)."""
+        res = self.api.comm_revoke(self.handle)
+        if res not in (api.SUCCESS, api.IN_PROGRESS):
+            self._fail("ncclCommRevoke", res)
+
+    def abort(self) -> None:
+        """ncclCommAbort, once; never raises (it runs on failure paths)."""
+        if not self.aborted and self.handle:
+            self.aborted = True
+            self.api.comm_abort(self.handle)
+
+    def destroy(self) -> None:
+        """Finalize (flush pending work, bounded by the timeout), then destroy."""
+        if self.aborted or not self.handle:
+            return
+        self._settle("ncclCommFinalize", self.api.comm_finalize(self.handle),
+                     time.monotonic() + self.timeout)
+        self.aborted = True
+        self.api.comm_destroy(self.handle)
+
+    # -- collectives --------------------------------------------------------------------------
+    def _enqueue(self, call: str, res: int, stream: int) -> NcclWork:
+        if res not in (api.SUCCESS, api.IN_PROGRESS):
+            self._fail(call, res)
+        return NcclWork(self, call, self.api.event_record(stream),
+                        time.monotonic() + self.timeout)
+
+    def _dt(self, call: str, dtype) -> int:
+        code = api.nccl_dtype(dtype)
+        if code < 0:
+            raise NcclError("%s: NCCL has no data type for %s" % (call, dtype), call=call,
+                            result=api.INVALID_ARGUMENT,
+                            hint="cast to a numeric dtype NCCL reduces (int8..float64, bfloat16)")
+        return code
+
+    def _op(self, call: str, op: str) -> int:
+        if op not in api.REDUCE_OPS:
+            raise NcclError("%s: unknown reduce op %r; NCCL has %s" % (
+                call, op, ", ".join(api.REDUCE_OPS)), call=call, result=api.INVALID_ARGUMENT)
+        return api.REDUCE_OPS[op]
+
+    def all_reduce(self, send: int, recv: int, count: int, dtype, op: str = "sum",
+                   stream: int = 0) -> NcclWork:
+        """ncclAllReduce of `count` elements (send may equal recv: in place)."""
+        c = "ncclAllReduce"
+        return self._enqueue(c, self.api.all_reduce(send, recv, count, self._dt(c, dtype),
+                                                    self._op(c, op), self.handle, stream), stream)
+
+    def broadcast(self, send: int, recv: int, count: int, dtype, root: int,
+                  stream: int = 0) -> NcclWork:
+        c = "ncclBroadcast"
+        return self._enqueue(c, self.api.broadcast(send, recv, count, self._dt(c, dtype), root,
+                                                   self.handle, stream), stream)
+
+    def reduce(self, send: int, recv: int, count: int, dtype, op: str, root: int,
+               stream: int = 0) -> NcclWork:
+        c = "ncclReduce"
+        return self._enqueue(c, self.api.reduce(send, recv, count, self._dt(c, dtype),
+                                                self._op(c, op), root, self.handle, stream), stream)
+
+    def all_gather(self, send: int, recv: int, send_count: int, dtype,
+                   stream: int = 0) -> NcclWork:
+        """recv holds `size` slots of send_count elements, in rank order."""
+        c = "ncclAllGather"
+        return self._enqueue(c, self.api.all_gather(send, recv, send_count, self._dt(c, dtype),
+                                                    self.handle, stream), stream)
+
+    def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype, op: str = "sum",
+                       stream: int = 0) -> NcclWork:
+        c = "ncclReduceScatter"
+        return self._enqueue(c, self.api.reduce_scatter(
+            send, recv, recv_count, self._dt(c, dtype), self._op(c, op), self.handle, stream),
+            stream)
+
+    def send_recv(self, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
+                  dtype, stream: int = 0) -> NcclWork:
+        """One group of ncclSend (buf, count, peer) and ncclRecv (buf, count, peer) calls
+        (all_to_all and p2p are built from this)."""
+        dt = self._dt("ncclSend/ncclRecv", dtype)
+        res = self.api.group_start()
+        if res != api.SUCCESS:
+            self._fail("ncclGroupStart", res)
+        for buf, count, peer in sends:
+            res = self.api.send(buf, count, dt, peer, self.handle, stream)
+            if res not in (api.SUCCESS, api.IN_PROGRESS):
+                self.api.group_end()
+                self._fail("ncclSend", res)
+        for buf, count, peer in recvs:
+            res = self.api.recv(buf, count, dt, peer, self.handle, stream)
+            if res not in (api.SUCCESS, api.IN_PROGRESS):
+                self.api.group_end()
+                self._fail("ncclRecv", res)
+        return self._enqueue("ncclGroupEnd", self.api.group_end(), stream)
