@@ -96,6 +96,31 @@ class Sm90Gemm:
             grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     @cute.jit
+    def consume_tile(self, mma, acc, ra, rb, ring, read, release, k_tiles):
+        """One tile's K loop on the consumer warp groups: wgmma over each stage of the ring,
+        one wgmma group kept in flight, each stage released once its group has retired. The
+        caller sets ACCUMULATE on `mma` (a rebind the tracer must see in the caller's loop)."""
+        read.reset_count()
+        release.reset_count()
+        acc.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        for kt in range(k_tiles):
+            ring.consumer_wait(read)
+            for kb in cutlass.range_constexpr(cute.size(ra, mode=[2])):
+                cute.gemm(mma, acc, ra[(None, None, kb, read.index)], rb[(None, None, kb, read.index)], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            # keep one wgmma group in flight; the stage before it is free again
+            if kt > 0:
+                cute.nvgpu.warpgroup.wait_group(1)
+                ring.consumer_release(release)
+                release.advance()
+            read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        if k_tiles > 0:
+            ring.consumer_release(release)
+            release.advance()
+
+    @cute.jit
     def tile_coord(self, t, tiles_mnl):
         """(m, n, batch) of linear tile `t`: m fastest, so CTAs running together share B panels."""
         return t % tiles_mnl[0], (t // tiles_mnl[0]) % tiles_mnl[1], t // (tiles_mnl[0] * tiles_mnl[1])
@@ -164,7 +189,6 @@ class Sm90Gemm:
             # the (row, col, batch) of every accumulator element: an identity tensor tiled like C
             coords = thr.partition_C(cute.local_tile(cute.make_identity_tensor(c_shape),
                                                      (self.tile[0], self.tile[1]), (None, None, None)))
-            k_blocks = cute.size(ra, mode=[2])
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
 
@@ -187,26 +211,8 @@ class Sm90Gemm:
             done = cutlass.Int32(0)  # tiles this CTA finished: picks the epilogue buffers
             for t in cutlass.range(first_tile, tile_count, tile_stride):
                 m, n, l = self.tile_coord(t, tiles_mnl)
-                read.reset_count()
-                release.reset_count()
-                acc.fill(0.0)
                 mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                for kt in range(k_tiles):
-                    ring.consumer_wait(read)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        cute.gemm(mma, acc, ra[(None, None, kb, read.index)], rb[(None, None, kb, read.index)], acc)
-                    cute.nvgpu.warpgroup.commit_group()
-                    # keep one wgmma group in flight; the stage before it is free again
-                    if kt > 0:
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        ring.consumer_release(release)
-                        release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                if k_tiles > 0:
-                    ring.consumer_release(release)
-                    release.advance()
+                self.consume_tile(mma, acc, ra, rb, ring, read, release, k_tiles)
 
                 # kiln's epilogue on the accumulators, before anything is stored
                 tile_coords = coords[(None, None, None, m, n, l)]

@@ -108,32 +108,14 @@ class Sm90GroupedGemm(GroupedParts, Sm90Gemm):
             ra = mma.make_fragment_A(thr.partition_A(sa))
             rb = mma.make_fragment_B(thr.partition_B(sb))
             acc = cute.make_rmem_tensor(thr.partition_C(cute.local_tile(mc, c_tile, (0, 0, 0))).shape, self.acc_dtype)
-            k_blocks = cute.size(ra, mode=[2])
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             for t in cutlass.range(first, work, stride):
                 expert, row0, row_end = self.find_tile(t % rows_upper, group_sizes)
                 if expert >= 0:
                     bn = t // rows_upper
-                    read.reset_count()
-                    release.reset_count()
-                    acc.fill(0.0)
                     mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    for kt in range(k_tiles):
-                        ring.consumer_wait(read)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            cute.gemm(mma, acc, ra[(None, None, kb, read.index)], rb[(None, None, kb, read.index)], acc)
-                        cute.nvgpu.warpgroup.commit_group()
-                        if kt > 0:
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            ring.consumer_release(release)
-                            release.advance()
-                        read.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    if k_tiles > 0:
-                        ring.consumer_release(release)
-                        release.advance()
+                    self.consume_tile(mma, acc, ra, rb, ring, read, release, k_tiles)
                     # the epilogue, stored from registers under the expert's row mask
                     out = thr.partition_C(cute.local_tile(cute.domain_offset((row0, 0, 0), mc), c_tile, (0, bn, 0)))
                     coords = thr.partition_C(cute.local_tile(
