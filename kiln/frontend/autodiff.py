@@ -20,12 +20,15 @@ import json
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import sympy
 
-from kiln.errors import KilnArgumentError, KilnGradientError, user_location
+from kiln.errors import KilnArgumentError, KilnError, KilnGradientError, user_location
 from kiln.ir import dtypes as dt
-from kiln.ir.emitter import GraphBuilder, is_python_scalar
+from kiln.ir import registry
+from kiln.ir.emitter import EAGER, GraphBuilder, is_python_scalar
 from kiln.ir.graph import Graph, Region, Value
 from kiln.ir.interpret import run_graph
+from kiln.ir.registry import CONTROL
 from kiln.ir.types import TensorType
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import apply, current_builder, raw, to_array, trace_stack
@@ -100,10 +103,13 @@ class _Differentiated:
         self.inputs = [v if self.traced else _array(leaf) for leaf, v, _ in leaf_values] + captured
         self.wrt_mask = wrt
         self.n_captured = len(captured)
+        self.plans: dict | None = None
 
     def rebound(self, primals: tuple) -> "_Differentiated":
         """This eager trace applied to new `primals` of the same signature (the cache
         key): the traced graphs are shared, the inputs and residuals are the new call's."""
+        if self.plans is None:  # a reused trace: its graphs as straight-line programs
+            self.plans = {id(g): straight_line(g) for g in (self.vjp.forward, self.vjp.backward)}
         other = copy.copy(self)
         other.arg_leaves = [pytree.flatten(arg, _is_leaf)[0] for arg in primals]
         other.inputs = [_array(leaf) for leaves in other.arg_leaves for leaf in leaves
@@ -156,6 +162,9 @@ class _Differentiated:
     def _run(self, graph: Graph, inputs: list) -> list:
         if self.traced:
             return [Tensor._make(v, self.builder) for v in inline(self.builder, graph, inputs)]
+        plan = self.plans.get(id(graph)) if self.plans else None
+        if plan is not None:
+            return [Tensor._make(a) for a in plan(inputs)]
         return [Tensor._make(a) for a in run_graph(graph, *inputs)]
 
     def forward(self) -> list:
@@ -187,6 +196,56 @@ class _Differentiated:
                     rebuilt.append(None)
             per_arg[position] = pytree.unflatten(spec, rebuilt)
         return tuple(per_arg[p] for p in positions)
+
+
+def straight_line(graph: Graph):
+    """`graph` (static shapes, no regions) as a list of numpy reference calls with
+    operands, attributes and result types resolved once: what run_graph does per node
+    (type inference, attribute normalization, registry look-ups) is not repeated on every
+    call of a cached eager gradient. None when the graph needs the interpreter."""
+    if graph.shape_vars:
+        return None
+    slot = {id(p): i for i, p in enumerate(graph.inputs)}
+    steps = []
+    for node in graph.body.nodes:
+        opdef = registry.get(node.op)
+        if node.regions or opdef.kind == CONTROL or any(
+                isinstance(v, sympy.Basic) or isinstance(v, tuple) and any(
+                    isinstance(e, sympy.Basic) for e in v) for v in node.attrs.values()):
+            return None
+        if not all(isinstance(d, int) for r in node.results for d in r.type.shape):
+            return None
+        args = tuple(slot[id(v)] for v in node.operands)
+        if node.op == "constant":
+            const = graph.constants[node.attrs["name"]]
+            fn, attrs, direct = (lambda c: lambda: c)(const), {}, True
+        elif opdef.reference is None:  # a decomposition: the eager emitter runs it
+            fn, attrs, direct = functools.partial(EAGER.apply, node.op), dict(node.attrs), False
+        else:
+            fn, attrs, direct = opdef.reference, opdef.normalize_attrs(node.attrs), True
+        want = tuple((r.type.dtype.np_dtype, r.type.shape) for r in node.results)
+        steps.append((node.op, fn, args, attrs, want, direct))
+        for r in node.results:
+            slot[id(r)] = len(slot)
+    outs = tuple(slot[id(v)] for v in graph.outputs)
+
+    def run(inputs: list) -> list:
+        env = list(inputs)
+        for op, fn, args, attrs, want, direct in steps:
+            operands = [env[i] for i in args]
+            result = fn(*operands, **attrs) if direct else fn(operands, attrs)
+            results = result if isinstance(result, (tuple, list)) else (result,)
+            if len(results) != len(want):
+                raise KilnError(f"internal: {op} reference returned {len(results)} results")
+            for r, (dtype, shape) in zip(results, want):
+                r = np.asarray(r)
+                if r.dtype != dtype or r.shape != shape:
+                    raise KilnError(f"internal: {op} reference returned {r.dtype}{list(r.shape)}, "
+                                    f"the traced type is {dtype}{list(shape)}")
+                env.append(r)
+        return [env[i] for i in outs]
+
+    return run
 
 
 def _eager_type(leaf) -> TensorType:

@@ -140,3 +140,42 @@ def test_a_cached_trace_raises_the_same_error_again():
     for _ in range(2):
         with pytest.raises(KilnGradientError, match="one float scalar"):
             gr(kn.ones(3))
+
+
+def test_reused_traces_with_control_flow_and_decompositions_stay_right():
+    # kn.cond has regions (the interpreter runs it); gelu and softmax are decompositions
+    def f(w, x):
+        h = kn.gelu(x * w)  # exact: erf
+        y = kn.cond((h.sum() > 0), lambda: (h * h).sum(), lambda: (h * 3.0).sum())
+        return y + kn.softmax(h, dim=-1).max()
+    gr = kn.value_and_grad(f)
+    for seed in range(3):
+        r = np.random.default_rng(seed)
+        w, x = r.standard_normal(6).astype(np.float32), r.standard_normal(6).astype(np.float32)
+        value, g = gr(kn.tensor(w), kn.tensor(x))
+        eps = 1e-3  # central differences in float64 through the eager ops
+        w64, x64 = kn.tensor(w.astype(np.float64)), kn.tensor(x.astype(np.float64))
+        for i in range(6):
+            d = np.zeros(6)
+            d[i] = eps
+            up = f(w64 + kn.tensor(d), x64).numpy()
+            down = f(w64 - kn.tensor(d), x64).numpy()
+            np.testing.assert_allclose(g.numpy()[i], (up - down) / (2 * eps), rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(value.numpy(), f(w64, x64).numpy(), rtol=1e-5)
+    assert gr.cache_size() == 1
+
+
+def test_a_reused_trace_skips_the_interpreter(monkeypatch):
+    from kiln.frontend import autodiff
+
+    interpreted = []
+    original = autodiff.run_graph
+    monkeypatch.setattr(autodiff, "run_graph", lambda g, *a: interpreted.append(g) or original(g, *a))
+    vg = kn.value_and_grad(lambda w: (w.tanh() * w).sum())
+    w = rng.standard_normal(5).astype(np.float32)
+    for _ in range(3):
+        value, g = vg(kn.tensor(w))
+        t = np.tanh(w.astype(np.float64))
+        np.testing.assert_allclose(g.numpy(), t + w * (1 - t * t), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(value.numpy(), (t * w).sum(), rtol=1e-5)
+    assert len(interpreted) == 2  # forward and backward of the first call only
