@@ -213,3 +213,31 @@ def test_a_large_batched_gemm_is_split_over_the_pool_by_whole_items(monkeypatch,
                 assert len(ranges) == want and ranges[0][0] == 0 and ranges[-1][1] % batch == 0
                 per_item = ranges[-1][1] // batch
                 assert all(lo % per_item == 0 for lo, _ in ranges)  # whole batch items
+
+
+def test_cgroup_files_are_read_v2_then_v1(tmp_path, monkeypatch):
+    v2, quota, period = tmp_path / "cpu.max", tmp_path / "quota", tmp_path / "period"
+    monkeypatch.setattr(threads, "CGROUP_V2_CPU_MAX", str(v2))
+    monkeypatch.setattr(threads, "CGROUP_V1_QUOTA", str(quota))
+    monkeypatch.setattr(threads, "CGROUP_V1_PERIOD", str(period))
+    assert threads.cgroup_cpu_quota() is None  # no files: no quota
+    quota.write_text("-1\n")
+    period.write_text("100000\n")
+    assert threads.cgroup_cpu_quota() is None  # v1 unlimited
+    quota.write_text("250000\n")
+    assert threads.cgroup_cpu_quota() == 2.5
+    v2.write_text("50000 100000\n")  # v2 wins when present
+    assert threads.cgroup_cpu_quota() == 0.5
+
+
+def test_the_pool_and_blas_follow_a_quota_below_the_affinity(tmp_path, monkeypatch, restore_threads):
+    getter = _blas_getter()
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("100000 100000\n")  # one CPU's worth
+    monkeypatch.setattr(threads, "CGROUP_V2_CPU_MAX", str(cpu_max))
+    monkeypatch.setattr(threads, "affinity_cpus", lambda: 4)
+    threads.set_blas_num_threads(2)
+    monkeypatch.setattr(threads, "_num_threads", None)  # as in a fresh process
+    assert kn.get_num_threads() == 1
+    assert cc.default_threads() == 1 and CpuOptions().threads == 1
+    assert getter() == 1  # OpenBLAS counted the affinity mask, not the quota
