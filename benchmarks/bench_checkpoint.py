@@ -141,7 +141,9 @@ def main() -> None:
         "## Distributed checkpoint: save/load throughput vs dd, async stall",
         "",
         "- command: `%s`" % cmd.strip(),
-        "- machine: %s; %s UTC" % (machine(), datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")),
+        "- machine: %s; %s UTC; load average %.1f at the end (other jobs share the "
+        "cores)" % (machine(), datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"),
+                    os.getloadavg()[0]),
         "- state: %d MB of float32 in 8 tensors, Shard(0) over the ranks; medians of %d "
         "repeats; dd: `dd bs=8M conv=fsync` of the same size into the same folder, same "
         "run, just before and just after each job, median of the 2" % (opts.mb, opts.repeat),

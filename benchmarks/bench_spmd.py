@@ -138,7 +138,9 @@ def main() -> None:
         "## SPMD step time: %d ranks vs one process" % opts.ranks,
         "",
         "- command: `python benchmarks/bench_spmd.py %s`" % " ".join(sys.argv[1:]),
-        "- machine: %s; %s UTC" % (machine(), datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")),
+        "- machine: %s; %s UTC; load average %.1f at the end (other jobs share the "
+        "cores)" % (machine(), datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"),
+                    os.getloadavg()[0]),
         "- medians of %d steps x %d rounds after 2 warm-up steps; ranks: barrier to barrier "
         "around each step (rank 0); one process and the ranks alternate, each process with "
         "OPENBLAS_NUM_THREADS=1, same run. Speedup = single / sharded (on a machine with "
