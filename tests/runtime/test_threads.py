@@ -89,26 +89,32 @@ def _tanh_kernel():
                   ("B",), (Loop("i0", B), Loop("i1", 64)), (Store("y", 64 * i0 + i1, y),))
 
 
-def test_set_num_threads_changes_how_a_launch_splits(monkeypatch, restore_threads):
+@pytest.fixture
+def pool_runs(monkeypatch):
+    """The range lists of every parallel launch on kiln's pool, in order."""
     seen = []
     original = cc.WorkerPool.run
 
     def run(self, fn, bufs, sizes, ranges):
-        seen.append(len(ranges))
+        seen.append(list(ranges))
         return original(self, fn, bufs, sizes, ranges)
 
     monkeypatch.setattr(cc.WorkerPool, "run", run)
+    return seen
+
+
+def test_set_num_threads_changes_how_a_launch_splits(pool_runs, restore_threads):
     kn.set_num_threads(2)
     kernel = CpuBackend(CpuOptions(threads=2, parallel_threshold=1)).compile(_tanh_kernel())
     x = np.random.default_rng(0).standard_normal((512, 64)).astype(np.float32)
     want = np.tanh(x.astype(np.float64)).astype(np.float32)
     for n, splits in ((2, [2]), (1, [])):
         kn.set_num_threads(n)
-        seen.clear()
+        pool_runs.clear()
         y = np.empty_like(x)
         kernel([x, y], {"B": 512})
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
-        assert seen == splits, (n, seen)
+        assert [len(r) for r in pool_runs] == splits, (n, pool_runs)
     assert CpuOptions().threads == 1  # options made now default to the set count
 
 
@@ -187,15 +193,8 @@ def test_batched_gemm_matches_numpy_and_restores_blas(monkeypatch, restore_threa
     assert getter() == 2
 
 
-def test_a_large_batched_gemm_is_split_over_the_pool_by_whole_items(monkeypatch, restore_threads):
-    seen = []
-    original = cc.WorkerPool.run
-
-    def run(self, fn, bufs, sizes, ranges):
-        seen.append(list(ranges))
-        return original(self, fn, bufs, sizes, ranges)
-
-    monkeypatch.setattr(cc.WorkerPool, "run", run)
+def test_a_large_batched_gemm_is_split_over_the_pool_by_whole_items(pool_runs, restore_threads):
+    seen = pool_runs
     rng = np.random.default_rng(2)
     f = kn.compile(lambda a, b: a @ b)
     for batch, m, splits in ((32, 64, 2), (4, 32, 0)):  # 2^24 multiply-adds, and 2^20
