@@ -28,6 +28,7 @@ from kiln.distributed.rendezvous import (
     destroy_process_group, get_world, init_process_group, is_initialized,
 )
 from kiln.distributed.store import Store, StoreServer
+from kiln.distributed.symmetric_memory import SymmetricMemory, symmetric_memory
 from kiln.distributed.tcp_backend import TcpBackend
 from kiln.distributed.window import Window
 from kiln.distributed.work import Work
@@ -43,4 +44,5 @@ __all__ = [
     "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_tensor",
     "checkpoint", "init_device_mesh", "CheckpointCorrupt", "CheckpointError",
     "CheckpointManifestError", "MeshError", "PlacementError", "ShardingRuleError",
+    "SymmetricMemory", "symmetric_memory",
 ]

@@ -329,3 +329,12 @@ class NcclUnavailable(RendezvousError):
         super().__init__(message, hint=hint or "pip install nvidia-nccl-cu12 (or -cu13) "
                          "on a machine with an NVIDIA GPU, or set KILN_NCCL_LIBRARY to a "
                          "libnccl.so.2 >= 2.29; on CPUs use backend='tcp' or 'mpi'")
+
+
+class SymmetricMemoryError(DistributedError, ValueError):
+    """`symmetric_memory` cannot be made or used as asked: a shape or dtype that is not a
+    plain buffer, a rank that cannot map rank 0's segment (ranks on different hosts),
+    a peer rank outside the group, or an unknown reduce op."""
+
+    code = "K252"
+    title = "symmetric memory error"

@@ -1,0 +1,78 @@
+"""Scenarios of the host symmetric-memory tests (see harness.py; run like workers.py).
+
+    python symmetric_workers.py SCENARIO RANK WORLD STORE_ADDR RESULT_JSON ARGS_JSON
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import numpy as np
+
+import kiln.distributed as dist
+from workers import join, main, scenario
+
+
+def leftovers() -> list[str]:
+    """This job's symmetric-memory files in /dev/shm."""
+    prefix = "kiln-" + hashlib.sha256(os.environ["KILN_TOKEN"].encode()).hexdigest()[:16]
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix + "-sym-"))
+
+
+@scenario
+def sym_basic(rank, world, addr, args):
+    """Direct reads and writes of peers' buffers, signal pads, all_reduce vs numpy."""
+    pg = join(rank, world, addr)
+    sym = dist.symmetric_memory((3, 5), "float32", pg)
+    assert sym.buffer.shape == (3, 5) and not sym.buffer.any()
+    sym.buffer[:] = np.arange(15, dtype=np.float32).reshape(3, 5) * (rank + 1)
+    sym.barrier()
+    assert leftovers() == [], leftovers()  # rank 0 unlinked it before it signalled
+    for r in range(world):  # every peer's buffer, read in place
+        np.testing.assert_array_equal(sym.peer(r), np.arange(15).reshape(3, 5) * (r + 1))
+    sym.barrier()  # nobody reads any more: now write into the next rank's buffer
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    sym.peer(nxt)[0, 0] = 100 + rank
+    sym.signal(nxt)
+    sym.wait_signal(prv)
+    assert sym.buffer[0, 0] == 100 + prv, sym.buffer[0, 0]
+    sums = {}
+    for op, dtype, count in (("sum", "float64", 1001), ("max", "int32", 7), ("min", "int64", 3),
+                             ("prod", "float32", 64)):
+        arrays = [np.random.default_rng(r).integers(1, 4, count).astype(dtype)
+                  for r in range(world)]
+        with dist.symmetric_memory(count, dtype, pg) as s:
+            s.buffer[:] = arrays[rank]
+            got = s.all_reduce(op).copy()
+        want = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[op](
+            np.stack(arrays), axis=0).astype(dtype)
+        np.testing.assert_array_equal(got, want)
+        sums[op] = float(got.sum())
+    sym.close()
+    pg.barrier().wait()
+    return {"sums": sums, "left": leftovers()}
+
+
+@scenario
+def sym_kill(rank, world, addr, args):
+    """The last rank is SIGKILLed after setup: the others' wait for its signal fails
+    naming it (PeerFailure once the group saw it die, else the wait's timeout); no
+    segment is left in /dev/shm."""
+    pg = join(rank, world, addr)
+    sym = dist.symmetric_memory(1 << 16, "float32", pg)
+    sym.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        sym.wait_signal(world - 1, timeout=1.0)
+        raise AssertionError("a dead rank signalled")
+    except (dist.CollectiveTimeout, dist.PeerFailure) as exc:
+        assert exc.rank == world - 1 and "rank %d" % (world - 1) in str(exc), exc
+    sym.close()
+    return {"left": leftovers()}
+
+
+if __name__ == "__main__":
+    main()
