@@ -83,7 +83,8 @@ def _names(code: types.CodeType):
 
 def closure_guards(fn: Callable, sources: list) -> Guards | None:
     """Guards for reusing a trace of `fn` whose graph constants came from the arrays
-    `sources`; None when `fn` reaches too much to guard."""
+    `sources`; None when `fn` reaches too much to guard. (Arguments need none: they are
+    pytrees of tensors, scalars, strings and None, all in the cache key.)"""
     from kiln.frontend.tensor import Tensor
 
     constant_ids = {id(a) for a in sources}
