@@ -40,7 +40,8 @@ def sym_basic(rank, world, addr, args):
     assert sym.buffer[0, 0] == 100 + prv, sym.buffer[0, 0]
     sums = {}
     for op, dtype, count in (("sum", "float64", 1001), ("max", "int32", 7), ("min", "int64", 3),
-                             ("prod", "float32", 64)):
+                             ("prod", "float32", 64),
+                             ("sum", "float32", 100_003)):  # > 256 KiB: the chunked path
         arrays = [np.random.default_rng(r).integers(1, 4, count).astype(dtype)
                   for r in range(world)]
         with dist.symmetric_memory(count, dtype, pg) as s:
@@ -49,7 +50,7 @@ def sym_basic(rank, world, addr, args):
         want = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[op](
             np.stack(arrays), axis=0).astype(dtype)
         np.testing.assert_array_equal(got, want)
-        sums[op] = float(got.sum())
+        sums["%s/%d" % (op, count)] = float(got.sum())
     sym.close()
     pg.barrier().wait()
     return {"sums": sums, "left": leftovers()}
