@@ -98,6 +98,29 @@ def load_library() -> ctypes.CDLL:
     raise NcclUnavailable("no libnccl.so.2 could be loaded; tried: " + "; ".join(tried))
 
 
+def require_gpu() -> int:
+    """The number of CUDA GPUs; `NcclUnavailable` (K251) naming the hardware if none
+    (creating an NCCL communicator needs one: the library alone is not enough)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise NcclUnavailable("an NCCL communicator needs an NVIDIA GPU and the CUDA driver; "
+                              "cuda-bindings is not installed to find one") from None
+    count = 0
+    try:
+        (status,) = driver.cuInit(0)
+        if status == driver.CUresult.CUDA_SUCCESS:
+            status, count = driver.cuDeviceGetCount()
+    except Exception as exc:  # noqa: BLE001 - no driver library: cuda-bindings raises
+        raise NcclUnavailable("an NCCL communicator needs an NVIDIA CUDA GPU; this machine "
+                              "has no CUDA driver (%s)" % exc) from None
+    if status != driver.CUresult.CUDA_SUCCESS or count == 0:
+        raise NcclUnavailable("an NCCL communicator needs an NVIDIA CUDA GPU; this machine "
+                              "has none (cuInit/cuDeviceGetCount: %s, %d devices)"
+                              % (getattr(status, "name", status), int(count)))
+    return int(count)
+
+
 class LibNccl(api.NcclApi):
     """The real NCCL (see the module docstring)."""
 
@@ -132,6 +155,7 @@ class LibNccl(api.NcclApi):
         return uid
 
     def comm_init_rank_config(self, nranks, unique_id, rank, blocking):
+        require_gpu()
         comm, cfg = ctypes.c_void_p(), make_config(blocking)
         res = self.lib.ncclCommInitRankConfig(ctypes.byref(comm), ctypes.c_int(nranks),
                                               self._uid(unique_id), ctypes.c_int(rank),
@@ -162,6 +186,8 @@ class LibNccl(api.NcclApi):
         return res, ctypes.string_at(ctypes.addressof(uid), api.UNIQUE_ID_BYTES)
 
     def comm_grow(self, comm, nranks, unique_id, rank, blocking):
+        if not comm:  # a joiner creates its first communicator here
+            require_gpu()
         new, cfg = ctypes.c_void_p(), make_config(blocking)
         uid = ctypes.byref(self._uid(unique_id)) if unique_id is not None else None
         res = self.lib.ncclCommGrow(ctypes.c_void_p(comm or None), ctypes.c_int(nranks), uid,

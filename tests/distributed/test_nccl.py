@@ -257,6 +257,19 @@ def test_real_library_symbols_version_and_unique_id():
     assert "remote" in lib.get_error_string(api.REMOTE_ERROR)
 
 
+def test_communicator_without_a_gpu_names_the_hardware():
+    from kiln.distributed import nccl_lib
+    lib = _real()
+    try:
+        nccl_lib.require_gpu()
+        pytest.skip("this machine has a CUDA GPU")
+    except NcclUnavailable:
+        pass
+    _, uid = lib.get_unique_id()
+    err = _expect(NcclUnavailable, lambda: NcclComm.init(lib, 1, uid, 0, timeout=5.0))
+    assert err.code == "K251" and "NVIDIA CUDA GPU" in str(err)
+
+
 def test_config_struct_matches_the_232_header():
     from kiln.distributed.nccl_lib import Config, make_config
     # sizeof/offsetof(ncclConfig_t) compiled against the 2.32.3 wheel's nccl.h
