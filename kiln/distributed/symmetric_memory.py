@@ -37,7 +37,7 @@ from kiln.distributed.errors import (
 _MAGIC = b"kilnsym1"
 _PAGE = mmap.PAGESIZE
 _YIELDS = 200  # sched_yield polls before a wait starts sleeping
-_SMALL = 256 << 10  # all_reduce up to this: every rank reduces everything (2 barriers)
+_SMALL = 256 << 10  # all_reduce up to this: every rank reduces everything
 _REDUCE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
@@ -118,14 +118,15 @@ class SymmetricMemory:
 
     def all_reduce(self, op: str = "sum", timeout: float | None = None) -> np.ndarray:
         """Reduce every rank's buffer elementwise into all of them, in place; returns
-        this rank's buffer. Rank r reduces chunk r of all buffers (rank order) and
-        writes it into every peer's buffer: one read and one write per element. Below
-        256 KiB every rank reduces all of it into its own buffer (one barrier fewer)."""
+        this rank's buffer. Rank r reduces chunk r of every buffer into its own, in place,
+        and writes it into every peer's buffer (no rank touches another's chunk, so two
+        barriers and no scratch). Up to 256 KiB every rank reduces all of it, in rank
+        order, into its own buffer."""
         if op not in _REDUCE:
             raise SymmetricMemoryError("all_reduce: op %r is not one of %s"
                                        % (op, ", ".join(_REDUCE)))
         flats = [b.reshape(-1) for b in self._bufs]
-        if flats[0].nbytes <= _SMALL:  # latency-bound: no third barrier
+        if flats[0].nbytes <= _SMALL:  # latency-bound
             self.barrier(timeout)
             acc = flats[0].copy()
             for f in flats[1:]:
@@ -136,12 +137,14 @@ class SymmetricMemory:
         bounds = np.linspace(0, flats[0].size, self.world_size + 1).astype(np.int64)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         self.barrier(timeout)  # every rank's input is in place
-        acc = flats[0][lo:hi].copy()
-        for f in flats[1:]:
-            _REDUCE[op](acc, f[lo:hi], out=acc)
-        self.barrier(timeout)  # nobody reads the inputs any more
-        for f in flats:
-            f[lo:hi] = acc
+        # chunk [lo, hi) of every buffer is read and written by this rank only
+        mine = flats[self.rank][lo:hi]
+        for r, f in enumerate(flats):
+            if r != self.rank:
+                _REDUCE[op](mine, f[lo:hi], out=mine)
+        for r, f in enumerate(flats):
+            if r != self.rank:
+                f[lo:hi] = mine
         self.barrier(timeout)  # every chunk is written everywhere
         return self.buffer
 
