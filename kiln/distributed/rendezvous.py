@@ -86,9 +86,12 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
             rank, world_size, store if store is not None else os.environ.get("KILN_STORE"),
             token if token is not None else os.environ.get("KILN_TOKEN"), joiner, fault_tolerant)
         host_store = False if _SERVER is not None else host_store
+    if backend == "nccl":  # GPU collectives (kiln.distributed.nccl_backend)
+        from kiln.distributed.nccl_backend import NcclBackend
+        BACKENDS["nccl"] = NcclBackend
     if backend not in BACKENDS:
         raise RendezvousError("unknown backend %r; available: %s" % (backend, ", ".join(
-            sorted(set(BACKENDS) | {"mpi"}))))
+            sorted(set(BACKENDS) | {"mpi", "nccl"}))))
     rank = _env_int("KILN_RANK") if rank is None else rank
     world_size = _env_int("KILN_WORLD_SIZE") if world_size is None else world_size
     if min_size is None:
