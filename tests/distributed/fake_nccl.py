@@ -17,11 +17,13 @@ import itertools
 import os
 import threading
 
+import ml_dtypes
 import numpy as np
 
 from kiln.distributed import nccl_api as api
 
-_DT = {code: np.dtype(name) for name, code in api.DTYPES.items() if name != "bfloat16"}
+_DT = {code: np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
+       for name, code in api.DTYPES.items()}
 _RED = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}
 
 

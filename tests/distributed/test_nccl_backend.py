@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import threading
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -73,6 +74,23 @@ def test_unique_id_goes_through_the_store(groups):
     assert apis[0].log.count("ncclGetUniqueId") == 1
     assert all(a.log.count("ncclGetUniqueId") == 0 for a in apis[1:])
     assert [pg.backend.rank for pg in pgs] == [0, 1, 2]
+    for a in apis:  # nonblocking init: in progress twice after every rank arrived
+        first = a.log.index("ncclCommInitRankConfig")
+        assert a.log[first + 1:].count("ncclCommGetAsyncError") >= 3
+
+
+def test_bfloat16_and_avg(groups):
+    n = 2
+    pgs, _ = groups(n)
+    vals = [np.array([1.5, -2.0, 3.25], ml_dtypes.bfloat16) * (r + 1) for r in range(n)]
+
+    def body(r):
+        x = vals[r].copy()
+        pgs[r].all_reduce(x, op="avg").wait()
+        return x.astype(np.float32)
+
+    for got in run_ranks(n, body):
+        np.testing.assert_array_equal(got, np.array([2.25, -3.0, 4.875], np.float32))
 
 
 def test_collectives_match_numpy(groups):
