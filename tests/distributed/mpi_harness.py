@@ -162,17 +162,35 @@ class MpiJob:
         of the job reached MPI_Finalize, a stopped one too)."""
         return (self.out / ("rank%d.json" % uid)).exists()
 
+    def _wait_for_results(self, timeout: float, settle: float = 10.0) -> bytes:
+        """mpirun's output once it ended, or once results were written and no new one came
+        for `settle` s (survivors of a death sometimes never leave MPI_Finalize under
+        ULFM: issue 18's open exit hang), or after `timeout` s; then the job is stopped."""
+        from kiln.distributed.mpi_launch import stop_group
+
+        end, seen, last_change = time.monotonic() + timeout, 0, time.monotonic()
+        while True:
+            try:  # a retried communicate loses no output: it returns all of it at the end
+                out, _ = self.proc.communicate(timeout=0.5)
+                return out or b""
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            count = len(list(self.out.glob("rank*.json")))
+            if count != seen:
+                seen, last_change = count, now
+            if (seen and now - last_change > settle) or now > end:
+                stop_group(self.proc, grace=1.0)
+                out, _ = self.proc.communicate()
+                return out or b""
+
     def finish(self, timeout: float = 60.0) -> list:
         """As Job.finish: ranks 0..world-1, then the replacements (by uid); None for a
         process that wrote nothing."""
         from kiln.distributed.mpi_launch import stop_group
 
         try:
-            try:
-                out, _ = self.proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                stop_group(self.proc, grace=1.0)
-                out, _ = self.proc.communicate()
+            out = self._wait_for_results(timeout)
             text = out.decode(errors="replace")
         finally:
             stop_group(self.proc, grace=2.0)
