@@ -190,9 +190,12 @@ def openmp_runtime() -> str | None:
     host has none (then parallel launches of a captured plan run through kiln's pool)."""
     if os.environ.get("KILN_CAPTURE_OPENMP", "1") == "0":
         return None
-    # threads that spin between regions steal a busy machine's cores (10x slower loops
-    # seen on 2 loaded cores): sleep instead, unless the user chose otherwise
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    # between regions a thread spins a while, then sleeps: forever-spinning threads steal
+    # a busy machine's cores (10x slower loops seen on 2 loaded cores) and sleeping at once
+    # costs a wake-up per region (a replayed 20-trip loop 1.5x slower than no capture);
+    # about 0.1 ms of spinning keeps a loop's regions hot. The user's settings win.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "100000")
     for name in ("libgomp.so.1", ctypes.util.find_library("gomp")):
         if not name:
             continue
