@@ -64,7 +64,7 @@ def test_trace_records_every_stage_kernel_guard_and_reason(traced):
     assert first["artifact_cache"]["misses"] >= 1 and third["artifact_cache"]["hits"] == 1
     kernels = first["kernels"]
     assert [k["name"] for k in kernels] == list(f.compiled_graphs()[0].program.kernels)
-    folder = root / [d for d in os.listdir(root) if d.endswith("-0")][0]
+    folder = root / _by_counter([d for d in os.listdir(root) if (root / d).is_dir()])[0]
     for k in kernels:
         source = (folder / k["source"]).read_text()
         asm = (folder / k["asm"]).read_text()
@@ -102,11 +102,16 @@ class _Dom(HTMLParser):
         return [a for _, a in self.elements if name in (a.get("class") or "").split()]
 
 
+def _by_counter(names):
+    """Trace folders (pid-name-N) or their pages in the order they were recorded: N counts
+    the process's traces, so it need not start at 0 (other tests may have traced first)."""
+    return sorted(names, key=lambda n: int(n.removesuffix(".html").rsplit("-", 1)[1]))
+
+
 def _page_of(out, records, index):
     record = sorted(records, key=lambda r: r["time"])[index]
-    name = [p for p in os.listdir(out) if p.endswith(".html") and p != "index.html"
-            and p.endswith(f"-{index}.html")]
-    return record, out / name[0]
+    pages = _by_counter([p for p in os.listdir(out) if p.endswith(".html") and p != "index.html"])
+    return record, out / pages[index]
 
 
 @needs_chromium
@@ -138,7 +143,7 @@ def test_report_pages_in_chromium(traced, tmp_path, engine):
     for key in ("exported", "optimized"):
         box = dom.find(id=f"graph-{key}")
         assert box and box[0]["data-engine"] == engine
-    folder = next(p for p in root.iterdir() if p.name.endswith("-1"))
+    folder = root / _by_counter([d for d in os.listdir(root) if (root / d).is_dir()])[1]
     layout = json.loads((folder / "graph-exported.json").read_text())
     nodes = [a for a in dom.find("g") if "node" in (a.get("class") or "").split()]
     assert len(nodes) >= len(layout["nodes"])  # both graphs drawn; the first has them all
@@ -174,7 +179,8 @@ def test_report_errors_and_cli(traced, tmp_path, capsys):
     root, _, _ = traced
     assert kiln_main(["report", str(root), "-o", str(tmp_path / "o"), "--no-dot"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "o" / "index.html")
-    assert 'data-engine="kiln"' in next((tmp_path / "o").glob("*-0.html")).read_text()
+    pages = _by_counter([p.name for p in (tmp_path / "o").glob("*.html") if p.name != "index.html"])
+    assert 'data-engine="kiln"' in (tmp_path / "o" / pages[0]).read_text()
 
 
 def test_unwritable_trace_dir_warns_and_compiles(tmp_path):
