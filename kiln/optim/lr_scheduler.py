@@ -15,13 +15,14 @@ constant and compiles a new specialization.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Callable
 
 from kiln.errors import KilnArgumentError
 
 
-class LRScheduler:
+class LRScheduler(abc.ABC):
     """Base class: subclasses give `get_lr()` from `self.last_epoch` (torch's protocol)."""
 
     def __init__(self, optimizer, last_epoch: int = -1) -> None:
@@ -34,8 +35,9 @@ class LRScheduler:
         self._step_count = 0
         self.step()
 
+    @abc.abstractmethod
     def get_lr(self) -> list:
-        raise NotImplementedError  # every concrete scheduler below defines it
+        """The learning rates for `self.last_epoch`, one per parameter group."""
 
     def step(self, epoch=None) -> None:
         if epoch is not None:
@@ -222,3 +224,7 @@ class SequentialLR(LRScheduler):
         else:
             scheduler.step()
         self._last_lr = scheduler.get_last_lr()
+
+    def get_lr(self) -> list:
+        """The rates the scheduler in charge at `last_epoch` set."""
+        return list(self._last_lr)

@@ -22,6 +22,7 @@ another shape or dtype than the captured one is K390 — never a silent wrong re
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import threading
 from dataclasses import dataclass, field
@@ -113,7 +114,7 @@ def is_native(op) -> bool:
     return False
 
 
-class Launcher:
+class Launcher(abc.ABC):
     """What a backend gives capture: `compile(ops)` turns a run of native ops into a
     function of the table's address; `bind(inputs, aliases)`, optionally, a function of
     (table address, address of an array of numpy object pointers) that fills the input
@@ -123,8 +124,9 @@ class Launcher:
 
     parallel = False
 
+    @abc.abstractmethod
     def compile(self, ops: Sequence) -> Callable[[int], None]:
-        raise NotImplementedError
+        """A function of the table's address that runs `ops` (all native) in order."""
 
     def bind(self, inputs: Sequence[int], aliases: Sequence[tuple[int, int]]):
         return None
