@@ -154,6 +154,14 @@ class _Flattener:
             members.setdefault(root, []).append(index)
         self.groups.update({root: tuple(m) for root, m in members.items()})
 
+    def buffer(self, shape, dtype) -> np.ndarray:
+        """A captured buffer, from the CPU device's caching allocator: counted by
+        kn.memory and held to the memory fraction while the capture lives. Every op
+        writes a buffer before reading it, so none needs clearing."""
+        from kiln.runtime.device import allocator_for
+
+        return allocator_for("cpu").array(shape, dtype, what="a captured program's buffer")
+
     def new(self, array, root: int | None = None) -> int:
         self.arrays.append(array)
         self.root.append(len(self.arrays) - 1 if root is None else root)
@@ -167,7 +175,7 @@ class _Flattener:
         shape, dtype = self.shape(program, slot), np.dtype(spec.dtype.np_dtype)
         sid = program.storage.get(slot)
         if sid is None:
-            return self.new(np.zeros(shape, dtype))
+            return self.new(self.buffer(shape, dtype))
         base, base_index = shared[sid]
         nbytes = int(np.prod(shape)) * dtype.itemsize
         return self.new(base[:nbytes].view(dtype).reshape(shape), base_index)
@@ -187,7 +195,7 @@ class _Flattener:
             need[sid] = max(need.get(sid, 0), nbytes)
         shared = {}
         for sid, nbytes in need.items():
-            base = np.zeros(max(nbytes, 1), np.uint8)
+            base = self.buffer((max(nbytes, 1),), np.uint8)
             shared[sid] = (base, self.new(base))
         return shared
 
@@ -299,7 +307,7 @@ class _Flattener:
             if o == k:
                 continue  # passed through unchanged
             if j is not None:
-                scratch = self.new(np.zeros_like(self.arrays[k]))
+                scratch = self.new(self.buffer(self.arrays[k].shape, self.arrays[k].dtype))
                 first.append(Copy(scratch, o, self._nbytes(k)))
                 then.append(Copy(k, scratch, self._nbytes(k)))
             elif (r not in self.frozen and r not in self.dynamic and out_roots.count(r) == 1

@@ -186,3 +186,16 @@ def test_pytree_arguments_and_results():
     out = kn.capture(f, args)(args)
     np.testing.assert_array_equal(out["s"].numpy(), [3, 3, 3])
     np.testing.assert_array_equal(out["p"][0].numpy(), [2, 2, 2])
+
+
+def test_captured_buffers_are_counted_by_kn_memory():
+    before = kn.memory.memory_allocated()
+    g = kn.capture(lambda x: (x * 2 + 1).exp(), kn.zeros(1 << 16))
+    held = kn.memory.memory_allocated() - before
+    assert held >= 4 << 16  # at least the output buffer of 2^16 float32
+    np.testing.assert_allclose(g(kn.ones(1 << 16)).numpy(), np.exp(np.full(1 << 16, 3.0, np.float32)), rtol=1e-6)
+    del g
+    import gc
+
+    gc.collect()
+    assert kn.memory.memory_allocated() - before < held  # released with the capture
