@@ -38,9 +38,9 @@ def _array(x) -> np.ndarray:
 
 
 def _tensor(a: np.ndarray):
-    import kiln
+    from kiln.frontend.factories import tensor  # lazy: distributed sits below the frontend
 
-    return kiln.tensor(_c(a))
+    return tensor(_c(a))
 
 
 class DTensor:

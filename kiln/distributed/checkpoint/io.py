@@ -359,7 +359,7 @@ def load(state: dict, path: str) -> dict:
             if isinstance(target, np.ndarray) and target.flags.writeable:
                 np.copyto(target, full)
             else:
-                import kiln
+                from kiln.frontend.factories import tensor  # lazy: below the frontend
 
-                state[key] = kiln.tensor(full)
+                state[key] = tensor(full)
     return state
