@@ -1,5 +1,5 @@
 """Every op kiln knows, one family per module; importing this package registers them."""
 
-from kiln.ir.ops import autodiff, collective, control, creation, elementwise, fusion, linalg, lapack, moe, nn, reduction, shape  # noqa: F401
+from kiln.ir.ops import autodiff, collective, control, creation, elementwise, fusion, linalg, lapack, moe, nn, layers, sampling, reduction, shape  # noqa: F401
 from kiln.ir.ops import indices  # noqa: F401  (check_index; INDEX_OPERANDS)
 from kiln.ir.ops import lowp  # noqa: F401  (quantizers and scaled_matmul)

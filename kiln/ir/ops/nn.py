@@ -1,6 +1,6 @@
-"""Neural-network composites: activations, statistics, normalization, attention,
-Python-style division, and random sampling (matmul and conv2d live beside their
-primitives in linalg.py).
+"""Neural-network composites: activations, statistics (mean, var, logsumexp, softmax)
+and Python-style division. The norms and attention live in layers.py, random sampling
+in sampling.py, matmul and conv2d beside their primitives in linalg.py.
 
 Each op carries a type rule, a numpy reference and a decomposition into primitives
 (a backend may still match the whole op into a template: flash attention, GEMM +
@@ -8,7 +8,7 @@ epilogue). Low-precision floats compute in float32 and round once at the end, in
 reference and the decomposition alike.
 
 Autodiff differentiates a composite through its decomposition unless it has a vjp
-rule: the activations, softmax, logsumexp and the norms have one, shorter than the
+rule: the activations, softmax and logsumexp have one, shorter than the
 decomposition's derivative and finite where it is not (softmax rows with -inf entries).
 """
 
@@ -18,18 +18,15 @@ import math
 
 import numpy as np
 
-from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
+from kiln.errors import KilnArgumentError, KilnDTypeError
 from kiln.ir import dtypes as dt
-from kiln.ir.emitter import EAGER
-from kiln.ir.ops.creation import _check_shape_attr
 from kiln.ir.ops.elementwise import erf
 from kiln.ir.ops.linalg import upcast
 from kiln.ir.ops.rules import FLOATING, check_axes, check_dtype, check_same, normalize_axis, via_f32
-from kiln.ir.registry import COMPOSITE, REQUIRED, defop
-from kiln.ir.shapes import broadcast_shapes, dims_equal, numel, shapes_equal
-from kiln.ir.types import TensorType
+from kiln.ir.registry import COMPOSITE, defop
+from kiln.ir.shapes import numel
 
-_NUMBER = (int, float)
+NUMBER = (int, float)  # the Python numbers a float attribute may be
 
 
 # -- shared pieces of rules and decompositions -------------------------------------------
@@ -54,7 +51,7 @@ def _reduced(op, x, *, axes, **_):
     return x.with_shape(tuple(d for i, d in enumerate(x.shape) if i not in axes))
 
 
-def _expand(b, r, shape, axes):
+def expand_reduced(b, r, shape, axes):
     """A reduced value broadcast back over the reduced axes."""
     if not axes:  # nothing was reduced (also keeps rank-0 values away from broadcast_in_dim)
         return r
@@ -72,7 +69,8 @@ def _count(b, shape, axes, dtype):
     return b.convert(b.reduce_sum(b.full(1, dt.int64, dims), axes=tuple(range(len(dims)))), dtype)
 
 
-def _mean(b, x, axes):
+def mean_over(b, x, axes):
+    """The mean of x over `axes` (dropped)."""
     t = b.type_of(x)
     return b.binary("div", b.reduce_sum(x, axes=axes), _count(b, t.shape, axes, t.dtype))
 
@@ -80,16 +78,17 @@ def _mean(b, x, axes):
 def _softmax_parts(b, x, axis):
     """(shifted, exp(shifted), sum) along one axis (no axis for a scalar)."""
     shape, axes = b.type_of(x).shape, ((axis,) if b.type_of(x).rank else ())
-    shifted = b.sub(x, _expand(b, b.reduce_max(x, axes=axes), shape, axes))
+    shifted = b.sub(x, expand_reduced(b, b.reduce_max(x, axes=axes), shape, axes))
     e = b.exp(shifted)
-    return shifted, e, _expand(b, b.reduce_sum(e, axes=axes), shape, axes)
+    return shifted, e, expand_reduced(b, b.reduce_sum(e, axes=axes), shape, axes)
 
 
 def _sigmoid(b, x):
     return b.binary("div", 1.0, b.binary("add", b.exp(b.neg(x)), 1.0))
 
 
-def _sum(b, x, axes):
+def sum_over(b, x, axes):
+    """The sum of x over `axes` (dropped); x itself when there are none."""
     return b.reduce_sum(x, axes=axes) if axes else x
 
 
@@ -107,25 +106,6 @@ def _activation_vjp(grad):
         return [b.convert(b.mul(ct, grad(b, x, **attrs)), d)]
 
     return vjp
-
-
-def _norm_type(op, x, params, n, flags):
-    """A floating x normalized over its last n dims, and the optional operands (weight,
-    bias) present as the flags say, each shaped like those dims."""
-    check_dtype(op, x, FLOATING)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= x.rank:
-        raise KilnArgumentError(f"{op}: normalized_ndim must be an int in [1, {x.rank}] for "
-                                f"{x}, got {n!r}")
-    names = [name for name, on in flags if on]
-    if len(params) != len(names):
-        raise KilnArgumentError(f"{op}: with {', '.join(f'has_{k}={v}' for k, v in flags)} it takes "
-                                f"{1 + len(names)} operand(s) ({', '.join(['x'] + names)}), "
-                                f"got {1 + len(params)}")
-    want = x.with_shape(x.shape[x.rank - n:])
-    for name, p in zip(names, params):
-        if p != want:
-            raise KilnShapeError(f"{op}: {name} {p} must be {want}, the last {n} dims of x {x}")
-    return x
 
 
 # -- activations ---------------------------------------------------------------------------
@@ -242,7 +222,7 @@ class softplus:
     """log(1 + exp(beta * x)) / beta, and x itself where beta * x > threshold (torch)."""
 
     def type(op, x, *, beta, threshold):
-        if not isinstance(beta, _NUMBER) or not isinstance(threshold, _NUMBER) or beta == 0:
+        if not isinstance(beta, NUMBER) or not isinstance(threshold, NUMBER) or beta == 0:
             raise KilnArgumentError(f"softplus: beta (non-zero) and threshold must be numbers, "
                                     f"got {beta!r}, {threshold!r}")
         return _float_type(op, x)
@@ -275,7 +255,7 @@ class mean:
 
     def decompose(b, x, *, axes):
         x, d = upcast(b, x)
-        return b.convert(_mean(b, x, _axes("mean", b.type_of(x), axes)), d)
+        return b.convert(mean_over(b, x, _axes("mean", b.type_of(x), axes)), d)
 
 
 def _var_reference(x, *, axes, correction):
@@ -290,7 +270,7 @@ class var:
     """Variance over `axes` (None: all): sum of squared deviations / max(N - correction, 0)."""
 
     def type(op, x, *, axes, correction):
-        if not isinstance(correction, _NUMBER) or isinstance(correction, bool):
+        if not isinstance(correction, NUMBER) or isinstance(correction, bool):
             raise KilnArgumentError(f"var: correction must be a number, got {correction!r}")
         return _reduced(op, x, axes=axes)
 
@@ -300,7 +280,7 @@ class var:
         x, d = upcast(b, x)
         t = b.type_of(x)
         axes = _axes("var", t, axes)
-        dev = b.sub(x, _expand(b, _mean(b, x, axes), t.shape, axes))
+        dev = b.sub(x, expand_reduced(b, mean_over(b, x, axes), t.shape, axes))
         total = b.reduce_sum(b.mul(dev, dev), axes=axes)
         n = _count(b, t.shape, axes, t.dtype)
         if isinstance(n, float):
@@ -330,7 +310,7 @@ class logsumexp:
         axes = _axes("logsumexp", t, axes)
         m = b.reduce_max(x, axes=axes)
         m = b.select(b.isinf(m), b.full(0.0, t.dtype, b.type_of(m).shape), m)
-        total = b.reduce_sum(b.exp(b.sub(x, _expand(b, m, t.shape, axes))), axes=axes)
+        total = b.reduce_sum(b.exp(b.sub(x, expand_reduced(b, m, t.shape, axes))), axes=axes)
         return b.convert(b.add(b.log(total), m), d)
 
     def vjp(b, cts, xs, ys, *, axes):
@@ -340,8 +320,8 @@ class logsumexp:
         t = b.type_of(x)
         axes = _axes("logsumexp", t, axes)
         y = ys[0] if x is xs[0] else b.logsumexp(x, axes=axes)
-        p = b.exp(b.sub(x, _expand(b, y, t.shape, axes)))
-        return [b.convert(b.mul(_expand(b, ct, t.shape, axes), p), d)]
+        p = b.exp(b.sub(x, expand_reduced(b, y, t.shape, axes)))
+        return [b.convert(b.mul(expand_reduced(b, ct, t.shape, axes), p), d)]
 
 
 def _softmax_reference(x, *, dim, log):
@@ -374,7 +354,7 @@ class softmax:
         (y, d), (ct, _) = upcast(b, ys[0]), upcast(b, cts[0])
         t = b.type_of(y)
         axes = _dim_axes("softmax", t, dim)
-        inner = _expand(b, _sum(b, b.mul(ct, y), axes), t.shape, axes)
+        inner = expand_reduced(b, sum_over(b, b.mul(ct, y), axes), t.shape, axes)
         return [b.convert(b.mul(y, b.sub(ct, inner)), d)]
 
 
@@ -394,209 +374,8 @@ class log_softmax:
         (y, d), (ct, _) = upcast(b, ys[0]), upcast(b, cts[0])
         t = b.type_of(y)
         axes = _dim_axes("log_softmax", t, dim)
-        total = _expand(b, _sum(b, ct, axes), t.shape, axes)
+        total = expand_reduced(b, sum_over(b, ct, axes), t.shape, axes)
         return [b.convert(b.sub(ct, b.mul(b.exp(y), total)), d)]
-
-
-# -- normalization -----------------------------------------------------------------------------
-
-def _layer_norm_reference(x, *params, normalized_ndim, eps, has_weight, has_bias):
-    axes = tuple(range(x.ndim - normalized_ndim, x.ndim))
-    dev = x - np.mean(x, axis=axes, keepdims=True)
-    y = dev / np.sqrt(np.mean(dev * dev, axis=axes, keepdims=True) + eps)
-    params = list(params)
-    y = y * params.pop(0) if has_weight else y
-    return y + params.pop(0) if has_bias else y
-
-
-def _layer_normalized(b, x, normalized_ndim, eps):
-    """((x - mean) * inv, inv) with inv = 1 / sqrt(biased var + eps), broadcast to x."""
-    shape = b.type_of(x).shape
-    axes = tuple(range(len(shape) - normalized_ndim, len(shape)))
-    dev = b.sub(x, _expand(b, _mean(b, x, axes), shape, axes))
-    inv = b.rsqrt(b.binary("add", _mean(b, b.mul(dev, dev), axes), float(eps)))
-    inv = _expand(b, inv, shape, axes)
-    return b.mul(dev, inv), inv
-
-
-@defop("layer_norm", family="nn", kind=COMPOSITE,
-       attrs={"normalized_ndim": REQUIRED, "eps": 1e-5, "has_weight": False, "has_bias": False})
-class layer_norm:
-    """(x - mean) / sqrt(biased var + eps) over the last normalized_ndim dims, times
-    weight, plus bias (operands x, [weight], [bias])."""
-
-    def type(op, x, *params, normalized_ndim, eps, has_weight, has_bias):
-        return _norm_type(op, x, params, normalized_ndim,
-                          (("weight", has_weight), ("bias", has_bias)))
-
-    reference = via_f32(_layer_norm_reference)
-
-    def decompose(b, x, *params, normalized_ndim, eps, has_weight, has_bias):
-        x, d = upcast(b, x)
-        shape = b.type_of(x).shape
-        y, _ = _layer_normalized(b, x, normalized_ndim, eps)
-        params = [b.broadcast_to(upcast(b, p)[0], shape) for p in params]  # over leading dims
-        y = b.mul(y, params.pop(0)) if has_weight else y
-        return b.convert(b.add(y, params.pop(0)) if has_bias else y, d)
-
-    def vjp(b, cts, xs, ys, *, normalized_ndim, eps, has_weight, has_bias):
-        """x: inv (g - mean(g) - xhat mean(g xhat)) with g = ct * weight; weight:
-        ct * xhat summed over the leading dims; bias: ct summed over them."""
-        (x, d), (ct, _) = upcast(b, xs[0]), upcast(b, cts[0])
-        xhat, inv = _layer_normalized(b, x, normalized_ndim, eps)
-        shape = b.type_of(x).shape
-        axes = tuple(range(len(shape) - normalized_ndim, len(shape)))
-        g = b.mul(ct, b.broadcast_to(upcast(b, xs[1])[0], shape)) if has_weight else ct
-        mean_g = _expand(b, _mean(b, g, axes), shape, axes)
-        mean_gx = _expand(b, _mean(b, b.mul(g, xhat), axes), shape, axes)
-        grads = [b.mul(inv, b.sub(b.sub(g, mean_g), b.mul(xhat, mean_gx)))]
-        lead = tuple(range(len(shape) - normalized_ndim))
-        if has_weight:
-            grads.append(_sum(b, b.mul(ct, xhat), lead))
-        if has_bias:
-            grads.append(_sum(b, ct, lead))
-        return [b.convert(c, d) for c in grads]
-
-
-def _rms_eps(dtype, eps):
-    # torch takes finfo of the compute dtype: float32 for the low-precision floats
-    return float(np.finfo(dtype).eps) if eps is None else float(eps)
-
-
-def _rms_norm_reference(x, *params, normalized_ndim, eps, has_weight):
-    axes = tuple(range(x.ndim - normalized_ndim, x.ndim))
-    y = x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + _rms_eps(x.dtype, eps))
-    return y * params[0] if has_weight else y
-
-
-def _rms_normalized(b, x, normalized_ndim, eps):
-    """(x * inv, inv) with inv = 1 / sqrt(mean(x^2) + eps), broadcast to x."""
-    t = b.type_of(x)
-    axes = tuple(range(t.rank - normalized_ndim, t.rank))
-    ms = b.binary("add", _mean(b, b.mul(x, x), axes), _rms_eps(t.dtype.np_dtype, eps))
-    inv = _expand(b, b.rsqrt(ms), t.shape, axes)
-    return b.mul(x, inv), inv
-
-
-@defop("rms_norm", family="nn", kind=COMPOSITE,
-       attrs={"normalized_ndim": REQUIRED, "eps": None, "has_weight": False})
-class rms_norm:
-    """x / sqrt(mean(x^2) + eps) over the last normalized_ndim dims, times weight;
-    eps None is finfo(compute dtype).eps, as torch."""
-
-    def type(op, x, *params, normalized_ndim, eps, has_weight):
-        if eps is not None and not isinstance(eps, _NUMBER):
-            raise KilnArgumentError(f"rms_norm: eps must be a number or None, got {eps!r}")
-        return _norm_type(op, x, params, normalized_ndim, (("weight", has_weight),))
-
-    reference = via_f32(_rms_norm_reference)
-
-    def decompose(b, x, *params, normalized_ndim, eps, has_weight):
-        x, d = upcast(b, x)
-        y, _ = _rms_normalized(b, x, normalized_ndim, eps)
-        if has_weight:
-            y = b.mul(y, b.broadcast_to(upcast(b, params[0])[0], b.type_of(x).shape))
-        return b.convert(y, d)
-
-    def vjp(b, cts, xs, ys, *, normalized_ndim, eps, has_weight):
-        """x: inv (g - xhat mean(g xhat)) with g = ct * weight; weight: ct * xhat summed
-        over the leading dims."""
-        (x, d), (ct, _) = upcast(b, xs[0]), upcast(b, cts[0])
-        xhat, inv = _rms_normalized(b, x, normalized_ndim, eps)
-        t = b.type_of(x)
-        axes = tuple(range(t.rank - normalized_ndim, t.rank))
-        g = b.mul(ct, b.broadcast_to(upcast(b, xs[1])[0], t.shape)) if has_weight else ct
-        mean_gx = _expand(b, _mean(b, b.mul(g, xhat), axes), t.shape, axes)
-        grads = [b.mul(inv, b.sub(g, b.mul(xhat, mean_gx)))]
-        if has_weight:
-            grads.append(_sum(b, b.mul(ct, xhat), tuple(range(t.rank - normalized_ndim))))
-        return [b.convert(c, d) for c in grads]
-
-
-# -- attention --------------------------------------------------------------------------
-
-def _sdpa_type(op, q, k, v, *mask, is_causal, scale, has_mask):
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        check_dtype(op, t, FLOATING, name)
-        if t.rank < 2:
-            raise KilnShapeError(f"{op}: {name} {t} must have rank >= 2 ([..., seq, features])")
-    if not q.dtype == k.dtype == v.dtype:
-        raise KilnDTypeError(f"{op}: query {q}, key {k} and value {v} must have one dtype")
-    if len(mask) != bool(has_mask) or (is_causal and has_mask):
-        raise KilnArgumentError(f"{op}: has_mask={has_mask} with {len(mask)} mask operand(s), "
-                                f"is_causal={is_causal}; give a mask only with has_mask, and "
-                                "not together with is_causal")
-    if scale is not None and not isinstance(scale, _NUMBER):
-        raise KilnArgumentError(f"{op}: scale must be a number or None, got {scale!r}")
-    if not dims_equal(q.shape[-1], k.shape[-1]):
-        raise KilnShapeError(f"{op}: query {q} and key {k} differ in features "
-                             f"({q.shape[-1]} vs {k.shape[-1]})")
-    if not dims_equal(k.shape[-2], v.shape[-2]):
-        raise KilnShapeError(f"{op}: key {k} and value {v} differ in sequence length "
-                             f"({k.shape[-2]} vs {v.shape[-2]})")
-    batch = broadcast_shapes(op, q.shape[:-2], k.shape[:-2], v.shape[:-2],
-                             describe=lambda: f"query {q}, key {k} and value {v}")
-    scores = batch + (q.shape[-2], k.shape[-2])
-    for m in mask:
-        if m.dtype not in (dt.bool_, q.dtype):
-            raise KilnDTypeError(f"{op}: mask {m} must be bool or {q.dtype.short} like query {q}")
-        if m.rank > len(scores) or not shapes_equal(broadcast_shapes(
-                op, m.shape, scores, describe=lambda: f"mask {m} with scores"), scores):
-            raise KilnShapeError(f"{op}: mask {m} does not broadcast to the scores {scores}")
-    return q.with_shape(batch + (q.shape[-2], v.shape[-1]))
-
-
-def _sdpa_reference(q, k, v, *mask, is_causal, scale, has_mask):
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if is_causal:
-        scores = np.where(np.tril(np.ones(scores.shape[-2:], bool)), scores, -np.inf)
-    if has_mask:
-        m = mask[0]
-        scores = np.where(m, scores, -np.inf) if m.dtype == np.bool_ else scores + m
-    top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # no keys: a zero row
-    e = np.exp(scores - top)
-    p = np.where(top == -np.inf, 0, e / np.sum(e, axis=-1, keepdims=True))
-    return np.matmul(p, v)
-
-
-@defop("scaled_dot_product_attention", family="nn", kind=COMPOSITE,
-       attrs={"is_causal": False, "scale": None, "has_mask": False})
-class scaled_dot_product_attention:
-    """softmax(q @ k^T * scale + mask) @ v (torch semantics; q [..., L, E], k [..., S, E],
-    v [..., S, Ev]; bool mask True attends; a fully masked row gives 0, as torch)."""
-
-    type = _sdpa_type
-    reference = via_f32(_sdpa_reference)
-
-    def decompose(b, q, k, v, *mask, is_causal, scale, has_mask):
-        (q, d), (k, _), (v, _) = upcast(b, q), upcast(b, k), upcast(b, v)
-        qt, kt = b.type_of(q), b.type_of(k)
-        out = _sdpa_type("scaled_dot_product_attention", qt, kt, b.type_of(v), is_causal=False,
-                         scale=scale, has_mask=False)
-        batch, L, S = out.shape[:-2], qt.shape[-2], kt.shape[-2]
-        n, shape, bd = len(batch), batch + (L, S), tuple(range(len(batch)))
-        q, k, v = (b.broadcast_to(t, batch + b.type_of(t).shape[-2:]) for t in (q, k, v))
-        scores = b.dot_general(q, k, lhs_contracting=(n + 1,), rhs_contracting=(n + 1,),
-                               lhs_batch=bd, rhs_batch=bd)
-        scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else scale
-        scores = b.binary("mul", scores, float(scale))
-        neg_inf = b.full(-math.inf, qt.dtype, shape)
-        if is_causal:
-            rows = b.iota(dtype=dt.int64, shape=(L, S), dimension=0)
-            cols = b.iota(dtype=dt.int64, shape=(L, S), dimension=1)
-            scores = b.select(b.broadcast_to(b.ge(rows, cols), shape), scores, neg_inf)
-        if has_mask:
-            m = b.broadcast_to(mask[0], shape)
-            scores = (b.select(m, scores, neg_inf) if b.type_of(m).dtype == dt.bool_
-                      else b.add(scores, b.convert(m, qt.dtype)))
-        top = _expand(b, b.reduce_max(scores, axes=(n + 1,)), shape, (n + 1,))
-        e = b.exp(b.sub(scores, top))
-        p = b.div(e, _expand(b, b.reduce_sum(e, axes=(n + 1,)), shape, (n + 1,)))
-        p = b.select(b.eq(top, neg_inf), b.full(0.0, qt.dtype, shape), p)
-        out = b.dot_general(p, v, lhs_contracting=(n + 1,), rhs_contracting=(n,),
-                            lhs_batch=bd, rhs_batch=bd)
-        return b.convert(out, d)
 
 
 # -- Python-style division ---------------------------------------------------------------------
@@ -664,67 +443,3 @@ class remainder:
         (x, d), (y, _) = upcast(b, x), upcast(b, y)
         r = b.rem(x, y)
         return b.convert(b.select(_wrong_sign(b, r, y), b.add(r, y), r), d)
-
-
-# -- random sampling ------------------------------------------------------------------------
-
-def _random_type(op, key, shape, dtype):
-    if key.dtype != dt.uint32 or key.rank != 1 or not dims_equal(key.shape[0], 2):
-        raise KilnDTypeError(f"{op}: key must be u32[2], got {key}")
-    d = dt.dtype(dtype)
-    if not d.is_floating:
-        raise KilnDTypeError(f"{op}: dtype {d} is not a floating dtype")
-    return TensorType(d, _check_shape_attr(op, shape))
-
-
-def _unit(b, bits, dtype):
-    """Uniform [0, 1) in float32 from the top mantissa bits (no more than `dtype` holds,
-    so the value is exact in it): exponent of 1.0 or-ed in gives [1, 2), minus 1."""
-    nmant = min(23, int(dt.finfo(dtype).nmant))
-    m = b.binary("shift_right_logical", bits, 32 - nmant)
-    if nmant < 23:
-        m = b.binary("shift_left", m, 23 - nmant)
-    one_to_two = b.bitcast_convert(b.binary("or", m, 0x3F800000), dtype=dt.float32)
-    return b.binary("sub", one_to_two, 1.0)
-
-
-@defop("uniform", family="nn", kind=COMPOSITE, num_operands=1, differentiable=False,
-       attrs={"shape": REQUIRED, "dtype": dt.float32, "low": 0.0, "high": 1.0})
-class uniform:
-    """Uniform samples in [low, high) from a u32[2] key (computed in float32, then
-    converted; at most 23 random mantissa bits)."""
-
-    def type(op, key, *, shape, dtype, low, high):
-        if not isinstance(low, _NUMBER) or not isinstance(high, _NUMBER) or not low < high:
-            raise KilnArgumentError(f"uniform: needs numbers low < high, got {low!r}, {high!r}")
-        return _random_type(op, key, shape, dtype)
-
-    # the reference is the decomposition run eagerly: bit-exact by construction
-    reference = lambda key, **attrs: EAGER.decompose("uniform", [key], attrs)[0]  # noqa: E731
-
-    def decompose(b, key, *, shape, dtype, low, high):
-        u = _unit(b, b.random_bits(key, shape=tuple(shape)), dtype)
-        u = b.binary("add", b.binary("mul", u, float(high) - float(low)), float(low))
-        return b.convert(u, dtype)
-
-
-@defop("normal", family="nn", kind=COMPOSITE, num_operands=1, differentiable=False,
-       attrs={"shape": REQUIRED, "dtype": dt.float32})
-class normal:
-    """Standard normal samples from a u32[2] key (Box-Muller on two uniform streams,
-    in float32, then converted)."""
-
-    def type(op, key, *, shape, dtype):
-        return _random_type(op, key, shape, dtype)
-
-    reference = lambda key, **attrs: EAGER.decompose("normal", [key], attrs)[0]  # noqa: E731
-
-    def decompose(b, key, *, shape, dtype):
-        dims = tuple(shape)
-        bits = b.random_bits(key, shape=(2,) + dims)
-        halves = [b.reshape(b.slice(bits, start=(i,) + (0,) * len(dims), limit=(i + 1,) + dims,
-                                    stride=None), shape=dims) for i in (0, 1)]
-        u1 = b.binary("sub", 1.0, _unit(b, halves[0], dt.float32))  # (0, 1]: log stays finite
-        radius = b.sqrt(b.binary("mul", b.log(u1), -2.0))
-        theta = b.binary("mul", _unit(b, halves[1], dt.float32), 2.0 * math.pi)
-        return b.convert(b.mul(radius, b.cos(theta)), dtype)
