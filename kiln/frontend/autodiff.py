@@ -26,8 +26,10 @@ from kiln.errors import KilnArgumentError, KilnError, KilnGradientError, user_lo
 from kiln.ir import dtypes as dt
 from kiln.ir import registry
 from kiln.ir.emitter import EAGER, GraphBuilder, is_python_scalar
+from kiln.ir.ad import differentiable_dtype
 from kiln.ir.graph import Graph, Region, Value
 from kiln.ir.interpret import run_graph
+from kiln.ir.regions import add_params, free_values
 from kiln.ir.registry import CONTROL
 from kiln.ir.types import TensorType
 from kiln.frontend import pytree
@@ -35,8 +37,7 @@ from kiln.frontend.dispatch import apply, current_builder, raw, to_array, trace_
 from kiln.frontend.closure_guards import closure_guards
 from kiln.frontend.control_flow import region_value
 from kiln.frontend.tensor import Tensor
-from kiln.passes.autodiff import VJP, differentiable_dtype, inline, vjp_graph
-from kiln.passes.licm import add_params, free_values
+from kiln.passes.autodiff import VJP, inline, vjp_graph
 
 
 def _is_leaf(x) -> bool:
@@ -132,26 +133,24 @@ class _Differentiated:
             rebuilt = [Tensor._make(next(params), b) if _is_tensor(leaf) else leaf
                        for leaf in leaves]
             args.append(pytree.unflatten(spec, rebuilt))
-        saved_constants = dict(b._constant_ids)
         pushed = not self.traced
         if pushed:
             trace_stack().append(b)
-        b.regions.append(region)
         try:
-            result = self.fn(*args)
-            if self.has_aux:
-                if not (isinstance(result, (tuple, list)) and len(result) == 2):
-                    raise KilnArgumentError(f"{self.what}: with has_aux=True the function must "
-                                            "return a pair (output, aux)", where=user_location())
-                result = tuple(result)
-            leaves, spec = pytree.flatten(result, _is_leaf)
-            region.results = [region_value(b, leaf, f"{self.what}: the function")
-                              for leaf in leaves]
+            with b.entering(region):
+                result = self.fn(*args)
+                if self.has_aux:
+                    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+                        raise KilnArgumentError(f"{self.what}: with has_aux=True the function "
+                                                "must return a pair (output, aux)",
+                                                where=user_location())
+                    result = tuple(result)
+                leaves, spec = pytree.flatten(result, _is_leaf)
+                region.results = [region_value(b, leaf, f"{self.what}: the function")
+                                  for leaf in leaves]
+                # what the graph's constants were made from: eager kn.grad guards on them
+                self.constant_sources = [src for src, _ in b._constant_ids.values()]
         finally:
-            b.regions.pop()
-            # what the graph's constants were made from: eager kn.grad guards on them
-            self.constant_sources = [src for src, _ in b._constant_ids.values()]
-            b._constant_ids = saved_constants
             if pushed:
                 trace_stack().pop()
         n_out = len(pytree.flatten(result[0], _is_leaf)[0]) if self.has_aux else len(leaves)

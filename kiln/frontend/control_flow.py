@@ -26,11 +26,11 @@ from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError, KilnT
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, GraphBuilder, is_python_scalar
 from kiln.ir.graph import Region, Value
+from kiln.ir.regions import add_params, captured_values
 from kiln.ir.types import TensorType
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import current_builder, emitter_for, raw, to_array
 from kiln.frontend.tensor import Tensor
-from kiln.passes.licm import add_params, captured_values
 
 __all__ = ["cond", "switch", "while_loop", "nonzero"]
 
@@ -63,16 +63,10 @@ def _trace_region(builder: GraphBuilder, fn: Callable, types: list[TensorType], 
     """Trace `fn` into a new region whose parameters have `types`; `call_args(params)`
     builds the Python arguments from the parameter tensors. Returns (region, out_spec)."""
     region = Region([Value(t) for t in types])
-    # constants made inside the region must not be reused outside it (SSA scoping)
-    saved_constants = dict(builder._constant_ids)
-    builder.regions.append(region)
-    try:
+    with builder.entering(region):  # constants made inside stay scoped to the region
         result = fn(*call_args([Tensor._make(p, builder) for p in region.params]))
         leaves, spec = pytree.flatten(result, _is_leaf)
         region.results = [region_value(builder, leaf, _name(fn)) for leaf in leaves]
-    finally:
-        builder.regions.pop()
-        builder._constant_ids = saved_constants
     return region, spec
 
 

@@ -233,7 +233,7 @@ def backward(tensor, gradient=None, inputs: Sequence | None = None) -> None:
     """Accumulate d(tensor)/d(leaf) into `leaf.grad` for every leaf `tensor` was computed
     from (torch.Tensor.backward / torch.autograd.backward)."""
     from kiln.frontend.tensor import Tensor
-    from kiln.passes.autodiff import differentiable_dtype
+    from kiln.ir.ad import differentiable_dtype
 
     ref = tensor._grad_ref()
     if ref is None:
@@ -307,7 +307,8 @@ def _backprop(roots: list, traced, wanted) -> None:
     then continue the walk (gradients are linear, so the parts add up)."""
     from kiln.ir.graph import Graph
     from kiln.ir.interpret import run_graph
-    from kiln.passes.autodiff import differentiable_dtype, inline, vjp_graph
+    from kiln.ir.ad import differentiable_dtype
+    from kiln.passes.autodiff import inline, vjp_graph
 
     opaque_cts: dict = {}  # id(node) -> (node, {index: cotangent})
 

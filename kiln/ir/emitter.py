@@ -10,7 +10,8 @@ numpy promotion, broadcasting) become explicit `full`, `convert` and
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -194,6 +195,23 @@ class GraphBuilder(Emitter):
     @property
     def region(self) -> Region:
         return self.regions[-1]
+
+    @contextlib.contextmanager
+    def entering(self, region: Region) -> Iterator[Region]:
+        """Emit into `region` inside the block, then back into the enclosing region.
+        Constants made inside stay scoped to it (a value defined in a region cannot be
+        reused outside it).
+
+        >>> with builder.entering(branch):
+        ...     branch.results = [builder.add(*branch.params)]
+        """
+        saved_constants = dict(self._constant_ids)
+        self.regions.append(region)
+        try:
+            yield region
+        finally:
+            self.regions.pop()
+            self._constant_ids = saved_constants
 
     def type_of(self, x) -> TensorType:
         if not isinstance(x, Value):

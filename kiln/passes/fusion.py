@@ -34,6 +34,7 @@ from kiln.ir import registry
 from kiln.ir.emitter import GraphBuilder
 from kiln.ir.graph import Graph, Node, Region, Value
 from kiln.ir.registry import ELEMENTWISE
+from kiln.ir.regions import captured_values
 from kiln.ir.shapes import shapes_equal
 
 STRUCTURAL = {"full", "iota", "broadcast_in_dim", "transpose", "slice", "reverse"}
@@ -86,8 +87,6 @@ class _Analysis:
         for node in region.nodes:
             inputs = list(node.operands)
             if node.regions:
-                from kiln.passes.licm import captured_values
-
                 inputs += [v for v in captured_values(node.regions)
                            if all(v is not o for o in node.operands)]
             self.inputs[id(node)] = inputs
@@ -531,11 +530,8 @@ def _fuse_nested(region: Region, builder: GraphBuilder, env: dict[int, Value]) -
     new = Region([Value(p.type, p.name) for p in region.params])
     inner = dict(env)  # a region may read values of the regions around it
     inner.update({id(old): p for old, p in zip(region.params, new.params)})
-    builder.regions.append(new)
-    try:
+    with builder.entering(new):
         new.results = _fuse_region(region, builder, inner)
-    finally:
-        builder.regions.pop()
     return new
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from kiln.errors import KilnError
 from kiln.ir.graph import Graph, Node, Region, Value
+from kiln.ir.regions import add_params, free_values, pass_through, replace_uses
 from kiln.passes.rewrite import copy_graph
 
 # values fusion computes inline at the point of use (see the module doc)
@@ -55,71 +56,6 @@ def licm(graph: Graph) -> Graph:
 
 
 # -- closing regions ---------------------------------------------------------------------------
-
-
-def free_values(region: Region) -> list[Value]:
-    """Values `region` (or a region nested in it) reads but does not define, in use order."""
-    defined: set[int] = set()
-    free: dict[int, Value] = {}
-
-    def use(v: Value) -> None:
-        if id(v) not in defined:
-            free.setdefault(id(v), v)
-
-    def visit(r: Region) -> None:
-        defined.update(id(p) for p in r.params)
-        for node in r.nodes:
-            for v in node.operands:
-                use(v)
-            for sub in node.regions:
-                visit(sub)
-            defined.update(id(v) for v in node.results)
-        for v in r.results:
-            use(v)
-
-    visit(region)
-    return list(free.values())
-
-
-def captured_values(regions) -> list[Value]:
-    """The values any of `regions` reads from outside, each once, in first-use order."""
-    seen: dict[int, Value] = {}
-    for region in regions:
-        for v in free_values(region):
-            seen.setdefault(id(v), v)
-    return list(seen.values())
-
-
-def _replace_uses(region: Region, mapping: dict[int, Value]) -> None:
-    for node in region.nodes:
-        node.operands = [mapping.get(id(v), v) for v in node.operands]
-        for sub in node.regions:
-            _replace_uses(sub, mapping)
-    region.results = [mapping.get(id(v), v) for v in region.results]
-
-
-def add_params(region: Region, values: list[Value]) -> list[Value]:
-    """New parameters of `region` that stand for `values` inside it (and nested regions).
-
-    >>> add_params(branch, [outer_sum])   # the branch now reads its own parameter
-    """
-    params = [Value(v.type, v.name) for v in values]
-    region.params.extend(params)
-    _replace_uses(region, {id(v): p for v, p in zip(values, params)})
-    return params
-
-
-def pass_through(node: Node, values: list[Value]) -> list[Value]:
-    """Make `values` extra carried values of while_loop `node` that its body yields
-    unchanged; returns the body's parameters that stand for them."""
-    cond_region, body = node.regions
-    add_params(cond_region, values)
-    params = add_params(body, values)
-    body.results = body.results + params
-    node.operands = node.operands + list(values)
-    for v in values:
-        node.results.append(Value(v.type, None, node, len(node.results)))
-    return params
 
 
 def _close(region: Region) -> bool:
@@ -162,7 +98,7 @@ def _rematerialize(node: Node, value: Value) -> bool:
         if any(v is value for v in free_values(sub)):
             clone = Node(producer.op, [], producer.attrs, [r.type for r in producer.results])
             sub.nodes.insert(0, clone)
-            _replace_uses(sub, {id(value): clone.results[value.index]})
+            replace_uses(sub, {id(value): clone.results[value.index]})
     return True
 
 
@@ -214,7 +150,7 @@ def _hoist_loop(loop: Node) -> list[Node]:
     used = {id(v) for v in free_values(body)}
     live = [r for r in results if id(r) in used]
     params = pass_through(loop, [outside[id(r)] for r in live])
-    _replace_uses(body, {id(r): p for r, p in zip(live, params)})
+    replace_uses(body, {id(r): p for r, p in zip(live, params)})
     return copies
 
 

@@ -29,6 +29,7 @@ from kiln.errors import KilnError
 from kiln.ir import registry
 from kiln.ir.emitter import GraphBuilder
 from kiln.ir.graph import Graph, Node, Region, Value
+from kiln.ir.regions import copy_region_into, lookup
 
 Rule = Callable[["RewriteBuilder", Node], "Sequence[Value] | Value | None"]
 
@@ -59,38 +60,8 @@ def copy_graph(graph: Graph, value_map: dict[Value, Value] | None = None,
     for value in graph.inputs:
         vmap[value] = Value(value.type, value.name)
         new.body.params.append(vmap[value])
-    _copy_region_into(graph.body, new.body, vmap, keep)
+    copy_region_into(graph.body, new.body, vmap, keep)
     return new
-
-
-def _copy_region_into(old: Region, new: Region, vmap: dict[Value, Value], keep) -> None:
-    for node in old.nodes:
-        if keep is not None and not keep(node):
-            continue
-        regions = [_copy_region(r, vmap, keep) for r in node.regions]
-        clone = Node(node.op, [_lookup(vmap, v, node.op) for v in node.operands], node.attrs,
-                     [r.type for r in node.results], regions)
-        for a, b in zip(node.results, clone.results):
-            b.name = a.name
-            vmap[a] = b
-        new.nodes.append(clone)
-    new.results = [_lookup(vmap, v, "yield") for v in old.results]
-
-
-def _copy_region(region: Region, vmap: dict[Value, Value], keep) -> Region:
-    new = Region([Value(p.type, p.name) for p in region.params])
-    for a, b in zip(region.params, new.params):
-        vmap[a] = b
-    _copy_region_into(region, new, vmap, keep)
-    return new
-
-
-def _lookup(vmap: dict[Value, Value], value: Value, where: str) -> Value:
-    try:
-        return vmap[value]
-    except KeyError:
-        raise KilnError(f"internal: {where} uses a value that is not defined before it "
-                        f"({value!r}); the graph does not verify") from None
 
 
 class RewriteBuilder(GraphBuilder):
@@ -187,22 +158,19 @@ def rebuild(graph: Graph, rule: Rule, *, builder: RewriteBuilder | None = None) 
 def _rebuild_nodes(b: RewriteBuilder, region: Region, vmap: dict[Value, Value]) -> list[Value]:
     for node in region.nodes:
         regions = [_rebuild_region(b, r, vmap) for r in node.regions]
-        clone = Node(node.op, [_lookup(vmap, v, node.op) for v in node.operands], node.attrs,
+        clone = Node(node.op, [lookup(vmap, v, node.op) for v in node.operands], node.attrs,
                      [r.type for r in node.results], regions)
         for old, new in zip(node.results, b.emit(clone)):
             vmap[old] = new
-    return [_lookup(vmap, v, "yield") for v in region.results]
+    return [lookup(vmap, v, "yield") for v in region.results]
 
 
 def _rebuild_region(b: RewriteBuilder, region: Region, vmap: dict[Value, Value]) -> Region:
     new = Region([Value(p.type, p.name) for p in region.params])
     for old, param in zip(region.params, new.params):
         vmap[old] = param
-    b.regions.append(new)
-    try:
+    with b.entering(new):
         new.results = _rebuild_nodes(b, region, vmap)
-    finally:
-        b.regions.pop()
     return new
 
 

@@ -9,6 +9,7 @@ reference receives `regions` as callables (arrays in, list of arrays out).
 from __future__ import annotations
 
 from kiln.errors import KilnDTypeError, KilnShapeError, KilnVerifierError
+from kiln.ir import ad
 from kiln.ir import dtypes as dt
 from kiln.ir.registry import CONTROL, defop
 
@@ -53,9 +54,7 @@ class cond:
     def vjp(b, cts, xs, ys, *, regions, **attrs):
         """A cond on the same index over each branch's backward (which recomputes its
         branch's forward): only the taken branch runs, forward and backward."""
-        from kiln.passes.autodiff import cond_vjp
-
-        return cond_vjp(b, cts, xs, ys, regions=regions, **attrs)
+        return ad.cond_vjp(b, cts, xs, ys, regions=regions, **attrs)
 
 
 @defop("while_loop", family="control", kind=CONTROL, num_regions=2, attrs={"max_trips": None})
@@ -96,7 +95,5 @@ class while_loop:
 
     def vjp(b, cts, xs, ys, *, regions, saved=None, max_trips=None):
         """With a trip bound: the trips in reverse from the carries the forward saved
-        (see kiln/passes/autodiff.py); without one, a KilnGradientError."""
-        from kiln.passes.autodiff import while_loop_vjp
-
-        return while_loop_vjp(b, cts, xs, ys, regions=regions, saved=saved, max_trips=max_trips)
+        (see kiln/ir/ad.py); without one, a KilnGradientError."""
+        return ad.while_loop_vjp(b, cts, xs, ys, regions=regions, saved=saved, max_trips=max_trips)

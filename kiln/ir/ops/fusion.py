@@ -10,6 +10,7 @@ shows the groups and so that lowering reads them from the graph.
 from __future__ import annotations
 
 from kiln.errors import KilnArgumentError, KilnVerifierError
+from kiln.ir import ad
 from kiln.ir.registry import CONTROL, REQUIRED, defop
 
 FUSION_KINDS = ("loop", "reduction", "gemm")
@@ -33,8 +34,4 @@ class fused:
 
     def vjp(b, cts, xs, ys, *, regions, **_):
         """The group's region differentiated like the function it is."""
-        from kiln.passes.autodiff import differentiable_dtype, region_vjp
-
-        wrt = [differentiable_dtype(x.type.dtype) for x in xs]
-        grads = iter(region_vjp(b, regions[0], xs, cts, wrt))
-        return [next(grads) if w else None for w in wrt]
+        return ad.fused_vjp(b, cts, xs, ys, regions=regions)
