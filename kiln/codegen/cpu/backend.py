@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kiln.codegen.backend import Backend, Options
-from kiln.codegen.kernel_ir import AnyKernel, GemmKernel, Kernel
+from kiln.codegen.kernel_ir import AnyKernel, BatchKernel, GemmKernel, Kernel
 from kiln.errors import KilnArgumentError
 
 from kiln.codegen.cpu import jit
+from kiln.codegen.cpu.batch_emit import emit_batch
 from kiln.codegen.cpu.autotune import choose_gemm, gemm_outer_extents, measure_gemm
 from kiln.codegen.cpu.jit import require_blas
 from kiln.codegen.cpu.compiled import CompiledKernel
@@ -105,17 +106,29 @@ class CpuBackend(Backend):
     keep = frozenset({"matmul"})  # matmul becomes a GEMM template call with its epilogue
     scalar_table = SCALAR_TABLE
     caches_object_code = True
+    batches_kernels = True  # a BatchKernel is one function over its members (batch_emit.py)
 
     def __init__(self, options: CpuOptions | None = None, target: str = "cpu"):
         super().__init__(target, options)
         self._cache: dict = {}
         self._lock = threading.Lock()
 
+    def graph_passes(self, options=None) -> list:
+        """The standard list plus `fold_transpose` after `canonicalize`: GEMMs read
+        transposed operands in place (BLAS's transpose flag), never a copy."""
+        from kiln.passes.fold_transpose import fold_transpose
+
+        passes = super().graph_passes(options)
+        at = next((i + 1 for i, (name, _) in enumerate(passes) if name == "canonicalize"), len(passes))
+        return passes[:at] + [("fold_transpose", fold_transpose)] + passes[at:]
+
     # -- planning and emission --------------------------------------------------------
     def _plan(self, k: AnyKernel, taken: set, use_blas: bool | None = None) -> _Plan:
         symbol = _symbol(k.name, taken)
         if isinstance(k, Kernel):
             return _Plan(k, symbol, tuple(l.extent for l in k.outer))
+        if isinstance(k, BatchKernel):  # one index space: the members' concatenated
+            return _Plan(k, symbol, (sum(k.points()),))
         if not isinstance(k, GemmKernel):
             raise KilnArgumentError(f"cpu backend: cannot compile {type(k).__name__}")
         check_strides(k)
@@ -132,6 +145,8 @@ class CpuBackend(Backend):
         for p in plans:
             if p.blas:
                 emit_gemm(module, p.kernel, p.symbol, p.panel_rows)
+            elif isinstance(p.kernel, BatchKernel):
+                emit_batch(module, p.kernel, p.symbol)
             else:
                 emit_kernel(module, p.kernel, p.symbol)
         text = module.text()
