@@ -25,7 +25,7 @@ from kiln.ir.graph import Node, Region, Value
 from kiln.ir.ops.rules import LOW_PRECISION
 from kiln.ir.registry import ELEMENTWISE
 from kiln.ir.shapes import dims_equal, free_symbol_names, numel
-from kiln.passes.fusion import REDUCTIONS, is_unit_reshape
+from kiln.passes.fusion import REDUCTIONS, fused_cone, is_unit_reshape
 
 
 class LoweringError(KilnError):
@@ -264,10 +264,8 @@ def _partitions(domain, axes, reduces, region) -> int:
         return 0
     reduce_ids = {id(n.results[0]) for n in reduces}
     for n in reduces:  # a reduction reading another (var after mean) needs the full first one
-        from kiln.passes.fusion import _Analysis, _cone
-
         if any(id(m.results[0]) in reduce_ids and m is not n
-               for m in _cone(n.operands[0], _Analysis(region), set())):
+               for m in fused_cone(n.operands[0], region)):
             return 0
     for p in (64, 48, 32, 16, 8):
         if total % p == 0:

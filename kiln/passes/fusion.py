@@ -129,6 +129,12 @@ def _cone(value: Value, analysis: _Analysis, stop: set[int]) -> list[Node]:
     return out
 
 
+def fused_cone(value: Value, region: Region) -> list[Node]:
+    """The pointwise and reduce nodes of `region` one kernel computes `value` from, in
+    dependency order: `[n.op for n in fused_cone(var, region)]` -> ['reduce_sum', ...]."""
+    return _cone(value, _Analysis(region), set())
+
+
 def _reads_reduction_as_rows(reduce_node: Node, cone: list[Node], analysis: _Analysis) -> bool:
     """Does every use of the reduction inside `cone` see it as a whole row?
 
