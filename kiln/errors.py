@@ -130,6 +130,14 @@ class KilnScaledMatmulError(KilnError, ValueError):
     title = "scaled_matmul operands and scales do not fit one format"
 
 
+# -- kernel batching (K455-K459) ----------------------------------------------------------
+
+
+class KilnBatchError(KilnError, ValueError):
+    code = "K455"
+    title = "a kernel batch is malformed"
+
+
 # -- PyTorch idioms: mutation and tape autograd (K300-K319) --------------------------------
 
 

@@ -22,6 +22,8 @@ What a subclass declares (class attributes) and implements:
     stages          ordered stage names `kiln dump --stage` prints (`render` makes them)
     build()         legalized Kernel IR -> callables `fn(arrays, sizes)`, one per kernel
     templates()     Kernel IR template kind -> implementation (kernel_ir.TEMPLATE_KINDS)
+    batches_kernels whether build() takes a `BatchKernel` (small independent kernels in
+                    one launch); the batching pass runs after fusion only then
     build_object_code() / load_built_object_code()
                     optional: machine code bytes for the artifact cache
                     (`caches_object_code` says whether a backend has them)
@@ -74,6 +76,9 @@ class Backend:
     # other dtype is not native (and has no rule: K372, a clear error)
     dtypes: ClassVar[frozenset | None] = None
     caches_object_code: ClassVar[bool] = False
+    # whether build() compiles a BatchKernel (several small kernels in one launch): only
+    # then does the batching pass (kiln/passes/batching.py) run after fusion
+    batches_kernels: ClassVar[bool] = False
 
     def __init__(self, target: str | None = None, options: Any = None):
         options = self.Options() if options is None else options

@@ -1,6 +1,7 @@
 """From a fused graph to a runtime `Program`: one step per top-level node.
 
-`fused` nodes become kernel launches (Kernel IR by `lower`), reshapes become views,
+`fused` nodes become kernel launches (Kernel IR by `lower`; a run of nodes the batching
+pass tagged `batch=N` becomes one launch of a `BatchKernel`), reshapes become views,
 constants become constant steps, control flow becomes steps that own sub-programs,
 collectives become collective steps (run through the process group), and every
 other op runs as an extern call of its reference implementation (sort, gather,
@@ -9,6 +10,7 @@ scatter, LAPACK, random bits, ...), so every graph kiln can trace also runs comp
 
 from __future__ import annotations
 
+from kiln.codegen.batch_lower import batch_launch
 from kiln.codegen.lower import SplitReduction, lower_fused
 from kiln.ir import registry
 from kiln.ir.graph import Graph, Region, Value
@@ -36,7 +38,18 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
         return slots[id(v)]
 
     inputs = [slot(v) for v in graph.inputs]
+    batched: set[int] = set()  # nodes launched as members of a batch (batch_lower.py)
     for index, node in enumerate(graph.body.nodes):
+        if index in batched:
+            continue
+        batch = batch_launch(graph.body.nodes, index, f"{prefix}{graph.name}", slot, lower_fused)
+        if batch is not None:
+            kernel, args, covered = batch
+            kernels[kernel.name] = kernel
+            steps.append(Launch(kernel.name, args))
+            batched.update(covered)
+            if index in batched:
+                continue
         ins = tuple(slot(v) for v in node.operands)
         outs = tuple(slot(v) for v in node.results)
         if node.op == "fused":

@@ -16,7 +16,7 @@ from typing import Callable
 
 import sympy
 
-from kiln.codegen.kernel_ir import GemmKernel, Kernel, Op, Reduce, walk
+from kiln.codegen.kernel_ir import BatchKernel, GemmKernel, Kernel, Op, Reduce, walk
 from kiln.ir.shapes import dim_function
 
 # scalar ops that move or reinterpret data rather than compute
@@ -30,6 +30,8 @@ def expression_flops(expr) -> int:
 
 def flops_expr(kernel) -> sympy.Expr:
     """The kernel's FLOP count as a sympy expression over its size variables."""
+    if isinstance(kernel, BatchKernel):  # one launch of several kernels: their sum
+        return sympy.expand(sum((flops_expr(m) for m in kernel.members), sympy.Integer(0)))
     if isinstance(kernel, GemmKernel):
         outputs = sympy.sympify(kernel.batch) * kernel.m * kernel.n
         return 2 * outputs * kernel.k + outputs * expression_flops(kernel.epilogue)

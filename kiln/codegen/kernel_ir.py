@@ -263,6 +263,40 @@ class GemmKernel(_Buffers):
     acc_dtype: DType = field(default=None)
 
 
+@dataclass(frozen=True)
+class BatchKernel(_Buffers):
+    """Small independent kernels run as ONE launch (kiln/passes/batching.py).
+
+    Each member keeps its own iteration space, shapes, strides and body; the launch's
+    index space is the concatenation of the members' flattened outer spaces, member k
+    owning [offset_k, offset_k + points_k) (`points` below), so a backend splits it over
+    threads like one kernel's and runs the member whose range a point falls in (a switch
+    over sub-problems). `buffers` is the union of the members' buffers (each slot once),
+    `args[k][j]` the index in it of member k's buffer j, `sizes` the union of their sizes."""
+
+    name: str
+    buffers: tuple[BufferParam, ...]
+    sizes: tuple[str, ...]
+    members: tuple[Kernel, ...]
+    args: tuple[tuple[int, ...], ...]
+
+    def points(self) -> tuple:
+        """Each member's flattened outer extent (sympy, over `sizes`)."""
+        out = []
+        for m in self.members:
+            n = sympy.Integer(1)
+            for loop in m.outer:
+                n *= sympy.sympify(loop.extent)
+            out.append(n)
+        return tuple(out)
+
+    def with_members(self, members) -> "BatchKernel":
+        members = tuple(members)
+        if all(a is b for a, b in zip(members, self.members)):
+            return self
+        return BatchKernel(self.name, self.buffers, self.sizes, members, self.args)
+
+
 GEMM_VARS = ("gb", "gi", "gj")
 
 # Template kinds: what is not a loop nest. A backend's `templates()` is keyed by these,
@@ -271,7 +305,7 @@ GEMM_VARS = ("gb", "gi", "gj")
 # says which graph op each comes from) and by the op's numpy reference elsewhere.
 TEMPLATE_KINDS = ("gemm", "grouped_gemm", "grouped_gemm_dw", "attention")
 
-AnyKernel = Union[Kernel, GemmKernel]
+AnyKernel = Union[Kernel, GemmKernel, BatchKernel]
 
 
 # -- printing ----------------------------------------------------------------------------
@@ -283,6 +317,13 @@ def format_kernel(k: AnyKernel) -> str:
     params = ", ".join(str(b) for b in k.buffers)
     sizes = f" sizes({', '.join(k.sizes)})" if k.sizes else ""
     lines = [f"kernel {k.name}({params}){sizes}"]
+    if isinstance(k, BatchKernel):  # one launch: the members, each over its own space
+        lines[0] = "batched " + lines[0]
+        for member, args in zip(k.members, k.args):
+            binding = ", ".join(f"{b.name}={k.buffers[a].name}" for b, a in zip(member.buffers, args))
+            lines.append(f"  member ({binding}):")
+            lines += ["    " + line for line in format_kernel(member).splitlines()]
+        return "\n".join(lines)
     names: dict = {}
 
     def bind(value, indent: str) -> tuple[str, list[str]]:
@@ -324,6 +365,8 @@ def kernel_fingerprint(k: AnyKernel) -> str:
     """Everything that determines a kernel's code, in linear-size text (a cache key).
 
     `format_kernel` plus the dtypes it leaves implicit (every Op's result dtype)."""
+    if isinstance(k, BatchKernel):
+        return "\n".join([format_kernel(k)] + [kernel_fingerprint(m) for m in k.members])
     values = [k.epilogue] if isinstance(k, GemmKernel) else [st.value for st in k.stages]
     typed = []
     for v in values:

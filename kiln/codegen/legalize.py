@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kiln.codegen.kernel_ir import Const, GemmKernel, Kernel, Op, Reduce
+from kiln.codegen.kernel_ir import BatchKernel, Const, GemmKernel, Kernel, Op, Reduce
 from kiln.errors import KilnNotLegalizableError
 from kiln.ir import dtypes as dt
 from kiln.ir import registry
@@ -396,6 +396,8 @@ def legalize_kernel(kernel, native: NativeFn, backend: str):
     """`kernel` with every scalar op and reduction the backend lacks rewritten. Returns
     the same object when nothing changed (golden sources stay byte-identical)."""
     memo: dict = {}
+    if isinstance(kernel, BatchKernel):  # a batched launch: each member legalized
+        return kernel.with_members(legalize_kernel(m, native, backend) for m in kernel.members)
     if isinstance(kernel, GemmKernel):
         epilogue = legalize_expr(kernel.epilogue, native, backend, memo)
         return kernel if epilogue == kernel.epilogue else replace(kernel, epilogue=epilogue)

@@ -104,6 +104,10 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     target = get_backend(backend)
     pipeline = Pipeline(list(target.graph_passes(target.options))).extend(
         [("fuse", fuse), ("schedule_collectives", schedule_collectives)])
+    if target.batches_kernels:  # small independent kernels share launches
+        from kiln.passes.batching import batch_kernels
+
+        pipeline.append("batch", batch_kernels)
     stages: dict = {}
     optimized = pipeline.run(graph, dump=stages)
     seconds = {r.name: r.seconds for r in pipeline.records}

@@ -41,7 +41,8 @@ def _pass_names(target: str = "cpu") -> list[str]:
     from kiln.codegen.backends import get_backend
 
     backend = get_backend(target)
-    return [name for name, _ in backend.graph_passes(backend.options)] + ["fuse"]
+    return [name for name, _ in backend.graph_passes(backend.options)] + ["fuse"] + (
+        ["batch"] if backend.batches_kernels else [])
 
 
 def stage_names(target: str = "cpu") -> list[str]:

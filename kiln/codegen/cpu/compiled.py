@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import sympy
 
-from kiln.codegen.kernel_ir import GemmKernel, Kernel, Load, Op, Reduce, walk
+from kiln.codegen.kernel_ir import BatchKernel, GemmKernel, Kernel, Load, Op, Reduce, walk
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir.shapes import dim_function, format_shape
 from kiln.codegen.cpu.mathlib import F32_FUNCS
@@ -190,6 +190,10 @@ class CompiledKernel:
         self._count = _product([dim_function(e) for e in outer_extents])
         if isinstance(kernel, GemmKernel) or serial:
             self._work = None
+        elif isinstance(kernel, BatchKernel):  # members' work averaged over its points
+            from kiln.codegen.cpu.batch_emit import batch_work
+
+            self._work = batch_work(kernel)
         else:
             self._work = _work_per_point(kernel)
         self._max_threads, self._threshold = threads, threshold
