@@ -32,6 +32,7 @@ from kiln.codegen.cpu import dtype_map
 from kiln.codegen.cpu.index_emit import emit_index
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
 from kiln.codegen.cpu.scalar_ops import convert, emit_op
+from kiln.codegen.cpu.column_reduce import column_friendly, emit_columns, scratch_arrays
 
 
 SUM_BLOCK = 1024  # float32 elements summed in float32 lanes before a float64 add
@@ -156,6 +157,11 @@ class KernelEmitter:
     def _outer(self, fn: Fn, symbols: dict) -> None:
         begin, end = V("%begin", "i64"), V("%end", "i64")
         outer = self.k.outer
+        # reductions down a strided axis run interchanged, vectorized across columns
+        scratch = scratch_arrays(fn, self.k, _acc_type) if column_friendly(self.k) else None
+        if scratch is not None and len(outer) == 1:
+            emit_columns(self, fn, dict(symbols), begin, end, scratch)
+            return
         if len(outer) <= 1:
             loop = CountedLoop(fn, begin, end, vectorize=bool(outer))
             i, _ = loop.begin()
@@ -184,13 +190,16 @@ class KernelEmitter:
         room = fn.bin("sub", extents[-1], idx[-1])
         count = fn.select(fn.icmp("slt", left, room), left, room)
         stop = fn.bin("add", idx[-1], count)
-        inner = CountedLoop(fn, idx[-1], stop)
-        j, _ = inner.begin()
         env = dict(symbols)
         env.update({l.var: v for l, v in zip(outer[:-1], idx[:-1])})
-        env[outer[-1].var] = j
-        self._point(fn, env)
-        inner.end()
+        if scratch is not None:
+            emit_columns(self, fn, env, idx[-1], stop, scratch)
+        else:
+            inner = CountedLoop(fn, idx[-1], stop)
+            j, _ = inner.begin()
+            env[outer[-1].var] = j
+            self._point(fn, env)
+            inner.end()
         new_pos = fn.bin("add", pos, count)
         carry, nxt = const("i1", 1), []
         for v, ext in zip(reversed(idx[:-1]), reversed(extents[:-1])):
