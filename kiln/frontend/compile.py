@@ -138,7 +138,7 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
                 for k in progress(kernels, desc="autotuning", unit="kernel")]
     if not kernels or not target.caches_object_code:
         return target.compile_many(kernels)
-    from kiln import __version__
+    from kiln._version import __version__
     from kiln.codegen import artifact_cache
     from kiln.codegen.kernel_ir import kernel_fingerprint
 
@@ -188,6 +188,7 @@ class _Entry:
     out_spec: Any
     static_positions: tuple
     guards: Any = None  # recompiles.SpecializationGuards: leaf paths, where guards came from
+    write_back: Any = None  # arg_mutation.WriteBack: arguments changed in place, returned ones
 
 
 class CompiledFunction:
@@ -234,6 +235,11 @@ class CompiledFunction:
                 break
         else:
             leaves, spec = args, None
+            if len(args) > 1:
+                from kiln.frontend.arg_mutation import aliases
+
+                if aliases(args):  # the same tensor twice: one handle, its own specialization
+                    spec = pytree.flatten(tuple(args), _leaf)[1]
         key = self._key(leaves, spec)
         entry = self._cache.get(key)
         if entry is None:
@@ -249,7 +255,13 @@ class CompiledFunction:
         arrays = [leaf._x if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
                   for i, leaf in enumerate(leaves) if i not in statics]
         outputs = entry.compiled.run_trusted(arrays)
-        made = [Tensor._make(o) for o in outputs]
+        plan = entry.write_back
+        if plan is not None:  # arguments changed in place, or returned (arg_mutation.py)
+            from kiln.frontend.arg_mutation import write_back
+
+            made = write_back(plan, leaves, outputs, lambda: self._paths(args))
+        else:
+            made = [Tensor._make(o) for o in outputs]
         if entry.out_spec == "*":
             return made[0]
         return pytree.unflatten(entry.out_spec, made)
@@ -263,6 +275,8 @@ class CompiledFunction:
                 if leaf._builder is not None:
                     raise KilnTraceError("a compiled function was called with a traced tensor; "
                                          "call it outside kn.trace or trace the inner function")
+                if leaf._view is not None:  # a view re-reads its base if that changed
+                    leaf._view.refresh(leaf)
                 array = leaf._x
             elif cls is np.ndarray:
                 array = leaf
@@ -279,8 +293,14 @@ class CompiledFunction:
             from kiln.frontend.auto_dynamic import refine_key
 
             parts = refine_key(parts, leaves, dynamic)
-        # a pytree spec is nested lists and dicts: its JSON text is the hashable key
-        return (None if spec is None else json.dumps(spec)), tuple(parts)
+        # a pytree spec is nested lists and dicts: its JSON text is the hashable key; the
+        # same tensor passed twice is one handle in the trace, so aliasing is keyed too
+        if spec is None:
+            return None, tuple(parts)
+        from kiln.frontend.arg_mutation import aliases
+
+        same = aliases(leaves)
+        return json.dumps(spec) + (f" aliases {same}" if same else ""), tuple(parts)
 
     # -- compiling ----------------------------------------------------------------------
 
@@ -336,9 +356,11 @@ class CompiledFunction:
             recorder.compiled(compiled, reason=self._recompiles[-1]["reason"] if self._cache else None,
                               guards=guard_summary(traced.graph))
         self._compiles += 1
-        out_spec = traced.out_spec
+        plan = self._write_back
+        out_spec = plan.out_spec
         statics = tuple(i for i, _ in traced.static_args)
-        entry = _Entry(compiled, out_spec, statics, self._guards(args, traced, statics))
+        entry = _Entry(compiled, out_spec, statics, self._guards(args, traced, statics),
+                       None if plan.trivial else plan)
         self._cache[key] = entry
         return entry
 
@@ -392,9 +414,15 @@ class CompiledFunction:
             self._builders.append(LocatingBuilder(graph))
             return self._builders[-1]
 
+        from kiln.frontend.arg_mutation import WriteBack, aliases, tracing_wrapper
+
+        same = aliases(_leaves_and_spec(args)[0])
+
         def attempt(spec):
             self._builders.clear()
-            return trace_function(self.fn, tuple(args), spec, builder_cls=locating)
+            self._write_back = WriteBack()  # filled by the trace (arg_mutation.py)
+            return trace_function(tracing_wrapper(self.fn, same, self._write_back), tuple(args),
+                                  spec, builder_cls=locating)
 
         try:
             return attempt(shapes), auto
@@ -481,7 +509,10 @@ def _leaves_and_spec(args):
     from kiln.frontend.tensor import Tensor
 
     if all(type(a) is Tensor or type(a) is np.ndarray for a in args):
-        return args, None
+        from kiln.frontend.arg_mutation import aliases
+
+        if len(args) < 2 or not aliases(args):  # aliased: keyed by the structure (_key)
+            return args, None
     return pytree.flatten(tuple(args), _leaf)
 
 

@@ -59,14 +59,27 @@ def _builder(*trees) -> GraphBuilder | None:
 # -- tracing one region ----------------------------------------------------------------------
 
 
-def _trace_region(builder: GraphBuilder, fn: Callable, types: list[TensorType], call_args):
+def _trace_region(builder: GraphBuilder, fn: Callable, types: list[TensorType], call_args,
+                  writes: list | None = None):
     """Trace `fn` into a new region whose parameters have `types`; `call_args(params)`
-    builds the Python arguments from the parameter tensors. Returns (region, out_spec)."""
+    builds the Python arguments from the parameter tensors. Returns (region, out_spec).
+    Handles from outside that fn rebinds in place are put back, and their new values
+    appended to `writes` (kiln/frontend/region_mutation.py)."""
+    from kiln.frontend import region_mutation
+
     region = Region([Value(t) for t in types])
     with builder.entering(region):  # constants made inside stay scoped to the region
-        result = fn(*call_args([Tensor._make(p, builder) for p in region.params]))
-        leaves, spec = pytree.flatten(result, _is_leaf)
-        region.results = [region_value(builder, leaf, _name(fn)) for leaf in leaves]
+        with region_mutation.journaling() as journal:
+            try:
+                result = fn(*call_args([Tensor._make(p, builder) for p in region.params]))
+                leaves, spec = pytree.flatten(result, _is_leaf)
+                region.results = [region_value(builder, leaf, _name(fn)) for leaf in leaves]
+            finally:
+                written = region_mutation.settle(journal, region)
+    if writes is not None:
+        writes.append(written)
+    elif written:
+        raise region_mutation.unsupported_write(_name(fn), written)
     return region, spec
 
 
@@ -112,9 +125,9 @@ def _traced_branches(op: str, builder: GraphBuilder, index: Value, branches: lis
                      labels: list[str], operands: tuple):
     values, call_args = _split_operands(builder, operands)
     types = [v.type for v in values]
-    regions, specs = [], []
+    regions, specs, writes = [], [], []
     for fn in branches:
-        region, spec = _trace_region(builder, fn, types, call_args)
+        region, spec = _trace_region(builder, fn, types, call_args, writes)
         regions.append(region)
         specs.append(spec)
     ref = 0 if op == "switch" else 1  # cond's regions are (false, true): compare with true_fn
@@ -127,11 +140,18 @@ def _traced_branches(op: str, builder: GraphBuilder, index: Value, branches: lis
         for i, (got, want) in enumerate(zip(region.result_types, regions[ref].result_types)):
             if got != want:
                 raise _mismatch(op, labels[k], i, got, labels[ref], want)
+    from kiln.frontend import region_mutation
+
+    n = len(regions[ref].results)
+    written = region_mutation.merge_branch_writes(regions, writes)  # in-place writes: results
     captured = captured_values(regions)
     for region in regions:
         add_params(region, captured)
     results = builder.apply("cond", [index] + values + captured, {}, regions=regions)
-    tensors = [Tensor._make(r, builder) for r in results]
+    for t, r in zip(written, results[n:]):
+        region_mutation.bind(t, r, builder)
+    region_mutation.resync_views(written)
+    tensors = [Tensor._make(r, builder) for r in results[:n]]
     return pytree.unflatten(specs[ref], tensors)
 
 
@@ -285,7 +305,19 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried, *, max_iterations:
 
 
 def _traced_while(builder: GraphBuilder, cond_fn, body_fn, tensors, attrs: dict | None = None):
+    from kiln.frontend import region_mutation
+
     n = len(tensors)
+    # handles from outside that the body writes in place become extra carried values
+    handles = region_mutation.loop_writes(lambda writes: _trace_region(
+        builder, body_fn, [raw(builder, t).type for t in tensors], list, writes))
+    if handles:
+        out = _traced_while(builder, *region_mutation.carried_loop(cond_fn, body_fn, handles, n),
+                            list(tensors) + [Tensor._make(t._x, builder) for t in handles], attrs)
+        for t, r in zip(handles, out[n:]):
+            region_mutation.bind(t, r._x, builder)
+        region_mutation.resync_views(handles)
+        return out[:n]
     values = [raw(builder, t) for t in tensors]
     types = [v.type for v in values]
     cond_region, _ = _trace_region(builder, cond_fn, types, list)

@@ -84,7 +84,9 @@ def export(fn: Callable, args: tuple, dynamic_shapes=None, backend: str = "cpu")
     require_gil("kn.export")  # the program it returns runs compiled
     if not isinstance(args, tuple):
         args = (args,)
-    traced = trace_function(_named_after_forward(fn), args, dynamic_shapes)
+    from kiln.frontend.arg_mutation import trace_for_export
+
+    traced = trace_for_export(_named_after_forward(fn), args, dynamic_shapes)  # K450: mutation
     return ExportedProgram(traced.graph, traced.in_spec, traced.out_spec, traced.static_args, backend)
 
 

@@ -83,6 +83,10 @@ def rebind(x: Tensor, new, op: str) -> Tensor:
                 where=user_location(),
                 hint="kn.compile lifts such state (see kiln/frontend/functionalize.py); under "
                      "kn.trace/kn.export pass the tensor as an argument and return its new value")
+    if x._builder is not None:  # inside a traced branch: the branch's write (region_mutation.py)
+        from kiln.frontend.region_mutation import note_write
+
+        note_write(x)
     x._x, x._builder, x._node = new._x, new._builder, new._node
     x._version += 1
     if x._view is not None:  # a view: the write goes through to its base
