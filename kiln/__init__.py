@@ -5,7 +5,7 @@
 >>> kn.trace(lambda x: kn.gelu(x) * 2, x)
 """
 
-__version__ = "0.1.0"
+from kiln._version import __version__  # noqa: F401
 
 from kiln.errors import (  # noqa: F401
     KilnError, KilnShapeError, KilnDTypeError, KilnArgumentError, KilnIndexError, KilnFormatError,

@@ -13,7 +13,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import kiln as kn
+from kiln.frontend import factories, shape_ops
+from kiln.frontend import functional as ops
+from kiln.frontend.tensor import Tensor
+from kiln.ir import dtypes as dt
 from kiln.nn import functional as nnf
 
 ATEN: dict[str, Callable] = {}
@@ -38,26 +41,19 @@ def _unary(name: str, fn: Callable) -> None:
     ATEN[name] = lambda x, *a, **k: fn(x)
 
 
-for _name, _fn in [("abs", kn.abs), ("neg", kn.neg), ("exp", kn.exp), ("log", kn.log),
-                   ("log1p", kn.log1p), ("expm1", kn.expm1), ("sqrt", kn.sqrt), ("rsqrt", kn.rsqrt),
-                   ("sin", kn.sin), ("cos", kn.cos), ("tan", kn.tan), ("tanh", kn.tanh),
-                   ("sinh", kn.sinh), ("cosh", kn.cosh), ("asin", kn.asin), ("acos", kn.acos),
-                   ("atan", kn.atan), ("sigmoid", kn.sigmoid), ("relu", kn.relu), ("erf", kn.erf),
-                   ("floor", kn.floor), ("ceil", kn.ceil), ("trunc", kn.trunc), ("sign", kn.sign),
-                   ("logical_not", kn.logical_not), ("bitwise_not", kn.bitwise_not),
-                   ("isnan", kn.isnan), ("isinf", kn.isinf), ("silu", kn.silu),
-                   ("clone", lambda x: x), ("alias", lambda x: x), ("detach", lambda x: x),
+for _name in ("abs", "neg", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tan",
+              "tanh", "sinh", "cosh", "asin", "acos", "atan", "sigmoid", "relu", "erf", "floor",
+              "ceil", "trunc", "sign", "logical_not", "bitwise_not", "isnan", "isinf", "silu"):
+    _unary(_name, getattr(ops, _name))
+for _name, _fn in [("clone", lambda x: x), ("alias", lambda x: x), ("detach", lambda x: x),
                    ("lift_fresh_copy", lambda x: x), ("contiguous", lambda x: x),
                    ("reciprocal", lambda x: 1.0 / x)]:
     _unary(_name, _fn)
 
-for _name, _fn in [("mul", kn.mul), ("maximum", kn.maximum), ("minimum", kn.minimum),
-                   ("remainder", kn.remainder), ("fmod", kn.fmod), ("atan2", kn.atan2),
-                   ("eq", kn.eq), ("ne", kn.ne), ("lt", kn.lt), ("le", kn.le), ("gt", kn.gt),
-                   ("ge", kn.ge), ("logical_and", kn.logical_and), ("logical_or", kn.logical_or),
-                   ("logical_xor", kn.logical_xor), ("bitwise_and", kn.bitwise_and),
-                   ("bitwise_or", kn.bitwise_or), ("bitwise_xor", kn.bitwise_xor), ("pow", kn.pow)]:
-    ATEN[_name] = (lambda f: lambda a, b: f(a, b))(_fn)
+for _name in ("mul", "maximum", "minimum", "remainder", "fmod", "atan2", "eq", "ne", "lt", "le",
+              "gt", "ge", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
+              "bitwise_xor", "pow"):
+    ATEN[_name] = (lambda f: lambda a, b: f(a, b))(getattr(ops, _name))
 
 
 @op("add")
@@ -78,45 +74,45 @@ def _rsub(a, b, alpha=1):
 @op("div")
 def _div(a, b, rounding_mode=None):
     if rounding_mode is None:
-        return kn.true_divide(a, b)
+        return ops.true_divide(a, b)
     if rounding_mode == "floor":
-        return kn.floor_divide(a, b)
-    return kn.trunc(kn.true_divide(a, b)) if _is_float(a) or _is_float(b) else _trunc_div(a, b)
+        return ops.floor_divide(a, b)
+    return ops.trunc(ops.true_divide(a, b)) if _is_float(a) or _is_float(b) else _trunc_div(a, b)
 
 
 def _trunc_div(a, b):
-    q = kn.floor_divide(a, b)
+    q = ops.floor_divide(a, b)
     r = a - q * b
-    return kn.where(kn.logical_and(r != 0, (r < 0) != (b < 0)), q + 1, q)
+    return ops.where(ops.logical_and(r != 0, (r < 0) != (b < 0)), q + 1, q)
 
 
 def _is_float(v) -> bool:
-    return isinstance(v, float) or (isinstance(v, kn.Tensor) and v.dtype.is_floating)
+    return isinstance(v, float) or (isinstance(v, Tensor) and v.dtype.is_floating)
 
 
 @op("where")
 def _where(cond, a, b):
-    return kn.where(cond, a, b)
+    return ops.where(cond, a, b)
 
 
 @op("clamp")
 def _clamp(x, min=None, max=None):  # noqa: A002
-    return kn.clamp(x, min, max)
+    return ops.clamp(x, min, max)
 
 
-ATEN["clamp_min"] = lambda x, m: kn.clamp(x, m, None)
-ATEN["clamp_max"] = lambda x, m: kn.clamp(x, None, m)
-ATEN["hardtanh"] = lambda x, lo=-1.0, hi=1.0: kn.clamp(x, lo, hi)
-ATEN["leaky_relu"] = lambda x, slope=0.01: kn.where(x > 0, x, x * slope)
-ATEN["log2"] = lambda x: kn.log(x) * (1.0 / math.log(2.0))
-ATEN["log10"] = lambda x: kn.log(x) * (1.0 / math.log(10.0))
-ATEN["exp2"] = lambda x: kn.exp(x * math.log(2.0))
-ATEN["isfinite"] = lambda x: kn.isfinite(x)
+ATEN["clamp_min"] = lambda x, m: ops.clamp(x, m, None)
+ATEN["clamp_max"] = lambda x, m: ops.clamp(x, None, m)
+ATEN["hardtanh"] = lambda x, lo=-1.0, hi=1.0: ops.clamp(x, lo, hi)
+ATEN["leaky_relu"] = lambda x, slope=0.01: ops.where(x > 0, x, x * slope)
+ATEN["log2"] = lambda x: ops.log(x) * (1.0 / math.log(2.0))
+ATEN["log10"] = lambda x: ops.log(x) * (1.0 / math.log(10.0))
+ATEN["exp2"] = lambda x: ops.exp(x * math.log(2.0))
+ATEN["isfinite"] = lambda x: ops.isfinite(x)
 
 
 @op("elu")
 def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
-    return kn.where(x > 0, x * scale, (kn.expm1(x * input_scale) * alpha) * scale)
+    return ops.where(x > 0, x * scale, (ops.expm1(x * input_scale) * alpha) * scale)
 
 
 # -- reductions -----------------------------------------------------------------------------
@@ -136,40 +132,41 @@ def _reduction(name, fn):
     ATEN[name] = reduce
 
 
-for _name, _fn in [("sum", kn.sum), ("mean", kn.mean), ("amax", kn.amax), ("amin", kn.amin),
-                   ("any", kn.any), ("all", kn.all), ("logsumexp", kn.logsumexp)]:
+for _name, _fn in [("sum", ops.sum), ("mean", ops.mean), ("amax", ops.amax), ("amin", ops.amin),
+                   ("any", ops.any), ("all", ops.all), ("logsumexp", ops.logsumexp)]:
     _reduction(_name, _fn)
 
 
 @op("prod")
 def _prod(x, dim=None, keepdim=False, dtype=None):
-    return kn.prod(x if dtype is None else x.to(dtype), dim, keepdim)
+    return ops.prod(x if dtype is None else x.to(dtype), dim, keepdim)
 
 
 def _max_or_min(fn):
     def run(x, dim=None, keepdim=False):
-        if isinstance(dim, kn.Tensor):  # max.other: elementwise
-            return (kn.maximum if fn is kn.max else kn.minimum)(x, dim)
+        if isinstance(dim, Tensor):  # max.other: elementwise
+            return (ops.maximum if fn is ops.max else ops.minimum)(x, dim)
         return fn(x) if dim is None else tuple(fn(x, dim, keepdim))
     return run
 
 
-ATEN["max"] = _max_or_min(kn.max)
-ATEN["min"] = _max_or_min(kn.min)
-ATEN["argmax"] = lambda x, dim=None, keepdim=False: kn.argmax(x, dim, keepdim)
-ATEN["argmin"] = lambda x, dim=None, keepdim=False: kn.argmin(x, dim, keepdim)
-ATEN["cumsum"] = lambda x, dim, dtype=None: kn.cumsum(x if dtype is None else x.to(dtype), dim)
-ATEN["cumprod"] = lambda x, dim, dtype=None: kn.cumprod(x if dtype is None else x.to(dtype), dim)
+ATEN["max"] = _max_or_min(ops.max)
+ATEN["min"] = _max_or_min(ops.min)
+ATEN["argmax"] = lambda x, dim=None, keepdim=False: ops.argmax(x, dim, keepdim)
+ATEN["argmin"] = lambda x, dim=None, keepdim=False: ops.argmin(x, dim, keepdim)
+ATEN["cumsum"] = lambda x, dim, dtype=None: ops.cumsum(x if dtype is None else x.to(dtype), dim)
+ATEN["cumprod"] = lambda x, dim, dtype=None: ops.cumprod(x if dtype is None else x.to(dtype), dim)
 
 
 @op("sort")
 def _sort(x, dim=-1, descending=False, *, stable=None):
     if isinstance(dim, bool):  # sort.stable(x, stable, dim, descending) given positionally
         dim, descending = -1, descending
-    return tuple(kn.sort(x, dim, descending))
+    return tuple(ops.sort(x, dim, descending))
 
 
-ATEN["argsort"] = lambda x, dim=-1, descending=False, *, stable=None: kn.argsort(x, dim, descending)
+ATEN["argsort"] = lambda x, dim=-1, descending=False, *, stable=None: \
+    ops.argsort(x, dim, descending)
 
 
 def _moment(fn):
@@ -184,40 +181,40 @@ def _moment(fn):
     return run
 
 
-ATEN["var"] = _moment(kn.var)
-ATEN["std"] = _moment(kn.std)
+ATEN["var"] = _moment(ops.var)
+ATEN["std"] = _moment(ops.std)
 
 
 # -- neural-network ops ---------------------------------------------------------------------
 
-ATEN["_softmax"] = lambda x, dim, half_to_float=False: kn.softmax(x, dim)
-ATEN["_log_softmax"] = lambda x, dim, half_to_float=False: kn.log_softmax(x, dim)
-ATEN["softmax"] = lambda x, dim, dtype=None: kn.softmax(x, dim, dtype)
-ATEN["log_softmax"] = lambda x, dim, dtype=None: kn.log_softmax(x, dim, dtype)
-ATEN["gelu"] = lambda x, approximate="none": kn.gelu(x, approximate=approximate)
-ATEN["softplus"] = lambda x, beta=1.0, threshold=20.0: kn.softplus(x, beta, threshold)
+ATEN["_softmax"] = lambda x, dim, half_to_float=False: ops.softmax(x, dim)
+ATEN["_log_softmax"] = lambda x, dim, half_to_float=False: ops.log_softmax(x, dim)
+ATEN["softmax"] = lambda x, dim, dtype=None: ops.softmax(x, dim, dtype)
+ATEN["log_softmax"] = lambda x, dim, dtype=None: ops.log_softmax(x, dim, dtype)
+ATEN["gelu"] = lambda x, approximate="none": ops.gelu(x, approximate=approximate)
+ATEN["softplus"] = lambda x, beta=1.0, threshold=20.0: ops.softplus(x, beta, threshold)
 
 
 @op("native_layer_norm")
 def _native_layer_norm(x, normalized_shape, weight, bias, eps):
     dims = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    mean = kn.mean(x, dims, keepdim=True)
-    rstd = kn.rsqrt(kn.var(x, dims, keepdim=True, correction=0) + eps)
-    out = kn.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
+    mean = ops.mean(x, dims, keepdim=True)
+    rstd = ops.rsqrt(ops.var(x, dims, keepdim=True, correction=0) + eps)
+    out = ops.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
     return out, mean, rstd
 
 
 def layer_norm_output_only(x, normalized_shape, weight, bias, eps):
     """native_layer_norm where the graph reads only the normalized output (inference)."""
-    return kn.layer_norm(x, tuple(normalized_shape), weight, bias, eps), None, None
+    return ops.layer_norm(x, tuple(normalized_shape), weight, bias, eps), None, None
 
 
 @op("native_group_norm")
 def _group_norm(x, weight, bias, n, c, hw, group, eps):
     shape = tuple(x.shape)
     grouped = x.reshape(shape[0], group, -1)
-    mean = kn.mean(grouped, -1, keepdim=True)
-    rstd = kn.rsqrt(kn.var(grouped, -1, keepdim=True, correction=0) + eps)
+    mean = ops.mean(grouped, -1, keepdim=True)
+    rstd = ops.rsqrt(ops.var(grouped, -1, keepdim=True, correction=0) + eps)
     out = ((grouped - mean) * rstd).reshape(*shape)
     channel = (1, -1) + (1,) * (x.ndim - 2)
     if weight is not None:
@@ -230,7 +227,7 @@ def _group_norm(x, weight, bias, n, c, hw, group, eps):
 @op("_native_batch_norm_legit_no_training")
 def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     shape = (1, -1) + (1,) * (x.ndim - 2)
-    scale = kn.rsqrt(running_var + eps)
+    scale = ops.rsqrt(running_var + eps)
     if weight is not None:
         scale = scale * weight
     out = (x - running_mean.reshape(*shape)) * scale.reshape(*shape)
@@ -245,7 +242,7 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
         raise Unsupported("transposed convolution (ConvTranspose) has no kiln op")
     if x.ndim != 4:
         raise Unsupported(f"a {x.ndim - 2}-d convolution: kiln has conv2d only")
-    return kn.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+    return ops.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
 
 
 @op("embedding")
@@ -266,7 +263,7 @@ def _windows(x, kernel, stride, padding, dilation, fill):
     ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if ph or pw:
-        x = kn.pad(x, (pw, pw, ph, ph), value=fill)
+        x = shape_ops.pad(x, (pw, pw, ph, ph), value=fill)
     lead = (slice(None),) * (x.ndim - 2)
     for i in range(kh):
         for j in range(kw):
@@ -280,7 +277,7 @@ def _max_pool2d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=Fals
         raise Unsupported("max_pool2d with ceil_mode=True")
     out = None
     for window in _windows(x, kernel_size, stride, padding, dilation, -math.inf):
-        out = window if out is None else kn.maximum(out, window)
+        out = window if out is None else ops.maximum(out, window)
     return out, None  # the indices: an importer error if the graph reads them
 
 
@@ -298,7 +295,7 @@ def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_inc
         kh, kw = _pair(kernel_size)
         return total / float(kh * kw)
     count = None
-    ones = kn.ones(*x.shape[-2:], dtype=x.dtype)
+    ones = factories.ones(*x.shape[-2:], dtype=x.dtype)
     for window in _windows(ones, kernel_size, stride, padding, 1, 0.0):
         count = window if count is None else count + window
     return total / count
@@ -311,17 +308,17 @@ def _adaptive_avg_pool2d(x, output_size):
         raise Unsupported(f"adaptive_avg_pool2d from {h}x{w} to {oh}x{ow} (sizes that do not divide)")
     lead = tuple(x.shape[:-2])
     x = x.reshape(*lead, oh, h // oh, ow, w // ow)
-    return kn.mean(x, (-3, -1))
+    return ops.mean(x, (-3, -1))
 
 
 # -- linear algebra -------------------------------------------------------------------------
 
-ATEN["mm"] = ATEN["bmm"] = ATEN["matmul"] = lambda a, b: kn.matmul(a, b)
+ATEN["mm"] = ATEN["bmm"] = ATEN["matmul"] = lambda a, b: ops.matmul(a, b)
 
 
 @op("addmm", "baddbmm")
 def _addmm(bias, a, b, beta=1, alpha=1):
-    product = kn.matmul(a, b)
+    product = ops.matmul(a, b)
     if alpha != 1:
         product = product * alpha
     if beta == 0:
@@ -331,54 +328,57 @@ def _addmm(bias, a, b, beta=1, alpha=1):
 
 # -- shapes ---------------------------------------------------------------------------------
 
-ATEN["view"] = ATEN["_unsafe_view"] = ATEN["reshape"] = lambda x, shape: kn.reshape(x, tuple(shape))
-ATEN["permute"] = lambda x, dims: kn.permute(x, *dims)
-ATEN["transpose"] = lambda x, d0, d1: kn.transpose(x, d0, d1)
-ATEN["t"] = lambda x: x if x.ndim < 2 else kn.transpose(x, 0, 1)
-ATEN["unsqueeze"] = lambda x, dim: kn.unsqueeze(x, dim)
-ATEN["flip"] = lambda x, dims: kn.flip(x, tuple(dims))
-ATEN["cat"] = lambda tensors, dim=0: kn.cat(list(tensors), dim)
-ATEN["stack"] = lambda tensors, dim=0: kn.stack(list(tensors), dim)
-ATEN["index_select"] = lambda x, dim, index: kn.index_select(x, dim, index)
-ATEN["gather"] = lambda x, dim, index, sparse_grad=False: kn.gather(x, dim, index)
-ATEN["scatter_add"] = lambda x, dim, index, src: kn.scatter_add(x, dim, index, src)
+ATEN["view"] = ATEN["_unsafe_view"] = ATEN["reshape"] = \
+    lambda x, shape: shape_ops.reshape(x, tuple(shape))
+ATEN["permute"] = lambda x, dims: shape_ops.permute(x, *dims)
+ATEN["transpose"] = lambda x, d0, d1: shape_ops.transpose(x, d0, d1)
+ATEN["t"] = lambda x: x if x.ndim < 2 else shape_ops.transpose(x, 0, 1)
+ATEN["unsqueeze"] = lambda x, dim: shape_ops.unsqueeze(x, dim)
+ATEN["flip"] = lambda x, dims: shape_ops.flip(x, tuple(dims))
+ATEN["cat"] = lambda tensors, dim=0: shape_ops.cat(list(tensors), dim)
+ATEN["stack"] = lambda tensors, dim=0: shape_ops.stack(list(tensors), dim)
+ATEN["index_select"] = lambda x, dim, index: shape_ops.index_select(x, dim, index)
+ATEN["gather"] = lambda x, dim, index, sparse_grad=False: shape_ops.gather(x, dim, index)
+ATEN["scatter_add"] = lambda x, dim, index, src: shape_ops.scatter_add(x, dim, index, src)
 
 
 @op("scatter")
 def _scatter(x, dim, index, src, reduce=None):
     if reduce is not None:
         raise Unsupported(f"scatter with reduce={reduce!r}")
-    if not isinstance(src, kn.Tensor):  # scatter.value: a scalar written at every index
-        src = kn.full_like(index, src, dtype=x.dtype)
-    return kn.scatter(x, dim, index, src)
+    if not isinstance(src, Tensor):  # scatter.value: a scalar written at every index
+        src = factories.full_like(index, src, dtype=x.dtype)
+    return shape_ops.scatter(x, dim, index, src)
 
 
 def _triangle(x, diagonal, lower):
     rows, cols = x.shape[-2], x.shape[-1]
-    offset = kn.arange(rows).reshape(rows, 1) - kn.arange(cols).reshape(1, cols)
+    offset = factories.arange(rows).reshape(rows, 1) - factories.arange(cols).reshape(1, cols)
     keep = offset >= -diagonal if lower else offset <= -diagonal
-    return kn.where(keep, x, kn.zeros_like(x))
+    return ops.where(keep, x, factories.zeros_like(x))
 
 
 ATEN["tril"] = lambda x, diagonal=0: _triangle(x, diagonal, True)
 ATEN["triu"] = lambda x, diagonal=0: _triangle(x, diagonal, False)
-ATEN["constant_pad_nd"] = lambda x, pad, value=0.0: kn.pad(x, tuple(pad), value=value)
+ATEN["constant_pad_nd"] = lambda x, pad, value=0.0: shape_ops.pad(x, tuple(pad), value=value)
 
 
 @op("squeeze")
 def _squeeze(x, dim=None):
     if dim is None:
-        return kn.squeeze(x)
+        return shape_ops.squeeze(x)
     dims = [d % x.ndim for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
     dims = [d for d in dims if x.shape[d] == 1]  # torch ignores dims that are not 1
-    return kn.reshape(x, tuple(n for i, n in enumerate(x.shape) if i not in dims)) if dims else x
+    if not dims:
+        return x
+    return shape_ops.reshape(x, tuple(n for i, n in enumerate(x.shape) if i not in dims))
 
 
 @op("expand")
 def _expand(x, size, implicit=False):
     lead = len(size) - x.ndim
     full = tuple(x.shape[i - lead] if (n == -1 and i >= lead) else n for i, n in enumerate(size))
-    return kn.expand(x, *full)
+    return shape_ops.expand(x, *full)
 
 
 @op("select")
@@ -398,12 +398,12 @@ def _slice(x, dim=0, start=None, end=None, step=1):
 
 @op("split_with_sizes")
 def _split_with_sizes(x, sizes, dim=0):
-    return kn.split(x, list(sizes), dim)
+    return shape_ops.split(x, list(sizes), dim)
 
 
 @op("split")
 def _split(x, size, dim=0):
-    return kn.split(x, size if isinstance(size, int) else list(size), dim)
+    return shape_ops.split(x, size if isinstance(size, int) else list(size), dim)
 
 
 @op("unbind")
@@ -422,9 +422,9 @@ def _index(x, indices):
     if len(axes) != 1:
         raise Unsupported("advanced indexing with more than one index tensor")
     axis, index = axes[0], indices[axes[0]]
-    if index.dtype == kn.bool:
+    if index.dtype == dt.bool_:
         raise Unsupported("boolean-mask indexing (its result's shape depends on the data)")
-    picked = kn.index_select(x, axis, index.reshape(-1))
+    picked = shape_ops.index_select(x, axis, index.reshape(-1))
     shape = tuple(x.shape[:axis]) + tuple(index.shape) + tuple(x.shape[axis + 1:])
     return picked.reshape(*shape)
 
@@ -436,16 +436,19 @@ def _dtype(dtype, default=None):
     return default if dtype is None else dtype
 
 
-ATEN["full"] = lambda size, value, dtype=None, **k: kn.full(tuple(size), value, dtype=dtype)
-ATEN["zeros"] = lambda size, dtype=None, **k: kn.full(tuple(size), 0, dtype=_dtype(dtype, kn.float32))
-ATEN["ones"] = lambda size, dtype=None, **k: kn.full(tuple(size), 1, dtype=_dtype(dtype, kn.float32))
-ATEN["full_like"] = lambda x, value, dtype=None, **k: kn.full_like(x, value, dtype=dtype)
-ATEN["zeros_like"] = lambda x, dtype=None, **k: kn.full_like(x, 0, dtype=dtype)
-ATEN["ones_like"] = lambda x, dtype=None, **k: kn.full_like(x, 1, dtype=dtype)
-ATEN["scalar_tensor"] = lambda v, dtype=None, **k: kn.full((), v, dtype=_dtype(dtype, kn.float32))
+ATEN["full"] = lambda size, value, dtype=None, **k: factories.full(tuple(size), value, dtype=dtype)
+ATEN["zeros"] = lambda size, dtype=None, **k: factories.full(tuple(size), 0,
+                                                             dtype=_dtype(dtype, dt.float32))
+ATEN["ones"] = lambda size, dtype=None, **k: factories.full(tuple(size), 1,
+                                                            dtype=_dtype(dtype, dt.float32))
+ATEN["full_like"] = lambda x, value, dtype=None, **k: factories.full_like(x, value, dtype=dtype)
+ATEN["zeros_like"] = lambda x, dtype=None, **k: factories.full_like(x, 0, dtype=dtype)
+ATEN["ones_like"] = lambda x, dtype=None, **k: factories.full_like(x, 1, dtype=dtype)
+ATEN["scalar_tensor"] = lambda v, dtype=None, **k: factories.full(
+    (), v, dtype=_dtype(dtype, dt.float32))
 
 
 @op("arange")
 def _arange(*args, dtype=None, **ignored):
-    return kn.arange(*args, dtype=dtype)
+    return factories.arange(*args, dtype=dtype)
 

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from kiln._version import __version__
 from kiln.errors import KilnArgumentError, KilnError, KilnFormatError, KilnFormatVersionError
 from kiln.ir import dtypes as dt
 from kiln.ir.graph import Graph
@@ -84,12 +85,6 @@ class Archive:
     kiln_version: str
 
 
-def _kiln_version() -> str:
-    import kiln  # late: kiln/__init__ may import modules that import this one
-
-    return kiln.__version__
-
-
 def storage_dtype(kdt: dt.DType) -> np.dtype:
     """The little-endian numpy dtype a constant of `kdt` is stored as in its `.npy`.
 
@@ -128,7 +123,7 @@ def save_graph(graph: Graph, path_or_file, metadata: dict[str, Any] | None = Non
         constants[name] = {"file": entry, "dtype": kdt.name, "shape": list(array.shape)}
         arrays.append((entry, stored))
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": _kiln_version(),
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": __version__,
         "opset_version": OPSET_VERSION, "graph": GRAPH_ENTRY, "constants": constants,
         "metadata": meta,
     }
@@ -359,13 +354,13 @@ class _Reader:
         if format_version > FORMAT_VERSION:
             raise KilnFormatVersionError(
                 f"{_one_line(self.label, 200)}: written by format version {_short(format_version)}"
-                f"{_one_line(by)}; this kiln ({_kiln_version()}) reads up to format version "
+                f"{_one_line(by)}; this kiln ({__version__}) reads up to format version "
                 f"{FORMAT_VERSION}: upgrade kiln")
         opset_version = _field(self, manifest, "opset_version", int)
         if opset_version > OPSET_VERSION:
             raise KilnFormatVersionError(
                 f"{_one_line(self.label, 200)}: uses opset version {_short(opset_version)}"
-                f"{_one_line(by)}; this kiln ({_kiln_version()}) knows up to opset version "
+                f"{_one_line(by)}; this kiln ({__version__}) knows up to opset version "
                 f"{OPSET_VERSION}: upgrade kiln")
         if format_version < 1 or opset_version < 1:
             raise self.fail("format_version and opset_version must be at least 1")

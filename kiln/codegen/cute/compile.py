@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from kiln import __version__ as _KILN_VERSION
+from kiln._version import __version__ as _KILN_VERSION
 from kiln.codegen import artifact_cache, cache_elf
 from kiln.codegen.kernel_ir import GemmKernel, kernel_fingerprint
 

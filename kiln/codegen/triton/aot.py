@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kiln import __version__ as _KILN_VERSION
+from kiln._version import __version__ as _KILN_VERSION
 from kiln.codegen import artifact_cache, cache_elf
 from kiln.codegen.triton.targets import ARCHS, DEFAULT_ARCH, resolve_arch
 from kiln.errors import KilnArgumentError
