@@ -15,9 +15,8 @@ from kiln.nn.layers import (  # noqa: F401
     GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU, RMSNorm, Sigmoid, SiLU, Softmax,
     Tanh,
 )
-from kiln.nn.module import (  # noqa: F401
-    IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential, functional_call,
-)
+from kiln.nn.module import IncompatibleKeys, Module, functional_call  # noqa: F401
+from kiln.nn.containers import ModuleDict, ModuleList, Sequential  # noqa: F401
 from kiln.nn.conv import (  # noqa: F401
     AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveAvgPool3d, AdaptiveMaxPool1d, AdaptiveMaxPool2d,
     AdaptiveMaxPool3d, AvgPool1d, AvgPool2d, AvgPool3d, Conv1d, Conv2d, Conv3d, MaxPool1d,

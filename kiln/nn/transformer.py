@@ -13,8 +13,9 @@ import copy
 
 from kiln.errors import KilnArgumentError
 from kiln.nn.attention import MultiheadAttention
+from kiln.nn.containers import ModuleList
 from kiln.nn.layers import Dropout, LayerNorm, Linear
-from kiln.nn.module import Module, ModuleList
+from kiln.nn.module import Module
 
 
 def _activation(activation):
