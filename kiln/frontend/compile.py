@@ -189,6 +189,15 @@ class _Entry:
     static_positions: tuple
     guards: Any = None  # recompiles.SpecializationGuards: leaf paths, where guards came from
     write_back: Any = None  # arg_mutation.WriteBack: arguments changed in place, returned ones
+    shape_guards: tuple = ()  # shape_guards.ShapeGuard: size decisions the range left open
+    next: Any = None  # another specialization of the same key, tried when a guard fails
+
+    def chain(self) -> list:
+        out, entry = [], self
+        while entry is not None:
+            out.append(entry)
+            entry = entry.next
+        return out
 
 
 class CompiledFunction:
@@ -242,6 +251,7 @@ class CompiledFunction:
                     spec = pytree.flatten(tuple(args), _leaf)[1]
         key = self._key(leaves, spec)
         entry = self._cache.get(key)
+        hit = entry is not None
         if entry is None:
             entry = self._compile(args, key)
             if entry is None and self._functionalized is not None:
@@ -254,7 +264,14 @@ class CompiledFunction:
         statics = entry.static_positions
         arrays = [leaf._x if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
                   for i, leaf in enumerate(leaves) if i not in statics]
-        outputs = entry.compiled.run_trusted(arrays)
+        if entry.shape_guards:  # decisions on symbolic sizes (shape_guards.py)
+            entry, sizes = self._guarded(entry, args, key, arrays, hit)
+            if entry is None:  # fell back to eager (fullgraph=False)
+                self._eager_calls += 1
+                return self.fn(*_as_tensors(args))
+            outputs = entry.compiled.executable.run(arrays, sizes)
+        else:
+            outputs = entry.compiled.run_trusted(arrays)
         plan = entry.write_back
         if plan is not None:  # arguments changed in place, or returned (arg_mutation.py)
             from kiln.frontend.arg_mutation import write_back
@@ -304,16 +321,42 @@ class CompiledFunction:
 
     # -- compiling ----------------------------------------------------------------------
 
-    def _compile(self, args, key):
+    def _guarded(self, entry, args, key, arrays, hit: bool):
+        """The specialization of `key` whose size guards hold for `arrays` (compiling a new
+        one when none does), and the shape-variable values to run it with."""
+        from kiln.frontend.shape_guards import first_failure
+
+        failed = None
+        for candidate in entry.chain():
+            sizes = candidate.compiled.binder(arrays)
+            failure = first_failure(candidate.shape_guards, sizes)
+            if failure is None:
+                return candidate, sizes
+            failed = failed or (failure, sizes)
+        if hit:
+            self._hits -= 1
+        failure, sizes = failed
+        values = ", ".join(f"{n}={v}" for n, v in sorted(sizes.items()))
+        new = self._compile(args, key, reason=f"size guard {failure.describe()} failed ({values})")
+        if new is None:
+            return None, None
+        return new, new.compiled.binder(arrays)
+
+    def _specializations(self) -> list:
+        return [e for head in self._cache.values() for e in head.chain()]
+
+    def _compile(self, args, key, reason: str | None = None):
         from kiln.frontend import recompiles
 
-        reason = self._reason(key, args) if self._cache else None
+        if reason is None:
+            reason = self._reason(key, args) if self._cache else None
         if reason is not None and self.strict:
             raise recompiles.strict_error(self.fn, reason)
-        if len(self._cache) >= self.recompile_limit:
+        count = len(self._specializations())
+        if count >= self.recompile_limit:
             if self.fullgraph:
                 raise KilnRecompileLimitError(
-                    f"{getattr(self.fn, '__name__', 'function')}: {len(self._cache)} specializations "
+                    f"{getattr(self.fn, '__name__', 'function')}: {count} specializations "
                     f"reached recompile_limit={self.recompile_limit}; the latest because {reason}",
                     hint="declare the changing dims dynamic with ShapeVar (dynamic_shapes=) or "
                          "raise recompile_limit")
@@ -348,7 +391,7 @@ class CompiledFunction:
                 reason += f"; automatic dynamic: {dims} symbolic from now on"
             self._recompiles.append({"reason": reason})
             if recompiles.logging_enabled(self.explain):
-                recompiles.report(self.fn, reason, len(self._cache) + 1)
+                recompiles.report(self.fn, reason, len(self._specializations()) + 1)
         if recorder is not None:
             recorder.traced()
         compiled = compile_graph(traced.graph, self.backend, self.mode)
@@ -360,8 +403,11 @@ class CompiledFunction:
         out_spec = plan.out_spec
         statics = tuple(i for i, _ in traced.static_args)
         entry = _Entry(compiled, out_spec, statics, self._guards(args, traced, statics),
-                       None if plan.trivial else plan)
-        self._cache[key] = entry
+                       None if plan.trivial else plan, tuple(self._shape_guards.guards))
+        if key in self._cache:  # a size guard failed: one more specialization of this key
+            self._cache[key].chain()[-1].next = entry
+        else:
+            self._cache[key] = entry
         return entry
 
     def _reason(self, key, args) -> str:
@@ -412,17 +458,24 @@ class CompiledFunction:
 
         def locating(graph):
             self._builders.append(LocatingBuilder(graph))
+            self._shape_guards.graph = graph  # the sizes guards are decided with
             return self._builders[-1]
 
         from kiln.frontend.arg_mutation import WriteBack, aliases, tracing_wrapper
+        from kiln.frontend.shape_guards import ShapeGuards, collecting
 
-        same = aliases(_leaves_and_spec(args)[0])
+        leaves = _leaves_and_spec(args)[0]
+        same = aliases(leaves)
+        shapes = [np.shape(leaf) if not isinstance(leaf, Tensor) else leaf.shape
+                  for leaf in leaves if is_tensor_like(leaf)]
 
         def attempt(spec):
             self._builders.clear()
             self._write_back = WriteBack()  # filled by the trace (arg_mutation.py)
-            return trace_function(tracing_wrapper(self.fn, same, self._write_back), tuple(args),
-                                  spec, builder_cls=locating)
+            self._shape_guards = ShapeGuards(shapes, self.strict)  # and shape_guards.py
+            with collecting(self._shape_guards):
+                return trace_function(tracing_wrapper(self.fn, same, self._write_back),
+                                      tuple(args), spec, builder_cls=locating)
 
         try:
             return attempt(shapes), auto
@@ -469,12 +522,15 @@ class CompiledFunction:
         """Compiles, cache hits, eager fallbacks, recompiles with their reasons, and the
         guards of each specialization (which dims are static, and why)."""
         return {"compiles": self._compiles, "hits": self._hits, "eager_calls": self._eager_calls,
-                "recompiles": list(self._recompiles), "specializations": len(self._cache),
-                "guards": [guard_summary(e.compiled.graph) for e in self._cache.values()],
+                "recompiles": list(self._recompiles),
+                "specializations": len(self._specializations()),
+                "guards": [guard_summary(e.compiled.graph) for e in self._specializations()],
+                "size_guards": [[g.describe() for g in e.shape_guards]
+                                for e in self._specializations()],
                 "dynamic_fallbacks": list(self._dynamic_fallbacks)}
 
     def compiled_graphs(self) -> list[CompiledGraph]:
-        return [e.compiled for e in self._cache.values()]
+        return [e.compiled for e in self._specializations()]
 
 
 def guard_summary(graph: Graph) -> list[str]:
@@ -544,6 +600,10 @@ def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "de
     `explain=True` (or KILN_LOGS=recompiles) prints why each recompile happened;
     `strict=True` raises K321 instead of recompiling (see recompiles.py).
 
+    An object whose type defines `__kiln_compile__(obj, **options)` compiles itself:
+    `compile` returns what that method returns for these keyword options (a kn.nn.Module
+    does so, and its parameters and buffers become graph inputs: kiln/nn/compiled.py).
+
     >>> @kn.compile
     ... def f(x, w, b):
     ...     return kn.gelu(x @ w + b)
@@ -560,13 +620,12 @@ def compile(fn: Callable | None = None, *, backend: str = "cpu", mode: str = "de
                                  dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit,
                                  trace_dir=trace_dir, dynamic=dynamic, explain=explain,
                                  strict=strict)
-    if _is_module(fn):  # parameters and buffers become graph inputs: see kiln/nn/compiled.py
-        from kiln.nn.compiled import CompiledModule
-
-        module = CompiledModule(fn, backend, mode, fullgraph, dynamic_shapes, recompile_limit)
-        _configure(module._compiled, dynamic, explain, strict)
-        module._compiled.trace_dir = module._compiled_grad.trace_dir = trace_dir
-        return module
+    compiles_itself = getattr(type(fn), "__kiln_compile__", None)
+    if compiles_itself is not None:  # kn.nn.Module: its parameters become graph inputs
+        return compiles_itself(fn, backend=backend, mode=mode, fullgraph=fullgraph,
+                               dynamic_shapes=dynamic_shapes, recompile_limit=recompile_limit,
+                               trace_dir=trace_dir, dynamic=dynamic, explain=explain,
+                               strict=strict)
     return _configure(CompiledFunction(fn, backend, mode, fullgraph, dynamic_shapes,
                                        recompile_limit, trace_dir), dynamic, explain, strict)
 
@@ -581,12 +640,3 @@ def _by_leaf(dims: list) -> dict[int, set]:
 def _configure(compiled: CompiledFunction, dynamic, explain: bool, strict: bool) -> CompiledFunction:
     compiled.dynamic, compiled.explain, compiled.strict = dynamic, bool(explain), bool(strict)
     return compiled
-
-
-def _is_module(fn) -> bool:
-    """Whether `fn` is a kn.nn.Module (an object of a never-imported kiln.nn cannot be)."""
-    import sys
-
-    nn_module = sys.modules.get("kiln.nn.module")
-    return nn_module is not None and isinstance(fn, nn_module.Module)
-

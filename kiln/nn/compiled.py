@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 
-from kiln.frontend.compile import CompiledFunction
+from kiln.frontend.compile import compile
 from kiln.frontend.tensor import Tensor
 from kiln.nn import random
 from kiln.nn.module import Module, functional_call
@@ -32,7 +32,9 @@ class CompiledModule:
     """
 
     def __init__(self, module: Module, backend: str = "cpu", mode: str = "default",
-                 fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8) -> None:
+                 fullgraph: bool = True, dynamic_shapes=None, recompile_limit: int = 8,
+                 trace_dir: str | None = None, dynamic: bool | None = None,
+                 explain: bool = False, strict: bool = False) -> None:
         self.__dict__["module"] = module
         forward = module.forward
         if dynamic_shapes is None:
@@ -75,10 +77,12 @@ class CompiledModule:
             grad_dynamic = dynamic_shapes[:len(_OWN_ARGS)] + (None,) + dynamic_shapes[len(_OWN_ARGS):]
         elif isinstance(dynamic_shapes, dict):  # by name: grad_run shares forward's names
             grad_run.__signature__ = _signature(forward, extra=("cotangents",))
-        self.__dict__["_compiled"] = CompiledFunction(run, backend, mode, fullgraph, dynamic_shapes,
-                                                      recompile_limit)
-        self.__dict__["_compiled_grad"] = CompiledFunction(grad_run, backend, mode, fullgraph,
-                                                           grad_dynamic, recompile_limit)
+        common = dict(backend=backend, mode=mode, fullgraph=fullgraph,
+                      recompile_limit=recompile_limit, trace_dir=trace_dir)
+        # dynamic, explain and strict are about the user's calls: the forward program's
+        self.__dict__["_compiled"] = compile(run, dynamic_shapes=dynamic_shapes, dynamic=dynamic,
+                                             explain=explain, strict=strict, **common)
+        self.__dict__["_compiled_grad"] = compile(grad_run, dynamic_shapes=grad_dynamic, **common)
 
     def __call__(self, *args, **kwargs):
         module = self.module
