@@ -10,6 +10,10 @@
    where it is used (all_gather), and the gradients, Partial sums over the batch
    shards, are reduce-scattered back into the parameters' shards for the SGD update.
    The loss curve matches the single-process run.
+3. The same MLP trained on a 2-d mesh, 2 x 2 = ("dp", "tp"): the batch is split over
+   "dp", the weights Megatron-style over "tp" (data x tensor parallel), and with
+   `fsdp=True` the weights are also sharded over "dp" (FSDP x TP). One compiled program
+   holds the collectives of both mesh dims, each over its own sub-group.
 """
 
 from __future__ import annotations
@@ -84,15 +88,55 @@ def fsdp_losses(mesh: DeviceMesh | None, steps: int = 4) -> list[float]:
     return losses
 
 
+def mlp_train_step(x, y, w1, b1, w2, b2):
+    """One SGD step of the MLP on a mean squared error: (loss, *new params)."""
+    def loss(*p):
+        out = mlp(x, *p)
+        return ((out - y) * (out - y)).mean()
+
+    value, grads = kn.value_and_grad(loss, argnums=(0, 1, 2, 3))(w1, b1, w2, b2)
+    return (value, *[p - 2.0 * g for p, g in zip((w1, b1, w2, b2), grads)])
+
+
+def mesh_2d_losses(mesh: DeviceMesh | None, steps: int = 3, fsdp: bool = False) -> list[float]:
+    """The loss curve of `steps` SGD steps of the MLP on a 2-d ("dp", "tp") mesh (None:
+    one process). The batch is Shard(0) over dp; w1 / b1 are column-parallel and w2
+    row-parallel over tp; `fsdp` also shards every weight over dp (FSDP x TP)."""
+    x, w1, b1, w2, b2 = mlp_inputs(seed=2, tokens=32)
+    y = 0.5 * np.random.default_rng(3).standard_normal(x.shape).astype(np.float32)
+    params = [w1, b1, w2, b2]
+    step = kn.compile(mlp_train_step)
+    if mesh is not None:
+        dp = Shard(0) if fsdp else Replicate()
+        layout = [(dp, Shard(1)), (dp, Shard(0)), (Shard(1) if fsdp else dp, Shard(0)),
+                  (dp, Replicate())]
+        step.out_placements = [(Replicate(), Replicate())] + layout
+        params = [distribute_tensor(p, mesh, pl) for p, pl in zip(params, layout)]
+        x, y = (distribute_tensor(a, mesh, [Shard(0), Replicate()]) for a in (x, y))
+    losses = []
+    for _ in range(steps):
+        loss, *params = step(x, y, *params)
+        losses.append(float(loss.to_local().numpy() if mesh is not None else loss.numpy()))
+    return losses
+
+
 def main() -> int:
     dist.init_process_group()
-    mesh = DeviceMesh((dist.get_world().world_size,), ("x",))
+    world = dist.get_world().world_size
+    mesh = DeviceMesh((world,), ("x",))
     got, want = tensor_parallel_mlp(mesh)
     sharded, single = fsdp_losses(mesh), fsdp_losses(None)
     if mesh.get_rank() == 0:
         print("TP MLP max |error|:", float(np.abs(got - want).max()), flush=True)
         print("FSDP losses:  ", ["%.5f" % v for v in sharded], flush=True)
         print("single losses:", ["%.5f" % v for v in single], flush=True)
+    if world == 4:
+        mesh2 = DeviceMesh((2, 2), ("dp", "tp"))
+        dp_tp, fsdp_tp = mesh_2d_losses(mesh2), mesh_2d_losses(mesh2, fsdp=True)
+        if mesh.get_rank() == 0:
+            print("DP x TP losses:  ", ["%.5f" % v for v in dp_tp], flush=True)
+            print("FSDP x TP losses:", ["%.5f" % v for v in fsdp_tp], flush=True)
+            print("single losses:   ", ["%.5f" % v for v in mesh_2d_losses(None)], flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -14,9 +14,11 @@ overlaps them with compute). Every rank runs the same program on its local block
 results come back as DTensors on the operands' mesh. `out_placements=` (a placement,
 or one per output) asks for results placed that way, e.g. `Replicate()`.
 
-Arguments that are not DTensors (arrays, kn.Tensors) count as replicated. The mesh
-must be 1-d (pass `mesh["tp"]`-style sub-meshes of larger meshes), and sharded dims
-must divide by its size.
+Arguments that are not DTensors (arrays, kn.Tensors) count as replicated. On an n-d
+mesh (say `DeviceMesh((2, 2), ("dp", "tp"))`) each DTensor has one placement per mesh
+dim and the program is partitioned mesh dim by mesh dim (`spmd_partition_nd`):
+data parallel over "dp" and tensor parallel over "tp" in one program, each collective
+over its mesh dim's group. Sharded dims must divide by the mesh dims that cut them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class _Entry:
     compiled: object
     out_placements: list
     out_shapes: list
-    takes_rank: bool
+    rank_dims: list  # mesh dims whose coordinate the program takes, in input order
     single: bool
 
 
@@ -43,20 +45,17 @@ def call_spmd(cf, args: tuple, out_placements=None):
     from kiln.distributed.placements import Replicate
     from kiln.frontend.compile import compile_graph
     from kiln.frontend.tracing import trace_function
-    from kiln.passes.spmd import spmd_partition
+    from kiln.passes.spmd import spmd_partition_nd
 
     meshes = {id(a.device_mesh): a.device_mesh for a in args if isinstance(a, DTensor)}
     if len(meshes) != 1:
         raise KilnArgumentError("compile: the DTensor arguments of %s live on %d meshes; put "
                                 "them on one" % (getattr(cf.fn, "__name__", "fn"), len(meshes)))
     (mesh,) = meshes.values()
-    if mesh.ndim != 1:
-        raise KilnArgumentError("compile: SPMD programs run on a 1-d mesh, got %r; pass "
-                                "DTensors on a sub-mesh such as mesh[%r]"
-                                % (mesh, mesh.mesh_dim_names[-1]))
     args = tuple(a if isinstance(a, DTensor) else np.asarray(a.numpy() if hasattr(a, "numpy")
                                                              else a) for a in args)
-    placements = [a.placements[0] if isinstance(a, DTensor) else Replicate() for a in args]
+    whole = (Replicate(),) * mesh.ndim
+    placements = [tuple(a.placements) if isinstance(a, DTensor) else whole for a in args]
     wanted = out_placements if out_placements is not None else getattr(cf, "out_placements", None)
     key = tuple((tuple(a.shape), str(a.dtype), str(p)) for a, p in zip(args, placements))
     key += (str(wanted),)
@@ -68,25 +67,54 @@ def call_spmd(cf, args: tuple, out_placements=None):
         traced = trace_function(cf.fn, tuple(examples))
         graph = traced.graph
         n_out = len(graph.outputs)
-        if wanted is not None and not isinstance(wanted, (list, tuple)):
-            wanted = [wanted] * n_out
-        group = mesh.group.name if mesh.group is not None else "world"
-        res = spmd_partition(graph, placements, world_size=mesh.size(), group=group,
-                             out_placements=list(wanted) if wanted is not None else None)
+        res = spmd_partition_nd(graph, placements, mesh_shape=mesh.shape,
+                                groups=_group_names(mesh),
+                                out_placements=_wanted(wanted, n_out, mesh.ndim))
         compiled = compile_graph(res.graph, cf.backend, cf.mode)
         entry = _Entry(compiled, res.out_placements, [tuple(v.type.shape) for v in graph.outputs],
-                       res.takes_rank, _single_output(traced, n_out))
+                       res.rank_dims, _single_output(traced, n_out))
         cache[key] = entry
         cf._compiles += 1
     else:
         cf._hits += 1
     arrays = [a.local_array() if isinstance(a, DTensor) else a for a in args]
-    if entry.takes_rank:
-        arrays.append(np.array(mesh.get_local_rank(0), np.int64))
+    coord = mesh.get_coordinate()
+    arrays += [np.array(coord[i], np.int64) for i in entry.rank_dims]
     outs = entry.compiled.run(arrays)
-    made = [DTensor(np.asarray(o), mesh, [p], s)
+    made = [DTensor(np.asarray(o), mesh, p, s)
             for o, p, s in zip(outs, entry.out_placements, entry.out_shapes)]
     return made[0] if entry.single else tuple(made)
+
+
+def _group_names(mesh) -> list[str]:
+    """The process group name of each mesh dim (one rank without a group: a name per
+    dim, so each dim's collectives stay distinct; they run as the identity)."""
+    names = []
+    for i in range(mesh.ndim):
+        group = mesh.get_group(i)
+        names.append(group.name if group is not None else
+                     ("world" if mesh.ndim == 1 else "world.%s" % mesh.mesh_dim_names[i]))
+    return names
+
+
+def _wanted(wanted, n_out: int, ndim: int) -> list | None:
+    """`out_placements` as one tuple of placements per output: a single placement means
+    that placement on every mesh dim of every output, a tuple/list of placements (on a
+    mesh of that many dims) the same for every output, else one entry per output."""
+    from kiln.distributed.placements import Placement
+
+    if wanted is None:
+        return None
+    if isinstance(wanted, Placement):
+        return [(wanted,) * ndim] * n_out
+    wanted = list(wanted)
+    if ndim > 1 and len(wanted) == ndim and all(isinstance(p, Placement) for p in wanted) \
+            and n_out != ndim:
+        return [tuple(wanted)] * n_out
+    if len(wanted) != n_out:
+        raise KilnArgumentError("compile: out_placements gives %d entries for %d outputs"
+                                % (len(wanted), n_out))
+    return [(p,) * ndim if isinstance(p, Placement) else tuple(p) for p in wanted]
 
 
 def _single_output(traced, n_out: int) -> bool:

@@ -24,6 +24,13 @@ The collectives are ordinary graph nodes, so the compile pipeline's
 must divide by n (one static local shape on every rank); the rank enters as an extra
 i64[] input when a replicated value must be cut locally. Nodes with regions
 (cond, while_loop) must see replicated operands and may not read sharded outer values.
+
+An n-d mesh is partitioned one mesh dim at a time, outermost first (`spmd_partition_nd`):
+the local graph of mesh dim 0 is the global graph of mesh dim 1, and so on, which is
+exactly how placements nest (a later mesh dim cuts the block of the earlier ones).
+Collectives an earlier mesh dim inserted run over another group: for this mesh dim they
+are ops like any other, which keep a Shard of a dim they do not move and pass a Partial
+sum through (`_foreign`), so a gradient sharded over tp is all-reduced over dp in place.
 """
 
 from __future__ import annotations
@@ -59,9 +66,31 @@ def _static(op: str, shape) -> tuple:
     return tuple(shape)
 
 
+# what a collective over ANOTHER group does to this mesh dim's placements: the tensor
+# dims it moves (which must be whole here) and the Partial reductions it passes through
+_MOVED_DIMS = {
+    "all_reduce": lambda a: (),
+    "broadcast": lambda a: (),
+    "all_gather": lambda a: (a["axis"],),
+    "reduce_scatter": lambda a: (a["axis"],),
+    "all_to_all": lambda a: (a["split_axis"], a["concat_axis"]),
+}
+
+
+def _passes_partial(op: str, attrs: dict, p) -> bool:
+    """A Partial(p) operand of a collective over another group gives a Partial(p) result:
+    the collective is linear (sum, avg) or monotone in the same op (max, min), or moves
+    values without combining them."""
+    if op in ("all_gather", "all_to_all", "broadcast"):
+        return True
+    red = attrs.get("reduce_op", "sum")
+    return (p.reduce_op == "sum" and red in ("sum", "avg")) or (
+        p.reduce_op in ("max", "min") and red == p.reduce_op)
+
+
 class _Partitioner:
-    def __init__(self, graph: Graph, n: int, group: str):
-        self.g, self.n, self.group = graph, n, group
+    def __init__(self, graph: Graph, n: int, group: str, rank_name: str = "rank"):
+        self.g, self.n, self.group, self.rank_name = graph, n, group, rank_name
         self.b = GraphBuilder(Graph(graph.name, shape_vars=graph.shape_vars,
                                     constants=graph.constants))
         self.local: dict[Value, Value] = {}
@@ -76,7 +105,7 @@ class _Partitioner:
 
     def _rank(self) -> Value:
         if self.rank_input is None:
-            self.rank_input = Value(TensorType(dt.int64, ()), "rank")
+            self.rank_input = Value(TensorType(dt.int64, ()), self.rank_name)
         return self.rank_input
 
     def _cut(self, gv: Value, v: Value, d: int) -> Value:
@@ -183,6 +212,9 @@ class _Partitioner:
         if node.regions:
             self._whole(node)
             return
+        if node.op in _MOVED_DIMS and node.attrs.get("group") != self.group:
+            self._foreign(node)
+            return
         in_shapes = tuple(_static(node.op, v.type.shape) for v in node.operands)
         out_shapes = tuple(_static(node.op, r.type.shape) for r in node.results)
         spec = OpSpec(node.op, in_shapes, tuple(v.type.dtype for v in node.operands),
@@ -201,6 +233,22 @@ class _Partitioner:
             self.local[gv], self.place[gv] = lv, p
             self.producer[gv] = node
         _check_local(node, results, strategy.outputs, self.n)
+
+    def _foreign(self, node) -> None:
+        """A collective over another mesh dim's group: it keeps this mesh dim's placement
+        of its operand when it neither moves the sharded dim nor combines a Partial it
+        cannot pass through; else the operand is made whole here first."""
+        (gv,) = node.operands
+        cur = self.place[gv]
+        rank = len(gv.type.shape)
+        moved = {d % rank for d in _MOVED_DIMS[node.op](node.attrs)} if rank else set()
+        keep = (cur.is_replicate() or (cur.is_shard() and cur.dim not in moved)
+                or (cur.is_partial() and _passes_partial(node.op, node.attrs, cur)))
+        want = cur if keep else R
+        (result,) = self.b.apply(node.op, [self.move(gv, want)], dict(node.attrs))
+        (out,) = node.results
+        self.local[out], self.place[out], self.producer[out] = result, want, node
+        _check_local(node, [result], [want], self.n)
 
     def _whole(self, node) -> None:
         """A node with regions runs replicated; its regions may read replicated outer
@@ -231,7 +279,7 @@ def _check_local(node, results, placements, n: int) -> None:
 
 
 def spmd_partition(graph: Graph, placements: list, *, world_size: int, group: str = "world",
-                   out_placements: list | None = None) -> SpmdResult:
+                   out_placements: list | None = None, rank_name: str = "rank") -> SpmdResult:
     """The local graph of `graph` whose inputs are placed by `placements` (one Placement
     per input, a 1-d mesh of `world_size` ranks over process group `group`).
 
@@ -245,7 +293,55 @@ def spmd_partition(graph: Graph, placements: list, *, world_size: int, group: st
         raise ShardingRuleError("SPMD: %d output placements for %d outputs"
                                 % (len(out_placements), len(graph.outputs)))
     graph = copy_graph(graph)  # regions are re-homed into the local graph
-    return _Partitioner(graph, world_size, group).run(list(placements), out_placements)
+    return _Partitioner(graph, world_size, group, rank_name).run(list(placements),
+                                                                 out_placements)
 
 
-__all__ = ["Partial", "Replicate", "Shard", "SpmdResult", "spmd_partition"]
+@dataclass
+class SpmdResultNd:
+    """The local graph on an n-d mesh; each output's placements (one per mesh dim); for
+    each mesh dim whose coordinate the graph takes as an extra i64[] input, in the order
+    of those inputs after the graph's own (`rank_dims`)."""
+
+    graph: Graph
+    out_placements: list
+    rank_dims: list
+
+
+def spmd_partition_nd(graph: Graph, placements: list, *, mesh_shape: tuple, groups: list,
+                      out_placements: list | None = None) -> SpmdResultNd:
+    """The local graph of `graph` on a mesh of `mesh_shape`: `placements[k]` is input
+    k's tuple of placements (one per mesh dim), `groups[i]` the name of mesh dim i's
+    process group, `out_placements[k]` (optional) output k's wanted tuple. Mesh dims
+    are partitioned outermost first, each on the previous one's local graph.
+
+        >>> res = spmd_partition_nd(g, [(Shard(0), R), (R, Shard(1))], mesh_shape=(2, 2),
+        ...                         groups=["dp", "tp"])
+        >>> res.out_placements      # e.g. [(Partial('sum'), Shard(1))]
+    """
+    nd = len(mesh_shape)
+    if len(groups) != nd or len(set(groups)) != nd:
+        raise ShardingRuleError("SPMD: %d distinct group names needed for a mesh of shape "
+                                "%s, got %r" % (nd, list(mesh_shape), list(groups)))
+    for k, p in enumerate(list(placements) + list(out_placements or [])):
+        if len(p) != nd:
+            raise ShardingRuleError("SPMD: placements %r give %d mesh dim(s) for a mesh of "
+                                    "shape %s" % (list(p), len(p), list(mesh_shape)))
+    rank_dims: list = []
+    outs: list = [[] for _ in graph.outputs]
+    for i in range(nd):
+        # the coordinates earlier mesh dims take are inputs too, replicated here
+        place = [p[i] for p in placements] + [R] * len(rank_dims)
+        want = [p[i] for p in out_placements] if out_placements is not None else None
+        res = spmd_partition(graph, place, world_size=mesh_shape[i], group=groups[i],
+                             out_placements=want, rank_name="rank%d" % i)
+        graph = res.graph
+        if res.takes_rank:
+            rank_dims.append(i)
+        for k, p in enumerate(res.out_placements):
+            outs[k].append(p)
+    return SpmdResultNd(graph, [tuple(p) for p in outs], rank_dims)
+
+
+__all__ = ["Partial", "Replicate", "Shard", "SpmdResult", "SpmdResultNd", "spmd_partition",
+           "spmd_partition_nd"]

@@ -32,5 +32,20 @@ def tp_and_fsdp(rank, world, addr, args):
     return {"sharded": sharded, "single": single}
 
 
+@scenario
+def mesh_2d(rank, world, addr, args):
+    """DP x TP and FSDP x TP training of the MLP on a 2 x 2 ("dp", "tp") mesh."""
+    import sharded_training as ex
+
+    join(rank, world, addr, timeout=60.0)
+    mesh = DeviceMesh((2, 2), ("dp", "tp"))
+    steps = args.get("steps", 3)
+    out = {"coord": list(mesh.get_coordinate()),
+           "dp_tp": ex.mesh_2d_losses(mesh, steps),
+           "fsdp_tp": ex.mesh_2d_losses(mesh, steps, fsdp=True)}
+    out["single"] = ex.mesh_2d_losses(None, steps) if rank == 0 else None
+    return out
+
+
 if __name__ == "__main__":
     workers.main()
