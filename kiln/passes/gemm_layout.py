@@ -50,25 +50,32 @@ def gemm_layout(node: Node) -> GemmLayout | None:
     if node.op == "matmul":
         return _matmul_layout(a.shape, b.shape)
     attrs = node.attrs
-    if len(attrs["lhs_contracting"]) != 1 or len(attrs["rhs_contracting"]) != 1:
+    ra, rb = len(a.shape), len(b.shape)
+    lc = [i % ra for i in attrs["lhs_contracting"]]
+    rc = [i % rb for i in attrs["rhs_contracting"]]
+    if not lc or len(lc) != len(rc):
         return None
-    return _dot_layout(a.shape, b.shape, attrs["lhs_batch"], attrs["rhs_batch"],
-                       attrs["lhs_contracting"][0], attrs["rhs_contracting"][0])
+    return _dot_layout(a.shape, b.shape, [i % ra for i in attrs["lhs_batch"]],
+                       [i % rb for i in attrs["rhs_batch"]], lc, rc)
 
 
 def _dot_layout(sa, sb, lb, rb, lc, rc):
+    """Several contracting dims collapse into one k when they are consecutive, in the
+    same order, in both operands (a Linear's weight gradient over [B, T, C] inputs
+    contracts B and T: one GEMM with k = B*T)."""
     ta, tb = row_major_strides(sa), row_major_strides(sb)
-    lfree = [i for i in range(len(sa)) if i not in lb and i != lc]
-    rfree = [i for i in range(len(sb)) if i not in rb and i != rc]
+    lfree = [i for i in range(len(sa)) if i not in lb and i not in lc]
+    rfree = [i for i in range(len(sb)) if i not in rb and i not in rc]
     if len(rfree) > 1:
         return None
     batch_a, batch_b = _collapse(list(lb), sa, ta), _collapse(list(rb), sb, tb)
     rows = _collapse(lfree, sa, ta)
-    if batch_a is None or batch_b is None or rows is None:
+    ka, kb = _collapse(list(lc), sa, ta), _collapse(list(rc), sb, tb)
+    if batch_a is None or batch_b is None or rows is None or ka is None or kb is None:
         return None
     n, n_stride = (sb[rfree[0]], tb[rfree[0]]) if rfree else (1, 0)
-    return GemmLayout(batch_a[0], rows[0], n, sa[lc], (batch_a[1], rows[1], ta[lc]),
-                      (batch_b[1], tb[rc], n_stride), (len(lb), len(lfree), len(rfree)))
+    return GemmLayout(batch_a[0], rows[0], n, ka[0], (batch_a[1], rows[1], ka[1]),
+                      (batch_b[1], kb[1], n_stride), (len(lb), len(lfree), len(rfree)))
 
 
 def _matmul_layout(sa, sb):

@@ -27,6 +27,7 @@ from kiln.ir.ops.rules import (  # noqa: F401  (conj: used by other families too
 from kiln.ir.ops.shape import size, zeros
 from kiln.ir.registry import COMPOSITE, PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import broadcast_shapes, dim, dims_equal, shapes_equal
+from kiln.ir.sharding import Partial, R, Shard, Strategy, partial_through, sharding_rule
 from kiln.ir.types import TensorType
 
 
@@ -53,6 +54,13 @@ def _inverse(perm):
 def _permute(b, x, perm):
     perm = tuple(perm)
     return x if perm == tuple(range(len(perm))) else b.transpose(x, permutation=perm)
+
+
+def _linear(spec, operands=((0,), (1,))):
+    """A contraction is linear in each operand: a Partial(sum) one, the other replicated."""
+    if not all(d.is_inexact for d in spec.in_dtypes[:2]):
+        return []
+    return [partial_through(spec, "sum", ops) for ops in operands]
 
 
 # -- dot_general ---------------------------------------------------------------------
@@ -109,6 +117,24 @@ class dot_general:
         rc, rb = [a % rr for a in rhs_contracting], [a % rr for a in rhs_batch]
         return [_dot_ct(b, cts[0], lr, conj(b, rhs), rr, lc, rc, lb, rb, swap=False),
                 _dot_ct(b, cts[0], rr, conj(b, lhs), lr, rc, lc, rb, lb, swap=True)]
+
+
+@sharding_rule("dot_general")
+def _dot_general_sharding(spec):
+    """Megatron's parallelisms: batch dims of both -> Shard(b); a free dim of one
+    (the other replicated) -> its result dim; contracted dims of both -> Partial(sum)."""
+    a, (lhs, rhs) = spec.attrs, spec.in_shapes
+    lb, rb = tuple(a.get("lhs_batch") or ()), tuple(a.get("rhs_batch") or ())
+    lc, rc = tuple(a["lhs_contracting"]), tuple(a["rhs_contracting"])
+    lfree = [d for d in range(len(lhs)) if d not in lb and d not in lc]
+    rfree = [d for d in range(len(rhs)) if d not in rb and d not in rc]
+    found = [Strategy((Shard(x), Shard(y)), (Shard(i),)) for i, (x, y) in enumerate(zip(lb, rb))]
+    found += [Strategy((Shard(d), R), (Shard(len(lb) + k),)) for k, d in enumerate(lfree)]
+    found += [Strategy((R, Shard(d)), (Shard(len(lb) + len(lfree) + k),))
+              for k, d in enumerate(rfree)]
+    if spec.in_dtypes[0].is_inexact or spec.in_dtypes[0].is_integer:
+        found += [Strategy((Shard(x), Shard(y)), (Partial("sum"),)) for x, y in zip(lc, rc)]
+    return found + _linear(spec)
 
 
 def _dot_ct(b, ct, x_rank, y, y_rank, xc, yc, xb, yb, swap):
@@ -225,6 +251,17 @@ class convolution:
                 _conv_kernel_ct(b, cts[0], conj(b, x), b.type_of(w), *attrs)]
 
 
+@sharding_rule("convolution")
+def _convolution_sharding(spec):
+    """The batch; without groups also the output channels (through w) or the input
+    channels of both (contracted: Partial(sum))."""
+    found = [Strategy((Shard(0), R), (Shard(0),))]
+    if (spec.attrs.get("feature_group_count") or 1) == 1:
+        found += [Strategy((R, Shard(0)), (Shard(1),)),
+                  Strategy((Shard(1), Shard(1)), (Partial("sum"),))]
+    return found + _linear(spec)
+
+
 def _crop(b, y, start, shape):
     """y[start : start + shape] on every dim, when that is not all of y."""
     if shapes_equal(b.type_of(y).shape, shape) and not any(start):
@@ -323,11 +360,42 @@ class matmul:
         if xt.rank == 1 or yt.rank == 1:  # a vector contracts directly, no batch dims
             return b.dot_general(x, y, lhs_contracting=(xt.rank - 1,),
                                  rhs_contracting=(max(yt.rank - 2, 0),))
+        if yt.rank == 2:  # x's batch dims are rows of one GEMM: no broadcast copy of y
+            return b.dot_general(x, y, lhs_contracting=(xt.rank - 1,), rhs_contracting=(0,))
         batch = broadcast_shapes("matmul", xt.shape[:-2], yt.shape[:-2])
         bd = tuple(range(len(batch)))
         x, y = b.broadcast_to(x, batch + xt.shape[-2:]), b.broadcast_to(y, batch + yt.shape[-2:])
         return b.dot_general(x, y, lhs_contracting=(len(batch) + 1,),
                              rhs_contracting=(len(batch),), lhs_batch=bd, rhs_batch=bd)
+
+
+@sharding_rule("matmul")
+def _matmul_sharding(spec):
+    """torch.matmul: [..., M, K] @ [..., K, N]; vectors drop their dim."""
+    (lhs, rhs), (out,), p = spec.in_shapes, spec.out_shapes, Partial("sum")
+    found, numeric = [], not spec.in_dtypes[0].is_bool
+    if len(lhs) >= 2 and len(rhs) >= 2:
+        for d in range(len(lhs) - 2):  # lhs batch dims (rhs broadcasts or matches)
+            od, rd = len(out) - len(lhs) + d, d - (len(lhs) - len(rhs))
+            if rd >= 0 and rhs[rd] == lhs[d]:
+                found.append(Strategy((Shard(d), Shard(rd)), (Shard(od),)))
+            elif rd < 0 or rhs[rd] == 1 and lhs[d] != 1:
+                found.append(Strategy((Shard(d), R), (Shard(od),)))
+        found.append(Strategy((Shard(len(lhs) - 2), R), (Shard(len(out) - 2),)))
+        found.append(Strategy((R, Shard(len(rhs) - 1)), (Shard(len(out) - 1),)))
+        if numeric:
+            found.append(Strategy((Shard(len(lhs) - 1), Shard(len(rhs) - 2)), (p,)))
+    elif len(lhs) == 1 and len(rhs) >= 2:  # [K] @ [..., K, N] -> [..., N]
+        found.append(Strategy((R, Shard(len(rhs) - 1)), (Shard(len(out) - 1),)))
+        if numeric:
+            found.append(Strategy((Shard(0), Shard(len(rhs) - 2)), (p,)))
+    elif len(rhs) == 1 and len(lhs) >= 2:  # [..., M, K] @ [K] -> [..., M]
+        found += [Strategy((Shard(d), R), (Shard(d),)) for d in range(len(lhs) - 1)]
+        if numeric:
+            found.append(Strategy((Shard(len(lhs) - 1), Shard(0)), (p,)))
+    elif numeric:  # dot of two vectors
+        found.append(Strategy((Shard(0), Shard(0)), (p,)))
+    return found + _linear(spec)
 
 
 def _conv2d_attrs(op, stride, padding, dilation):
@@ -375,3 +443,17 @@ class conv2d:
                                       broadcast_dimensions=(1,))
             y = b.add(y, bias)
         return b.convert(y, d)
+
+
+@sharding_rule("conv2d")
+def _conv2d_sharding(spec):
+    """As convolution's; with a bias it follows the output channels, and the contracted
+    split is gone (each rank would add the bias)."""
+    groups, bias = spec.attrs.get("groups") or 1, spec.attrs.get("has_bias")
+    b = (R,) if bias else ()
+    found = [Strategy((Shard(0), R) + b, (Shard(0),))]
+    if groups == 1:
+        found.append(Strategy((R, Shard(0)) + ((Shard(0),) if bias else ()), (Shard(1),)))
+        if not bias:
+            found.append(Strategy((Shard(1), Shard(1)), (Partial("sum"),)))
+    return found if bias else found + _linear(spec)
