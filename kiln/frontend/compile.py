@@ -466,13 +466,14 @@ class CompiledFunction:
 
         leaves = _leaves_and_spec(args)[0]
         same = aliases(leaves)
-        shapes = [np.shape(leaf) if not isinstance(leaf, Tensor) else leaf.shape
-                  for leaf in leaves if is_tensor_like(leaf)]
+        concrete = [np.shape(leaf) if not isinstance(leaf, Tensor) else leaf.shape
+                    for leaf in leaves if is_tensor_like(leaf)]
 
         def attempt(spec):
             self._builders.clear()
             self._write_back = WriteBack()  # filled by the trace (arg_mutation.py)
-            self._shape_guards = ShapeGuards(shapes, self.strict)  # and shape_guards.py
+            # and shape_guards.py; automatic dynamic makes a dim used as an int static instead
+            self._shape_guards = ShapeGuards(concrete, self.strict, ints=not auto)
             with collecting(self._shape_guards):
                 return trace_function(tracing_wrapper(self.fn, same, self._write_back),
                                       tuple(args), spec, builder_cls=locating)

@@ -8,7 +8,9 @@ being compiled, as torch's guards do, and recorded here as a `ShapeGuard`; the
 specialization then serves only the calls whose sizes give the same answers, and a call
 that breaks one compiles a new specialization under the same cache key (the recompile
 reason names the guard and the line it came from). A size used as a Python int
-(`range(n)`, `int(n)`) is guarded `n == value`: one specialization per value.
+(`range(n)`, `int(n)`) of a declared dynamic dim is guarded `n == value`: one
+specialization per value, as torch specializes a SymInt used as an int; under automatic
+dynamic that dim becomes static instead (CompiledFunction._trace retraces).
 
 `kn.compile(..., strict=True)` refuses to guard (K141 names the dim and its range), and
 `kn.trace` / `kn.export` never guard (an exported program cannot recompile): K141.
@@ -53,9 +55,12 @@ class ShapeGuard:
 class ShapeGuards:
     """What one kn.compile trace decided about its symbolic sizes."""
 
-    def __init__(self, shapes: list, strict: bool = False) -> None:
+    def __init__(self, shapes: list, strict: bool = False, ints: bool = True) -> None:
         self.shapes = shapes  # the concrete shapes of the tensor arguments, in input order
         self.strict = strict
+        # whether a size used as a Python int is guarded `== value`; automatic dynamic
+        # instead retraces with that dim static (CompiledFunction._trace)
+        self.ints = ints
         self.graph = None  # set when the trace's builder is made
         self.guards: list[ShapeGuard] = []
         self._sizes: dict | None = None

@@ -24,6 +24,30 @@ def _expr(x):
     return x.expr if isinstance(x, SymSize) else sympy.sympify(x)
 
 
+def _operand(x):
+    """x as a sympy expression, or None when x is not a number (a tensor, a string): the
+    operator then returns NotImplemented, so the other operand's reflected method runs."""
+    if isinstance(x, SymSize):
+        return x.expr
+    if isinstance(x, bool):
+        return sympy.Integer(int(x))
+    if isinstance(x, (int, float, sympy.Basic)) or type(x).__module__ == "numpy" and \
+            hasattr(x, "dtype") and getattr(x, "ndim", 1) == 0:
+        return sympy.sympify(x)
+    return None
+
+
+def _arith(fn):
+    """A binary operator on sizes: symbolic result, NotImplemented for non-numbers."""
+    def method(self, other):
+        o = _operand(other)
+        if o is None:
+            return NotImplemented
+        return self._wrap(fn(self.expr, o))
+
+    return method
+
+
 def _ranges() -> dict:
     """name -> (min, max or None) of the ShapeVars of the innermost trace."""
     from kiln.frontend.dispatch import current_builder
@@ -108,29 +132,53 @@ class SymSize:
         value = sympy.sympify(value)
         return int(value) if value.is_Integer else SymSize(value)
 
-    def __add__(self, o):
-        return self._wrap(self.expr + _expr(o))
+    __add__ = _arith(lambda a, b: a + b)
+    __radd__ = _arith(lambda a, b: b + a)
+    __sub__ = _arith(lambda a, b: a - b)
+    __rsub__ = _arith(lambda a, b: b - a)
+    __mul__ = _arith(lambda a, b: a * b)
+    __rmul__ = _arith(lambda a, b: b * a)
+    __floordiv__ = _arith(lambda a, b: sympy.floor(a / b))
+    __rfloordiv__ = _arith(lambda a, b: sympy.floor(b / a))
+    __truediv__ = _arith(lambda a, b: a / b)  # exact (a Rational expression), as SymFloat
+    __rtruediv__ = _arith(lambda a, b: b / a)
+    __mod__ = _arith(lambda a, b: sympy.Mod(a, b))
+    __rmod__ = _arith(lambda a, b: sympy.Mod(b, a))
+    __pow__ = _arith(lambda a, b: a ** b)
+    __rpow__ = _arith(lambda a, b: b ** a)
 
-    def __radd__(self, o):
-        return self._wrap(_expr(o) + self.expr)
+    def __divmod__(self, other):
+        if _operand(other) is None:
+            return NotImplemented
+        return self // other, self % other
 
-    def __sub__(self, o):
-        return self._wrap(self.expr - _expr(o))
-
-    def __rsub__(self, o):
-        return self._wrap(_expr(o) - self.expr)
-
-    def __mul__(self, o):
-        return self._wrap(self.expr * _expr(o))
-
-    def __rmul__(self, o):
-        return self._wrap(_expr(o) * self.expr)
-
-    def __floordiv__(self, o):
-        return self._wrap(sympy.floor(self.expr / _expr(o)))
+    def __rdivmod__(self, other):
+        if _operand(other) is None:
+            return NotImplemented
+        return other // self, other % self
 
     def __neg__(self):
         return self._wrap(-self.expr)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return self._wrap(sympy.Abs(self.expr))
+
+    def __floor__(self):
+        return self._wrap(sympy.floor(self.expr))
+
+    def __ceil__(self):
+        return self._wrap(sympy.ceiling(self.expr))
+
+    def __trunc__(self):
+        return self._wrap(sympy.sign(self.expr) * sympy.floor(sympy.Abs(self.expr)))
+
+    def __round__(self, ndigits=None):
+        if ndigits is None and self.expr.is_integer:
+            return self
+        return round(self._value(float, "round()"), ndigits)
 
     # -- comparisons decided by the ranges ---------------------------------------------------
 
@@ -141,8 +189,17 @@ class SymSize:
         ranges = _ranges()
         lo, hi = _bounds(diff, ranges)
         verdict = _TESTS[op](lo, hi)
+        if verdict is None:
+            verdict = _by_divisibility(diff, op)
         if verdict is not None:
             return verdict
+        from kiln.frontend.shape_guards import active_guards
+
+        guards = active_guards()  # kn.compile: decide for this call's sizes, guard the rest
+        if guards is not None and not guards.strict:
+            verdict = guards.decide(diff, op, f"{self.expr} {text} {_expr(other)}", user_location())
+            if verdict is not None:
+                return verdict
         names = ", ".join(sorted(s.name for s in self.expr.free_symbols)) or str(self.expr)
         declared = "; ".join(f"{n} in [{lo}, {hi if hi is not None else 'inf'}]"
                              for n, (lo, hi) in sorted(ranges.items())
@@ -151,7 +208,9 @@ class SymSize:
             f"the comparison `{self.expr} {text} {_expr(other)}` on the symbolic size {names} is "
             "true for some sizes the dynamic spec allows and false for others"
             + (f" ({declared})" if declared else ""), where=user_location(),
-            hint="narrow the ShapeVar's min/max so the range decides it, or branch with kn.cond")
+            hint="narrow the ShapeVar's min/max so the range decides it, or branch with kn.cond"
+                 + ("; kn.compile without strict=True guards it and recompiles when it changes"
+                    if _strict() else ""))
 
     def __le__(self, o):
         return self._decide(o, operator.le, "<=")
@@ -177,14 +236,89 @@ class SymSize:
     def __bool__(self) -> bool:
         return self._decide(0, operator.ne, "!=")
 
-    def __index__(self):
-        raise KilnConcretizationError(
-            f"the symbolic size {self.expr} was used as a Python int (range(), a list index, "
-            "int()); its value is only known when the compiled function runs",
-            where=user_location(), hint="keep sizes symbolic (view, arange, slicing accept them) "
-                                        "or declare the dim static")
+    def _value(self, kind, what: str):
+        """The size as a Python number: known when the ranges pin it, else (kn.compile)
+        this call's value with a guard `expr == value` (one specialization per value, as
+        torch specializes a SymInt used as an int), else K141."""
+        expr = sympy.expand(self.expr)
+        if expr.is_Number:
+            return kind(expr)
+        lo, hi = _bounds(expr, _ranges())
+        if lo == hi:
+            return kind(lo)
+        from kiln.frontend.shape_guards import active_guards
 
-    __int__ = __index__
+        guards = active_guards()
+        if guards is not None and not guards.strict and guards.ints:
+            value = guards.value(expr)
+            if value is not None:
+                guards.decide(expr - value, operator.eq, f"{self.expr} == {value}", user_location())
+                return kind(value)
+        raise KilnConcretizationError(
+            f"the symbolic size {self.expr} was used as a Python {kind.__name__} ({what}: "
+            "range(), a list index, int(), float()); its value is only known when the compiled "
+            "function runs",
+            where=user_location(),
+            hint="keep sizes symbolic (view, arange, slicing accept them) or declare the dim "
+                 "static" + ("; kn.compile without strict=True specializes on the value"
+                             if _strict() else ""))
+
+    def __index__(self) -> int:
+        return self._value(int, "an int")
+
+    def __int__(self) -> int:
+        return self._value(int, "int()")
+
+    def __float__(self) -> float:
+        return self._value(float, "float()")
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.expr), spec)
+
+
+def _strict() -> bool:
+    from kiln.frontend.shape_guards import active_guards
+
+    guards = active_guards()
+    return guards is not None and guards.strict
+
+
+def _by_divisibility(diff, op):
+    """Questions on `T % k` (`if x.shape[1] % 2:`) that the ShapeVars' `multiple_of`
+    decides; None when it does not."""
+    const, rest = diff.as_coeff_Add()
+    if not isinstance(rest, sympy.Mod):
+        return None
+    remainder = _mod_value(rest)
+    return None if remainder is None else bool(op(remainder + const, 0))
+
+
+def _mod_value(mod):
+    """The value of `value % k` when every term of `value` but the constant is a multiple
+    of k for every size the ShapeVars' `multiple_of` allows; None otherwise."""
+    from kiln.frontend.dispatch import current_builder
+
+    builder = current_builder()
+    value, k = mod.args
+    if builder is None or not k.is_Integer or int(k) <= 0:
+        return None
+    steps = {name: v.multiple_of for name, v in builder.graph.shape_vars.items()}
+    if not all(s.name in steps for s in value.free_symbols):
+        return None
+    try:
+        poly = sympy.Poly(value, *sorted(value.free_symbols, key=lambda s: s.name))
+    except sympy.PolynomialError:
+        return None
+    for monomial, coeff in poly.terms():
+        if not coeff.is_Integer:
+            return None
+        if any(monomial):
+            step = int(coeff)
+            for sym, power in zip(poly.gens, monomial):
+                step *= steps[sym.name] ** power
+            if step % int(k):
+                return None
+    return int(poly.coeff_monomial(1)) % int(k)
 
 
 def wrap_dims(dims: tuple) -> tuple:

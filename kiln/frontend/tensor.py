@@ -173,7 +173,22 @@ class Tensor:
 
     @property
     def shape(self) -> tuple:
-        return tuple(self._x.shape) if self._builder is None else self._x.type.shape
+        """The sizes; while tracing under a dynamic spec a symbolic dim is a SymSize for
+        user code (its comparisons, arithmetic and int() go through the ranges and size
+        guards, kiln/frontend/symsize.py) and a sympy expression inside kiln."""
+        if self._builder is None:
+            return tuple(self._x.shape)
+        dims = self._x.type.shape
+        if all(d.__class__ is int for d in dims):
+            return dims
+        import sys
+
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "kiln" or caller.startswith("kiln."):
+            return dims
+        from kiln.frontend.symsize import wrap_dims
+
+        return wrap_dims(dims)
 
     @property
     def dtype(self) -> dt.DType:
