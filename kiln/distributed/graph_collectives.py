@@ -100,7 +100,10 @@ def start(op: str, x: np.ndarray, attrs: dict, *, blocking: bool = False) -> Pen
     if pg is None:
         from kiln.ir import registry
 
-        return Pending(None, result=np.asarray(registry.get(op).reference(x, **attrs)))
+        result = np.asarray(registry.get(op).reference(x, **attrs))
+        if not blocking and np.may_share_memory(result, x):  # a world of one's identity:
+            result = result.copy()  # x's buffer may be reused before the wait reads it
+        return Pending(None, result=result)
     issue = _ISSUE.get(op)
     if issue is None:
         raise CollectiveArgumentError("%s is not a collective kiln can run" % op)

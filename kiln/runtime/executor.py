@@ -114,9 +114,10 @@ class Executable:
             inputs, outputs = step.inputs, step.outputs
 
             def collective(env, sizes, arena):
-                results = run_step(op, [env[s] for s in inputs], concrete_attrs(attrs, sizes))
+                operands = [env[s] for s in inputs]
+                results = run_step(op, operands, concrete_attrs(attrs, sizes))
                 for s, r in zip(outputs, results):
-                    env[s] = r
+                    env[s] = _fresh(r, operands)
 
             return collective
         if isinstance(step, Extern):
@@ -125,9 +126,10 @@ class Executable:
             run = self.externs.get(op) or (lambda arrays, a: EAGER.apply(op, arrays, a))
 
             def extern(env, sizes, arena):
-                results = run([env[s] for s in inputs], concrete_attrs(attrs, sizes))
+                operands = [env[s] for s in inputs]
+                results = run(operands, concrete_attrs(attrs, sizes))
                 for s, r in zip(outputs, results):
-                    env[s] = r
+                    env[s] = _fresh(r, operands)
 
             return extern
         if isinstance(step, Constant):
@@ -286,6 +288,17 @@ class Executable:
     def _return_arena(self, key, arena):
         with self._lock:
             self._arenas[key].append(arena)
+
+
+def _fresh(result, operands: list):
+    """An extern's result as memory of its own. The memory plan counts an extern's
+    outputs as new buffers and reuses an operand's storage after its last read, so a
+    result that is a view of an operand (a reference such as dynamic_slice of the whole
+    operand, or a collective over one rank, returns its input) is copied."""
+    if isinstance(result, np.ndarray) and result.size and any(
+            isinstance(a, np.ndarray) and np.may_share_memory(result, a) for a in operands):
+        return result.copy()
+    return result
 
 
 def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict) -> list:

@@ -197,3 +197,20 @@ def test_dp_x_tp_and_fsdp_x_tp_on_a_2x2_mesh(tmp_path):
     for d in data:  # every rank of both layouts sees the single-process loss curve
         np.testing.assert_allclose(d["dp_tp"], single, rtol=2e-4)
         np.testing.assert_allclose(d["fsdp_tp"], single, rtol=2e-4)
+
+
+def test_2d_training_on_a_one_rank_mesh_matches_one_process():
+    # a mesh of one rank: every collective is the identity. (This caught the runtime
+    # reusing an operand's storage while an extern's result, dynamic_slice of the whole
+    # operand, still viewed it.)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import sharded_training as ex
+    from kiln.distributed import DeviceMesh
+
+    mesh = DeviceMesh((1, 1), ("dp", "tp"))
+    single = ex.mesh_2d_losses(None, steps=3)
+    assert single[-1] < single[0]
+    np.testing.assert_allclose(ex.mesh_2d_losses(mesh, steps=3), single, rtol=1e-5)
+    np.testing.assert_allclose(ex.mesh_2d_losses(mesh, steps=3, fsdp=True), single, rtol=1e-5)
