@@ -95,9 +95,14 @@ class _Analysis:
             for r in node.results:
                 self.producer[id(r)] = node
         self.outputs = {id(v) for v in region.results}
+        self._fusible: dict[int, bool] = {}
 
     def fusible(self, node: Node) -> bool:
-        return is_pointwise(node) or is_reduction(node)
+        # asked for every node of every cone, many times per plan: memoized per node
+        known = self._fusible.get(id(node))
+        if known is None:
+            known = self._fusible[id(node)] = is_pointwise(node) or is_reduction(node)
+        return known
 
     def boundary(self) -> set[int]:
         """Values that need a buffer whatever the grouping: outputs, and the operands
@@ -265,17 +270,25 @@ def _absorb_epilogues(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
     """A gemm whose result only one loop kernel reads, elementwise at its own position,
     with no reduction and no other gemm in that kernel, takes the kernel as its
     epilogue. (A gemm that takes none gets a buffer in `plan_groups`.)"""
+    # each group's nodes, computed once (a gemm that absorbs a loop is recomputed)
+    cached: dict[int, list[Node]] = {}
+
+    def nodes_of(g: _Group) -> list[Node]:
+        if id(g) not in cached:
+            cached[id(g)] = g.nodes(analysis, mat)
+        return cached[id(g)]
+
     for gemm in [g for g in groups if g.root is not None]:
         root = gemm.root
         users = analysis.consumers[id(root)]
         if id(root) in analysis.outputs or not users:
             continue
         readers = [g for g in groups if g is not gemm
-                   and any(o is root for n in g.nodes(analysis, mat) for o in n.operands)]
+                   and any(o is root for n in nodes_of(g) for o in n.operands)]
         if len(readers) != 1 or readers[0].kind != "loop" or len(readers[0].values) != 1:
             continue
         loop = readers[0]
-        nodes = loop.nodes(analysis, mat)
+        nodes = nodes_of(loop)
         members = {id(n) for n in nodes}
         other_gemms = [o for n in nodes for o in n.operands
                        if o is not root and id(o) not in mat and o.producer is not None
@@ -285,6 +298,7 @@ def _absorb_epilogues(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
                         and not is_unit_reshape(u) for u in users)):
             gemm.values = list(loop.values)
             groups.remove(loop)
+            cached.pop(id(gemm), None)
 
 
 def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
