@@ -29,7 +29,9 @@ GEMMs. The 3M (Gauss) form saves one GEMM but computes the imaginary part as
 (A + B)(C + D) - AC - BD, whose error grows with |AC| + |BD| rather than with |AD + BC|;
 in float32 that loses digits exactly when the imaginary part is small, so kiln chooses
 4M (as BLAS cgemm does) and keeps 3M available (`KILN_COMPLEX_GEMM=3m`) for large
-products where the 25% fewer flops matter more than those digits.
+products where the 25% fewer flops matter more than those digits. A product of matrices
+with static shapes runs 4M as ONE real GEMM, [A | B] @ [[C, D], [-D, C]] (`_block_gemm`):
+one BLAS call instead of four and no add/subtract kernel after them.
 """
 
 from __future__ import annotations
@@ -264,7 +266,52 @@ def _gemm(b, node):
     if gemm_method() == "3m":
         t1, t2, t3 = gemm(a, u), gemm(c, v), gemm(b.add(a, c), b.add(u, v))
         return _pack(b, b.sub(t1, t2), b.sub(b.sub(t3, t1), t2))
+    if BLOCK_GEMM and node.op == "matmul" and _static_matrices(x, y, node.results[0]):
+        return _block_gemm(b, a, c, u, v, node.results[0].shape)
     return _pack(b, b.sub(gemm(a, u), gemm(c, v)), b.add(gemm(a, v), gemm(c, u)))
+
+
+# 4M as one GEMM where the product is of matrices with static shapes (_block_gemm);
+# benchmarks/bench_complex.py flips it off to measure the four-GEMM form in the same run
+BLOCK_GEMM = True
+
+
+def _static_matrices(x: Value, y: Value, out: Value) -> bool:
+    return len(x.shape) >= 2 and len(y.shape) >= 2 and all(
+        isinstance(d, int) for d in out.shape + x.shape[-1:] + y.shape)
+
+
+def _block_of(b, u: Value, v: Value) -> Value:
+    """[[C, D], [-D, C]] for C, D of shape (..., k, n), in one loop kernel: a
+    (..., 2, k, 2, n) select over two iotas, then a reshape (a view) to (..., 2k, 2n)."""
+    *batch, k, n = u.shape
+    nb = len(batch)
+    shape = (*batch, 2, k, 2, n)
+    i = b.call("iota", dtype=dt.int32, shape=shape, dimension=nb)
+    j = b.call("iota", dtype=dt.int32, shape=shape, dimension=nb + 2)
+    dims = tuple(range(nb)) + (nb + 1, nb + 3)
+
+    def spread(x):
+        return b.call("broadcast_in_dim", x, shape=shape, broadcast_dimensions=dims)
+
+    zero = b.full(0, dt.int32, shape)
+    off = b.select(b.call("eq", i, zero), spread(v), spread(b.neg(v)))
+    block = b.select(b.call("eq", i, j), spread(u), off)
+    return b.call("reshape", block, shape=(*batch, 2 * k, 2 * n))
+
+
+def _block_gemm(b, a, c, u, v, shape) -> Value:
+    """4M as ONE real GEMM: [A | B] @ [[C, D], [-D, C]] = [AC - BD | AD + BC]. The same
+    four products and error bound as four GEMMs, in one BLAS call of twice the size per
+    side: a multi-threaded BLAS pays its thread hand-off once instead of four times,
+    and the result's halves need no separate add and subtract kernel (bench_complex.py)."""
+    left = b.call("concatenate", a, c, dimension=len(a.shape) - 1)
+    both = b.call("matmul", left, _block_of(b, u, v))
+    n = shape[-1]
+    zero = (0,) * len(shape)
+    re = b.call("slice", both, start=zero, limit=tuple(shape))
+    im = b.call("slice", both, start=zero[:-1] + (n,), limit=tuple(shape[:-1]) + (2 * n,))
+    return _pack(b, re, im)
 
 
 _HANDLERS = {
