@@ -262,13 +262,9 @@ class MeshError(DistributedError, ValueError):
     title = "invalid device mesh"
 
 
-class PlacementError(DistributedError, ValueError):
-    """A placement does not fit its tensor or mesh: a Shard dim outside the tensor, an
-    unknown Partial op, a placement count that is not the mesh's ndim, or operands of one
-    op on different meshes."""
-
-    code = "K241"
-    title = "invalid placement"
+# PlacementError (K241) is raised by the placements themselves, which are IR data
+# (kiln/ir/sharding.py): it is defined there, below kiln.distributed, and re-exported here
+from kiln.ir.sharding import PlacementError  # noqa: E402,F401
 
 
 class ShardingRuleError(DistributedError, ValueError):

@@ -19,62 +19,10 @@ nested sharding).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kiln.distributed.errors import PlacementError
-
-PARTIAL_OPS = ("sum", "avg", "max", "min", "prod")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Base class of Shard, Replicate and Partial."""
-
-    def is_shard(self, dim: int | None = None) -> bool:
-        return isinstance(self, Shard) and (dim is None or self.dim == dim)
-
-    def is_replicate(self) -> bool:
-        return isinstance(self, Replicate)
-
-    def is_partial(self) -> bool:
-        return isinstance(self, Partial)
-
-
-@dataclass(frozen=True)
-class Shard(Placement):
-    """The tensor is cut along `dim` (torch.chunk's sizes) over the mesh dim."""
-
-    dim: int
-
-    def __post_init__(self):
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
-            raise PlacementError("Shard(dim): dim must be an int, got %r" % (self.dim,))
-
-    def __repr__(self) -> str:
-        return "Shard(%d)" % self.dim
-
-
-@dataclass(frozen=True)
-class Replicate(Placement):
-    """Every rank of the mesh dim holds the whole tensor."""
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-@dataclass(frozen=True)
-class Partial(Placement):
-    """Every rank holds a partial value; the tensor is their reduction by `reduce_op`."""
-
-    reduce_op: str = "sum"
-
-    def __post_init__(self):
-        if self.reduce_op not in PARTIAL_OPS:
-            raise PlacementError("Partial(%r): the reduce op must be one of %s"
-                                 % (self.reduce_op, ", ".join(PARTIAL_OPS)))
-
-    def __repr__(self) -> str:
-        return "Partial(%r)" % self.reduce_op
+# the placements are plain data of the IR's sharding rules (kiln/ir/sharding.py); the
+# chunk arithmetic of sharded tensors lives here
+from kiln.ir.sharding import PARTIAL_OPS, Partial, Placement, Replicate, Shard  # noqa: F401
 
 
 def chunk_size(size: int, parts: int) -> int:

@@ -14,83 +14,24 @@ order.
 On an n-d mesh the choice is made mesh dim by mesh dim (PyTorch's expansion of
 single-dim strategies); a tensor dim is cut by at most one mesh dim inside an op.
 
-Rules are found by op name in `RULES` (explicit rules), else derived from the op's
-kind (`KIND_RULES`: every elementwise op shares one rule). `rule_for` raises K242 when
-an op has neither; tests/distributed/test_sharding_rules.py walks the registry.
+The rules live beside their ops in kiln/ir/ops/*.py and register in the tables of
+kiln/ir/sharding.py (which also holds the placements and the OpSpec/Strategy records;
+this module re-exports them). Rules are found by op name in `RULES` (explicit rules),
+else derived from the op's kind (`KIND_RULES`: every elementwise op shares one rule).
+`rule_for` raises K242 when an op has neither; tests/distributed/test_sharding.py walks
+the registry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 from kiln.distributed.errors import ShardingRuleError
-from kiln.distributed.placements import Partial, Placement, Replicate, Shard
 from kiln.distributed.redistribute import cost as move_cost
-
-R = Replicate()
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """What a rule sees: the op, its operands' and results' global shapes and dtypes,
-    its attributes, and the size `n` of the mesh dim being decided."""
-
-    op: str
-    in_shapes: tuple
-    in_dtypes: tuple
-    out_shapes: tuple
-    attrs: dict = field(hash=False)
-    n: int
-
-    @property
-    def ndim(self) -> int:
-        return len(self.in_shapes[0]) if self.in_shapes else 0
-
-    def even(self, size: int) -> bool:
-        return size % self.n == 0
-
-    def full_chunks(self, size: int) -> bool:
-        """Every rank's chunk of a dim of `size` is non-empty (torch.chunk sizes)."""
-        step = -(-size // self.n)
-        return size > 0 and step * (self.n - 1) < size
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to run an op on one mesh dim: operand placements -> result placements."""
-
-    inputs: tuple
-    outputs: tuple
-
-    def __repr__(self) -> str:
-        return "%s -> %s" % (list(self.inputs), list(self.outputs))
-
-
-RULES: dict[str, Callable[[OpSpec], list]] = {}
-KIND_RULES: dict[str, Callable[[OpSpec], list]] = {}
-# attrs of the local op from the global ones: fn(attrs, local_in_shapes, local_out_shapes)
-LOCAL_ATTRS: dict[str, Callable] = {}
-
-
-def rule(*names: str, local_attrs: Callable | None = None):
-    """Register the decorated function as the sharding rule of ops `names`."""
-
-    def wrap(fn):
-        for name in names:
-            if name in RULES:
-                raise ValueError("sharding rule for %s defined twice" % name)
-            RULES[name] = fn
-            if local_attrs is not None:
-                LOCAL_ATTRS[name] = local_attrs
-        return fn
-
-    return wrap
-
-
-def replicate_all(spec: OpSpec) -> Strategy:
-    """Every operand and result whole on every rank (always valid)."""
-    return Strategy(tuple(R for _ in spec.in_shapes), tuple(R for _ in spec.out_shapes))
+from kiln.ir.sharding import (  # noqa: F401  (re-exported: the rules' vocabulary)
+    KIND_RULES, LOCAL_ATTRS, RULES, OpSpec, Placement, Shard, Strategy, partial_through,
+    replicate_all, same_on_all, shard_dims, sharding_rule,
+)
 
 
 def rule_for(op: str) -> Callable[[OpSpec], list]:
@@ -105,7 +46,8 @@ def rule_for(op: str) -> Callable[[OpSpec], list]:
     fn = KIND_RULES.get(opdef.kind)
     if fn is None:
         raise ShardingRuleError("%s (kind %s) has no sharding rule" % (op, opdef.kind),
-                                hint="add one to kiln/distributed/sharding/ (RULES by op name)")
+                                hint="add one beside the op in kiln/ir/ops/ (@sharding_rule, "
+                                     "kiln/ir/sharding.py)")
     return fn
 
 
@@ -169,36 +111,6 @@ def _cuts_forbidden(s: Strategy, forbidden: tuple, n_in: int) -> bool:
     return False
 
 
-# -- helpers rules share ------------------------------------------------------------------
-def same_on_all(spec: OpSpec, p: Placement, n_out: int | None = None) -> Strategy:
-    """Every operand and result with placement p."""
-    n_out = len(spec.out_shapes) if n_out is None else n_out
-    return Strategy(tuple(p for _ in spec.in_shapes), tuple(p for _ in range(n_out)))
-
-
-def shard_dims(spec: OpSpec, dims, out_dim: Callable[[int], int | None] = lambda d: d,
-               operands: tuple | None = None) -> list[Strategy]:
-    """For each tensor dim d in `dims`: the given operands (default all) Shard(d), the
-    others Replicate, every result Shard(out_dim(d)) (dropped when None)."""
-    found = []
-    ops = range(len(spec.in_shapes)) if operands is None else operands
-    for d in dims:
-        od = out_dim(d)
-        if od is None:
-            continue
-        ins = tuple(Shard(d) if k in ops else R for k in range(len(spec.in_shapes)))
-        found.append(Strategy(ins, tuple(Shard(od) for _ in spec.out_shapes)))
-    return found
-
-
-def partial_through(spec: OpSpec, op: str = "sum", operands: tuple | None = None) -> Strategy:
-    """Partial(op) operands (default all) -> Partial(op) results: the op is linear (sum)
-    or monotone (max/min) in those operands."""
-    ops = range(len(spec.in_shapes)) if operands is None else operands
-    ins = tuple(Partial(op) if k in ops else R for k in range(len(spec.in_shapes)))
-    return Strategy(ins, tuple(Partial(op) for _ in spec.out_shapes))
-
-
 __all__ = ["KIND_RULES", "LOCAL_ATTRS", "OpSpec", "RULES", "Strategy", "choose",
-           "partial_through", "replicate_all", "rule", "rule_for", "same_on_all",
-           "shard_dims", "strategies"]
+           "partial_through", "replicate_all", "rule_for", "same_on_all", "shard_dims",
+           "sharding_rule", "strategies"]

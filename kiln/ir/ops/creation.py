@@ -14,6 +14,7 @@ from kiln.ir import dtypes as dt
 from kiln.ir.ops.rules import contiguous, check_rank
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import dim, normalize_axis
+from kiln.ir.sharding import run_whole, sharding_rule
 from kiln.ir.types import TensorType
 
 _SCALARS = (bool, int, float)
@@ -133,3 +134,7 @@ class random_bits:
         bits = np.empty(2 * m, dtype=np.uint32)
         bits[0::2], bits[1::2] = y0, y1
         return bits[:n].reshape(shape)
+
+
+# made whole on every rank: a sharded tensor is made by distributing one
+sharding_rule("constant", "full", "iota", "random_bits")(run_whole)

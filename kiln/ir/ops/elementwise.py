@@ -25,6 +25,7 @@ from kiln.ir.ops.rules import (
     conj, full_like, via_f32, zeros,
 )
 from kiln.ir.registry import ELEMENTWISE, defop
+from kiln.ir.sharding import Partial, Strategy, kind_rule, partial_through, shard_dims
 from kiln.ir.ops.erf_reference import erf_reference as _erf, erfc_reference as _erfc
 
 
@@ -49,6 +50,40 @@ def _binary(name: str, allowed: str, reference, *, result_dtype=None, differenti
     cls = type(name, (), {"type": type_rule, "reference": reference, "vjp": vjp, "__doc__": doc})
     return defop(name, family="elementwise", kind=ELEMENTWISE, num_operands=2,
                  differentiable=differentiable)(cls)
+
+
+# -- the sharding rule every elementwise op shares (operands have one shape) --------------
+# where a Partial value passes through: linear in all operands (Partial sum/avg), and
+# non-decreasing in the first (Partial max/min); mul, div, select, max, min, neg below
+LINEAR_ALL = {"add", "sub", "neg", "real", "imag", "complex"}
+NONDECREASING = {"exp", "expm1", "log", "log1p", "sqrt", "tanh", "erf", "atan", "sinh",
+                 "asin", "floor", "ceil", "round", "trunc", "sign", "relu", "sigmoid",
+                 "softplus", "convert", "clamp"}
+
+
+@kind_rule(ELEMENTWISE)
+def elementwise_sharding(spec):
+    """Shard any dim alike on every operand; Partial where the op allows it."""
+    found, op = shard_dims(spec, range(spec.ndim)), spec.op
+    if all(d.is_inexact for d in spec.in_dtypes):
+        if op in LINEAR_ALL:
+            found += [partial_through(spec, "sum"), partial_through(spec, "avg")]
+        if op == "mul":  # linear in each operand
+            found += [partial_through(spec, "sum", (0,)), partial_through(spec, "sum", (1,))]
+        if op == "div":  # linear in the numerator
+            found.append(partial_through(spec, "sum", (0,)))
+    if op == "select" and spec.in_dtypes[1].is_inexact:
+        found.append(partial_through(spec, "sum", (1, 2)))
+    if op in ("max", "min") and not spec.in_dtypes[0].is_complex:
+        found.append(partial_through(spec, op))
+    real = not any(d.is_complex or d.is_bool for d in spec.in_dtypes)
+    to_bool = op == "convert" and getattr(spec.attrs.get("dtype"), "is_bool", False)
+    if op in NONDECREASING and real and not to_bool:
+        found += [partial_through(spec, red, (0,)) for red in ("max", "min")]
+    if op == "neg" and real:
+        found += [Strategy((Partial("max"),), (Partial("min"),)),
+                  Strategy((Partial("min"),), (Partial("max"),))]
+    return found
 
 
 # -- vjp helpers ---------------------------------------------------------------------

@@ -27,6 +27,7 @@ import numpy as np
 from kiln.errors import KilnIndexError
 from kiln.ir.ops.rules import INTEGER, check_dtype
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
+from kiln.ir.sharding import shard_dims, sharding_rule
 
 # op -> (operand position of the indices, what an out-of-range index does)
 INDEX_OPERANDS: dict[str, tuple[int, str]] = {
@@ -79,3 +80,6 @@ class check_index:
         if bad is not None:
             raise index_error(caller, what, bad, int(size), negative)
         return indices.copy()  # a new tensor, as every op's result
+
+
+sharding_rule("check_index")(lambda spec: shard_dims(spec, range(spec.ndim)))  # any block

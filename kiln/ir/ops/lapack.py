@@ -22,6 +22,7 @@ from kiln.ir.ops.rules import conj, contiguous, full_like, zeros
 from kiln.ir.ops.shape import sum_to
 from kiln.ir.registry import EXTERN, defop
 from kiln.ir.shapes import broadcast_shapes, dim, dims_equal
+from kiln.ir.sharding import R, Shard, Strategy, partial_through, shard_dims, sharding_rule
 
 # -- extern: LAPACK-style calls ----------------------------------------------------------
 
@@ -218,6 +219,14 @@ class cholesky:
         return [_read_lower(b, _right_solve(b, y, lh, lower=False))]  # y @ L^-1
 
 
+def _batch_sharding(spec):
+    """A batch of matrices shards its batch dims; each matrix stays whole."""
+    return shard_dims(spec, range(spec.ndim - 2))
+
+
+sharding_rule("cholesky")(_batch_sharding)
+
+
 @defop("qr", family="linalg", kind=EXTERN, num_operands=1, differentiable=True)
 class qr:
     """Reduced QR of a [..., m, n]: q [..., m, k] with orthonormal columns, r [..., k, n]
@@ -253,6 +262,9 @@ class qr:
         gx = _qr_tall_ct(b, q, u, gq, gu)
         gy = _mm(b, q, gv) if gv is not None else zeros(b, b.type_of(cols(a, m, n)))
         return [b.concatenate(gx, gy, dimension=t.rank - 1)]
+
+
+sharding_rule("qr")(_batch_sharding)
 
 
 def _qr_tall_ct(b, q, r, gq, gr):
@@ -291,6 +303,9 @@ class eigh:
             skew = b.mul(b.sub(x, _mH(b, x)), _scalar(b, x, 0.5))
             inner.append(b.mul(skew, b.convert(_reciprocal_gaps(b, w), b.type_of(x).dtype)))
         return [_read_lower(b, _mm(b, _mm(b, v, _add(b, *inner)), _mH(b, v)))]
+
+
+sharding_rule("eigh")(_batch_sharding)
 
 
 
@@ -354,6 +369,9 @@ class svd:
         return [ga]
 
 
+sharding_rule("svd")(_batch_sharding)
+
+
 @defop("solve", family="linalg", kind=EXTERN, num_operands=2, differentiable=True)
 class solve:
     """x with a @ x = b for square a [..., n, n] and b [..., n, k] (always a matrix: a
@@ -373,6 +391,21 @@ class solve:
         g_rhs = b.solve(_mH(b, a), cts[0])
         g_a = b.neg(_mm(b, g_rhs, _mH(b, ys[0])))
         return [sum_to(b, g_a, b.type_of(a).shape), sum_to(b, g_rhs, b.type_of(rhs).shape)]
+
+
+def _solve_sharding(spec):
+    """Batch dims a and b share, or b's columns (each solved alone); x is linear in b."""
+    a, b = spec.in_shapes
+    found = []
+    if len(a) == len(b):
+        found = shard_dims(spec, [d for d in range(len(a) - 2) if a[d] == b[d]])
+    found.append(Strategy((R, Shard(len(b) - 1)), (Shard(len(spec.out_shapes[0]) - 1),)))
+    if spec.in_dtypes[1].is_inexact:
+        found.append(partial_through(spec, "sum", (1,)))
+    return found
+
+
+sharding_rule("solve")(_solve_sharding)
 
 
 @defop("triangular_solve", family="linalg", kind=EXTERN, num_operands=2,
@@ -406,3 +439,6 @@ class triangular_solve:
         g_rhs = b.triangular_solve(_mH(b, a), cts[0], lower=not lower, unit_diagonal=unit_diagonal)
         g_a = _triangle(b, b.neg(_mm(b, g_rhs, _mH(b, ys[0]))), lower=lower, strict=unit_diagonal)
         return [sum_to(b, g_a, b.type_of(a).shape), sum_to(b, g_rhs, b.type_of(rhs).shape)]
+
+
+sharding_rule("triangular_solve")(_solve_sharding)

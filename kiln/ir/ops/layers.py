@@ -22,6 +22,7 @@ from kiln.ir.ops.nn import NUMBER, expand_reduced, mean_over, sum_over
 from kiln.ir.ops.rules import FLOATING, check_dtype, via_f32
 from kiln.ir.registry import COMPOSITE, REQUIRED, defop
 from kiln.ir.shapes import broadcast_shapes, dims_equal, shapes_equal
+from kiln.ir.sharding import R, Shard, Strategy, shard_dims, sharding_rule
 
 
 def _norm_type(op, x, params, n, flags):
@@ -158,6 +159,12 @@ class rms_norm:
         return [b.convert(c, d) for c in grads]
 
 
+@sharding_rule("layer_norm", "rms_norm")
+def _norm_sharding(spec):
+    """x and the result shard the leading dims; weight and bias stay replicated."""
+    return shard_dims(spec, range(spec.ndim - spec.attrs["normalized_ndim"]), operands=(0,))
+
+
 # -- attention --------------------------------------------------------------------------
 
 def _sdpa_type(op, q, k, v, *mask, is_causal, scale, has_mask):
@@ -242,3 +249,32 @@ class scaled_dot_product_attention:
         out = b.dot_general(p, v, lhs_contracting=(n + 1,), rhs_contracting=(n,),
                             lhs_batch=bd, rhs_batch=bd)
         return b.convert(out, d)
+
+
+@sharding_rule("scaled_dot_product_attention")
+def _attention_sharding(spec):
+    """Batch and head dims shard q, k, v (and the mask) alike; query positions shard
+    alone when no causal mask ties them to key positions. Key length and features, which
+    attention reduces over, stay whole."""
+    q, k, v = spec.in_shapes[:3]
+    mask = spec.in_shapes[3] if len(spec.in_shapes) > 3 else None
+    nd = len(q)
+
+    def mask_placement(d):
+        if mask is None:
+            return ()
+        md = d - (nd - len(mask))
+        if md < 0 or mask[md] == 1 and q[d] != 1:
+            return (R,)
+        return (Shard(md),) if mask[md] == q[d] else None
+
+    found = []
+    for d in range(nd - 2):
+        m = mask_placement(d)
+        if m is not None and len(k) == nd and len(v) == nd and k[d] == q[d] == v[d]:
+            found.append(Strategy((Shard(d),) * 3 + m, (Shard(d),)))
+    if not spec.attrs.get("is_causal"):
+        m = mask_placement(nd - 2)
+        if m is not None:
+            found.append(Strategy((Shard(nd - 2), R, R) + m, (Shard(nd - 2),)))
+    return found

@@ -43,6 +43,7 @@ from kiln.errors import KilnQuantizeError, KilnScaledMatmulError
 from kiln.ir import dtypes as dt
 from kiln.ir.registry import EXTERN, defop
 from kiln.ir.shapes import dims_equal
+from kiln.ir.sharding import R, Shard, Strategy, sharding_rule
 from kiln.ir.types import TensorType
 
 FP8 = (dt.float8_e4m3fn, dt.float8_e5m2)
@@ -91,6 +92,12 @@ class quantize_fp8:
         return q, scale.reshape((x32.shape[0],) if per_row else ())
 
 
+@sharding_rule("quantize_fp8")
+def _quantize_fp8_sharding(spec):
+    """Per-row scales: rows shard (with their scales); one per-tensor scale: whole."""
+    return [Strategy((Shard(0),), (Shard(0), Shard(0)))] if spec.attrs.get("per_row") else []
+
+
 @defop("quantize_mxfp8", family="lowp", kind=EXTERN, num_operands=1, differentiable=False)
 class quantize_mxfp8:
     """x [M, K] float (K % 32 == 0) -> (q float8_e4m3fn [M, K], scale uint8 E8M0 codes [M, K/32])."""
@@ -110,6 +117,16 @@ class quantize_mxfp8:
         scale = np.ldexp(np.float32(1), exp).astype(np.float32)
         q = np.clip(blocks / scale[:, :, None], -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
         return q.reshape(m, k), (exp + 127).astype(np.uint8)
+
+
+@sharding_rule("quantize_mxfp8")
+def _quantize_mxfp8_sharding(spec):
+    """Rows shard; columns too when every rank's chunk is whole blocks of 32."""
+    found = [Strategy((Shard(0),), (Shard(0), Shard(0)))]
+    k = spec.in_shapes[0][1]
+    if spec.even(k) and (k // spec.n) % 32 == 0:
+        found.append(Strategy((Shard(1),), (Shard(1), Shard(1))))
+    return found
 
 
 @defop("quantize_nvfp4", family="lowp", kind=EXTERN, num_operands=1, differentiable=False)
@@ -138,6 +155,9 @@ class quantize_nvfp4:
         codes = np.clip(vals, -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
         codes = codes.reshape(m, k)
         return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), block, np.float32(tensor).reshape(())
+
+
+sharding_rule("quantize_nvfp4")(lambda spec: [])  # the per-tensor scale covers every element
 
 
 # -- dequantizing (what the kernels compute with) --------------------------------------------
@@ -231,3 +251,16 @@ class scaled_matmul:
         acc = acc * (sa[:, None] if sa.ndim else sa)
         acc = acc * (sb[None, :] if sb.ndim else sb)
         return acc.astype(np.float32).astype(out)
+
+
+@sharding_rule("scaled_matmul")
+def _scaled_matmul_sharding(spec):
+    """Rows of a (with their scales), or the result's columns through b (with its);
+    no contraction split: each partial product would round to out_dtype before the sum."""
+    _, _, sa, sb = spec.in_shapes
+    s0, s1 = Shard(0), Shard(1)
+    if len(sa) == 2:  # block scaled: a [M, .], b [N, .] (K-major), scales along K
+        return [Strategy((s0, R, s0, R), (s0,)), Strategy((R, s0, R, s0), (s1,))]
+    row = s0 if len(sa) == 1 else R  # fp8: per-row or per-tensor scales
+    col = s0 if len(sb) == 1 else R
+    return [Strategy((s0, R, row, R), (s0,)), Strategy((R, s1, R, col), (s1,))]

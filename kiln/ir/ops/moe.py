@@ -28,6 +28,7 @@ from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.registry import EXTERN, defop
 from kiln.ir.shapes import dims_equal
+from kiln.ir.sharding import Partial, R, Shard, Strategy, sharding_rule
 from kiln.ir.types import TensorType
 
 _SIZE_DTYPES = (dt.int32, dt.int64)
@@ -117,6 +118,19 @@ class grouped_matmul:
         return [dx, dw, None]
 
 
+@sharding_rule("grouped_matmul")
+def _grouped_matmul_sharding(spec):
+    """w's output columns (column parallel), or K on x and w (Partial sum); tokens and
+    the group sizes stay whole."""
+    n_dim, k_dim = (1, 2) if spec.attrs.get("transpose_rhs") else (2, 1)
+    found = [Strategy((R, Shard(n_dim), R), (Shard(1),))]
+    if spec.in_dtypes[0].is_inexact:
+        p = Partial("sum")
+        found += [Strategy((Shard(1), Shard(k_dim), R), (p,)),
+                  Strategy((p, R, R), (p,)), Strategy((R, p, R), (p,))]
+    return found
+
+
 @defop("grouped_matmul_dw", family="moe", kind=EXTERN, num_operands=3)
 class grouped_matmul_dw:
     """Per-expert products contracting the tokens: x [T, K], y [T, N], group_sizes [E]
@@ -150,3 +164,13 @@ class grouped_matmul_dw:
         (g,) = cts
         return [b.grouped_matmul(y, g, group_sizes, transpose_rhs=True),
                 b.grouped_matmul(x, g, group_sizes), None]
+
+
+@sharding_rule("grouped_matmul_dw")
+def _grouped_matmul_dw_sharding(spec):
+    """x [T, K], y [T, N] -> [E, K, N]: K and N split freely; tokens stay whole."""
+    found = [Strategy((Shard(1), R, R), (Shard(1),)), Strategy((R, Shard(1), R), (Shard(2),))]
+    if spec.in_dtypes[0].is_inexact:
+        p = Partial("sum")
+        found += [Strategy((p, R, R), (p,)), Strategy((R, p, R), (p,))]
+    return found

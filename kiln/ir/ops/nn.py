@@ -20,11 +20,15 @@ import numpy as np
 
 from kiln.errors import KilnArgumentError, KilnDTypeError
 from kiln.ir import dtypes as dt
-from kiln.ir.ops.elementwise import erf
+from kiln.ir.ops.elementwise import elementwise_sharding, erf
 from kiln.ir.ops.linalg import upcast
 from kiln.ir.ops.rules import FLOATING, check_axes, check_dtype, check_same, normalize_axis, via_f32
 from kiln.ir.registry import COMPOSITE, defop
 from kiln.ir.shapes import numel
+from kiln.ir.sharding import (
+    Partial, Shard, Strategy, all_but, kept_dim, partial_through, reduced_axes, shard_dims,
+    sharding_rule,
+)
 
 NUMBER = (int, float)  # the Python numbers a float attribute may be
 
@@ -244,6 +248,10 @@ class softplus:
     vjp = _activation_vjp(_grad)
 
 
+# pointwise: the elementwise ops' rule (relu, sigmoid and softplus are non-decreasing)
+sharding_rule("sigmoid", "relu", "gelu", "silu", "softplus")(elementwise_sharding)
+
+
 # -- statistics ------------------------------------------------------------------------------
 
 @defop("mean", family="nn", kind=COMPOSITE, num_operands=1, attrs={"axes": None})
@@ -256,6 +264,19 @@ class mean:
     def decompose(b, x, *, axes):
         x, d = upcast(b, x)
         return b.convert(mean_over(b, x, _axes("mean", b.type_of(x), axes)), d)
+
+
+@sharding_rule("mean")
+def _mean_sharding(spec):
+    """Kept dims stay sharded; an evenly cut reduced dim gives Partial(avg); the mean is
+    linear (Partial sum and avg pass through)."""
+    axes = reduced_axes(spec)
+    found = shard_dims(spec, range(spec.ndim), kept_dim(axes))
+    if spec.in_dtypes[0].is_inexact:
+        found += [Strategy((Shard(d),), (Partial("avg"),)) for d in axes
+                  if spec.even(spec.in_shapes[0][d])]
+        found += [partial_through(spec, "sum"), partial_through(spec, "avg")]
+    return found
 
 
 def _var_reference(x, *, axes, correction):
@@ -324,6 +345,12 @@ class logsumexp:
         return [b.convert(b.mul(expand_reduced(b, ct, t.shape, axes), p), d)]
 
 
+@sharding_rule("var", "logsumexp")
+def _whole_axes_sharding(spec):
+    """The kept dims stay sharded; the reduced ones must be whole."""
+    return shard_dims(spec, range(spec.ndim), kept_dim(reduced_axes(spec)))
+
+
 def _softmax_reference(x, *, dim, log):
     axis = dim % max(x.ndim, 1) if x.ndim else ()
     shifted = x - np.max(x, axis=axis, keepdims=True, initial=-np.inf)  # an empty dim is fine
@@ -376,6 +403,9 @@ class log_softmax:
         axes = _dim_axes("log_softmax", t, dim)
         total = expand_reduced(b, sum_over(b, ct, axes), t.shape, axes)
         return [b.convert(b.sub(ct, b.mul(b.exp(y), total)), d)]
+
+
+sharding_rule("softmax", "log_softmax")(lambda spec: all_but(spec, *reduced_axes(spec, "dim")))
 
 
 # -- Python-style division ---------------------------------------------------------------------
@@ -443,3 +473,6 @@ class remainder:
         (x, d), (y, _) = upcast(b, x), upcast(b, y)
         r = b.rem(x, y)
         return b.convert(b.select(_wrong_sign(b, r, y), b.add(r, y), r), d)
+
+
+sharding_rule("floor_divide", "remainder")(elementwise_sharding)

@@ -22,6 +22,10 @@ from kiln.ir.ops.rules import (
 from kiln.ir.ops.shape import full_like, zeros
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import normalize_axis
+from kiln.ir.sharding import (
+    Partial, Shard, Strategy, all_but, kept_dim, partial_through, reduced_axes, shard_dims,
+    sharding_rule,
+)
 
 
 def _reduced(op, x, axes):
@@ -117,6 +121,27 @@ reduce_and = _reduce("reduce_and", INTEGRAL, np.bitwise_and.reduce, differentiab
 reduce_or = _reduce("reduce_or", INTEGRAL, np.bitwise_or.reduce, differentiable=False)
 
 
+_PARTIAL_OF = {"reduce_sum": "sum", "reduce_prod": "prod", "reduce_max": "max",
+               "reduce_min": "min"}
+
+
+@sharding_rule("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "reduce_and", "reduce_or")
+def _reduce_sharding(spec):
+    """A kept dim stays sharded (at its place in the result); a reduced dim's shards
+    reduce to Partial(sum|prod|max|min) (max/min only when every chunk is non-empty)."""
+    axes = reduced_axes(spec)
+    found = shard_dims(spec, range(spec.ndim), kept_dim(axes))
+    red = _PARTIAL_OF.get(spec.op)
+    if red is not None and not spec.in_dtypes[0].is_bool:
+        for d in axes:
+            if red in ("max", "min") and not spec.full_chunks(spec.in_shapes[0][d]):
+                continue  # an empty chunk has no max
+            found.append(Strategy((Shard(d),), (Partial(red),)))
+        if red != "prod":
+            found.append(partial_through(spec, red))
+    return found
+
+
 def _arg(name, fn):
     def type_rule(op, x, *, axis):
         check_dtype(op, x, REAL)
@@ -135,6 +160,12 @@ def _arg(name, fn):
 
 argmax = _arg("argmax", np.argmax)
 argmin = _arg("argmin", np.argmin)
+
+
+@sharding_rule("argmax", "argmin")
+def _arg_sharding(spec):
+    """The kept dims stay sharded; the searched one must be whole (an index is global)."""
+    return shard_dims(spec, range(spec.ndim), kept_dim(reduced_axes(spec, "axis")))
 
 
 def _scan(name, allowed, fn, vjp):
@@ -207,6 +238,15 @@ cummax = _scan("cummax", REAL, np.maximum.accumulate, _running_extreme_vjp)
 cummin = _scan("cummin", REAL, np.minimum.accumulate, _running_extreme_vjp)
 
 
+@sharding_rule("cumsum", "cumprod", "cummax", "cummin")
+def _scan_sharding(spec):
+    """Any dim but the scanned one; a cumulative sum is linear (Partial(sum) through)."""
+    found = all_but(spec, *reduced_axes(spec, "axis"))
+    if spec.op == "cumsum" and spec.in_dtypes[0].is_inexact:
+        found.append(partial_through(spec, "sum"))
+    return found
+
+
 @defop("sort", family="reduction", kind=PRIMITIVE, num_operands=1,
        attrs={"axis": -1, "descending": False})
 class sort:
@@ -238,4 +278,7 @@ class sort:
         if ct is None or t.rank == 0:
             return [ct]
         return [b.scatter_along(zeros(b, t), ys[1], ct, axis=axis, mode="add")]
+
+
+sharding_rule("sort")(lambda spec: all_but(spec, *reduced_axes(spec, "axis")))
 

@@ -16,6 +16,7 @@ from kiln.ir.ops.creation import _check_shape_attr
 from kiln.ir.ops.nn import NUMBER
 from kiln.ir.registry import COMPOSITE, REQUIRED, defop
 from kiln.ir.shapes import dims_equal
+from kiln.ir.sharding import run_whole, sharding_rule
 from kiln.ir.types import TensorType
 
 
@@ -81,3 +82,6 @@ class normal:
         radius = b.sqrt(b.binary("mul", b.log(u1), -2.0))
         theta = b.binary("mul", _unit(b, halves[1], dt.float32), 2.0 * math.pi)
         return b.convert(b.mul(radius, b.cos(theta)), dtype)
+
+
+sharding_rule("uniform", "normal")(run_whole)  # one key, whole samples on every rank

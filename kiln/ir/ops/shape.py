@@ -20,6 +20,10 @@ from kiln.ir.ops.rules import (  # noqa: F401  (full_like, zeros: used by other 
 )
 from kiln.ir.registry import PRIMITIVE, REQUIRED, defop
 from kiln.ir.shapes import dim, dims_equal, format_shape, normalize_axis, numel, shapes_equal
+from kiln.ir.sharding import (
+    Partial, R, Shard, Strategy, moved_partials, partial_through, result_shape_attr, shard_dims,
+    sharding_rule,
+)
 from kiln.ir.types import TensorType
 
 
@@ -90,6 +94,20 @@ class reshape:
         return [b.reshape(cts[0], shape=b.type_of(xs[0]).shape)]
 
 
+@sharding_rule("reshape", local_attrs=result_shape_attr)
+def _reshape_sharding(spec):
+    """Shard(d) -> Shard(j) when chunk c of d and of j are the same elements (even cuts)."""
+    (x,), (out,) = spec.in_shapes, spec.out_shapes
+    found = []
+    for d in range(len(x)):
+        for j in range(len(out)):
+            if (numel(x[:d]) == numel(out[:j]) and numel(x[d:]) == numel(out[j:])
+                    and spec.even(x[d]) and spec.even(out[j]) and x[d] > 0 and out[j] > 0):
+                found.append(Strategy((Shard(d),), (Shard(j),)))
+                break
+    return found + moved_partials(spec)
+
+
 @defop("broadcast_in_dim", family="shape", kind=PRIMITIVE, num_operands=1,
        attrs={"shape": REQUIRED, "broadcast_dimensions": REQUIRED})
 class broadcast_in_dim:
@@ -120,6 +138,14 @@ class broadcast_in_dim:
         return [unbroadcast(b, cts[0], b.type_of(xs[0]).shape, broadcast_dimensions)]
 
 
+@sharding_rule("broadcast_in_dim", local_attrs=result_shape_attr)
+def _broadcast_in_dim_sharding(spec):
+    """A dim whose size the broadcast keeps stays sharded, at its new position."""
+    dims, (x,), (out,) = spec.attrs["broadcast_dimensions"], spec.in_shapes, spec.out_shapes
+    return [Strategy((Shard(i),), (Shard(dims[i]),)) for i in range(len(x)) if x[i] == out[dims[i]]
+            ] + moved_partials(spec)
+
+
 @defop("transpose", family="shape", kind=PRIMITIVE, num_operands=1,
        attrs={"permutation": REQUIRED})
 class transpose:
@@ -138,6 +164,12 @@ class transpose:
     def vjp(b, cts, xs, ys, *, permutation):
         perm = list(permutation)
         return [b.transpose(cts[0], permutation=tuple(perm.index(i) for i in range(len(perm))))]
+
+
+@sharding_rule("transpose")
+def _transpose_sharding(spec):
+    perm = spec.attrs["permutation"]
+    return [Strategy((Shard(p),), (Shard(j),)) for j, p in enumerate(perm)] + moved_partials(spec)
 
 
 def _slice_size(start, limit, stride):
@@ -180,6 +212,23 @@ class slice_:
         high = [size(d - dim(s) - ((n - 1) * st + 1)) if not (isinstance(n, int) and n == 0)
                 else size(d - dim(s)) for d, s, n, st in zip(x_shape, start, out, stride)]
         return [pad_zeros(b, cts[0], [dim(s) for s in start], high, [st - 1 for st in stride])]
+
+
+def _slice_attrs(attrs, in_global, in_local, out_global, out_local):
+    """A dim taken whole is sliced to its local size."""
+    limit = tuple(in_local[0][d] if attrs["limit"][d] == in_global[0][d] and attrs["start"][d] == 0
+                  else attrs["limit"][d] for d in range(len(in_global[0])))
+    return {**attrs, "limit": limit}
+
+
+@sharding_rule("slice", local_attrs=_slice_attrs)
+def _slice_sharding(spec):
+    """The dims the slice takes whole stay sharded."""
+    x, a = spec.in_shapes[0], spec.attrs
+    stride = a.get("stride") or (1,) * len(x)
+    whole = [d for d in range(len(x)) if a["start"][d] == 0 and a["limit"][d] == x[d]
+             and stride[d] == 1]
+    return shard_dims(spec, whole) + moved_partials(spec)
 
 
 @defop("pad", family="shape", kind=PRIMITIVE, num_operands=2,
@@ -227,6 +276,15 @@ class pad:
         return [ct_x, b.reduce_sum(b.mul(cts[0], padded), axes=tuple(range(t.rank)))]
 
 
+@sharding_rule("pad")
+def _pad_sharding(spec):
+    """The dims without padding stay sharded (the pad value is replicated)."""
+    a, x = spec.attrs, spec.in_shapes[0]
+    interior = a.get("interior") or (0,) * len(x)
+    return shard_dims(spec, [d for d in range(len(x)) if a["low"][d] == a["high"][d] == 0
+                             and interior[d] == 0], operands=(0,))
+
+
 @defop("concatenate", family="shape", kind=PRIMITIVE, attrs={"dimension": REQUIRED})
 class concatenate:
     """Join operands along `dimension`; the other dims must agree."""
@@ -266,6 +324,13 @@ class concatenate:
         return out
 
 
+@sharding_rule("concatenate")
+def _concatenate_sharding(spec):
+    axis = spec.attrs["dimension"] % spec.ndim
+    found = shard_dims(spec, [d for d in range(spec.ndim) if d != axis])
+    return found + moved_partials(spec, tuple(range(len(spec.in_shapes))))
+
+
 @defop("reverse", family="shape", kind=PRIMITIVE, num_operands=1, attrs={"dims": REQUIRED})
 class reverse:
     """Reverse the order of elements along `dims`."""
@@ -279,6 +344,12 @@ class reverse:
 
     def vjp(b, cts, xs, ys, *, dims):
         return [b.reverse(cts[0], dims=dims)]
+
+
+@sharding_rule("reverse")
+def _reverse_sharding(spec):
+    dims = {d % max(spec.ndim, 1) for d in spec.attrs["dims"]}
+    return shard_dims(spec, [d for d in range(spec.ndim) if d not in dims]) + moved_partials(spec)
 
 
 def _check_start_indices(op, x, starts):
@@ -319,6 +390,14 @@ class dynamic_slice:
         return [ct_x] + [None] * len(starts)
 
 
+@sharding_rule("dynamic_slice", local_attrs=lambda a, ig, il, og, ol: {**a, "sizes": tuple(ol[0])})
+def _dynamic_slice_sharding(spec):
+    """The dims taken whole stay sharded; the start indices are replicated."""
+    x, sizes = spec.in_shapes[0], spec.attrs["sizes"]
+    found = shard_dims(spec, [d for d in range(len(x)) if sizes[d] == x[d]], operands=(0,))
+    return found + moved_partials(spec)
+
+
 @defop("dynamic_update_slice", family="shape", kind=PRIMITIVE)
 class dynamic_update_slice:
     """Operand with `update` written at runtime start indices (clamped, as XLA)."""
@@ -344,6 +423,15 @@ class dynamic_update_slice:
         ut = b.type_of(update)
         return [b.dynamic_update_slice(cts[0], zeros(b, ut), *starts),
                 b.dynamic_slice(cts[0], *starts, sizes=ut.shape)] + [None] * len(starts)
+
+
+@sharding_rule("dynamic_update_slice")
+def _dynamic_update_slice_sharding(spec):
+    x, upd = spec.in_shapes[0], spec.in_shapes[1]
+    found = shard_dims(spec, [d for d in range(len(x)) if upd[d] == x[d]], operands=(0, 1))
+    if spec.in_dtypes[0].is_inexact:
+        found.append(partial_through(spec, "sum", (0, 1)))
+    return found
 
 
 def _checked_indices(op, indices, size):
@@ -387,6 +475,17 @@ class take:
                                 mode="add"), None]
 
 
+@sharding_rule("take")
+def _take_sharding(spec):
+    """The source's non-indexed dims, or the indices' dims, stay sharded."""
+    x, idx = spec.in_shapes
+    axis = spec.attrs["axis"] % len(x)
+    found = [Strategy((Shard(d), R), (Shard(d if d < axis else d + len(idx) - 1),))
+             for d in range(len(x)) if d != axis]
+    found += [Strategy((R, Shard(j)), (Shard(axis + j),)) for j in range(len(idx))]
+    return found + moved_partials(spec)
+
+
 def _along_index(op, x, indices, axis):
     a = axis % x.ndim
     idx = _checked_indices(op, indices, x.shape[a])
@@ -424,6 +523,14 @@ class take_along:
         x, indices = xs
         return [b.scatter_along(zeros(b, b.type_of(x)), indices, cts[0], axis=axis, mode="add"),
                 None]
+
+
+@sharding_rule("take_along")
+def _take_along_sharding(spec):
+    x, idx = spec.in_shapes
+    axis = spec.attrs["axis"] % len(x)
+    found = shard_dims(spec, [d for d in range(len(x)) if d != axis and x[d] == idx[d]])
+    return found + moved_partials(spec)
 
 
 @defop("scatter_along", family="shape", kind=PRIMITIVE, num_operands=3,
@@ -480,3 +587,14 @@ class scatter_along:
                          [size(u - n) for u, n in zip(u_shape, it.shape)])
         return [ct_x, None, ct_u]
 
+
+@sharding_rule("scatter_along")
+def _scatter_along_sharding(spec):
+    """The dims not scattered along stay sharded; scatter-add is linear in x and updates."""
+    x, idx, upd = spec.in_shapes
+    axis = spec.attrs["axis"] % len(x)
+    found = shard_dims(spec, [d for d in range(len(x))
+                              if d != axis and x[d] == idx[d] == upd[d]])
+    if spec.attrs.get("mode", "add") == "add" and spec.in_dtypes[0].is_inexact:
+        found.append(Strategy((Partial("sum"), R, Partial("sum")), (Partial("sum"),)))
+    return found
