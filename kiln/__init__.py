@@ -58,4 +58,5 @@ from kiln.ir.dtypes import (  # noqa: F401,E402
 )
 from kiln.frontend import fft  # noqa: F401,E402  (kn.fft.fft, rfft, ..., as torch.fft)
 from kiln import nn, optim  # noqa: F401,E402
+from kiln.nn.functional import scaled_dot_product_attention  # noqa: F401,E402  (dropout: nn.rng keys)
 from kiln import memory  # noqa: F401,E402  (kn.memory.memory_allocated(device), ...)

@@ -112,22 +112,23 @@ def check_vjp_rule(op: str, inputs: Sequence[np.ndarray], attrs: dict | None = N
 def check_grads(fn: Callable, *args, argnums=0, eps: float = 1e-6, rtol: float = 1e-5,
                 atol: float = 1e-7, seed: int = 0, directions: int = 3,
                 coordinates: int = 16) -> None:
-    """Check `kn.vjp(fn, *args)` against finite differences for the tensors in `argnums`.
+    """Check `vjp(fn, *args)` against finite differences for the tensors in `argnums`.
 
     `fn` returns a tensor or a pytree of tensors; `args` should be float64 tensors.
     """
-    import kiln as kn
     from kiln.frontend import pytree
+    from kiln.frontend.autodiff import vjp
+    from kiln.frontend.factories import asarray
     from kiln.frontend.tensor import Tensor
 
     argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    args = tuple(kn.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
-    out, pullback = kn.vjp(fn, *args)
+    args = tuple(asarray(a) if isinstance(a, np.ndarray) else a for a in args)
+    out, pullback = vjp(fn, *args)
     leaf = lambda x: isinstance(x, Tensor)  # noqa: E731
     out_leaves, out_spec = pytree.flatten(out, leaf)
     rng = np.random.default_rng(seed)
     cts = [rng.standard_normal(o.shape).astype(o.numpy().dtype) for o in out_leaves]
-    grads = pullback(pytree.unflatten(out_spec, [kn.asarray(c) for c in cts]))
+    grads = pullback(pytree.unflatten(out_spec, [asarray(c) for c in cts]))
 
     def objective(values) -> float:
         ys = pytree.flatten(fn(*values), leaf)[0]
@@ -142,7 +143,7 @@ def check_grads(fn: Callable, *args, argnums=0, eps: float = 1e-6, rtol: float =
                 values = []
                 for sign in (1, -1):
                     leaves = list(x_leaves)
-                    leaves[j] = kn.asarray(x + sign * eps * v)
+                    leaves[j] = asarray(x + sign * eps * v)
                     new = list(args)
                     new[n] = pytree.unflatten(x_spec, leaves)
                     values.append(objective(new))

@@ -20,6 +20,12 @@ from kiln.ir.ops.creation import threefry2x32
 from kiln.ir.shapes import dim as as_dim
 from kiln.frontend.dispatch import creation_emitter, to_array, wrap
 
+__all__ = [
+    "tensor", "asarray", "as_tensor", "from_numpy", "from_dlpack", "full", "zeros", "ones",
+    "empty", "zeros_like", "ones_like", "full_like", "empty_like", "arange", "linspace", "eye",
+    "manual_seed", "rand", "randn", "randint",
+]
+
 
 def _finish(t, op: str, device=None, requires_grad: bool = False):
     """Put the result on `device=` (made on the CPU, then copied there) and mark

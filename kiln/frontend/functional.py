@@ -12,6 +12,21 @@ from kiln.ir import dtypes as dt
 from kiln.ir.shapes import normalize_axis
 from kiln.frontend.dispatch import apply, binary, op_emitter as emitter_for, raw, wrap
 
+# the public functions (the `kn` face star-imports these); `to`, `_tensor`, `_floating` and
+# the dispatch helpers are for kiln's own modules, which import them from here
+__all__ = [
+    "exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
+    "tanh", "sqrt", "rsqrt", "erf", "erfc", "sigmoid", "silu", "floor", "ceil", "round",
+    "trunc", "neg", "abs", "sign", "relu", "gelu", "softplus", "isnan", "isinf", "isfinite",
+    "logical_not", "bitwise_not", "add", "sub", "mul", "div", "true_divide", "floor_divide",
+    "remainder", "fmod", "pow", "maximum", "minimum", "atan2", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt",
+    "ge", "where", "clamp", "clip", "sum", "prod", "mean", "var", "std", "logsumexp", "all",
+    "any", "max", "min", "amax", "amin", "argmax", "argmin", "cumsum", "cumprod", "sort",
+    "argsort", "softmax", "log_softmax", "layer_norm", "rms_norm", "matmul", "linear", "conv2d",
+    "dropout",
+]
+
 
 def _dtype_of(x) -> dt.DType:
     from kiln.frontend.tensor import Tensor
@@ -539,13 +554,11 @@ def rms_norm(x, normalized_shape, weight=None, eps: float | None = None):
                  eps=None if eps is None else float(eps), has_weight=weight is not None)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                                 is_causal: bool = False, scale: float | None = None):
-    if dropout_p:
-        from kiln.nn.functional import attention_with_dropout  # its keys: nn.rng streams
-
-        return attention_with_dropout(query, key, value, attn_mask, float(dropout_p),
-                                      bool(is_causal), scale)
+def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal: bool = False,
+                                 scale: float | None = None):
+    """softmax(q k^T * scale + mask) v as one op (a fused kernel when compiled). With
+    dropout, `kn.scaled_dot_product_attention` is kiln.nn.functional's, which owns the
+    random keys (kn.nn.rng) and calls this one when dropout_p is 0."""
     q = _floating(query)
     k, v = to(key, q.dtype), to(value, q.dtype)
     operands = [q, k, v]

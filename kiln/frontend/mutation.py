@@ -22,7 +22,7 @@ place under `kn.no_grad()` (optimizer steps, initialization), as in torch.
 
 from __future__ import annotations
 
-from kiln.errors import KilnInPlaceError
+from kiln.errors import KilnArgumentError, KilnInPlaceError
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import shapes_equal
 from kiln.frontend import functional as F
@@ -211,15 +211,40 @@ def zero_(x: Tensor) -> Tensor:
 
 
 def uniform_(x: Tensor, a: float = 0.0, b: float = 1.0, generator=None) -> Tensor:
-    from kiln.nn.init import uniform_ as init_uniform
+    """Fill `x` with samples uniform in [a, b) from kiln's global stream (`kn.manual_seed`),
+    as torch's Tensor.uniform_: the draws nn.init.uniform_ makes. An integer tensor gets
+    float32 samples converted, as there."""
+    from kiln.frontend.factories import _random, full
 
-    return init_uniform(x, a, b)
+    dtype = x.dtype if x.dtype.is_floating else dt.float32
+    if a == b:
+        return _refill(x, full(tuple(x.shape), float(a), dtype), "uniform_")
+    if not a < b:
+        raise KilnArgumentError(f"uniform_: needs a < b, got {a}, {b}")
+    return _refill(x, _random("uniform", tuple(x.shape), None, dtype, low=float(a), high=float(b)),
+                   "uniform_")
 
 
 def normal_(x: Tensor, mean: float = 0.0, std: float = 1.0, generator=None) -> Tensor:
-    from kiln.nn.init import normal_ as init_normal
+    """Fill `x` with normal samples (Box-Muller on Threefry bits) from kiln's global stream,
+    as torch's Tensor.normal_: the draws nn.init.normal_ makes."""
+    from kiln.frontend.factories import _random
 
-    return init_normal(x, mean, std)
+    z = _random("normal", tuple(x.shape), None, dt.float32)
+    if std != 1.0:
+        z = F.mul(z, float(std))
+    if mean != 0.0:
+        z = F.add(z, float(mean))
+    return _refill(x, F.to(z, x.dtype if x.dtype.is_floating else dt.float32), "normal_")
+
+
+def _refill(x: Tensor, new: Tensor, op: str) -> Tensor:
+    """Initialization rebinds without recording a tape (a leaf that requires grad may be
+    filled, as in torch)."""
+    from kiln.frontend.tape import no_grad
+
+    with no_grad():
+        return rebind(x, new, op)
 
 
 def setitem(x: Tensor, index, value) -> None:

@@ -12,6 +12,12 @@ from kiln.ir.shapes import dims_equal, format_shape, normalize_axis, numel
 from kiln.frontend.dispatch import apply, op_emitter as emitter_for, raw, wrap
 from kiln.frontend.functional import _tensor
 
+__all__ = [
+    "reshape", "view", "flatten", "permute", "transpose", "movedim", "expand", "broadcast_to",
+    "squeeze", "unsqueeze", "cat", "concat", "stack", "narrow", "split", "chunk", "gather",
+    "take_along_dim", "scatter_add", "scatter", "index_select", "flip", "pad",
+]
+
 
 def _sizes(args) -> tuple:
     if len(args) == 1 and isinstance(args[0], (tuple, list)):

@@ -13,9 +13,10 @@ from __future__ import annotations
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.frontend.functional import (  # noqa: F401 - re-exported
-    conv2d, gelu, layer_norm, linear, log_softmax, relu, rms_norm, scaled_dot_product_attention,
-    sigmoid, silu, softmax, softplus, tanh,
+    conv2d, gelu, layer_norm, linear, log_softmax, relu, rms_norm, sigmoid, silu, softmax,
+    softplus, tanh,
 )
+from kiln.frontend.functional import scaled_dot_product_attention as _attention
 from kiln.frontend.shape_ops import pad  # noqa: F401 - re-exported
 from kiln.frontend.selection import one_hot  # noqa: F401 - re-exported
 from kiln.nn.conv import (  # noqa: F401 - re-exported
@@ -264,6 +265,21 @@ def binary_cross_entropy_with_logits(input, target, weight=None, reduction: str 
     if weight is not None:
         loss = loss * to(_tensor(weight), input.dtype)
     return _reduce("binary_cross_entropy_with_logits", loss, reduction)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None):
+    """torch.nn.functional.scaled_dot_product_attention, also `kn.scaled_dot_product_attention`:
+    one attention op (a fused kernel when compiled); with `dropout_p` > 0, the weights are
+    dropped with keys from the active `kn.nn.rng` block, a compiled module's key or kiln's
+    global stream (see attention_with_dropout).
+
+    >>> out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """
+    if dropout_p:
+        return attention_with_dropout(query, key, value, attn_mask, float(dropout_p),
+                                      bool(is_causal), scale)
+    return _attention(query, key, value, attn_mask, is_causal=is_causal, scale=scale)
 
 
 def attention_with_dropout(query, key, value, attn_mask, p: float, is_causal: bool, scale):
