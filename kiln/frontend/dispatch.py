@@ -19,6 +19,7 @@ import sympy
 from kiln.errors import KilnDTypeError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
+from kiln.frontend.eager_path import eager_apply, eager_binary
 from kiln.frontend.tape import Dual, TapeEmitter, builder_of, taping
 from kiln.runtime.device import CPU, KilnDeviceMismatchError
 from kiln.runtime.placement import charge
@@ -165,12 +166,19 @@ def _tensor_of(result, builder):
 
 def apply(op: str, *args, **attrs):
     """Run registered op `op` on tensors/arrays/scalars in the right mode."""
+    result = eager_apply(op, args, attrs)  # plain eager CPU tensors (eager_path.py)
+    if result is not None:
+        return result
     em = op_emitter(*args)
     return wrap(em, em.call(op, *(raw(em, a) for a in args), **attrs))
 
 
 def binary(op: str, x, y, dtype: dt.DType | None = None):
     """A binary primitive with numpy promotion, weak scalars and explicit broadcasting."""
+    if dtype is None:
+        result = eager_binary(op, x, y)  # plain eager CPU tensors (eager_path.py)
+        if result is not None:
+            return result
     em = op_emitter(x, y)
     return wrap(em, em.binary(op, raw(em, x), raw(em, y), dtype=dtype))
 

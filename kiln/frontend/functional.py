@@ -11,6 +11,7 @@ from kiln.errors import KilnArgumentError, KilnDTypeError
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import normalize_axis
 from kiln.frontend.dispatch import apply, binary, op_emitter as emitter_for, raw, wrap
+from kiln.frontend.eager_path import eager_binary, eager_unary_float
 
 # the public functions (the `kn` face star-imports these); `to`, `_tensor`, `_floating` and
 # the dispatch helpers are for kiln's own modules, which import them from here
@@ -62,7 +63,8 @@ def to(x, dtype):
 
 def _unary_float(op):
     def fn(x):
-        return apply(op, _floating(x))
+        result = eager_unary_float(op, x)  # a plain eager float tensor (eager_path.py)
+        return result if result is not None else apply(op, _floating(x))
 
     fn.__name__ = op
     fn.__doc__ = f"Elementwise {op}; integer inputs compute in float32."
@@ -167,7 +169,8 @@ def _both_bool(x, y) -> bool:
 def add(x, y, alpha=1):
     """x + alpha * y; bool + bool is logical or, as torch."""
     y = y if alpha == 1 else mul(y, alpha)
-    return binary("or" if _both_bool(x, y) else "add", x, y)
+    result = eager_binary("add", x, y)  # plain eager float tensors (eager_path.py)
+    return result if result is not None else binary("or" if _both_bool(x, y) else "add", x, y)
 
 
 def sub(x, y, alpha=1):
@@ -176,12 +179,16 @@ def sub(x, y, alpha=1):
 
 def mul(x, y):
     """x * y; bool * bool is logical and, as torch."""
-    return binary("and" if _both_bool(x, y) else "mul", x, y)
+    result = eager_binary("mul", x, y)  # plain eager float tensors (eager_path.py)
+    return result if result is not None else binary("and" if _both_bool(x, y) else "mul", x, y)
 
 
 def div(x, y, rounding_mode: str | None = None):
     """True division (ints give float32), or rounding_mode "trunc" / "floor" as torch."""
     if rounding_mode is None:
+        result = eager_binary("div", x, y)  # plain eager float tensors (eager_path.py)
+        if result is not None:
+            return result
         em = emitter_for(x, y)
         dtype = em.result_dtype(raw(em, x), raw(em, y))
         if not dtype.is_inexact:

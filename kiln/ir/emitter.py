@@ -23,6 +23,7 @@ from kiln.ir import registry
 from kiln.ir.graph import Graph, Node, Region, Value
 from kiln.ir.shapes import broadcast_shapes, dims_equal, shapes_equal
 from kiln.ir.types import TensorType
+from kiln.ir.quiet_numpy import _QUIET, _extobj_contextvar as _ERRSTATE, float_fn, quiet_state
 
 Scalar = (bool, int, float, complex, np.bool_, np.integer, np.floating, np.complexfloating)
 
@@ -155,30 +156,183 @@ def _check_results(op: str, results: list, types: list[TensorType]) -> list:
     return out
 
 
+# A plan is what an eager op's checks concluded for one signature (op, operand dtypes
+# and shapes, attributes): the normalized attributes, the result types and the numpy
+# dtype and shape each result must have. Replaying it skips the type rule, which would
+# reach the same conclusion (and raise nothing) again; a signature that fails its
+# checks is never planned, so bad input always goes through them and gets its error.
+_PLAN_LIMIT = 4096  # a program with more signatures than this starts the cache over
+_ATOMIC_ATTRS = frozenset({int, float, str, bool, type(None), dt.DType})
+
+
+def _attrs_key(attrs: dict[str, Any]):
+    """A hashable key for attributes whose equality is exact (a bool is not an int, a
+    tuple holds only ints), or None when they have anything else."""
+    items = []
+    for name, value in attrs.items():
+        kind = type(value)
+        if kind is tuple:
+            for v in value:
+                if type(v) is not int:
+                    return None
+        elif kind not in _ATOMIC_ATTRS:
+            return None
+        items.append((name, kind, value))
+    return tuple(items)
+
+
+def _signature(op: str, typed: Sequence[Any], attrs: dict[str, Any]) -> tuple | None:
+    """(op, dtype, shape, dtype, shape, ..., attributes), or None when an operand is not
+    an ndarray or an attribute has no exact key (those are checked on every call)."""
+    if len(typed) == 2:  # the common cases first, without a loop
+        a, b = typed
+        if type(a) is not np.ndarray or type(b) is not np.ndarray:
+            return None
+        key = (op, a.dtype, a.shape, b.dtype, b.shape)
+    elif len(typed) == 1:
+        a = typed[0]
+        if type(a) is not np.ndarray:
+            return None
+        key = (op, a.dtype, a.shape)
+    else:
+        parts = [op]
+        for x in typed:
+            if type(x) is not np.ndarray:
+                return None
+            parts.append(x.dtype)
+            parts.append(x.shape)
+        key = tuple(parts)
+    if attrs:
+        akey = _attrs_key(attrs)
+        return None if akey is None else (key, akey)
+    return key
+
+
+class _Plan:
+    __slots__ = ("opdef", "attrs", "types", "outs", "nbytes", "reference", "dtype", "shape",
+                 "direct")
+
+    def __init__(self, opdef, attrs, types):
+        self.opdef, self.attrs, self.types = opdef, attrs, types
+        self.outs = tuple((t.dtype.np_dtype, tuple(t.shape)) for t in types)
+        self.nbytes = max((nbytes_of(t.shape, t.dtype.np_dtype.itemsize) for t in types),
+                          default=0)
+        # `run1`'s case: a reference without attributes giving one result
+        single = opdef.reference is not None and not attrs and len(types) == 1
+        self.reference = opdef.reference if single else None
+        self.dtype, self.shape = self.outs[0] if single else (None, None)
+        self.direct = None  # the bare numpy function, when `float_fn` finds one
+
+    def with_direct(self, typed) -> "_Plan":
+        if self.reference is not None and quiet_state() is not None:
+            self.direct = float_fn(self.reference, [x.dtype for x in typed])
+        return self
+
+
 class EagerEmitter(Emitter):
-    """Runs each op's numpy reference: this is eager mode."""
+    """Runs each op's numpy reference: this is eager mode.
+
+    The per-op checks (attributes, type rule, memory limit) run once per signature; a
+    repeated signature replays their plan, so a small op costs little more than its
+    numpy call (issue 22)."""
+
+    def __init__(self):
+        self._plans: dict[tuple, _Plan] = {}
+        self._types: dict[tuple, TensorType] = {}
 
     def type_of(self, x) -> TensorType:
-        return TensorType(dt.from_numpy(x.dtype), x.shape)
+        key = (x.dtype, x.shape)
+        t = self._types.get(key)
+        if t is None:
+            t = TensorType(dt.from_numpy(x.dtype), x.shape)
+            if len(self._types) >= _PLAN_LIMIT:
+                self._types.clear()
+            self._types[key] = t  # frozen, so one object serves every array of this type
+        return t
 
     def constant(self, array: np.ndarray):
         return array
 
     def apply(self, op: str, operands: Sequence[Any], attrs: dict[str, Any]) -> list:
+        return self.run(op, operands, attrs, operands)
+
+    def run(self, op: str, operands: Sequence[Any], attrs: dict[str, Any],
+            typed: Sequence[Any]) -> list:
+        """`apply`, with the checks made on the types of `typed` instead of `operands`'
+        own: the lean eager path passes a Python scalar's fill as a 0-d array that numpy
+        broadcasts, typed as the full-shape `full` the general path would make."""
+        key = _signature(op, typed, attrs)
+        if key is not None:
+            plan = self._plans.get(key)
+            if plan is not None and plan.nbytes <= memory_limits.process_limit():
+                return self._replay(op, plan, operands)
+        plan = self._plan(op, typed, attrs).with_direct(typed)
+        if key is not None:
+            if len(self._plans) >= _PLAN_LIMIT:
+                self._plans.clear()
+            self._plans[key] = plan
+        return self._replay(op, plan, operands)
+
+    def run1(self, op: str, operands: Sequence[Any], typed: Sequence[Any]):
+        """The one result of an op without attributes (the lean eager path's elementwise
+        ops): `run` with nothing but the plan lookup, the numpy call and the result check
+        between the caller and numpy."""
+        if len(typed) == 2:
+            a, b = typed
+            key = (op, a.dtype, a.shape, b.dtype, b.shape) \
+                if type(a) is np.ndarray and type(b) is np.ndarray else None
+        else:
+            key = _signature(op, typed, None)
+        plan = self._plans.get(key)
+        if plan is not None and plan.reference is not None \
+                and plan.nbytes <= memory_limits._limit:  # process_limit(), without a call
+            direct = plan.direct
+            quiet = None if direct is None else _QUIET.get(_ERRSTATE.get()) or quiet_state()
+            if quiet is not None:  # float32/64: the numpy function, quietly, unwrapped
+                token = _ERRSTATE.set(quiet)
+                try:
+                    r = direct(*operands)
+                finally:
+                    _ERRSTATE.reset(token)
+                if type(r) is np.ndarray and r.dtype is plan.dtype and r.shape == plan.shape:
+                    return r
+            r = plan.reference(*operands)
+            if type(r) is not np.ndarray:
+                r = np.asarray(r)
+            if r.dtype != plan.dtype or r.shape != plan.shape:
+                _check_results(op, [r], plan.types)
+            return r
+        return self.run(op, operands, {}, typed)[0]
+
+    def _plan(self, op: str, typed: Sequence[Any], attrs: dict[str, Any]) -> _Plan:
+        """Every check of an eager op, raising its numbered error on bad input."""
         opdef = registry.get(op)
         attrs = opdef.normalize_attrs(attrs)
-        types = opdef.infer([self.type_of(x) for x in operands], attrs)
+        types = opdef.infer([self.type_of(x) for x in typed], attrs)
         for t in types:  # refuse an absurd result before numpy tries to allocate it
             if all(isinstance(d, int) for d in t.shape):
                 nbytes = nbytes_of(t.shape, t.dtype.np_dtype.itemsize)
                 if nbytes > memory_limits.process_limit():
                     check_request(f"{op}: the result {t}", nbytes)
-        if opdef.reference is None:
-            results = self.decompose(op, operands, attrs)
+        return _Plan(opdef, attrs, types)
+
+    def _replay(self, op: str, plan: _Plan, operands: Sequence[Any]) -> list:
+        opdef = plan.opdef
+        if opdef.reference is None:  # a composite: its parts are planned one by one
+            result = opdef.decompose(self, *operands, **plan.attrs)
+            results = list(result) if isinstance(result, (tuple, list)) else [result]
         else:
-            result = opdef.reference(*operands, **attrs)
+            result = opdef.reference(*operands, **plan.attrs)
             results = list(result) if isinstance(result, tuple) else [result]
-        return _check_results(op, results, types)
+        outs = plan.outs
+        if len(results) == 1 and len(outs) == 1:
+            r = results[0]
+            if type(r) is not np.ndarray:
+                r = np.asarray(r)
+            if r.dtype != outs[0][0] or r.shape != outs[0][1]:
+                _check_results(op, [r], plan.types)
+            return [r]
+        return _check_results(op, results, plan.types)
 
 
 EAGER = EagerEmitter()

@@ -404,18 +404,23 @@ class CachingAllocator(AllocatorStatistics):
         limit is checked against an estimate of the unreplayed growth, and precisely
         (under the lock) when the estimate comes near it."""
         key = id(array)
-        known = self._tracked.get(key)
+        tracked = self._tracked
+        known = tracked.get(key)
         if known is not None and known() is array:
             return
         nbytes = array.nbytes
-        if self.reserved + self._unsettled + nbytes > self.limit:
+        unsettled = self._unsettled + nbytes
+        if self.reserved + unsettled > self.limit:
             self._check_tracked(array, nbytes)
+            unsettled = self._unsettled + nbytes  # the check may have replayed the log
         ref = _Tracked(array, self._untrack_callback)
-        ref.key, ref.nbytes = key, nbytes
-        self._tracked[key] = ref
-        self._log.append(nbytes)
-        self._unsettled += nbytes
-        if len(self._log) > 1024 and self._lock.acquire(blocking=False):
+        ref.key = key
+        ref.nbytes = nbytes
+        tracked[key] = ref
+        log = self._log
+        log.append(nbytes)
+        self._unsettled = unsettled
+        if len(log) > 4096 and self._lock.acquire(blocking=False):
             self._unlock()  # replays the log
 
     def _check_tracked(self, array: np.ndarray, nbytes: int) -> None:
@@ -451,32 +456,37 @@ class CachingAllocator(AllocatorStatistics):
         self._unsettled = 0
 
     def _replay(self, events: np.ndarray) -> None:
-        """`_tracked_event` for every entry of `events`, in order, vectorized."""
+        """`_tracked_event` for every entry of `events`, in order, vectorized. Bytes
+        (allocated, reserved, requested) move by the same amounts, and so do counts (blocks,
+        segments): each group's running sums are computed once."""
         small = np.abs(events) <= SMALL_SIZE
         counts = np.sign(events)
-        pools = {True: small, False: ~small}
-        self.allocated += int(events.sum())
-        self.reserved += int(events.sum())
+        total = int(events.sum())
+        self.allocated += total
+        self.reserved += total
         self.version += 1
         grown = int(np.count_nonzero(counts > 0))
         self.num_device_alloc += grown
         self.num_device_free += len(events) - grown
-        for m, values in ((0, events), (1, events), (2, events), (3, counts), (4, counts)):
-            k = 4 * m
-            # the peak of the two pools' sum: running sum of every event from the current sum
-            start = self._pools[True][k] + self._pools[False][k]
-            peak = start + int(np.cumsum(values).max())
-            if peak > self._all_peak[m]:
-                self._all_peak[m] = peak
-            for flag, mask in pools.items():
-                p = self._pools[flag]
+        for metrics, values in (((0, 1, 2), events), ((3, 4), counts)):
+            both = int(np.cumsum(values).max())  # the peak of the pools' sum, from its start
+            per_pool = []
+            for flag, mask in ((True, small), (False, ~small)):
                 mine = np.where(mask, values, 0)
-                running = int(np.cumsum(mine).max())
-                if p[k] + running > p[k + 1]:
-                    p[k + 1] = p[k] + running
-                p[k] += int(mine.sum())
-                p[k + 2] += int(mine[mine > 0].sum())
-                p[k + 3] -= int(mine[mine < 0].sum())
+                per_pool.append((flag, int(np.cumsum(mine).max()), int(mine.sum()),
+                                 int(mine[mine > 0].sum())))
+            for m in metrics:
+                k = 4 * m
+                peak = self._pools[True][k] + self._pools[False][k] + both
+                if peak > self._all_peak[m]:
+                    self._all_peak[m] = peak
+                for flag, running, net, grown_by in per_pool:
+                    p = self._pools[flag]
+                    if p[k] + running > p[k + 1]:
+                        p[k + 1] = p[k] + running
+                    p[k] += net
+                    p[k + 2] += grown_by
+                    p[k + 3] += grown_by - net  # the freed amount
 
     def settle(self) -> None:
         """Bring every figure up to date (what `kiln mem`'s publisher calls)."""

@@ -26,7 +26,7 @@ def _cpu():
 def charge(array, device: Device | None) -> None:
     """Count an eager result on its device while it lives (a view is its base's memory,
     counted with the base; an array counted already is not counted twice)."""
-    if type(array) is np.ndarray and array.flags.owndata:
+    if type(array) is np.ndarray and array.base is None:  # owns its data (no flags object)
         (_cpu() if device is None else allocator_for(device)).track(array)
 
 

@@ -333,6 +333,8 @@ def _int_or_float(fn):
                 return fn(a, b).astype(a.dtype)
         return float_ref(a, b)
 
+    reference.float_fn = fn  # what float operands run (rules.float_fn)
+
     return reference
 
 

@@ -8,6 +8,7 @@ import numpy as np
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import format_shape, normalize_axis, shapes_equal
+from kiln.ir.quiet_numpy import quietly
 from kiln.ir.types import TensorType
 
 FLOATING = "floating"
@@ -82,6 +83,10 @@ def compute_dtype(x: np.ndarray) -> np.dtype:
     return np.dtype(np.float32) if x.dtype in LOW_PRECISION else x.dtype
 
 
+def _rounded(dtype, fn, *arrays, **attrs):
+    return np.asarray(fn(*arrays, **attrs)).astype(dtype)
+
+
 def via_f32(fn):
     """Wrap a float reference: low-precision inputs are computed in float32 and rounded
     back once, as every backend does, so results are correctly rounded."""
@@ -90,12 +95,14 @@ def via_f32(fn):
         out_dtype = arrays[0].dtype
         if out_dtype in LOW_PRECISION:
             arrays = tuple(a.astype(np.float32) if a.dtype == out_dtype else a for a in arrays)
-            with np.errstate(all="ignore"):
-                return np.asarray(fn(*arrays, **attrs)).astype(out_dtype)
-        with np.errstate(all="ignore"):
-            return np.asarray(fn(*arrays, **attrs), dtype=out_dtype)
+            return quietly(_rounded, out_dtype, fn, *arrays, **attrs)
+        result = quietly(fn, *arrays, **attrs)
+        if type(result) is np.ndarray and result.dtype is out_dtype:
+            return result
+        return np.asarray(result, dtype=out_dtype)
 
     reference.__name__ = getattr(fn, "__name__", "reference")
+    reference.float_fn = fn
     return reference
 
 
