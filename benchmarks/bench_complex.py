@@ -4,9 +4,12 @@ GEMM, kiln.compile against numpy, torch eager and jax.jit, side by side in one r
     .venv/bin/python benchmarks/bench_complex.py [--quick] [--out benchmarks/results/cpu.md]
 
 kiln's `complex` pass turns complex64 arithmetic into float32 (re, im) arithmetic that
-fuses into one loop kernel; the GEMM becomes 4 real GEMMs (4M, see docs/complex.md),
-and KILN_COMPLEX_GEMM=3m is measured too. Medians after a warm-up; ratios are from the
-same run. torch.compile is not run: Inductor falls back to eager for complex tensors.
+fuses into one loop kernel; the GEMM is 4M as one real GEMM of twice the size per side
+(see docs/complex.md), measured beside the four-GEMM 4M form it replaced and
+KILN_COMPLEX_GEMM=3m. Every implementation of a row is timed in alternating rounds
+(the median of the rounds' medians), so load drift on a shared machine hits them alike;
+ratios are from the same run. torch.compile is not run: Inductor falls back to eager for
+complex tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import numpy as np
 
 import kiln as kn
+import kiln.passes.complex_decompose as complex_decompose
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import median_s, write_section  # noqa: E402
@@ -50,8 +54,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", help="write the markdown table into this results file")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per row")
     args = parser.parse_args()
-    repeat = 5 if args.quick else 9
+    repeat = 3 if args.quick else 5
     rng = np.random.default_rng(0)
     n = 1 << (20 if args.quick else 22)
     m = 256 if args.quick else 512
@@ -71,25 +76,36 @@ def main() -> int:
     for key, label, kfn, npfn, inputs in cases:
         row = {"workload": label}
         want = npfn(*inputs)
-        for variant in (["4m", "3m"] if key == "gemm" else ["4m"]):
-            os.environ["KILN_COMPLEX_GEMM"] = variant
-            fn = kn.compile(kfn)
-            got = fn(*inputs).numpy()
-            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-            name = "kiln" if variant == "4m" else "kiln 3M"
-            row[name] = median_s(lambda: fn(*inputs), repeat)
-            row[f"{name} rel err"] = err
-        os.environ.pop("KILN_COMPLEX_GEMM", None)
-        row["numpy"] = median_s(lambda: npfn(*inputs), repeat)
+        fns = {}
+        variants = [("kiln", "4m", True)]
+        if key == "gemm":
+            variants += [("kiln 4 GEMMs", "4m", False), ("kiln 3M", "3m", True)]
+        for name, method, block in variants:
+            os.environ["KILN_COMPLEX_GEMM"] = method
+            complex_decompose.BLOCK_GEMM = block
+            try:
+                fn = kn.compile(kfn)
+                got = fn(*inputs).numpy()
+            finally:
+                os.environ.pop("KILN_COMPLEX_GEMM", None)
+                complex_decompose.BLOCK_GEMM = True
+            row[f"{name} rel err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            fns[name] = (lambda fn: lambda: fn(*inputs))(fn)
+        fns["numpy"] = lambda: npfn(*inputs)
         if torch is not None:
             tin = [torch.from_numpy(x) for x in inputs]
             tfn = (lambda z, w: chain_t(torch, z, w)) if key == "chain" else (lambda a, b: a @ b)
-            row["torch eager"] = median_s(lambda: tfn(*tin), repeat)
+            fns["torch eager"] = lambda: tfn(*tin)
         if jax is not None:
             jfn = jax.jit((lambda z, w: jnp.exp(z) * w + z * 0.5 - jnp.abs(z)) if key == "chain"
                           else (lambda a, b: a @ b))
             jin = [jnp.asarray(x) for x in inputs]
-            row["jax.jit"] = median_s(lambda: jfn(*jin).block_until_ready(), repeat)
+            fns["jax.jit"] = lambda: jfn(*jin).block_until_ready()
+        rounds: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                rounds[name].append(median_s(fn, repeat))
+        row.update({name: float(np.median(ts)) for name, ts in rounds.items()})
         rows.append(row)
         print(row, flush=True)
     table = render(rows, args)
@@ -106,12 +122,14 @@ def render(rows, args) -> str:
                       if line.startswith("Model name")), platform.processor())
     except OSError:
         model = platform.processor()
-    cols = ["kiln", "kiln 3M", "numpy", "torch eager", "jax.jit"]
+    cols = ["kiln", "kiln 4 GEMMs", "kiln 3M", "numpy", "torch eager", "jax.jit"]
     lines = ["## Complex numbers as real kernels (issue 21)", "",
              f"`.venv/bin/python benchmarks/bench_complex.py{' --quick' if args.quick else ''}` on "
              f"{model}, {datetime.date.today()}, load average {os.getloadavg()[0]:.1f} on "
              f"{os.cpu_count()} CPUs (a shared machine: compare within a row only); medians in "
-             "ms; the last column is numpy's time over kiln's (same run).", "",
+             f"ms of {args.rounds} alternating rounds; `kiln` is the default (for the GEMM: 4M as "
+             "one real GEMM), `kiln 4 GEMMs` the four-GEMM 4M form it replaced; the last "
+             "column is numpy's time over kiln's (same run).", "",
              "| workload | " + " | ".join(cols) + " | kiln rel err | numpy / kiln |",
              "|---" * (len(cols) + 3) + "|"]
     for r in rows:
