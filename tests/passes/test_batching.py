@@ -256,6 +256,7 @@ def test_capture_replays_a_batch_in_one_native_run():
     captured = kn.capture(sixteen, *xs)
     for k, (got, x) in enumerate(zip(captured(*xs), xs)):
         np.testing.assert_allclose(got.numpy(), np.exp(x) * (k + 1), rtol=1e-6)
+    assert captured.native_runs == 1
 
 
 def test_the_batched_entry_over_ranges_that_cut_through_members():
