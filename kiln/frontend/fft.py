@@ -1,20 +1,19 @@
 """`kn.fft`: torch.fft's discrete Fourier transforms (fft, ifft, rfft, irfft, fft2, ifft2,
 fftn, ifftn, fftfreq, rfftfreq, fftshift, ifftshift).
 
-A transform along one dim is a matrix product with the DFT's cosine and sine matrices
-(built in float64, applied in the input's real dtype), on the real and imaginary parts,
-then `complex(re, im)`: O(n^2) per dim rather than O(n log n), but every piece is a
-registered op, so the transforms run eagerly, trace, compile and differentiate with the
-registry's matmul and complex vjp rules. Results are complex64 (kiln's complex dtype).
-`n` zero-pads or trims the input, `norm` is "backward" (default), "ortho" or "forward".
+Each one-dimensional transform is one op of kiln/ir/ops/fft.py, run by numpy's
+pocketfft (O(n log n) for every length, primes included), eagerly and as an extern step
+of compiled programs, with the adjoint transforms as vjp rules, so `kn.grad`,
+`.backward()` and `kn.compile` all work. Results are complex64 (kiln's complex dtype;
+torch gives complex128 for float64 inputs) and irfft's are float32. `n` zero-pads or
+trims the input along the dim first, `norm` is "backward" (default), "ortho" or
+"forward"; fftn/fft2 transform one dim after another.
 
     >>> spec = kn.fft.rfft(signal)             # [..., n // 2 + 1] complex64
     >>> back = kn.fft.irfft(spec, n=signal.shape[-1])
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -24,120 +23,124 @@ from kiln.ir import dtypes as dt
 _NORMS = (None, "backward", "ortho", "forward")
 
 
-def _parts(x):
-    """(real, imaginary or None) float parts of x."""
-    from kiln.frontend.dispatch import apply
-    from kiln.frontend.functional import _tensor, to
-
-    x = _tensor(x)
-    if x.dtype.is_complex:
-        return apply("real", x), apply("imag", x)
-    return (x if x.dtype.is_floating else to(x, dt.float32)), None
-
-
-def _scale(norm, n: int, inverse: bool) -> float:
+def _norm(norm, op: str) -> str:
     if norm not in _NORMS:
-        raise KilnArgumentError(f"fft: norm must be 'backward', 'ortho' or 'forward', got {norm!r}")
-    norm = norm or "backward"
-    if norm == "ortho":
-        return 1.0 / math.sqrt(n)
-    return 1.0 / n if (norm == "backward") == inverse else 1.0
+        raise KilnArgumentError(f"{op}: norm must be 'backward', 'ortho' or 'forward', got {norm!r}")
+    return norm or "backward"
 
 
-def _resize(t, n: int, dim: int):
+def _real(x):
+    """x as a real float tensor (integers and bools compute in float32, as torch)."""
+    from kiln.frontend.functional import to
+
+    return x if x.dtype.is_floating else to(x, dt.float32)
+
+
+def _complex(x):
+    """x as complex64 (a real x gets a zero imaginary part)."""
+    from kiln.frontend.dispatch import apply
+    from kiln.frontend.factories import zeros_like
+    from kiln.frontend.functional import to
+
+    if x.dtype.is_complex:
+        return x
+    re = to(_real(x), dt.float32)
+    return apply("complex", re, zeros_like(re))
+
+
+def _axis(x, dim, op: str) -> int:
+    from kiln.ir.shapes import normalize_axis
+
+    if x.ndim == 0:
+        raise KilnShapeError(f"{op}: needs a tensor with at least one dim, got a scalar")
+    return normalize_axis(op, dim, x.ndim, "dim")
+
+
+def _resize(t, n: int, dim: int, op: str):
     """t zero-padded or trimmed to length n along dim (torch's `n=`)."""
     from kiln.frontend.shape_ops import narrow, pad
 
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise KilnArgumentError(f"{op}: the transform length n must be a positive int, got {n!r}")
+    n = int(n)
     size = t.shape[dim]
     if not isinstance(size, int):
-        raise KilnShapeError(f"fft: needs a static size along dim {dim}, got {list(t.shape)}")
+        raise KilnShapeError(f"{op}: n= pads or trims dim {dim}, which needs a static size; got "
+                             f"{list(t.shape)}")
     if size > n:
         return narrow(t, dim, 0, n)
     if size < n:
-        widths = [0, 0] * (t.ndim - 1 - dim % t.ndim) + [0, n - size]
-        return pad(t, widths)
+        if t.dtype.is_complex:
+            from kiln.frontend.dispatch import apply
+
+            return apply("complex", _resize(apply("real", t), n, dim, op),
+                         _resize(apply("imag", t), n, dim, op))
+        return pad(t, [0, 0] * (t.ndim - 1 - dim) + [0, n - size])
     return t
 
 
-def _matrix(values: np.ndarray, like):
-    from kiln.frontend.factories import tensor
-
-    return tensor(values.astype(like.dtype.np_dtype))
-
-
-def _transform(x, n, dim: int, norm, inverse: bool, bins: int | None = None):
-    """The (inverse) DFT of x along dim to length n, keeping the first `bins` outputs."""
+def _c2c(input, n, dim: int, norm, inverse: bool, op: str):
     from kiln.frontend.dispatch import apply
     from kiln.frontend.functional import _tensor
 
-    x = _tensor(x)
-    dim = dim % max(x.ndim, 1)
-    n = x.shape[dim] if n is None else int(n)
-    if not isinstance(n, int) or n <= 0:
-        raise KilnArgumentError(f"fft: the transform length must be a positive static int, got {n}")
-    re, im = _parts(x)
-    re = _resize(re, n, dim).movedim(dim, -1)
-    im = None if im is None else _resize(im, n, dim).movedim(dim, -1)
-    k = n if bins is None else bins
-    angle = 2.0 * np.pi * np.outer(np.arange(n), np.arange(k)) / n
-    sign = 1.0 if inverse else -1.0
-    scale = _scale(norm, n, inverse)
-    cos, sin = _matrix(np.cos(angle) * scale, re), _matrix(sign * np.sin(angle) * scale, re)
-    out_re, out_im = re @ cos, re @ sin  # x e^{sign i a} = (re + i im)(cos + i sin_signed)
-    if im is not None:
-        out_re, out_im = out_re - im @ sin, out_im + im @ cos
-    from kiln.frontend.functional import to
-
-    z = apply("complex", to(out_re, dt.float32), to(out_im, dt.float32))
-    return z.movedim(-1, dim)
+    x = _tensor(input)
+    axis = _axis(x, dim, op)
+    norm = _norm(norm, op)
+    x = _complex(x)
+    if n is not None:
+        x = _resize(x, n, axis, op)
+    return apply("fft", x, axis=axis, inverse=inverse, norm=norm)
 
 
 def fft(input, n: int | None = None, dim: int = -1, norm: str | None = None):
-    """The one-dimensional discrete Fourier transform along `dim`."""
-    return _transform(input, n, dim, norm, inverse=False)
+    """The one-dimensional discrete Fourier transform along `dim` (torch.fft.fft).
+
+    >>> kn.fft.fft(kn.tensor([1.0, 0.0, 0.0, 0.0])).numpy()   # [1, 1, 1, 1] complex64
+    """
+    return _c2c(input, n, dim, norm, False, "fft")
 
 
 def ifft(input, n: int | None = None, dim: int = -1, norm: str | None = None):
-    """The inverse of `fft`."""
-    return _transform(input, n, dim, norm, inverse=True)
+    """The inverse of `fft` (torch.fft.ifft)."""
+    return _c2c(input, n, dim, norm, True, "ifft")
 
 
 def rfft(input, n: int | None = None, dim: int = -1, norm: str | None = None):
-    """The DFT of a real signal: the n // 2 + 1 non-negative frequencies."""
+    """The DFT of a real signal: the n // 2 + 1 non-negative frequencies (torch.fft.rfft)."""
+    from kiln.frontend.dispatch import apply
     from kiln.frontend.functional import _tensor
 
     x = _tensor(input)
     if x.dtype.is_complex:
         raise KilnArgumentError("rfft: expects a real input; use kn.fft.fft for complex ones")
-    length = x.shape[dim] if n is None else int(n)
-    return _transform(x, length, dim, norm, inverse=False, bins=length // 2 + 1)
+    axis = _axis(x, dim, "rfft")
+    norm = _norm(norm, "rfft")
+    x = _real(x)
+    if n is not None:
+        x = _resize(x, n, axis, "rfft")
+    return apply("rfft", x, axis=axis, norm=norm)
 
 
 def irfft(input, n: int | None = None, dim: int = -1, norm: str | None = None):
     """The real signal of length n (default 2 * (bins - 1)) whose rfft is `input` (the
     imaginary parts of the zero and Nyquist bins are ignored, as torch)."""
+    from kiln.frontend.dispatch import apply
     from kiln.frontend.functional import _tensor
 
     z = _tensor(input)
-    dim = dim % max(z.ndim, 1)
-    bins = z.shape[dim]
-    n = 2 * (bins - 1) if n is None else int(n)
-    if n <= 0:
-        raise KilnArgumentError(f"irfft: the output length must be positive, got {n}")
-    re, im = _parts(z)
-    keep = n // 2 + 1
-    re = _resize(re, keep, dim).movedim(dim, -1)
-    im = None if im is None else _resize(im, keep, dim).movedim(dim, -1)
-    weight = np.full(keep, 2.0)
-    weight[0] = 1.0
-    if n % 2 == 0:
-        weight[-1] = 1.0
-    angle = 2.0 * np.pi * np.outer(np.arange(keep), np.arange(n)) / n
-    scale = _scale(norm, n, inverse=True)
-    out = re @ _matrix(weight[:, None] * np.cos(angle) * scale, re)
-    if im is not None:
-        out = out - im @ _matrix(weight[:, None] * np.sin(angle) * scale, re)
-    return out.movedim(-1, dim)
+    axis = _axis(z, dim, "irfft")
+    norm = _norm(norm, "irfft")
+    bins = z.shape[axis]
+    if n is None:
+        if not isinstance(bins, int):
+            raise KilnShapeError(f"irfft: the output length depends on the symbolic size {bins}; "
+                                 "pass n= explicitly")
+        n = 2 * (bins - 1)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise KilnArgumentError(f"irfft: the output length must be a positive int, got {n!r}")
+    n = int(n)
+    z = _resize(_complex(z), n // 2 + 1, axis, "irfft")
+    return apply("irfft", z, axis=axis, n=n, norm=norm)
 
 
 def _dims(x, s, dim, op):

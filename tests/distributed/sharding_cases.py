@@ -143,6 +143,9 @@ def case(name: str, rng):
         "var": ([x], {"axes": (0,)}),
         "normal": ([key], {"shape": (6, 5)}), "uniform": ([key], {"shape": (6, 5)}),
         "scaled_dot_product_attention": ([f(6, 2, 4, 3), f(6, 2, 5, 3), f(6, 2, 5, 3)], {}),
+        "fft": ([(f(6, 5) + 1j * f(6, 5)).astype(np.complex64)], {"axis": 1, "inverse": True}),
+        "rfft": ([f(6, 5)], {"axis": 1, "norm": "ortho"}),
+        "irfft": ([(f(6, 3) + 1j * f(6, 3)).astype(np.complex64)], {"axis": 1, "n": 5}),
     }
     for base in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
         table[base + "_start"] = table[base]
