@@ -93,8 +93,16 @@ def test_single_process_round_trip_and_second_save_cleans_up(tmp_path):
         checkpoint.load({"a": np.zeros((4, 3), np.float32)}, path)
 
 
-def test_corrupt_and_missing_shards_are_named(tmp_path):
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_corrupt_and_missing_shards_are_named(tmp_path, monkeypatch, algo):
+    from kiln.distributed.checkpoint import checksum
+
+    if not checksum.available(algo):
+        pytest.skip("the xxhash package is not installed (pip install 'kiln[checkpoint]')")
+    monkeypatch.setattr(checksum, "default_algorithm", lambda: algo)
     path, doc = _saved(tmp_path)
+    assert checksum.of_shard(doc["tensors"]["a"]["shards"][0], "a") == (
+        algo, checksum.digest(algo, np.arange(12, dtype=np.float32).reshape(3, 4).tobytes()))
     shard = doc["tensors"]["a"]["shards"][0]["file"]
     start = doc["tensors"]["a"]["shards"][0]["byte_offset"]  # after the safetensors header
     target = {"a": np.zeros((3, 4), np.float32)}
@@ -102,7 +110,7 @@ def test_corrupt_and_missing_shards_are_named(tmp_path):
     raw[start + 5] ^= 0xFF
     Path(path, shard).write_bytes(bytes(raw))
     with pytest.raises(CheckpointCorrupt, match="K246.*tensor 'a' at byte %d of shard file %s "
-                       "fails its sha256" % (start, shard)):
+                       "fails its %s checksum" % (start, shard, algo)):
         checkpoint.load(target, path)
     Path(path, shard).write_bytes(bytes(raw[:start + 10]))
     with pytest.raises(CheckpointCorrupt, match="holds 10 of the block's 48 bytes.*truncated"):
@@ -126,6 +134,13 @@ def test_corrupt_and_missing_shards_are_named(tmp_path):
     (lambda d: d["tensors"]["a"]["shards"][0].update(byte_offset=-1), "byte_offset -1"),
     (lambda d: d["tensors"]["t"]["shards"][0].update(
         byte_offset=d["tensors"]["a"]["shards"][0]["byte_offset"] + 8), "share bytes"),
+    (lambda d: [s.pop(a, None) for s in d["tensors"]["a"]["shards"]
+                for a in ("xxh3_128", "sha256")], "one checksum"),
+    (lambda d: d["tensors"]["a"]["shards"][0].update(sha256="ab", xxh3_128="cd"),
+     "one checksum"),
+    (lambda d: d["tensors"]["a"]["shards"][0].update(
+        {a: "not hex" for a in ("xxh3_128", "sha256") if a in d["tensors"]["a"]["shards"][0]}),
+     "one checksum"),
 ])
 def test_hostile_manifests_are_refused(tmp_path, edit, message):
     path, doc = _saved(tmp_path)
@@ -161,3 +176,53 @@ def test_async_saves_into_one_folder_commit_in_call_order(tmp_path):
     checkpoint.load(state, path)
     assert np.all(state["a"] == 9)
     assert len([n for n in os.listdir(path) if n.startswith("shard-")]) == 1
+
+
+def test_write_all_survives_short_writes_and_many_buffers(tmp_path, monkeypatch):
+    from kiln.distributed.checkpoint import io
+
+    rng = np.random.default_rng(0)
+    buffers = [rng.integers(0, 255, size=int(n), dtype=np.uint8)
+               for n in rng.integers(0, 40, size=2500)]  # more than IOV_MAX, some empty
+    real = os.writev
+    calls = []
+
+    def short(fd, bufs):  # the kernel may write less than asked: at most 1000 bytes a call
+        calls.append(len(bufs))
+        return real(fd, [memoryview(b"".join(bytes(b) for b in bufs)[:1000])])
+
+    monkeypatch.setattr(io.os, "writev", short)
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        io._write_all(fd, [b"head"] + buffers)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"head" + b"".join(b.tobytes() for b in buffers)
+    assert max(calls) <= io._IOV_MAX and len(calls) > 1
+
+
+def test_async_snapshot_is_taken_at_the_call_and_its_staging_buffer_reused(tmp_path):
+    from kiln.distributed.checkpoint import staging
+
+    staging.clear()
+    path = str(tmp_path / "ck")
+    big = np.full((1024, 8192), 1.0, np.float32)  # 32 MiB: the copy is split over threads
+    small = np.arange(5, dtype=np.int64)
+    fut = checkpoint.async_save({"big": big, "small": small, "s": np.float64(2.5)}, path)
+    big[:] = 7.0  # training goes on: the save holds the values of the call
+    small[:] = -1
+    fut.result(timeout=120)
+    state = {"big": np.zeros_like(big), "small": np.zeros_like(small),
+             "s": np.zeros((), np.float64)}
+    checkpoint.load(state, path)
+    assert np.all(state["big"] == 1.0) and state["small"].tolist() == [0, 1, 2, 3, 4]
+    assert float(state["s"]) == 2.5
+    (lease,) = staging._POOL.idle  # handed back when the write ended
+    fut = checkpoint.async_save({"big": big, "small": small, "s": np.float64(3.5)}, path)
+    fut.result(timeout=120)
+    assert len(staging._POOL.idle) == 1 and staging._POOL.idle[0] is lease  # reused
+    checkpoint.load(state, path)
+    assert np.all(state["big"] == 7.0) and state["small"].tolist() == [-1] * 5
+    staging.clear()
+    assert not staging._POOL.idle

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
 import os
 import struct
@@ -12,7 +11,9 @@ import threading
 import numpy as np
 
 from kiln.distributed import rendezvous
+from kiln.distributed.checkpoint import checksum
 from kiln.distributed.checkpoint import manifest as mf
+from kiln.distributed.checkpoint import staging
 from kiln.distributed.dtensor import DTensor
 from kiln.distributed.errors import CheckpointCorrupt, CheckpointError, StoreTimeout
 from kiln.distributed.placements import Replicate, local_bounds
@@ -32,8 +33,9 @@ def _group(state: dict):
     return rendezvous.get_world() if rendezvous.is_initialized() else None
 
 
-def _snapshot(state: dict, rank: int, copy: bool) -> list:
-    """[(key, dtype, shape, placements text, [(offsets, block copy)])] for this rank."""
+def _snapshot(state: dict, rank: int) -> list:
+    """[(key, dtype, shape, placements text, [(offsets, block)])] for this rank (the
+    blocks are the tensors' own memory; `_stage` copies them for an async save)."""
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError("save: the state must be a dict with string keys")
     items = []
@@ -47,16 +49,24 @@ def _snapshot(state: dict, rank: int, copy: bool) -> list:
             owner = all(coord[i] == 0 for i, p in enumerate(value.placements) if not p.is_shard())
             offsets = tuple(lo for lo, _ in value.local_bounds())
             local = value.local_array()
-            blocks = [(offsets, local.copy() if copy else local)] if owner else []
+            blocks = [(offsets, local)] if owner else []
             items.append((key, value.dtype, value.shape, [str(p) for p in value.placements],
                           blocks))
         else:
             arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
-            arr = arr.copy() if copy else arr
             dtype = kd.from_numpy(arr.dtype)
             blocks = [((0,) * arr.ndim, arr)] if rank == 0 else []
             items.append((key, dtype, arr.shape, [], blocks))
     return items
+
+
+def _stage(items: list) -> tuple[list, np.ndarray]:
+    """The items with every block replaced by its copy in one staging buffer (the
+    snapshot of an async save: one memcpy per block); and the buffer, to release."""
+    copies, lease = staging.stage([block for *_, bl in items for _, block in bl])
+    it = iter(copies)
+    return [(key, dtype, shape, pl, [(off, next(it)) for off, _ in bl])
+            for key, dtype, shape, pl, bl in items], lease
 
 
 _NONCES: dict = {}  # id(group) -> (group, nonce, saves so far)
@@ -102,41 +112,61 @@ def _safetensors_header(save_id: str, blocks: list) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def _write_all(fd: int, buffers: list) -> None:
+    """Write `buffers` (bytes-like) to `fd` in order with writev straight from their
+    memory, as few calls as the kernel allows (it may write less than asked)."""
+    todo = [m for m in (memoryview(b).cast("B") for b in buffers) if len(m)]
+    first = 0
+    while first < len(todo):
+        done = os.writev(fd, todo[first:first + _IOV_MAX])
+        while first < len(todo) and done >= len(todo[first]):
+            done -= len(todo[first])
+            first += 1
+        if done:
+            todo[first] = todo[first][done:]
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
 def _write_shards(folder: str, save_id: str, rank: int, items: list) -> dict:
-    """Write this rank's blocks into one safetensors file (one fsync), each block's
-    SHA-256 computed on a second thread while the next block is written (hashlib and
-    write release the GIL); return this rank's part of the manifest."""
+    """Write this rank's blocks into one safetensors file with one writev per up to
+    IOV_MAX blocks, straight from their memory, and one fsync; meanwhile a second
+    thread checksums the blocks (xxhash, hashlib and writev release the GIL). Returns
+    this rank's part of the manifest."""
     part: dict = {}
     name = "%s%s-r%d.safetensors" % (_PREFIX, save_id, rank)
     blocks = [(key, np.require(block, requirements="C"))
               for key, _, _, _, bl in items for _, block in bl]
     head = _safetensors_header(save_id, blocks)
-    pending = []
-    with concurrent.futures.ThreadPoolExecutor(1) as hasher:
+    data = [block.reshape(-1).view(np.uint8) for _, block in blocks]
+    algo = checksum.default_algorithm()
+    hash_of = checksum.function(algo)
+    offset, shards = len(head), []
+    for key, dtype, shape, placements, bl in items:
+        entry = part.setdefault(key, {"dtype": mf.dtype_name(dtype), "shape": list(shape),
+                                      "placements": placements, "shards": []})
+        for offsets, block in bl:
+            shard = {"file": name, "byte_offset": offset, "offsets": list(offsets),
+                     "shape": list(block.shape), "nbytes": int(block.nbytes)}
+            entry["shards"].append(shard)
+            shards.append(shard)
+            offset += int(block.nbytes)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-ckpt-hash") as pool:
+        digests = pool.submit(lambda: [hash_of(d) for d in data])
         try:
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(head)
-                offset = len(head)
-                for key, dtype, shape, placements, bl in items:
-                    entry = part.setdefault(key, {"dtype": mf.dtype_name(dtype),
-                                                  "shape": list(shape),
-                                                  "placements": placements, "shards": []})
-                    for offsets, block in bl:
-                        data = memoryview(np.require(block, requirements="C").reshape(-1)
-                                          .view(np.uint8))
-                        digest = hasher.submit(lambda d: hashlib.sha256(d).hexdigest(), data)
-                        f.write(data)
-                        shard = {"file": name, "byte_offset": offset, "offsets": list(offsets),
-                                 "shape": list(block.shape), "nbytes": data.nbytes}
-                        entry["shards"].append(shard)
-                        pending.append((shard, digest))
-                        offset += data.nbytes
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(os.path.join(folder, name),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+            try:
+                _write_all(fd, [head] + data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except OSError as err:
             raise CheckpointError("save: cannot write %s in %s: %s" % (name, folder, err)) from None
-        for shard, digest in pending:
-            shard["sha256"] = digest.result()
+        for shard, digest in zip(shards, digests.result()):
+            shard[algo] = digest
     return part
 
 
@@ -207,11 +237,11 @@ def _finish(folder: str, save_id: str, rank: int, world: int, items: list, store
         raise CheckpointError("save to %s failed: %s" % (folder, verdict))
 
 
-def _prepare(state: dict, path: str, timeout: float | None, copy: bool):
+def _prepare(state: dict, path: str, timeout: float | None):
     group = _group(state)
     rank = group.rank if group is not None else 0
     world = group.world_size if group is not None else 1
-    items = _snapshot(state, rank, copy)
+    items = _snapshot(state, rank)
     save_id = _agree_save_id(group)
     try:
         os.makedirs(path, exist_ok=True)
@@ -241,20 +271,22 @@ def save(state: dict, path: str, *, timeout: float | None = None) -> None:
 
         >>> dist.checkpoint.save({"w": w, "b": b}, "ckpt")
     """
-    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, False)
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout)
     _after_previous(path, timeout)
     _finish(path, save_id, rank, world, items, store, timeout)
 
 
 def async_save(state: dict, path: str, *,
                timeout: float | None = None) -> concurrent.futures.Future:
-    """Like `save`, but returns at once with a Future: the state is copied at the call
-    and a background thread writes and commits it (training may change the tensors).
+    """Like `save`, but returns at once with a Future: this rank's blocks are copied at
+    the call into a reused staging buffer (the only stall; `staging.py`) and a
+    background thread writes and commits the copy (training may change the tensors).
     Saves into one folder commit in call order.
 
         >>> fut = dist.checkpoint.async_save(state, "ckpt"); ...; fut.result()
     """
-    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, True)
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout)
+    items, lease = _stage(items)
     future: concurrent.futures.Future = concurrent.futures.Future()
     key = os.path.realpath(path)
     previous = _IN_FLIGHT.get(key)
@@ -271,6 +303,7 @@ def async_save(state: dict, path: str, *,
         except BaseException as err:  # handed to the caller through the future
             future.set_exception(err)
         finally:
+            staging.release(lease)
             if own_store is not None:
                 own_store.close()
             if _IN_FLIGHT.get(key) is future:
@@ -300,9 +333,10 @@ def _read_shard(folder: str, key: str, shard: dict, dtype: kd.DType, cache: dict
         raise CheckpointCorrupt("load: shard file %s of tensor %r holds %d of the block's %d "
                                 "bytes at offset %d (truncated or replaced)"
                                 % (name, key, len(data), shard["nbytes"], start))
-    if hashlib.sha256(data).hexdigest() != shard["sha256"]:
+    algo, want = checksum.of_shard(shard, "shard %r of %r" % (name, key))
+    if checksum.digest(algo, data) != want:
         raise CheckpointCorrupt("load: the block of tensor %r at byte %d of shard file %s fails "
-                                "its sha256 checksum" % (key, start, name))
+                                "its %s checksum" % (key, start, name, algo))
     arr = np.frombuffer(data, dtype=dtype.np_dtype).reshape(shard["shape"])
     cache[name, start] = arr
     return arr

@@ -4,7 +4,7 @@
      "tensors": {"w": {"dtype": "float32", "shape": [8, 6], "placements": ["Shard(0)"],
                        "shards": [{"file": "shard-9f2c-r0.safetensors", "byte_offset": 88,
                                    "offsets": [0, 0], "shape": [2, 6], "nbytes": 48,
-                                   "sha256": "..."}, ...]}}}
+                                   "xxh3_128": "..."}, ...]}}}      # or "sha256"
 
 Each rank writes one shard file, a safetensors file (an 8-byte header length, a JSON
 header, then the raw little-endian bytes of its C-ordered blocks one after the other);
@@ -21,6 +21,7 @@ import json
 import os
 import re
 
+from kiln.distributed.checkpoint import checksum
 from kiln.distributed.errors import CheckpointError, CheckpointManifestError
 from kiln.ir import dtypes as kd
 
@@ -99,10 +100,11 @@ def validate(doc, folder: str) -> dict:
                     "manifest: shard %r of %r (offsets %s, shape %s) lies outside the tensor's "
                     "shape %s" % (s.get("file"), key, list(offs), list(sshape), list(shape)))
             nbytes = _volume(sshape) * max(1, dtype.bits // 8)
-            if s.get("nbytes") != nbytes or not isinstance(s.get("sha256"), str):
+            if s.get("nbytes") != nbytes:
                 raise CheckpointManifestError(
-                    "manifest: shard %r of %r declares %r bytes (its shape and dtype make %d) or "
-                    "has no sha256" % (s.get("file"), key, s.get("nbytes"), nbytes))
+                    "manifest: shard %r of %r declares %r bytes (its shape and dtype make %d)"
+                    % (s.get("file"), key, s.get("nbytes"), nbytes))
+            algo, digest = checksum.of_shard(s, "shard %r of %r" % (s.get("file"), key))
             start = s.get("byte_offset")
             if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < 1 << 50:
                 raise CheckpointManifestError("manifest: shard %r of %r has byte_offset %r; it "
@@ -110,7 +112,7 @@ def validate(doc, folder: str) -> dict:
                                                                               start))
             shard_path(folder, s.get("file"))
             shards.append({"file": s["file"], "byte_offset": start, "offsets": offs,
-                           "shape": sshape, "nbytes": nbytes, "sha256": s["sha256"]})
+                           "shape": sshape, "nbytes": nbytes, algo: digest})
             total += _volume(sshape)
         _check_cover(key, shape, shards, total)
         out[key] = (dtype, shape, shards)
