@@ -22,7 +22,9 @@ from kiln.ir.shapes import ShapeVar  # noqa: F401
 from kiln.frontend.tensor import Tensor  # noqa: F401
 from kiln.frontend import methods as _methods  # noqa: F401  (binds Tensor operators)
 from kiln.frontend.functional import *  # noqa: F401,F403
-from kiln.frontend.functional import abs, all, any, max, min, pow, round, sum  # noqa: F401,A004
+from kiln.frontend.functional import abs, pow, round  # noqa: F401,A004
+from kiln.frontend.reductions import *  # noqa: F401,F403
+from kiln.frontend.reductions import all, any, max, min, sum  # noqa: F401,A004
 from kiln.frontend.shape_ops import *  # noqa: F401,F403
 from kiln.frontend.capture import capture  # noqa: F401,E402
 from kiln.frontend.indexing import getitem as _getitem  # noqa: F401

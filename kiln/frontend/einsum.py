@@ -62,7 +62,7 @@ def _parse(equation: str, ranks: list[int]) -> tuple[list[str], str]:
 
 
 def _sum_unused(x, term: str, keep: set):
-    from kiln.frontend.functional import sum as ksum
+    from kiln.frontend.reductions import sum as ksum
 
     drop = [i for i, c in enumerate(term) if c not in keep]
     if drop:

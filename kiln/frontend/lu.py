@@ -35,7 +35,8 @@ def _factor(a):
     """(packed LU, permutation [..., n], pivots [..., n] 0-based, swap sign [...])."""
     from kiln.frontend.factories import arange, tensor
     from kiln.frontend.functional import abs as kabs
-    from kiln.frontend.functional import argmax, eq, mul, where
+    from kiln.frontend.functional import eq, mul, where
+    from kiln.frontend.reductions import argmax
     from kiln.frontend.shape_ops import expand, gather, stack, unsqueeze
 
     n = a.shape[-1]
@@ -100,14 +101,15 @@ def lu(A, *, pivot: bool = True) -> LU:
 
 def _diagonal(a):
     from kiln.frontend.factories import eye
-    from kiln.frontend.functional import sum as ksum
+    from kiln.frontend.reductions import sum as ksum
 
     return ksum(a * eye(a.shape[-1], dtype=a.dtype), dim=-1)
 
 
 def det(A):
     """The determinant of each square matrix (torch.linalg.det)."""
-    from kiln.frontend.functional import mul, prod
+    from kiln.frontend.functional import mul
+    from kiln.frontend.reductions import prod
 
     a = _square("det", A)
     packed, _, _, sign = _factor(a)
@@ -122,7 +124,8 @@ class SlogDet(NamedTuple):
 def slogdet(A) -> SlogDet:
     """(sign, log|det|) of each square matrix (torch.linalg.slogdet)."""
     from kiln.frontend.functional import abs as kabs
-    from kiln.frontend.functional import log, mul, prod, sign, sum as ksum
+    from kiln.frontend.functional import log, mul, sign
+    from kiln.frontend.reductions import prod, sum as ksum
 
     a = _square("slogdet", A)
     packed, _, _, swaps = _factor(a)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kiln.ir import dtypes as dt
 from kiln.frontend import functional as F
+from kiln.frontend import reductions as R
 from kiln.frontend import shape_ops as S
 from kiln.frontend import selection as SEL
 from kiln.frontend.indexing import getitem
@@ -32,7 +33,7 @@ _OPERATORS = {
     "__neg__": F.neg, "__abs__": F.abs, "__invert__": F.bitwise_not, "__getitem__": getitem,
 }
 
-_METHODS = {name: getattr(F, name) for name in (
+_METHODS = {name: getattr(R if name in R.__all__ else F, name) for name in (
     "exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
     "tanh", "sqrt", "rsqrt", "erf", "erfc", "sigmoid", "relu", "abs", "neg", "sign", "floor", "ceil",
     "round", "trunc", "isnan", "isinf", "isfinite", "logical_not", "bitwise_not",

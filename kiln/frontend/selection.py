@@ -19,9 +19,8 @@ from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import normalize_axis
 from kiln.frontend.dispatch import apply, creation_emitter, wrap
-from kiln.frontend.functional import (
-    MaxMin, _tensor, add, cumsum, ge, le, log, lt, sort, sum, to, where,
-)
+from kiln.frontend.functional import _tensor, add, ge, le, log, lt, to, where
+from kiln.frontend.reductions import MaxMin, cumsum, sort, sum
 from kiln.frontend.shape_ops import narrow, unsqueeze
 
 

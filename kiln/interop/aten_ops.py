@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kiln.frontend import factories, shape_ops
+from kiln.frontend import factories, reductions, shape_ops
 from kiln.frontend import functional as ops
 from kiln.frontend.tensor import Tensor
 from kiln.ir import dtypes as dt
@@ -132,41 +132,42 @@ def _reduction(name, fn):
     ATEN[name] = reduce
 
 
-for _name, _fn in [("sum", ops.sum), ("mean", ops.mean), ("amax", ops.amax), ("amin", ops.amin),
-                   ("any", ops.any), ("all", ops.all), ("logsumexp", ops.logsumexp)]:
-    _reduction(_name, _fn)
+for _name in ("sum", "mean", "amax", "amin", "any", "all", "logsumexp"):
+    _reduction(_name, getattr(reductions, _name))
 
 
 @op("prod")
 def _prod(x, dim=None, keepdim=False, dtype=None):
-    return ops.prod(x if dtype is None else x.to(dtype), dim, keepdim)
+    return reductions.prod(x if dtype is None else x.to(dtype), dim, keepdim)
 
 
 def _max_or_min(fn):
     def run(x, dim=None, keepdim=False):
         if isinstance(dim, Tensor):  # max.other: elementwise
-            return (ops.maximum if fn is ops.max else ops.minimum)(x, dim)
+            return (ops.maximum if fn is reductions.max else ops.minimum)(x, dim)
         return fn(x) if dim is None else tuple(fn(x, dim, keepdim))
     return run
 
 
-ATEN["max"] = _max_or_min(ops.max)
-ATEN["min"] = _max_or_min(ops.min)
-ATEN["argmax"] = lambda x, dim=None, keepdim=False: ops.argmax(x, dim, keepdim)
-ATEN["argmin"] = lambda x, dim=None, keepdim=False: ops.argmin(x, dim, keepdim)
-ATEN["cumsum"] = lambda x, dim, dtype=None: ops.cumsum(x if dtype is None else x.to(dtype), dim)
-ATEN["cumprod"] = lambda x, dim, dtype=None: ops.cumprod(x if dtype is None else x.to(dtype), dim)
+ATEN["max"] = _max_or_min(reductions.max)
+ATEN["min"] = _max_or_min(reductions.min)
+ATEN["argmax"] = lambda x, dim=None, keepdim=False: reductions.argmax(x, dim, keepdim)
+ATEN["argmin"] = lambda x, dim=None, keepdim=False: reductions.argmin(x, dim, keepdim)
+ATEN["cumsum"] = lambda x, dim, dtype=None: reductions.cumsum(x if dtype is None else x.to(dtype),
+                                                              dim)
+ATEN["cumprod"] = lambda x, dim, dtype=None: reductions.cumprod(x if dtype is None else x.to(dtype),
+                                                                dim)
 
 
 @op("sort")
 def _sort(x, dim=-1, descending=False, *, stable=None):
     if isinstance(dim, bool):  # sort.stable(x, stable, dim, descending) given positionally
         dim, descending = -1, descending
-    return tuple(ops.sort(x, dim, descending))
+    return tuple(reductions.sort(x, dim, descending))
 
 
 ATEN["argsort"] = lambda x, dim=-1, descending=False, *, stable=None: \
-    ops.argsort(x, dim, descending)
+    reductions.argsort(x, dim, descending)
 
 
 def _moment(fn):
@@ -181,8 +182,8 @@ def _moment(fn):
     return run
 
 
-ATEN["var"] = _moment(ops.var)
-ATEN["std"] = _moment(ops.std)
+ATEN["var"] = _moment(reductions.var)
+ATEN["std"] = _moment(reductions.std)
 
 
 # -- neural-network ops ---------------------------------------------------------------------
@@ -198,8 +199,8 @@ ATEN["softplus"] = lambda x, beta=1.0, threshold=20.0: ops.softplus(x, beta, thr
 @op("native_layer_norm")
 def _native_layer_norm(x, normalized_shape, weight, bias, eps):
     dims = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    mean = ops.mean(x, dims, keepdim=True)
-    rstd = ops.rsqrt(ops.var(x, dims, keepdim=True, correction=0) + eps)
+    mean = reductions.mean(x, dims, keepdim=True)
+    rstd = ops.rsqrt(reductions.var(x, dims, keepdim=True, correction=0) + eps)
     out = ops.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
     return out, mean, rstd
 
@@ -213,8 +214,8 @@ def layer_norm_output_only(x, normalized_shape, weight, bias, eps):
 def _group_norm(x, weight, bias, n, c, hw, group, eps):
     shape = tuple(x.shape)
     grouped = x.reshape(shape[0], group, -1)
-    mean = ops.mean(grouped, -1, keepdim=True)
-    rstd = ops.rsqrt(ops.var(grouped, -1, keepdim=True, correction=0) + eps)
+    mean = reductions.mean(grouped, -1, keepdim=True)
+    rstd = ops.rsqrt(reductions.var(grouped, -1, keepdim=True, correction=0) + eps)
     out = ((grouped - mean) * rstd).reshape(*shape)
     channel = (1, -1) + (1,) * (x.ndim - 2)
     if weight is not None:
@@ -308,7 +309,7 @@ def _adaptive_avg_pool2d(x, output_size):
         raise Unsupported(f"adaptive_avg_pool2d from {h}x{w} to {oh}x{ow} (sizes that do not divide)")
     lead = tuple(x.shape[:-2])
     x = x.reshape(*lead, oh, h // oh, ow, w // ow)
-    return ops.mean(x, (-3, -1))
+    return reductions.mean(x, (-3, -1))
 
 
 # -- linear algebra -------------------------------------------------------------------------

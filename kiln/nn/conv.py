@@ -243,7 +243,7 @@ def avg_pool3d(input, kernel_size, stride=None, padding=0, ceil_mode=False,
 
 
 def _adaptive(op: str, n: int, x, output_size, reduce: str):
-    from kiln.frontend.functional import amax, mean
+    from kiln.frontend.reductions import amax, mean
     from kiln.frontend.shape_ops import cat, narrow
 
     x = _check_input(op, x, n)

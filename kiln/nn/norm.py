@@ -31,7 +31,8 @@ def _channel_shape(x) -> tuple:
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training: bool = False,
                momentum: float | None = 0.1, eps: float = 1e-5, num_batches_tracked=None):
     """torch.nn.functional.batch_norm over dims (0, 2, ...) per channel (dim 1)."""
-    from kiln.frontend.functional import _floating, mean, rsqrt, to, var
+    from kiln.frontend.functional import _floating, rsqrt, to
+    from kiln.frontend.reductions import mean, var
     from kiln.frontend.tape import no_grad
 
     x = _floating(input)
@@ -108,7 +109,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 def group_norm(input, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
     """torch.nn.functional.group_norm: channels split into `num_groups`, each normalized
     over its channels and spatial dims."""
-    from kiln.frontend.functional import _floating, mean, rsqrt, var
+    from kiln.frontend.functional import _floating, rsqrt
+    from kiln.frontend.reductions import mean, var
 
     x = _floating(input)
     c = x.shape[1] if x.ndim >= 2 else None
