@@ -14,7 +14,9 @@ are its rules (JAX's shape: every interpreter is a table keyed by op):
   mode, and the oracle of every test);
 - `decompose(b, *values, **attrs)`: composites only, in terms of other ops, written
   against an `Emitter` so it traces into a graph or runs eagerly alike;
-- `vjp` and `sharding` rules are filled in by the autodiff and distributed layers.
+- `vjp` rules are filled in by the autodiff layer; `sharding` holds a collective's layout
+  rule. The SPMD sharding rule of every op sits beside it in its ops module, in the
+  tables of `kiln/ir/sharding.py`.
 """
 
 from __future__ import annotations
