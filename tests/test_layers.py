@@ -200,6 +200,22 @@ def test_lower_layers_never_import_higher_ones():
     assert bad == []
 
 
+def test_regions_are_entered_through_the_builder():
+    """`with builder.entering(region):` is the one way to emit into a nested region: no
+    module pops a builder's region stack by hand (a missed pop on an error path leaves
+    every later node in the wrong region)."""
+    bad = []
+    for module, _, tree in _modules():
+        if module == "kiln.ir.emitter":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "pop" and isinstance(node.func.value, ast.Attribute) \
+                    and node.func.value.attr == "regions":
+                bad.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    assert bad == []
+
+
 # -- the kn face ----------------------------------------------------------------------------
 
 INTERNAL = ("apply", "raw", "wrap", "dt", "binary", "emitter_for", "to", "to_array",
