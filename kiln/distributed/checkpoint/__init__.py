@@ -8,7 +8,8 @@
 
 Save: each rank writes the blocks it owns (a block replicated over a mesh dim is
 written once, by coordinate 0; Partial values are reduced first; plain tensors by rank
-0) into its own safetensors file with a SHA-256 per block, fsyncs it, and posts its
+0) into its own safetensors file with a checksum per block (XXH3-128, or SHA-256 without
+xxhash: `checksum.py`), fsyncs it, and posts its
 list of blocks to the store. Rank 0 then writes `manifest.json` (temp file, fsync, rename, fsync of the
 folder) and only then deletes the previous save's files: a save that dies part-way
 leaves the previous checkpoint whole and loadable. Load reads, on every rank, the
