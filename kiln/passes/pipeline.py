@@ -12,6 +12,8 @@ whole. `DEFAULT_PASSES` is the CPU backend's list:
     fold_constants  constant subexpressions evaluated at compile time
     cse             repeated computations merged
     licm            regions closed; loop-invariant nodes hoisted out of while_loop bodies
+    unroll          while_loops of a short, compile-time trip count and a pointwise body
+                    unrolled, so fusion makes the loop one kernel (unroll_loops.py)
     dce             unused nodes and constants removed
 
 The list *is* the documentation: `kiln dump --stage NAME` prints the graph after any
@@ -40,6 +42,7 @@ from kiln.passes.decompose import decompose
 from kiln.passes.fold_constants import fold_constants
 from kiln.passes.licm import licm
 from kiln.passes.manager import PassFn, Pipeline
+from kiln.passes.unroll_loops import unroll_loops
 
 # composites the CPU backend matches as a whole: matmul becomes a GEMM template call
 # (with its epilogue fused in); every other composite is lowered through primitives,
@@ -79,6 +82,7 @@ DEFAULT_PASSES: tuple[tuple[str, PassFn], ...] = (
     ("fold_constants", fold_constants),
     ("cse", cse),
     ("licm", licm),
+    ("unroll", unroll_loops),
     ("dce", dce),
 )
 

@@ -12,7 +12,8 @@ TOL = {"rtol": 2e-6, "atol": 2e-6}
 
 def test_stage_names_are_the_documented_list():
     assert [name for name, _ in DEFAULT_PASSES] == [
-        "decompose", "complex", "canonicalize", "fold_constants", "cse", "licm", "dce"]
+        "decompose", "complex", "canonicalize", "fold_constants", "cse", "licm", "unroll",
+        "dce"]
     assert default_pipeline().names() == [name for name, _ in DEFAULT_PASSES]
 
 
@@ -21,7 +22,7 @@ def test_extra_stages_append_without_touching_the_default():
         return graph
 
     p = default_pipeline(extra=[("fuse", fuse)])
-    assert p.names()[-1] == "fuse" and len(DEFAULT_PASSES) == 7
+    assert p.names()[-1] == "fuse" and len(DEFAULT_PASSES) == 8
     assert default_pipeline().names()[-1] == "dce"
 
 
