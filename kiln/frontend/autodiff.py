@@ -149,7 +149,7 @@ class _Differentiated:
                 region.results = [region_value(b, leaf, f"{self.what}: the function")
                                   for leaf in leaves]
                 # what the graph's constants were made from: eager kn.grad guards on them
-                self.constant_sources = [src for src, _ in b._constant_ids.values()]
+                self.constant_sources = b.constant_sources()
         finally:
             if pushed:
                 trace_stack().pop()
