@@ -10,6 +10,7 @@ numpy promotion, broadcasting) become explicit `full`, `convert` and
 from __future__ import annotations
 
 import abc
+import math
 import contextlib
 from typing import Any, Iterator, Sequence
 
@@ -167,7 +168,9 @@ _ATOMIC_ATTRS = frozenset({int, float, str, bool, type(None), dt.DType})
 
 def _attrs_key(attrs: dict[str, Any]):
     """A hashable key for attributes whose equality is exact (a bool is not an int, a
-    tuple holds only ints), or None when they have anything else."""
+    tuple holds only ints, -0.0 is not 0.0; NaN never equals itself, so it never hits),
+    or None when they have anything else. Equal keys mean identical attributes: a plan
+    replays the attributes of the call that made it."""
     items = []
     for name, value in attrs.items():
         kind = type(value)
@@ -175,6 +178,9 @@ def _attrs_key(attrs: dict[str, Any]):
             for v in value:
                 if type(v) is not int:
                     return None
+        elif kind is float:  # -0.0 == 0.0: the sign too, as the plan replays these attrs
+            items.append((name, kind, value, math.copysign(1.0, value)))
+            continue
         elif kind not in _ATOMIC_ATTRS:
             return None
         items.append((name, kind, value))
