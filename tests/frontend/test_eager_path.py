@@ -160,3 +160,11 @@ def test_a_signature_cache_over_its_limit_starts_over(monkeypatch):
         x = kn.tensor(np.ones(n, np.float32))
         np.testing.assert_array_equal((x + x).numpy(), np.full(n, 2, np.float32))
         assert len(EAGER._plans) <= 8
+
+
+def test_a_replayed_plan_keeps_this_calls_attributes():
+    # -0.0 == 0.0 and 1 == 1.0 == True: a plan keyed on == would replay the wrong fill
+    assert not np.signbit(kn.full((3,), 0.0).numpy()).any()
+    assert np.signbit(kn.full((3,), -0.0).numpy()).all()
+    assert kn.full((2,), 1).dtype == kn.int64 and kn.full((2,), True).dtype == kn.bool_
+    assert kn.full((2,), 1.0).dtype == kn.float32
