@@ -105,9 +105,11 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     pipeline = Pipeline(list(target.graph_passes(target.options))).extend(
         [("fuse", fuse), ("schedule_collectives", schedule_collectives)])
     if target.batches_kernels:  # small independent kernels share launches
+        from kiln.passes.batch_updates import batch_updates
         from kiln.passes.batching import batch_kernels
 
         pipeline.append("batch", batch_kernels)
+        pipeline.append("batch_updates", batch_updates)  # the optimizer's updates: one launch
     stages: dict = {}
     optimized = pipeline.run(graph, dump=stages)
     seconds = {r.name: r.seconds for r in pipeline.records}

@@ -42,7 +42,7 @@ def _pass_names(target: str = "cpu") -> list[str]:
 
     backend = get_backend(target)
     return [name for name, _ in backend.graph_passes(backend.options)] + ["fuse"] + (
-        ["batch"] if backend.batches_kernels else [])
+        ["batch", "batch_updates"] if backend.batches_kernels else [])
 
 
 def stage_names(target: str = "cpu") -> list[str]:
