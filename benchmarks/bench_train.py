@@ -1,6 +1,7 @@
-"""One training step (forward + MSE loss + backward + AdamW) of an MLP with GELU, LayerNorm
-and Dropout: kiln compiled against the same step in kiln eager mode, torch eager and
-torch.compile, side by side in one run.
+"""One training step (forward + loss + backward + AdamW) of two MLPs with GELU, LayerNorm
+and Dropout and of a small GPT (examples/nanogpt's model: 2 layers, 64 wide, 4 heads,
+batch 16 x 32 tokens, cross-entropy): kiln compiled against the same step in kiln eager
+mode, torch eager and torch.compile, side by side in one run.
 
     .venv/bin/python benchmarks/bench_train.py [--quick] [--out benchmarks/results/cpu.md]
 
@@ -9,7 +10,9 @@ The kiln step is the one of examples/train_mlp.py: `kn.compile` of a function th
 and the optimizer are one program. torch runs the same model (same weights) with
 `loss.backward()` and `torch.optim.AdamW` (foreach off, as on CPU by default);
 torch.compile compiles the model (forward and, through AOTAutograd, backward) and keeps
-the optimizer eager, the usual recipe. Peers are optional (`pip install torch==2.13.0`).
+the optimizer eager, the usual recipe. The GPT is examples/nanogpt/model.py, run by torch from the same text
+with its three import lines changed back (as tests/test_examples_nanogpt.py does).
+Peers are optional (`pip install torch==2.13.0`).
 Every number is a median over repeated steps after warm-up, each implementation in its
 own process; first-call times include tracing and compiling with empty caches.
 """
@@ -66,18 +69,51 @@ def torch_mlp(d_in, hidden, d_out, p):
     return TorchMLP()
 
 
+GPT = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=65, dropout=0.0, bias=True)
+GPT_BATCH = 16
+GPT_LABEL = "GPT 2 layers x 64 wide, batch 16 x 32 tokens (examples/nanogpt)"
+
+
 def workloads(quick: bool):
-    """(label, batch, d_in, hidden, d_out)."""
+    """(label, batch, d_in, hidden, d_out); the GPT row has d_in = None."""
     yield "MLP 32 -> 128 -> 128 -> 8, batch 128 (examples/train_mlp.py)", 128, 32, 128, 8
     if quick:
         yield "MLP 256 -> 512 -> 512 -> 256, batch 256", 256, 256, 512, 256
     else:
         yield "MLP 512 -> 1024 -> 1024 -> 512, batch 512", 512, 512, 1024, 512
+    yield GPT_LABEL, GPT_BATCH, None, GPT["n_embd"], GPT["vocab_size"]
+
+
+def gpt_module(framework: str):
+    """examples/nanogpt/model.py as a module, for kiln (as written) or torch."""
+    import types
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "nanogpt",
+                        "model.py")
+    text = open(path).read()
+    if framework == "torch":
+        for line in text.splitlines():
+            if "# was: " in line and "import" in line:
+                text = text.replace(line, line.split("# was: ")[1])
+    module = types.ModuleType(f"{framework}_nanogpt")
+    sys.modules[module.__name__] = module  # dataclasses look their module up there
+    exec(compile(text, path, "exec"), module.__dict__)
+    module.print = lambda *a, **k: None  # the model prints its parameter count
+    return module
+
+
+def gpt_flops(batch: int) -> int:
+    """Matrix-product FLOPs of one step (forward + backward = 3x forward)."""
+    c, t, layers, v = GPT["n_embd"], GPT["block_size"], GPT["n_layer"], GPT["vocab_size"]
+    per_token = layers * (2 * (3 * c * c + c * c + 8 * c * c) + 4 * t * c) + 2 * c * v
+    return 3 * batch * t * per_token
 
 
 def kiln_step_fn(model, opt):
     def loss_fn(params, x, y, key):
         with nn.rng(key):
+            if not isinstance(model, MLP):  # the GPT returns (logits, loss)
+                return nn.functional_call(model, params, x, y)[1]
             return F.mse_loss(nn.functional_call(model, params, x), y)
 
     def step(params, state, x, y, key):
@@ -91,7 +127,7 @@ def kiln_step_fn(model, opt):
 def measure_kiln(model, x, y, repeat, eager_repeat):
     """(compiled (median, min) s/step, first call s, eager (median, min) s/step, max rel.
     diff of the parameters compiled vs eager)."""
-    opt = optim.AdamW(lr=1e-3)
+    opt = optim.AdamW(lr=1e-3, weight_decay=0.1 if not isinstance(model, MLP) else 1e-2)
     step = kiln_step_fn(model, opt)
     compiled = kn.compile(step)
     keys = [nn.random.fold_in(nn.random.key(0), i) for i in range(3)]
@@ -123,16 +159,23 @@ def measure_torch(model, x, y, repeat, use_compile):
     """((median, min) s/step, first call s) of torch eager, or of torch.compile(model)."""
     import torch
 
-    tmodel = torch_mlp(*_dims(model))
+    gpt = not isinstance(model, MLP)
+    if gpt:
+        tmodel = gpt_module("torch").GPT(gpt_module("torch").GPTConfig(**GPT))
+    else:
+        tmodel = torch_mlp(*_dims(model))
     tmodel.load_state_dict({k: torch.tensor(np.array(v.numpy()))
                             for k, v in model.state_dict().items()})
     run_model = torch.compile(tmodel) if use_compile else tmodel
-    opt = torch.optim.AdamW(tmodel.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(tmodel.parameters(), lr=1e-3, weight_decay=0.1 if gpt else 1e-2)
     tx, ty = torch.tensor(x.numpy()), torch.tensor(y.numpy())
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(run_model(tx), ty)
+        if gpt:
+            loss = run_model(tx, ty)[1]
+        else:
+            loss = torch.nn.functional.mse_loss(run_model(tx), ty)
         loss.backward()
         opt.step()
 
@@ -156,9 +199,17 @@ def fresh_caches() -> None:
 def run_worker(impl: str, index: int, quick: bool) -> dict:
     """One implementation on one workload, in this process (see `measure`)."""
     label, batch, d_in, hidden, d_out = list(workloads(quick))[index]
-    model = MLP(d_in, hidden, d_out, p=0.1)
-    x = kn.randn(batch, d_in, seed=1)
-    y = kn.randn(batch, d_out, seed=2)
+    if d_in is None:  # the GPT: token ids in, next-token ids as targets
+        kn.manual_seed(0)
+        module = gpt_module("kiln")
+        model = module.GPT(module.GPTConfig(**GPT))
+        rng = np.random.default_rng(0)
+        x, y = (kn.tensor(rng.integers(0, GPT["vocab_size"], (batch, GPT["block_size"])))
+                for _ in range(2))
+    else:
+        model = MLP(d_in, hidden, d_out, p=0.1)
+        x = kn.randn(batch, d_in, seed=1)
+        y = kn.randn(batch, d_out, seed=2)
     repeat, eager_repeat = (10, 2) if quick else (30, 5)
     if impl == "kiln":
         compiled, first, eager, diff = measure_kiln(model, x, y, repeat, eager_repeat)
@@ -196,6 +247,7 @@ def main() -> int:
     parser.add_argument("--out", default=DEFAULT_OUT, help="results file ('' to only print)")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--only", default="", help="run the workloads whose label contains this")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -214,8 +266,11 @@ def main() -> int:
             pass
     rows = []
     for index, (label, batch, d_in, hidden, d_out) in enumerate(workloads(args.quick)):
+        if args.only not in label:
+            continue
         row = {"workload": label,
-               "flops": 3 * 2 * batch * (d_in * hidden + hidden * hidden + hidden * d_out)}
+               "flops": gpt_flops(batch) if d_in is None else
+               3 * 2 * batch * (d_in * hidden + hidden * hidden + hidden * d_out)}
         for impl in impls:
             row.update(measure(impl, index, args.quick))
         rows.append(row)
@@ -251,6 +306,8 @@ def render(rows, args) -> str:
         "+ MSE + backward + AdamW; kiln: `kn.compile` of `value_and_grad` + `AdamW.update` "
         "(one program), torch: `loss.backward()` + `torch.optim.AdamW`, torch.compile: "
         "`torch.compile(model)` with the optimizer eager",
+        f"- GPT: examples/nanogpt/model.py with {GPT}, batch {GPT_BATCH}, cross-entropy, "
+        "AdamW(lr=1e-3, weight_decay=0.1) on every parameter; the same steps otherwise",
         "",
         "Median milliseconds per step (lower is better).",
         "",
