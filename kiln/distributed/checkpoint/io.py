@@ -293,21 +293,24 @@ def async_save(state: dict, path: str, *,
     _IN_FLIGHT[key] = future
 
     def work():
-        own_store = None
+        own_store, error = None, None
         try:
             if previous is not None:  # its error is reported through its own future
                 concurrent.futures.wait([previous], timeout=timeout)
             own_store = store.clone() if store is not None else None  # its own connection
             _finish(path, save_id, rank, world, items, own_store, timeout)
-            future.set_result(None)
         except BaseException as err:  # handed to the caller through the future
-            future.set_exception(err)
-        finally:
+            error = err
+        finally:  # cleaned up before the future completes: its waiter sees the buffer back
             staging.release(lease)
             if own_store is not None:
                 own_store.close()
             if _IN_FLIGHT.get(key) is future:
                 _IN_FLIGHT.pop(key, None)
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
     future.set_running_or_notify_cancel()
     threading.Thread(target=work, name="kiln-checkpoint-" + save_id, daemon=True).start()
