@@ -106,7 +106,9 @@ def main() -> None:
         "",
         f"`{' '.join(['.venv/bin/python', 'benchmarks/bench_fft.py'] + (['--quick'] if args.quick else []))}`"
         f" on {_cpu_model()}, {datetime.date.today().isoformat()}; batch {batch} rows of float32 "
-        "(rfft) / complex64 (fft), torch with 1 thread; medians in ms, alternating rounds.",
+        "(rfft) / complex64 (fft), torch with 1 thread; medians in ms, alternating rounds; "
+        f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (compare "
+        "within a row only).",
         "",
         "| n | numpy rfft | kiln eager rfft | kiln compiled rfft | torch rfft | kiln eager / numpy | "
         "old DFT matmul rfft | numpy fft | kiln eager fft | kiln compiled fft | torch fft |",
