@@ -23,7 +23,7 @@ complex dtypes) get cotangents; `stop_gradient` and non-differentiable ops end t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kiln.errors import KilnError, KilnGradientError
 from kiln.ir import dtypes as dt
@@ -32,6 +32,9 @@ from kiln.ir.graph import Node, Region, Value
 from kiln.ir.ops.rules import zeros
 from kiln.ir.registry import CONTROL
 from kiln.ir.regions import copy_region, emit_cond, emit_while, inline_region
+
+if TYPE_CHECKING:
+    from kiln.ir.emitter import GraphBuilder
 
 
 def differentiable_dtype(dtype: dt.DType) -> bool:
@@ -50,8 +53,8 @@ class Tape:
     >>> grads = tape.backward(outs, seeds, primals)
     """
 
-    def __init__(self, b):
-        self.b = b  # a GraphBuilder
+    def __init__(self, b: GraphBuilder):
+        self.b = b
         self.active: set[int] = set()
         self.nodes: list = []  # replayed nodes (or loop views), in program order
         self.saved: dict[int, "_SavedLoop"] = {}
@@ -172,7 +175,7 @@ class _LoopView:
         self.attrs = original.attrs
 
 
-def region_vjp(b, region: Region, args: Sequence[Value],
+def region_vjp(b: GraphBuilder, region: Region, args: Sequence[Value],
                cts: Sequence[Value | None], wrt: Sequence[bool]) -> list[Value]:
     """Emit the forward of `region` on `args` and its backward for output cotangents
     `cts` (None: zero); returns the cotangents of the args marked in `wrt`."""
@@ -184,7 +187,7 @@ def region_vjp(b, region: Region, args: Sequence[Value],
 # -- the region ops' vjp rules (registered beside the ops in kiln/ir/ops/) -------------------
 
 
-def cond_vjp(b, cts, xs, ys, *, regions, **_) -> list:
+def cond_vjp(b: GraphBuilder, cts, xs, ys, *, regions, **_) -> list:
     """Backward of cond: a cond on the same index over the branches' backwards."""
     index, operands = xs[0], list(xs[1:])
     wrt = [differentiable_dtype(v.type.dtype) for v in operands]
@@ -204,7 +207,8 @@ def cond_vjp(b, cts, xs, ys, *, regions, **_) -> list:
     return [None] + [next(grads) if w else None for w in wrt]
 
 
-def while_loop_vjp(b, cts, xs, ys, *, regions, saved=None, max_trips=None, **_) -> list:
+def while_loop_vjp(b: GraphBuilder, cts, xs, ys, *, regions, saved=None, max_trips=None,
+                   **_) -> list:
     """Backward of a bounded while_loop: the trips in reverse, each the vjp of the body
     at the carry that trip started from (saved by the forward)."""
     if saved is None:
@@ -241,7 +245,7 @@ def while_loop_vjp(b, cts, xs, ys, *, regions, saved=None, max_trips=None, **_) 
     return [next(grads) if w else None for w in wrt]
 
 
-def fused_vjp(b, cts, xs, ys, *, regions, **_) -> list:
+def fused_vjp(b: GraphBuilder, cts, xs, ys, *, regions, **_) -> list:
     """Backward of a fusion group: its region differentiated like the function it is."""
     wrt = [differentiable_dtype(x.type.dtype) for x in xs]
     grads = iter(region_vjp(b, regions[0], xs, cts, wrt))

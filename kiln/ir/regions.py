@@ -12,11 +12,14 @@ vjp rules beside the ops (kiln/ir/ad.py), and the passes (licm, fusion, rewritin
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kiln.errors import KilnError
 from kiln.ir.graph import Node, Region, Value
 from kiln.ir.types import TensorType
+
+if TYPE_CHECKING:  # for the hints only
+    from kiln.ir.emitter import GraphBuilder
 
 # -- what a region reads, and closing it over that ------------------------------------------
 
@@ -131,11 +134,11 @@ def lookup(vmap: dict[Value, Value], value: Value, where: str) -> Value:
 # -- emitting regions through a builder -----------------------------------------------------------
 
 
-def inline_region(b, region: Region, args: Sequence[Value],
+def inline_region(b: GraphBuilder, region: Region, args: Sequence[Value],
                   renamed: dict[str, str] | None = None) -> list[Value]:
-    """Emit `region`'s nodes into `b`'s current region (`b`: a GraphBuilder) with its
-    params bound to `args`; `renamed` maps constant names of another graph to their
-    names in `b`'s. Returns the values of the region's results."""
+    """Emit `region`'s nodes into `b`'s current region with its params bound to `args`;
+    `renamed` maps constant names of another graph to their names in `b`'s. Returns the
+    values of the region's results."""
     vmap: dict[Value, Value] = dict(zip(region.params, args))
     for node in region.nodes:
         regions = [copy_region(r, vmap) for r in node.regions]
@@ -157,17 +160,17 @@ def _renamed(node: Node, renamed: dict[str, str]) -> dict:
     return dict(node.attrs, name=renamed[node.attrs["name"]])
 
 
-def build_region(b, types: Sequence[TensorType], fn: Callable) -> Region:
+def build_region(b: GraphBuilder, types: Sequence[TensorType], fn: Callable) -> Region:
     """A region with parameters of `types` whose nodes `fn(*params)` emits through `b`
-    (a GraphBuilder) and whose results are what `fn` returns."""
+    and whose results are what `fn` returns."""
     region = Region([Value(t) for t in types])
     with b.entering(region):
         region.results = list(fn(*region.params))
     return region
 
 
-def emit_while(b, carried: Sequence[Value], cond_fn: Callable, body_fn: Callable,
-               attrs: dict | None = None) -> list[Value]:
+def emit_while(b: GraphBuilder, carried: Sequence[Value], cond_fn: Callable,
+               body_fn: Callable, attrs: dict | None = None) -> list[Value]:
     """A while_loop built from Python callbacks over region parameters; values the
     callbacks use from outside become extra carried values the body passes on."""
     types = [v.type for v in carried]
@@ -181,7 +184,8 @@ def emit_while(b, carried: Sequence[Value], cond_fn: Callable, body_fn: Callable
     return results[:len(carried)]
 
 
-def emit_cond(b, index: Value, operands: Sequence[Value], branch_fns) -> list[Value]:
+def emit_cond(b: GraphBuilder, index: Value, operands: Sequence[Value],
+              branch_fns: Sequence[Callable]) -> list[Value]:
     """A cond built from Python callbacks; captured values become explicit operands."""
     types = [v.type for v in operands]
     regions = [build_region(b, types, fn) for fn in branch_fns]
