@@ -22,7 +22,10 @@ Rules (TorchInductor's combo kernels and XLA's horizontal loop fusion, simplifie
    and constants are free) that leads to it, counting values that control-flow regions
    read from outside as inputs. A kernel that depends on another has a higher level, so
    kernels of one level are independent, and contracting each level's batch cannot
-   make a cycle (every edge between batches goes to a higher level).
+   make a cycle (every edge between batches goes to a higher level). The same holds for
+   the longest chain that FOLLOWS a node (as late as possible: a kernel that only feeds
+   an output batches with the last kernels); the pass takes whichever of the two
+   groupings leaves fewer launches.
 3. *Schedule*: the region is re-listed in a topological order in which each batch's
    members are adjacent, at the place of its first member (Kahn's algorithm, ties by
    original position), and every member is tagged `batch=N`. Regions of `cond` and
@@ -128,29 +131,43 @@ def _batch_region(region: Region, shape_vars: dict, counter: list) -> None:
             for inner in node.regions:
                 _batch_region(inner, shape_vars, counter)
     producer = {id(r): k for k, n in enumerate(nodes) for r in n.results}
-    preds: list[set[int]] = []
-    level: list[int] = []
-    for k, node in enumerate(nodes):
-        p = {producer[id(v)] for v in _inputs(node) if id(v) in producer}
-        preds.append(p)
-        step = 0 if node.op in _FREE else 1
-        level.append(max((level[j] for j in p), default=0) + step)
-    by_level: dict[int, list[int]] = {}
-    for k, node in enumerate(nodes):
-        if is_small(node, shape_vars):
-            by_level.setdefault(level[k], []).append(k)
+    preds = [{producer[id(v)] for v in _inputs(node) if id(v) in producer} for node in nodes]
+    weight = [0 if node.op in _FREE else 1 for node in nodes]
+    small = [k for k, node in enumerate(nodes) if is_small(node, shape_vars)]
+    # kernels of one level are independent by either count: the launches before a node
+    # (as soon as possible) or after it (as late as possible); the one that leaves fewer
+    # launches wins (a small kernel that only feeds an output batches with the last ones)
+    early: list[int] = []
+    for k in range(len(nodes)):
+        early.append(max((early[j] for j in preds[k]), default=0) + weight[k])
+    late = [0] * len(nodes)
+    for k in reversed(range(len(nodes))):
+        for j in preds[k]:
+            late[j] = max(late[j], late[k] + weight[k])
+    best = min((_chunks(small, early), _chunks(small, late)),
+               key=lambda chunks: len(chunks) - sum(len(c) for c in chunks))
     group_of: dict[int, int] = {}
-    for members in by_level.values():
-        for start in range(0, len(members), MAX_MEMBERS):
-            chunk = members[start:start + MAX_MEMBERS]
-            if len(chunk) < 2:
-                continue
-            for k in chunk:
-                group_of[k] = counter[0]
-                nodes[k].attrs["batch"] = counter[0]
-            counter[0] += 1
+    for chunk in best:
+        for k in chunk:
+            group_of[k] = counter[0]
+            nodes[k].attrs["batch"] = counter[0]
+        counter[0] += 1
     if group_of:
         region.nodes = _schedule(nodes, preds, group_of)
+
+
+def _chunks(small: list[int], level: list[int]) -> list[list[int]]:
+    """The batches (two members or more, at most MAX_MEMBERS) of the small kernels of
+    each level, in program order."""
+    by_level: dict[int, list[int]] = {}
+    for k in small:
+        by_level.setdefault(level[k], []).append(k)
+    out = []
+    for members in by_level.values():
+        for start in range(0, len(members), MAX_MEMBERS):
+            if len(members[start:start + MAX_MEMBERS]) >= 2:
+                out.append(members[start:start + MAX_MEMBERS])
+    return sorted(out, key=lambda chunk: chunk[0])
 
 
 def _schedule(nodes: list[Node], preds: list[set[int]], group_of: dict[int, int]) -> list[Node]:

@@ -32,27 +32,28 @@ graph @g(%a: f32[8], %b: f32[4, 3], %c: f32[5]) -> (f32[8], f32[4], f32[5])
   return %0, %1, %4
 """
 
-# exp and the row sum are independent: one batch; neg waits on the sort, which is
-# independent of both, so it is a level later and launches alone
+# exp, the row sum and neg are independent of each other. Counted from the start, neg
+# comes a launch later (after the sort) than the other two; counted from the end, all
+# three are last, so the pass batches all three after the sort: two launches, not four
 AFTER = """
 graph @g(%a: f32[8], %b: f32[4, 3], %c: f32[5]) -> (f32[8], f32[4], f32[5])
-  %0 = fused(%b) {batch=0, kind="reduction"} : f32[4]
-    region(%1: f32[4, 3]):
-      %2 = reduce_sum(%1) {axes=(1,)} : f32[4]
-      yield %2
+  %0, %1 = sort(%c) {axis=0, descending=false} : f32[5], i64[5]
+  %2 = fused(%b) {batch=0, kind="reduction"} : f32[4]
+    region(%3: f32[4, 3]):
+      %4 = reduce_sum(%3) {axes=(1,)} : f32[4]
+      yield %4
     end
-  %3 = fused(%a) {batch=0, kind="loop"} : f32[8]
-    region(%4: f32[8]):
-      %5 = exp(%4) : f32[8]
-      yield %5
+  %5 = fused(%a) {batch=0, kind="loop"} : f32[8]
+    region(%6: f32[8]):
+      %7 = exp(%6) : f32[8]
+      yield %7
     end
-  %6, %7 = sort(%c) {axis=0, descending=false} : f32[5], i64[5]
-  %8 = fused(%6) {kind="loop"} : f32[5]
+  %8 = fused(%0) {batch=0, kind="loop"} : f32[5]
     region(%9: f32[5]):
       %10 = neg(%9) : f32[5]
       yield %10
     end
-  return %3, %0, %8
+  return %5, %2, %8
 """
 
 
@@ -65,7 +66,8 @@ def test_pass_before_after_and_launch_count():
     graph = parse_graph(BEFORE)
     assert len(build_program(fuse(graph)).kernels) == 3
     program = build_program(result)
-    assert [type(k).__name__ for k in program.kernels.values()] == ["BatchKernel", "Kernel"]
+    assert [type(k).__name__ for k in program.kernels.values()] == ["BatchKernel"]
+    assert [type(s).__name__ for s in program.steps] == ["Extern", "Launch"]
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal([int(d) for d in v.type.shape]).astype(np.float32) for v in graph.inputs]
     for want, got in zip(run_graph(graph, *xs), run_graph(result, *xs)):
@@ -292,3 +294,24 @@ def test_the_batched_entry_over_ranges_that_cut_through_members():
             fn(bufs, sizes, lo, hi)
         for got, w in zip(outs, want):
             np.testing.assert_allclose(got, w, rtol=1e-6)
+
+
+def test_a_backward_pass_batches_its_small_gradient_kernels(monkeypatch):
+    # bias gradients (row sums) and the weight-gradient transposes only feed outputs:
+    # counted from the end they share the last launch
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal(s).astype(np.float32) * 0.1
+            for s in ((16, 32), (32,), (32, 4), (4,), (8, 16), (8, 4))]
+
+    def loss(w1, b1, w2, b2, x, y):
+        return (((kn.gelu(x @ w1 + b1) @ w2 + b2) - y) ** 2).mean()
+
+    grad = kn.grad(loss, argnums=(0, 1, 2, 3))
+    batched = kn.compile(grad)
+    got = [g.numpy() for g in batched(*args)]
+    monkeypatch.setattr(batching, "ENABLED", False)
+    plain = kn.compile(grad)
+    want = [g.numpy() for g in plain(*args)]
+    assert launches(batched) <= launches(plain) - 3
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
