@@ -137,6 +137,12 @@ def raw(em: Emitter, value) -> Any:
             ref = value._grad_ref()
             return Dual(primal, ref) if ref is not None else primal
         return primal
+    if hasattr(value, "_sympy_") and em is not EAGER:  # a symbolic size as a value (symsize.py)
+        from kiln.frontend.symsize import size_value
+
+        computed = size_value(builder_of(em), value)
+        if computed is not None:
+            return computed
     array = to_array(value)
     return em.constant(array) if em is not EAGER else array
 

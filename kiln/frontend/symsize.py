@@ -344,3 +344,65 @@ def range_min(a, b):
 def range_max(a, b):
     order = _order(a, b)
     return b if order < 0 else a if order > 0 else sympy.Max(a, b)
+
+
+# -- a size as a tensor value (`x.sum(-1) / x.shape[-1]`, `idx + x.size(1)`) ---------------
+
+
+def size_value(builder, size):
+    """`size` (a SymSize) as a traced scalar of `builder`: int64 for an integer
+    expression, float32 otherwise (torch's promotion then keeps a float tensor's dtype,
+    as for a Python number). A ShapeVar's value is counted in the graph (the sum of an
+    [N] vector of ones: no extra input), then the expression is evaluated with tensor
+    ops; None for an expression this does not evaluate (K140 follows)."""
+    from kiln.ir import dtypes as dt
+
+    expr = getattr(size, "expr", None)
+    if builder is None or expr is None:
+        return None
+    value = _evaluate(builder, sympy.sympify(expr), {})
+    if value is None:
+        return None
+    return builder.convert(value[0], dt.int64 if value[1] else dt.float32)
+
+
+def _evaluate(b, expr, memo: dict):
+    """(value, is_integer) of expr as a graph scalar, or None (float64 for the division
+    of a rational expression, int64 otherwise)."""
+    from kiln.ir import dtypes as dt
+
+    if expr in memo:
+        return memo[expr]
+    out = None
+    if expr.is_Integer:
+        out = b.full(int(expr), dt.int64), True
+    elif expr.is_Number and expr.is_real:
+        out = b.full(float(expr), dt.float64), False
+    elif isinstance(expr, sympy.Symbol):
+        out = b.reduce_sum(b.full(1, dt.int64, (expr,)), axes=(0,)), True
+    elif isinstance(expr, (sympy.Add, sympy.Mul)):
+        parts = [_evaluate(b, a, memo) for a in expr.args]
+        if all(p is not None for p in parts):
+            exact = all(p[1] for p in parts)
+            kind = dt.int64 if exact else dt.float64
+            acc = b.convert(parts[0][0], kind)
+            for value, _ in parts[1:]:
+                acc = (b.add if isinstance(expr, sympy.Add) else b.mul)(acc, b.convert(value, kind))
+            out = acc, exact
+    elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer:
+        base = _evaluate(b, expr.base, memo)
+        k = int(expr.exp)
+        if base is not None and k != 0:
+            acc = b.convert(base[0], dt.float64 if k < 0 or not base[1] else dt.int64)
+            power = acc
+            for _ in range(abs(k) - 1):
+                power = b.mul(power, acc)
+            out = (b.div(b.full(1.0, dt.float64), power), False) if k < 0 else (power, base[1])
+    elif isinstance(expr, (sympy.floor, sympy.Mod)):
+        args = [_evaluate(b, a, memo) for a in (expr.args if isinstance(expr, sympy.Mod)
+                                               else sympy.fraction(sympy.together(expr.args[0])))]
+        if all(a is not None and a[1] for a in args):
+            op = "remainder" if isinstance(expr, sympy.Mod) else "floor_divide"
+            out = b.call(op, args[0][0], args[1][0]), True
+    memo[expr] = out
+    return out

@@ -71,10 +71,16 @@ def test_size_zero_as_the_first_example():
     assert str(f.compiled_graphs()[0].graph.inputs[0].type) == "f32[N]"
 
 
-def test_a_symbolic_size_used_as_a_value_says_how_to_count():
-    with pytest.raises(KilnTraceError, match="the symbolic size N was used as a tensor value") as info:
-        kn.trace(lambda x: x.sum() / x.shape[0], np.ones(3, np.float32),
-                 dynamic_shapes=[TensorSpec([ShapeVar("N")])])
+def test_a_symbolic_size_used_as_a_value_is_counted_in_the_graph():
+    spec = [TensorSpec([ShapeVar("N")])]
+    mean = kn.compile(lambda x: x.sum() / x.shape[0], dynamic_shapes=spec)
+    for n in (3, 8):
+        data = np.arange(n, dtype=np.float32)
+        np.testing.assert_allclose(mean(data).numpy(), data.mean(), rtol=1e-6)
+    assert mean.stats()["compiles"] == 1
+    # an expression the graph does not evaluate still says how to count
+    with pytest.raises(KilnTraceError, match="the symbolic size .* was used as a tensor value") as info:
+        kn.trace(lambda x: x.sum() / abs(x.shape[0] - 2), np.ones(3, np.float32), dynamic_shapes=spec)
     assert "kn.ones(x.shape[0]).sum()" in str(info.value)
 
 

@@ -110,11 +110,28 @@ def test_strict_trace_and_export_refuse_with_k141():
         kn.trace(lambda x: x * len(range(x.shape[0])), np.ones((6, 3), F32), dynamic_shapes=SPEC)
 
 
-def test_a_size_as_a_tensor_value_is_a_numbered_error_not_sympys():
-    with pytest.raises(KilnError, match="K140"):
-        kn.trace(lambda x: x * x.shape[0], np.ones((6, 3), F32), dynamic_shapes=SPEC)
-    with pytest.raises(KilnError, match="K140"):
-        kn.trace(lambda x: x.shape[0] * x, np.ones((6, 3), F32), dynamic_shapes=SPEC)
+def test_a_size_as_a_tensor_value_is_computed_in_the_graph():
+    def f(x, i):
+        n = x.shape[0]
+        mean = x.sum(0) / n  # torch code: a SymInt as a weak Python number
+        return mean * 2 + n - (n // 2) + x[0] * (n % 3) + 1.0 / n + n ** 2, i + n, i * (n / 4)
+
+    def ref(x, i):
+        n = x.shape[0]
+        return (x.sum(0) / n * 2 + n - n // 2 + x[0] * (n % 3) + 1.0 / n + n ** 2, i + n,
+                i * (n / 4))
+
+    cf = kn.compile(f, dynamic_shapes={"x": TensorSpec([N, 3]), "i": None})
+    for n in (3, 7, 12):
+        x, i = np.random.default_rng(n).standard_normal((n, 3)).astype(F32), np.arange(3)
+        got, want = cf(x, i), ref(x, i)
+        np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-5)
+        assert got[0].dtype == kn.float32 and got[1].dtype == kn.int64
+        np.testing.assert_array_equal(got[1].numpy(), want[1])
+        np.testing.assert_allclose(got[2].numpy(), want[2], rtol=1e-6)
+    assert cf.stats()["compiles"] == 1 and cf.stats()["size_guards"] == [[]]
+    with pytest.raises(KilnError, match="K140"):  # an expression it does not evaluate
+        kn.trace(lambda x: x * abs(x.shape[0] - 5), np.ones((6, 3), F32), dynamic_shapes=SPEC)
 
 
 def test_kiln_internals_still_see_sympy_dims():
