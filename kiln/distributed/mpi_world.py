@@ -55,6 +55,7 @@ def load_mpi():
     """mpi4py's MPI module (initializing MPI with full thread support), or K230."""
     global _MPI
     if _MPI is None:
+        _skip_finalize_fence()
         try:
             from mpi4py import MPI
         except ImportError as err:
@@ -68,6 +69,18 @@ def load_mpi():
         MPI.COMM_SELF.Set_errhandler(MPI.ERRORS_RETURN)
         _MPI = MPI
     return _MPI
+
+
+def _skip_finalize_fence() -> None:
+    """Under ULFM, leave out MPI_Finalize's runtime fence (before MPI starts: MCA variables
+    are read by MPI_Init). Open MPI 5's MPI_Finalize with ULFM first shrinks COMM_WORLD to
+    the live processes and runs a synchronous barrier among them (that flushes every
+    message), then waits in a PMIx fence over *every* process of the job, the dead too;
+    after a SIGKILL that fence sometimes never completes in PRRTE (seen here: 2 jobs of 3
+    left their survivors in ompi_mpi_finalize's wait loop for good). The barrier makes the
+    fence redundant, so kiln turns it off (`async_mpi_finalize`) unless the user set it."""
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes"):
+        os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
 
 def ops():

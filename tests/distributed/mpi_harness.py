@@ -47,13 +47,14 @@ def start_mpi(argv: list[str], world: int, env: dict) -> subprocess.Popen:
 
 def run_mpi(name: str, world: int, tmp_path: Path, *, args: dict | None = None,
             timeout: float = 60.0, env: dict | None = None, store: bool = True,
-            survivors: tuple[int, ...] | None = None, exit_grace: float = 10.0) -> list[dict]:
+            survivors: tuple[int, ...] | None = None, exit_grace: float = 30.0) -> list[dict]:
     """Run scenario `name` of mpi_workers.py; each rank's result dict (as run_scenario).
 
     `survivors`: after a rank was killed, the ranks whose results are awaited; once they
-    are written, mpirun gets `exit_grace` seconds to end and is then stopped. Survivors of
-    a death sometimes never leave MPI_Finalize under Open MPI 5's ULFM (issue 18's open
-    exit hang): that bug must not hide or fail what the test checks, the survivors' results."""
+    are written, mpirun must end by itself within `exit_grace` seconds. That bound is a
+    safety net (no test hangs on it) that must not be needed: the job is stopped and the
+    test fails, naming the exit hang it would have been (survivors of a SIGKILL once stayed
+    in MPI_Finalize's PMIx fence for good: see mpi_world._skip_finalize_fence)."""
     from kiln.distributed.mpi_launch import stop_group
 
     token = secrets.token_hex(16)
@@ -70,8 +71,12 @@ def run_mpi(name: str, world: int, tmp_path: Path, *, args: dict | None = None,
     try:
         try:
             if survivors is not None:
-                out = _await_survivors(proc, [out_dir / ("rank%d.json" % r) for r in survivors],
-                                       timeout, exit_grace)
+                out, ended = _await_survivors(
+                    proc, [out_dir / ("rank%d.json" % r) for r in survivors], timeout,
+                    exit_grace)
+                assert ended, ("mpi scenario %s: the survivors wrote their results but mpirun "
+                               "did not end by itself within %.0f s (an exit hang; stopped):\n%s"
+                               % (name, exit_grace, out.decode()[-3000:]))
             else:
                 out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -92,18 +97,18 @@ def run_mpi(name: str, world: int, tmp_path: Path, *, args: dict | None = None,
     return results
 
 
-def _await_survivors(proc, paths: list[Path], timeout: float, exit_grace: float) -> bytes:
-    """mpirun's output once every path exists and mpirun ended or had `exit_grace` more
-    seconds; TimeoutExpired when the paths are not all there within `timeout`."""
-    import time
-
+def _await_survivors(proc, paths: list[Path], timeout: float,
+                     exit_grace: float) -> tuple[bytes, bool]:
+    """(mpirun's output, whether it ended by itself) once every path exists and mpirun
+    ended, or had `exit_grace` more seconds and was stopped; TimeoutExpired when the paths
+    are not all there within `timeout`."""
     from kiln.distributed.mpi_launch import stop_group
 
     end, grace_end = time.monotonic() + timeout, None
     while True:
         try:  # a retried communicate loses no output: it returns all of it at the end
             out, _ = proc.communicate(timeout=0.5)
-            return out or b""
+            return out or b"", True
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
@@ -112,7 +117,7 @@ def _await_survivors(proc, paths: list[Path], timeout: float, exit_grace: float)
         if grace_end is not None and now > grace_end:
             stop_group(proc, grace=1.0)
             out, _ = proc.communicate()
-            return out or b""
+            return out or b"", False
         if now > end:
             raise subprocess.TimeoutExpired(proc.args, timeout)
 
@@ -162,17 +167,17 @@ class MpiJob:
         of the job reached MPI_Finalize, a stopped one too)."""
         return (self.out / ("rank%d.json" % uid)).exists()
 
-    def _wait_for_results(self, timeout: float, settle: float = 10.0) -> bytes:
-        """mpirun's output once it ended, or once results were written and no new one came
-        for `settle` s (survivors of a death sometimes never leave MPI_Finalize under
-        ULFM: issue 18's open exit hang), or after `timeout` s; then the job is stopped."""
+    def _wait_for_results(self, timeout: float, settle: float = 30.0) -> tuple[bytes, bool]:
+        """(mpirun's output, whether it ended by itself). A safety net stops the job when
+        results were written and no new one came for `settle` s (an exit hang), or after
+        `timeout` s."""
         from kiln.distributed.mpi_launch import stop_group
 
         end, seen, last_change = time.monotonic() + timeout, 0, time.monotonic()
         while True:
             try:  # a retried communicate loses no output: it returns all of it at the end
                 out, _ = self.proc.communicate(timeout=0.5)
-                return out or b""
+                return out or b"", True
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
@@ -182,15 +187,16 @@ class MpiJob:
             if (seen and now - last_change > settle) or now > end:
                 stop_group(self.proc, grace=1.0)
                 out, _ = self.proc.communicate()
-                return out or b""
+                return out or b"", False
 
     def finish(self, timeout: float = 60.0) -> list:
         """As Job.finish: ranks 0..world-1, then the replacements (by uid); None for a
-        process that wrote nothing."""
+        process that wrote nothing. The job must end by itself (every rank that wrote its
+        result leaves MPI_Finalize): the safety net of _wait_for_results fails the test."""
         from kiln.distributed.mpi_launch import stop_group
 
         try:
-            out = self._wait_for_results(timeout)
+            out, ended = self._wait_for_results(timeout)
             text = out.decode(errors="replace")
         finally:
             stop_group(self.proc, grace=2.0)
@@ -204,5 +210,7 @@ class MpiJob:
             res = json.loads(path.read_text())
             assert res["ok"], "a process failed:\n%s\n%s" % (res["error"], text[-3000:])
             results.append(res["data"])
+        assert ended, "the mpi job did not end by itself after its results (stopped):\n%s" \
+            % text[-3000:]
         joiners = sorted(results[self.world:], key=lambda r: r["uid"])
         return results[:self.world] + joiners
