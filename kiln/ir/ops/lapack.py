@@ -26,6 +26,18 @@ from kiln.ir.sharding import R, Shard, Strategy, partial_through, shard_dims, sh
 
 # -- extern: LAPACK-style calls ----------------------------------------------------------
 
+# Faster implementations a backend registers for some operands (the batched small-matrix
+# CPU kernels: kiln/codegen/cpu/linalg_route.py): op -> fn(array) giving the op's results,
+# or None to leave the operand to LAPACK. Eager calls and compiled extern steps both run
+# the references below, so both take the registered path.
+NATIVE: dict = {}
+
+
+def _native(op: str, a):
+    fn = NATIVE.get(op)
+    return None if fn is None else fn(a)
+
+
 _LAPACK_DTYPES = (dt.float32, dt.float64, dt.complex64)
 
 
@@ -204,6 +216,8 @@ class cholesky:
         return a
 
     def reference(a):
+        if (fast := _native("cholesky", a)) is not None:
+            return fast
         (out,) = _per_matrix(np.linalg.cholesky, a, outs=[(a.shape[-2:], a.dtype)])
         return out.astype(a.dtype)
 
@@ -239,6 +253,8 @@ class qr:
         return a.with_shape(a.shape[:-2] + (m, k)), a.with_shape(a.shape[:-2] + (k, n))
 
     def reference(a):
+        if (fast := _native("qr", a)) is not None:
+            return fast
         q, r = np.linalg.qr(a, mode="reduced")
         return q.astype(a.dtype), r.astype(a.dtype)
 
@@ -286,6 +302,8 @@ class eigh:
         return _real(a).with_shape(a.shape[:-1]), a
 
     def reference(a):
+        if (fast := _native("eigh", a)) is not None:
+            return fast
         w, v = np.linalg.eigh(a, UPLO="L")
         return w.astype(_real_np(a.dtype)), v.astype(a.dtype)
 
@@ -326,6 +344,8 @@ class svd:
         return a.with_shape(lead + (m, k)), _real(a).with_shape(lead + (k,)), a.with_shape(lead + (k, n))
 
     def reference(a):
+        if (fast := _native("svd", a)) is not None:
+            return fast
         m, n = a.shape[-2:]
         k, real = min(m, n), _real_np(a.dtype)
         u, s, vh = _per_matrix(lambda x: tuple(np.linalg.svd(x, full_matrices=False)), a,

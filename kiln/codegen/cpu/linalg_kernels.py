@@ -1,0 +1,267 @@
+"""The batched small-matrix decompositions as LLVM kernels over lanes of W matrices.
+
+The same algorithms as the Metal kernels (kiln/codegen/metal/linalg.py), written for one
+CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py):
+
+    cholesky  unblocked Cholesky-Crout of the lower triangle (n <= 64 stays in L1/L2, so
+              blocking buys nothing on a CPU); a lane whose pivot is not positive (or
+              NaN) records torch's `info` (the 1-based order of the first failing minor)
+              and continues on a unit pivot, so no NaN spreads into other lanes' work
+    qr        Householder QR as LAPACK's geqrf + orgqr (beta = -sign(alpha) |x|; a column
+              already zero below the diagonal gets tau = 0), reduced Q (m x k), R (k x n)
+    eigh      two-sided cyclic Jacobi on the symmetrized lower triangle; sweeps end when
+              every lane's off-diagonal mass is below (eps |A|_F)^2 or after MAX_SWEEPS;
+              eigenvalues unsorted (the driver sorts and fixes signs)
+    svd       one-sided Jacobi (Hestenes) on the columns of an m x n (m >= n) matrix,
+              held transposed so a column is contiguous; a pair rotates while its cosine
+              exceeds sqrt(m) eps (squared column norms computed at each sweep's start and
+              updated by each rotation); U's columns normalized, V^T written as held
+
+A pair that no lane needs to rotate is skipped with a real branch, so the last sweeps
+(quadratic convergence: most pairs already converged) cost little.
+
+Every kernel: void f(ptr a, ptr o0, ptr o1, ptr o2, i64 lo, i64 hi) over groups [lo, hi).
+"""
+
+from __future__ import annotations
+
+from kiln.codegen.cpu.ir_builder import float_literal
+from kiln.codegen.cpu.linalg_lanes import Lanes
+
+MAX_SWEEPS = 30
+
+
+def _sum(L: Lanes, start, stop, init, term):
+    """init + sum over k in [start, stop) of term(k) (term returns a lane value)."""
+    with L.loop(start, stop, [init]) as lp:
+        lp.next = [L.fadd(lp.vals[0], term(lp.i))]
+    return lp.vals[0]
+
+
+def _dot_sub(L: Lanes, start, stop, init, x_at, y_at):
+    """init - sum x(k) * y(k): the fused multiply-subtract of the factorizations."""
+    with L.loop(start, stop, [init]) as lp:
+        lp.next = [L.fsub(lp.vals[0], L.fmul(L.ld(*x_at(lp.i)), L.ld(*y_at(lp.i))))]
+    return lp.vals[0]
+
+
+def _store(L: Lanes, out, group, rows: int, cols: int, value_at) -> None:
+    with L.loop(0, rows) as lr:
+        with L.loop(0, cols) as lc:
+            e = L.idx(lr.i, cols, lc.i)
+            L.scatter(L.args[out], group, rows * cols, e, value_at(lr.i, lc.i, e))
+
+
+def cholesky(n: int, scalar: str, width: int) -> tuple[str, str]:
+    """o0 <- L (n x n, zero above the diagonal), o1 <- info (int32 per matrix)."""
+    L = Lanes(f"kiln_la_cholesky_{scalar}_{n}_w{width}", scalar, width)
+    A = L.array(n * n)
+    with L.loop(L.lo, L.hi) as gl:
+        g = gl.i
+        L.load_matrix(A, g, n, n)
+        with L.loop(0, n, [L.k(0), L.k(1)]) as jl:
+            j, (info, order) = jl.i, jl.vals
+            rj = L.mul(j, n)
+            jj = L.add(rj, j)
+            d = _dot_sub(L, 0, j, L.ld(A, jj), lambda k: (A, L.add(rj, k)), lambda k: (A, L.add(rj, k)))
+            bad = L.fcmp("ule", d, L.k(0))  # unordered: a NaN pivot fails too
+            fresh = L.f.bin("and", bad, L.fcmp("oeq", info, L.k(0)))
+            pivot = L.sqrt(L.select(bad, L.k(1), d))
+            L.st(A, jj, pivot)
+            inv = L.fdiv(L.k(1), pivot)
+            with L.loop(L.add(j, 1), n) as il:
+                ri = L.mul(il.i, n)
+                s = _dot_sub(L, 0, j, L.ld(A, L.add(ri, j)), lambda k: (A, L.add(ri, k)),
+                             lambda k: (A, L.add(rj, k)))
+                L.st(A, L.add(ri, j), L.fmul(s, inv))
+            jl.next = [L.select(fresh, order, info), L.fadd(order, L.k(1))]
+        info = jl.vals[0]
+        _store(L, "o0", g, n, n, lambda r, c, e: L.select(L.icmp("ule", c, r), L.ld(A, e), L.k(0)))
+        L.scatter(L.args["o1"], g, 1, 0, info, as_int=True)
+    return L.name, L.text()
+
+
+def _reflect(L: Lanes, X, cols: int, j, c, rows: int, A, n: int, tau) -> None:
+    """Apply H_j = I - tau v v^T (v = [1, A[j+1:, j]]) to column c of X (rows x cols)."""
+    xj = L.idx(j, cols, c)
+    w = _sum(L, L.add(j, 1), rows, L.ld(X, xj),
+             lambda i: L.fmul(L.ld(A, L.idx(i, n, j)), L.ld(X, L.idx(i, cols, c))))
+    w = L.fmul(w, tau)
+    L.st(X, xj, L.fsub(L.ld(X, xj), w))
+    with L.loop(L.add(j, 1), rows) as il:
+        xi = L.idx(il.i, cols, c)
+        L.st(X, xi, L.fsub(L.ld(X, xi), L.fmul(w, L.ld(A, L.idx(il.i, n, j)))))
+
+
+def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
+    """o0 <- Q (m x k), o1 <- R (k x n), k = min(m, n)."""
+    k = min(m, n)
+    L = Lanes(f"kiln_la_qr_{scalar}_{m}x{n}_w{width}", scalar, width)
+    A, T, Q = L.array(m * n), L.array(k), L.array(m * k)
+    with L.loop(L.lo, L.hi) as gl:
+        g = gl.i
+        L.load_matrix(A, g, m, n)
+        with L.loop(0, k) as jl:
+            j = jl.i
+            jj = L.idx(j, n, j)
+            alpha = L.ld(A, jj)
+            xn2 = _sum(L, L.add(j, 1), m, L.k(0), lambda i: L.fmul(x := L.ld(A, L.idx(i, n, j)), x))
+            beta = L.f.fneg(L.copysign(L.sqrt(L.fma(alpha, alpha, xn2)), alpha))
+            zero = L.fcmp("oeq", xn2, L.k(0))
+            tau = L.select(zero, L.k(0), L.fdiv(L.fsub(beta, alpha), beta))
+            scale = L.select(zero, L.k(0), L.fdiv(L.k(1), L.fsub(alpha, beta)))
+            L.st(A, jj, L.select(zero, alpha, beta))
+            L.st(T, j, tau)
+            with L.loop(L.add(j, 1), m) as il:
+                e = L.idx(il.i, n, j)
+                L.st(A, e, L.fmul(L.ld(A, e), scale))
+            with L.loop(L.add(j, 1), n) as cl:
+                _reflect(L, A, n, j, cl.i, m, A, n, tau)
+        with L.loop(0, m * k) as el:  # Q = I, then the reflectors from the last one back
+            L.st(Q, el.i, L.k(0))
+        for d in range(k):
+            L.st(Q, d * k + d, L.k(1))
+        with L.loop(0, k) as bl:
+            j = L.f.bin("sub", L.i(k - 1), bl.i, "nsw")
+            tau = L.ld(T, j)
+            with L.loop(j, k) as cl:
+                _reflect(L, Q, k, j, cl.i, m, A, n, tau)
+        _store(L, "o0", g, m, k, lambda r, c, e: L.ld(Q, e))
+        _store(L, "o1", g, k, n, lambda r, c, e: L.select(L.icmp("uge", c, r), L.ld(A, L.idx(r, n, c)), L.k(0)))
+    return L.name, L.text()
+
+
+def _rotation(L: Lanes, num, den2, rotate):
+    """(c, s) of the Jacobi rotation with zeta = num / den2 (t = sign(zeta) / (|zeta| +
+    sqrt(1 + zeta^2))); c = 1, s = 0 in lanes where `rotate` is false."""
+    zeta = L.fdiv(num, den2)
+    t = L.fdiv(L.copysign(L.k(1), zeta), L.fadd(L.fabs(zeta), L.sqrt(L.fma(zeta, zeta, L.k(1)))))
+    t = L.select(rotate, t, L.k(0))
+    c = L.fdiv(L.k(1), L.sqrt(L.fma(t, t, L.k(1))))
+    return t, c, L.fmul(t, c)
+
+
+def _rotate_rows(L: Lanes, X, stride: int, p, q, length: int, c, s) -> None:
+    """(X[p, :], X[q, :]) <- (c x_p - s x_q, s x_p + c x_q) over `length` entries."""
+    with L.loop(0, length) as rl:
+        ip, iq = L.idx(p, stride, rl.i), L.idx(q, stride, rl.i)
+        xp, xq = L.ld(X, ip), L.ld(X, iq)
+        L.st(X, ip, L.fsub(L.fmul(c, xp), L.fmul(s, xq)))
+        L.st(X, iq, L.fma(s, xp, L.fmul(c, xq)))
+
+
+def _identity(L: Lanes, X, n: int) -> None:
+    with L.loop(0, n * n) as el:
+        L.st(X, el.i, L.k(0))
+    for d in range(n):
+        L.st(X, d * n + d, L.k(1))
+
+
+def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
+    """o0 <- eigenvalues (n, unsorted), o1 <- V^T (n x n: row p is eigenvector p)."""
+    L = Lanes(f"kiln_la_eigh_{scalar}_{n}_w{width}", scalar, width)
+    A, Vt = L.array(n * n), L.array(n * n)
+    tol2 = L.eps * L.eps
+    with L.loop(L.lo, L.hi) as gl:
+        g = gl.i
+        with L.loop(0, n) as rl:  # symmetric A from the lower triangle
+            with L.loop(0, L.add(rl.i, 1)) as cl:
+                x = L.gather(L.args["a"], g, n * n, L.idx(rl.i, n, cl.i))
+                L.st(A, L.idx(rl.i, n, cl.i), x)
+                L.st(A, L.idx(cl.i, n, rl.i), x)
+        fro2 = _sum(L, 0, n * n, L.k(0), lambda e: L.fmul(x := L.ld(A, e), x))
+        limit = L.fmul(fro2, L.k(tol2))
+        pair_limit = L.fmul(limit, L.k(1.0 / (n * n)))
+        _identity(L, Vt, n)
+        _count, end = L.sweep_loop(MAX_SWEEPS)
+        with L.loop(0, n - 1) as pl:
+            p = pl.i
+            with L.loop(L.add(p, 1), n) as ql:
+                q = ql.i
+                pq, pp, qq = L.idx(p, n, q), L.idx(p, n, p), L.idx(q, n, q)
+                apq, app, aqq = L.ld(A, pq), L.ld(A, pp), L.ld(A, qq)
+                rotate = L.fcmp("ogt", L.fmul(apq, apq), pair_limit)
+                with L.when(L.any(rotate)):
+                    t, c, s = _rotation(L, L.fsub(aqq, app), L.fmul(L.k(2), apq), rotate)
+                    with L.loop(0, n) as kl:  # columns p, q and (by symmetry) rows p, q
+                        kk = kl.i
+                        edge = L.f.bin("or", L.icmp("eq", kk, p), L.icmp("eq", kk, q))
+                        kp, kq = L.idx(kk, n, p), L.idx(kk, n, q)
+                        akp, akq = L.ld(A, kp), L.ld(A, kq)
+                        nkp = L.select(edge, akp, L.fsub(L.fmul(c, akp), L.fmul(s, akq)))
+                        nkq = L.select(edge, akq, L.fma(s, akp, L.fmul(c, akq)))
+                        L.st(A, kp, nkp)
+                        L.st(A, L.idx(p, n, kk), nkp)
+                        L.st(A, kq, nkq)
+                        L.st(A, L.idx(q, n, kk), nkq)
+                    tapq = L.fmul(t, apq)
+                    L.st(A, pp, L.fsub(app, tapq))
+                    L.st(A, qq, L.fadd(aqq, tapq))
+                    L.st(A, pq, L.select(rotate, L.k(0), apq))
+                    L.st(A, L.idx(q, n, p), L.select(rotate, L.k(0), apq))
+                    _rotate_rows(L, Vt, n, p, q, n, c, s)
+        end(_converged(L, A, n, limit))
+        with L.loop(0, n) as dl:
+            L.scatter(L.args["o0"], g, n, dl.i, L.ld(A, L.idx(dl.i, n, dl.i)))
+        _store(L, "o1", g, n, n, lambda r, c, e: L.ld(Vt, e))
+    return L.name, L.text()
+
+
+def _converged(L: Lanes, A, n: int, limit):
+    """i1: every lane's strict-upper off-diagonal mass is within `limit`."""
+    with L.loop(0, n, [L.k(0)]) as rl:
+        row = _sum(L, L.add(rl.i, 1), n, rl.vals[0], lambda c: L.fmul(x := L.ld(A, L.idx(rl.i, n, c)), x))
+        rl.next = [row]
+    excess = L.hmax(L.fsub(rl.vals[0], limit))
+    return L.f.emit(f"fcmp ole {L.t} {excess.ref}, 0.0", "i1")
+
+
+def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
+    """m >= n. o0 <- U (m x n, columns normalized), o1 <- s (n, unsorted), o2 <- V^T."""
+    L = Lanes(f"kiln_la_svd_{scalar}_{m}x{n}_w{width}", scalar, width)
+    Ut, Vt, N = L.array(n * m), L.array(n * n), L.array(n)
+    tol = (m ** 0.5) * L.eps
+    with L.loop(L.lo, L.hi) as gl:
+        g = gl.i
+        L.load_matrix(Ut, g, m, n, transpose=True)
+        _identity(L, Vt, n)
+        _count, end = L.sweep_loop(MAX_SWEEPS)
+        with L.loop(0, n) as cl:  # exact squared column norms at each sweep's start
+            L.st(N, cl.i, _sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(cl.i, m, r)), x)))
+        with L.loop(0, n - 1, [L.k(0)]) as pl:
+            p = pl.i
+            with L.loop(L.add(p, 1), n, [pl.vals[0]]) as ql:
+                q = ql.i
+                with L.loop(0, m, [L.k(0)]) as rl:
+                    rl.next = [L.fma(L.ld(Ut, L.idx(p, m, rl.i)), L.ld(Ut, L.idx(q, m, rl.i)), rl.vals[0])]
+                gamma = rl.vals[0]
+                alpha, beta = L.ld(N, p), L.ld(N, q)
+                norm = L.sqrt(L.fmul(alpha, beta))
+                cosine = L.select(L.fcmp("ogt", norm, L.k(0)), L.fdiv(L.fabs(gamma), norm), L.k(0))
+                rotate = L.fcmp("ogt", cosine, L.k(tol))
+                with L.when(L.any(rotate)):
+                    t, c, s = _rotation(L, L.fsub(beta, alpha), L.fmul(L.k(2), gamma), rotate)
+                    _rotate_rows(L, Ut, m, p, q, m, c, s)
+                    _rotate_rows(L, Vt, n, p, q, n, c, s)
+                    tg = L.fmul(t, gamma)  # the rotated columns' squared norms
+                    L.st(N, p, L.fsub(alpha, tg))
+                    L.st(N, q, L.fadd(beta, tg))
+                ql.next = [L.fmax(ql.vals[0], cosine)]
+            pl.next = [ql.vals[0]]
+        worst = L.hmax(pl.vals[0])
+        end(L.f.emit(f"fcmp ole {L.t} {worst.ref}, {_lit(L, tol)}", "i1"))
+        with L.loop(0, n) as cl:
+            c = cl.i
+            norm = L.sqrt(_sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(c, m, r)), x)))
+            inv = L.select(L.fcmp("ogt", norm, L.k(0)), L.fdiv(L.k(1), norm), L.k(0))
+            with L.loop(0, m) as rl:
+                e = L.idx(c, m, rl.i)
+                L.st(Ut, e, L.fmul(L.ld(Ut, e), inv))
+            L.scatter(L.args["o1"], g, n, c, norm)
+        _store(L, "o0", g, m, n, lambda r, c, e: L.ld(Ut, L.idx(c, m, r)))
+        _store(L, "o2", g, n, n, lambda r, c, e: L.ld(Vt, e))
+    return L.name, L.text()
+
+
+def _lit(L: Lanes, value: float) -> str:
+    return float_literal(value, L.t)

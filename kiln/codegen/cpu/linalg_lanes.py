@@ -1,0 +1,246 @@
+"""LLVM IR for batched small-matrix kernels, vectorized ACROSS the batch.
+
+A kernel works on W matrices at once: every "scalar" of the algorithm is a `<W x T>`
+vector whose lane w belongs to matrix g*W + w of group g. The algorithms then need no
+horizontal operations and no divergence (a lane that takes the other branch gets a
+`select`), and an 8x8 Cholesky runs at the machine's full SIMD width, which no
+per-matrix library call can do. W comes from the host's features (AVX-512: 512 bits,
+AVX2: 256, else 128); a width-1 build of the same kernel takes the batch's tail.
+
+Matrices are read from and written to the plain row-major batch (lane w's element e of
+group g is at (g*W + w) * size + e): W scalar loads gather one vector, so no transposed
+copy of the batch is ever made; the working copies live in stack arrays of vectors
+(L1/L2-resident for n <= 64).
+
+Kernel ABI (every kernel): void f(ptr a, ptr o0, ptr o1, ptr o2, i64 lo, i64 hi) runs
+the groups [lo, hi); unused outputs are null. `Lanes` is the small builder the kernels
+in linalg_kernels.py are written with (on top of ir_builder's text builder).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const, float_literal
+
+ABI_ARGS = ("a", "o0", "o1", "o2")
+
+
+class LoopState:
+    """The induction variable and carried values of one `Lanes.loop`."""
+
+    def __init__(self, i: V, vals: list):
+        self.i, self.vals, self.next = i, vals, list(vals)
+
+
+class Lanes:
+    """Builder of one kernel over `<W x scalar>` lanes (scalar "float" or "double")."""
+
+    def __init__(self, name: str, scalar: str, width: int):
+        self.name, self.t, self.W = name, scalar, width
+        self.vt = f"<{width} x {scalar}>"
+        self.mt = f"<{width} x i1>"
+        self.bytes = 4 if scalar == "float" else 8
+        self.module = Module()
+        self.f = Fn(self.module)
+        self.allocas: list[str] = []
+        self.args = {n: V(f"%{n}", "ptr") for n in ABI_ARGS}
+        self.lo, self.hi = V("%lo", "i64"), V("%hi", "i64")
+        self.eps = float(np.finfo(np.float32 if scalar == "float" else np.float64).eps)
+
+    # -- constants and names ------------------------------------------------------------
+    def k(self, value: float) -> V:
+        """A splat float constant."""
+        lit = float_literal(float(value), self.t)
+        return V("<" + ", ".join([f"{self.t} {lit}"] * self.W) + ">", self.vt)
+
+    @staticmethod
+    def i(value: int) -> V:
+        return const("i64", value)
+
+    def _sfx(self, ty: str | None = None) -> str:
+        base = {"float": "f32", "double": "f64"}[self.t]
+        return f"v{self.W}{base}" if ty is None else f"v{self.W}{ty}"
+
+    def intrinsic(self, base: str, nargs: int) -> str:
+        name = f"llvm.{base}.{self._sfx()}"
+        self.module.declare(name, f"declare {self.vt} @{name}({', '.join([self.vt] * nargs)})")
+        return name
+
+    # -- stack arrays of lanes ---------------------------------------------------------------
+    def array(self, count: int) -> V:
+        name = f"%arr{len(self.allocas)}"
+        self.allocas.append(f"  {name} = alloca {self.vt}, i64 {count}, align 64")
+        return V(name, "ptr")
+
+    def at(self, arr: V, index) -> V:
+        index = index if isinstance(index, V) else self.i(index)
+        return self.f.gep(self.vt, arr, index)
+
+    def ld(self, arr: V, index) -> V:
+        return self.f.load(self.vt, self.at(arr, index), 64)
+
+    def st(self, arr: V, index, value: V) -> None:
+        self.f.store(value, self.at(arr, index), 64)
+
+    # -- integer index arithmetic ------------------------------------------------------------
+    def iv(self, x) -> V:
+        return x if isinstance(x, V) else self.i(x)
+
+    def add(self, a, b) -> V:
+        return self.f.bin("add", self.iv(a), self.iv(b), "nsw")
+
+    def mul(self, a, b) -> V:
+        return self.f.bin("mul", self.iv(a), self.iv(b), "nsw")
+
+    def idx(self, row, stride: int, col) -> V:
+        """row * stride + col."""
+        return self.add(self.mul(row, stride), col)
+
+    def icmp(self, pred: str, a, b) -> V:
+        return self.f.icmp(pred, self.iv(a), self.iv(b))
+
+    # -- lane arithmetic ---------------------------------------------------------------------
+    def fadd(self, a, b):
+        return self.f.fadd(a, b, "contract")
+
+    def fsub(self, a, b):
+        return self.f.fsub(a, b, "contract")
+
+    def fmul(self, a, b):
+        return self.f.fmul(a, b, "contract")
+
+    def fdiv(self, a, b):
+        return self.f.fdiv(a, b)
+
+    def fma(self, a, b, c):
+        """a * b + c."""
+        return self.f.fadd(self.f.fmul(a, b, "contract"), c, "contract")
+
+    def sqrt(self, a):
+        return self.f.call(self.intrinsic("sqrt", 1), self.vt, [a])
+
+    def fabs(self, a):
+        return self.f.call(self.intrinsic("fabs", 1), self.vt, [a])
+
+    def copysign(self, mag, sign):
+        return self.f.call(self.intrinsic("copysign", 2), self.vt, [mag, sign])
+
+    def fmax(self, a, b):
+        return self.f.call(self.intrinsic("maxnum", 2), self.vt, [a, b])
+
+    def fcmp(self, pred: str, a, b) -> V:
+        return self.f.emit(f"fcmp {pred} {self.vt} {a.ref}, {b.ref}", self.mt)
+
+    def select(self, cond: V, a: V, b: V) -> V:
+        """Per lane (vector cond) or for all lanes (i1 cond)."""
+        return self.f.emit(f"select {cond.ty} {cond.ref}, {a.ty} {a.ref}, {b.ty} {b.ref}", a.ty)
+
+    def hmax(self, a: V) -> V:
+        """The largest lane, as a scalar."""
+        name = f"llvm.vector.reduce.fmax.{self._sfx()}"
+        self.module.declare(name, f"declare {self.t} @{name}({self.vt})")
+        return self.f.call(name, self.t, [a])
+
+    def any(self, mask: V) -> V:
+        """i1: some lane of the <W x i1> mask is set."""
+        name = f"llvm.vector.reduce.or.v{self.W}i1"
+        self.module.declare(name, f"declare i1 @{name}({self.mt})")
+        return self.f.call(name, "i1", [mask])
+
+    @contextmanager
+    def when(self, cond: V):
+        """Emit the block only for the i1 `cond` (a real branch: lanes that all agree
+        skip work, e.g. the rotations of pairs every lane has converged)."""
+        f = self.f
+        then, done = f.new_label("then"), f.new_label("done")
+        f.cbr(cond, then, done)
+        f.start_block(then)
+        yield
+        f.br(done)
+        f.start_block(done)
+
+    # -- loops ----------------------------------------------------------------------------------
+    @contextmanager
+    def loop(self, start, stop, carried: list | None = None):
+        """for i in [start, stop) as `with L.loop(a, b, [init]) as lp:`; the body reads
+        lp.i and lp.vals and sets lp.next; after the block lp.vals hold the final values."""
+        counted = CountedLoop(self.f, self.iv(start), self.iv(stop), list(carried or []), vectorize=False)
+        i, phis = counted.begin()
+        lp = LoopState(i, list(phis))
+        yield lp
+        counted.end(lp.next)
+
+    def sweep_loop(self, limit: int):
+        """A bounded do-while: returns (begin, end) callables; end(done: i1) exits when
+        done or after `limit` iterations."""
+        f = self.f
+        pre, head, out = f.block, f.new_label("sweep"), f.new_label("swept")
+        count = V(f.fresh("sw"), "i64")
+        f.br(head)
+        f.start_block(head)
+        at = len(f.lines)
+        f.lines.append("")
+
+        def end(done: V) -> V:
+            latch = f.block
+            nxt = f.bin("add", count, self.i(1), "nuw nsw")
+            more = f.icmp("slt", nxt, self.i(limit))
+            go = f.emit(f"select i1 {done.ref}, i1 false, i1 {more.ref}", "i1")
+            f.cbr(go, head, out)
+            f.lines[at] = f"  {count.ref} = phi i64 [ 0, %{pre} ], [ {nxt.ref}, %{latch} ]"
+            f.start_block(out)
+            return nxt
+
+        return count, end
+
+    # -- the batch in memory ------------------------------------------------------------------
+    def gather(self, ptr: V, group: V, size: int, element) -> V:
+        """Element `element` of the W matrices (each `size` scalars) of `group`."""
+        f, base = self.f, self.mul(group, self.W * size)
+        vec = V("poison", self.vt) if self.W > 1 else None
+        for w in range(self.W):
+            p = f.gep(self.t, ptr, self.add(base, self.add(w * size, element)))
+            x = f.load(self.t, p, self.bytes)
+            if self.W == 1:
+                return f.emit(f"insertelement {self.vt} poison, {self.t} {x.ref}, i32 0", self.vt)
+            vec = f.emit(f"insertelement {self.vt} {vec.ref}, {self.t} {x.ref}, i32 {w}", self.vt)
+        return vec
+
+    def scatter(self, ptr: V, group: V, size: int, element, value: V, as_int: bool = False) -> None:
+        """Write lane w of `value` to element `element` of matrix group*W + w (as int32
+        when as_int: Cholesky's info)."""
+        f, base = self.f, self.mul(group, self.W * size)
+        for w in range(self.W):
+            x = f.emit(f"extractelement {self.vt} {value.ref}, i32 {w}", self.t)
+            ty, nbytes = (self.t, self.bytes)
+            if as_int:
+                x, ty, nbytes = f.cast("fptosi", x, "i32"), "i32", 4
+            p = f.gep(ty, ptr, self.add(base, self.add(w * size, element)))
+            f.store(x, p, nbytes)
+
+    def load_matrix(self, arr: V, group: V, rows: int, cols: int, transpose: bool = False) -> None:
+        """arr <- the group's rows x cols input matrices (arr[c*rows + r] if transpose)."""
+        with self.loop(0, rows) as lr:
+            with self.loop(0, cols) as lc:
+                r, c = lr.i, lc.i
+                x = self.gather(self.args["a"], group, rows * cols, self.idx(r, cols, c))
+                self.st(arr, self.idx(c, rows, r) if transpose else self.idx(r, cols, c), x)
+
+    # -- the module ------------------------------------------------------------------------------
+    def text(self) -> str:
+        """The finished module: the kernel's group loop must already be closed."""
+        f = self.f
+        f.stmt("ret void")
+        f.lines[1:1] = self.allocas
+        header = (f"define void @{self.name}(ptr noalias %a, ptr noalias %o0, ptr noalias %o1, "
+                  f"ptr noalias %o2, i64 %lo, i64 %hi) #0")
+        self.module.functions.append(f.define(header))
+        bits = self.W * self.bytes * 8
+        width = max(128, bits)
+        self.module.metadata.append(
+            f'attributes #0 = {{ nounwind "min-legal-vector-width"="{width}" '
+            f'"prefer-vector-width"="{width}" }}')
+        return self.module.text()
