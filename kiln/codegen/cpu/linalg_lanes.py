@@ -80,10 +80,11 @@ class Lanes:
         return self.f.gep(self.vt, arr, index)
 
     def ld(self, arr: V, index) -> V:
-        return self.f.load(self.vt, self.at(arr, index), 64)
+        return self.f.load(self.vt, self.at(arr, index), self.W * self.bytes)
 
     def st(self, arr: V, index, value: V) -> None:
-        self.f.store(value, self.at(arr, index), 64)
+        # the vector's own alignment: a 1-lane array's entries are only 4 or 8 apart
+        self.f.store(value, self.at(arr, index), self.W * self.bytes)
 
     # -- integer index arithmetic ------------------------------------------------------------
     def iv(self, x) -> V:

@@ -40,7 +40,7 @@ def path(op: str, shape: tuple, dtype, device: str = "cpu") -> str:
 
     if str(device).split(":")[0] in ("metal", "mps"):
         return "metal"
-    name = np.dtype(str(dtype) if not isinstance(dtype, np.dtype) else dtype).name
+    name = np.dtype(dtype).name
     if op not in OPS or not linalg_native.supports(tuple(shape), name):
         return "lapack"
     batch = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
