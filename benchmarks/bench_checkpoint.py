@@ -139,7 +139,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("KILN_BENCH_DIR")) as folder:
         for world in opts.ranks:
             t = run_ranks(__file__, world, json.dumps({"mb": opts.mb, "repeat": opts.repeat,
-                                                       "dir": folder}))
+                                                       "dir": folder}),
+                          {"KILN_LOCAL_WORLD_SIZE": str(world)})  # as kiln launch sets it
             med = {k: statistics.median(v) for k, v in t.items()}
             ratio = statistics.median(d / s for d, s in zip(t["dd"], t["save"]))
             # the first call allocates the staging buffer: the steady state is the rest

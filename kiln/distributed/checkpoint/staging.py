@@ -6,8 +6,8 @@ whole stall the caller sees, so it goes into one reused buffer (PyTorch DCP's pi
 staging memory, on the CPU): a fresh allocation would take a page fault per 4 KiB page
 on every save, about a third of the copy's time here. The buffer is handed back when
 the background write ends and kept (one idle buffer per process, the largest) for the
-next save; `clear()` frees it. Large copies are split over a few threads (numpy
-releases the GIL while it copies).
+next save; `clear()` frees it. Large copies are split over this process's share of
+the cores (numpy releases the GIL while it copies).
 
     >>> views, lease = stage([np.arange(4.0)])
     >>> views[0].tolist(), lease.nbytes >= 32
@@ -25,7 +25,23 @@ import numpy as np
 
 _ALIGN = 64  # each block starts on a cache line
 _SPLIT = 8 << 20  # copies are cut into pieces of at least this many bytes per thread
-_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+def _copy_threads() -> int:
+    """Threads per copy: this process's share of the cores (the ranks of one host, as
+    `kiln launch` gives KILN_LOCAL_WORLD_SIZE, copy at the same time), at most 4; extra
+    threads on busy cores only add hand-offs."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("KILN_LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(4, cores // local))
+
+
+_THREADS = _copy_threads()
 
 
 class _Pool:
