@@ -4,12 +4,22 @@ Model (zero measurements, the default): time = fixed cost + flops / throughput.
   - BLAS panels: ~2 us per cblas call (argument checks, buffer setup, thread wake-up)
     per panel, plus 2*m*n*k / 60 GFLOP/s (OpenBLAS sgemm on 2 AVX-512 cores; float64
     half that), plus packing traffic for operands BLAS cannot take as they are.
+  - kiln's micro-kernel (microkernel.py): no library call, ~0.3 us of setup, the padded
+    tile flops at 100 GFLOP/s with 512-bit vectors (50 with 256-bit; float64 half),
+    plus packing (~2 elements per ns).
   - generated loop nest (`gemm_as_kernel`): no call overhead, 2*m*n*k / 3 GFLOP/s
     (a vectorized dot product per output, no register blocking).
-With these numbers the crossover sits near m*n*k ~ 32^3, where BLAS call overhead
-stops dominating. Symbolic sizes are costed at `assumed_dim` (a batch/sequence dim is
-usually large). `measure=True` (mode="max-autotune") compiles both and times them on
-random inputs when the sizes are static, and keeps the faster.
+The cheapest wins; tiny products (m*n*k below ~10^3) stay a loop nest. Measured on the
+2-core Xeon (Sapphire Rapids) this was calibrated on, OpenBLAS's call costs only
+~0.3 us, and it matched or beat the micro-kernel on every float32/float16/bfloat16
+shape tried, small and batched included (the micro-kernel reaches 85-100% of it there:
+(64 x) 32x32x16 101 vs 113 GFLOP/s, 128^3 129 vs 132): so where OpenBLAS is loaded
+it takes every float product the loop nest does not, and the micro-kernel takes its
+place where it is absent (a numpy without its bundled OpenBLAS) instead of the
+3 GFLOP/s loop nest. Symbolic sizes are costed at `assumed_dim` (a batch/sequence dim
+is usually large). `measure=True` (mode="max-autotune") compiles every candidate and
+times them on random inputs when the sizes are static, and keeps the fastest, so a
+machine where the micro-kernel wins gets it.
 """
 
 from __future__ import annotations
@@ -24,11 +34,16 @@ from kiln.codegen.kernel_ir import GemmKernel
 from kiln.ir.shapes import evaluate
 
 from kiln.codegen.cpu.gemm import blas_capable, panel_count
+from kiln.codegen.cpu.microkernel import micro_capable, tile, vector_bits
 
-BLAS_CALL_S = 2e-6
+BLAS_CALL_S = 0.5e-6  # measured ~0.3 us per cblas call of a small product, plus ours
 BLAS_FLOPS = 60e9
 LOOP_FLOPS = 3e9
 PACK_BYTES_PER_S = 5e9
+MICRO_CALL_S = 0.3e-6
+MICRO_FLOPS_512 = 100e9  # float32, 512-bit vectors, one thread (measured 100-150 on small
+# and batched shapes); scales with the width, float64 half
+MICRO_PACK_PER_S = 2e9  # elements packed (strided read, convert, contiguous write)
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,12 @@ class GemmChoice:
     predicted_blas_s: float
     predicted_loop_s: float
     measured: bool = False
+    kind: str = ""  # "blas", "micro" or "loop" (empty: from use_blas, for older callers)
+    predicted_micro_s: float = float("inf")
+
+    @property
+    def variant(self) -> str:
+        return self.kind or ("blas" if self.use_blas else "loop")
 
 
 def _static(d, assumed: int) -> int:
@@ -57,8 +78,9 @@ def panel_rows_for(m: int, n: int, k: int) -> int:
     return -(-rows // 16) * 16
 
 
-def choose_gemm(g: GemmKernel, assumed_dim: int = 256) -> GemmChoice:
-    """Rank BLAS panels vs the generated loop nest with the analytical model."""
+def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | None = None) -> GemmChoice:
+    """Rank BLAS panels, kiln's micro-kernel and the generated loop nest with the
+    analytical model (`blas_available`: None asks whether OpenBLAS loaded)."""
     batch, m, n, k = (_static(d, assumed_dim) for d in (g.batch, g.m, g.n, g.k))
     esize = 8 if any(b.dtype.bits == 64 for b in g.buffers if b.name == g.a) else 4
     rows = panel_rows_for(m, n, k)
@@ -68,13 +90,34 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256) -> GemmChoice:
     packed = 0 if all(b.dtype.bits >= 32 for b in g.buffers if b.name in (g.a, g.b)) else 1
     blas_s = panels * BLAS_CALL_S + flops / peak + packed * batch * (m * k + k * n) * 4 / PACK_BYTES_PER_S
     loop_s = flops / LOOP_FLOPS
-    use_blas = blas_capable(g) and blas_s < loop_s
-    return GemmChoice(use_blas, rows, blas_s, loop_s)
+    micro_s = micro_seconds(batch, m, n, k, esize) if micro_capable(g) else float("inf")
+    if blas_available is None:
+        from kiln.codegen.cpu.jit import ensure_blas_loaded
+
+        blas_available = ensure_blas_loaded()
+    # measured here (benchmarks/results/cpu.md): OpenBLAS is as fast or faster than the
+    # micro-kernel at every float size (its call costs ~0.3 us), so with BLAS present the
+    # micro-kernel is not a candidate; without it, it replaces BLAS
+    if blas_available and blas_capable(g):
+        costs = {"loop": loop_s, "blas": blas_s}
+    else:
+        costs = {"loop": loop_s, "micro": micro_s}
+    kind = min(costs, key=costs.get)
+    return GemmChoice(kind == "blas", rows, blas_s, loop_s, kind=kind, predicted_micro_s=micro_s)
+
+
+def micro_seconds(batch: int, m: int, n: int, k: int, esize: int) -> float:
+    """The model's time for kiln's micro-kernel: padded tile flops plus packing."""
+    mr, nr, _ = tile(esize)
+    padded = 2.0 * batch * (-(-m // mr) * mr) * (-(-n // nr) * nr) * k
+    rate = MICRO_FLOPS_512 * vector_bits() / 512 / (2 if esize == 8 else 1)
+    return MICRO_CALL_S + padded / rate + batch * (m * k + k * n) / MICRO_PACK_PER_S
 
 
 def measure_gemm(g: GemmKernel, choice: GemmChoice, compile_variant, repeats: int = 5) -> GemmChoice:
-    """Time both variants (`compile_variant(use_blas) -> CompiledKernel`) on random data;
-    only for static sizes (symbolic ones keep the model's choice)."""
+    """Time every variant (`compile_variant(kind) -> CompiledKernel`, kind "blas",
+    "micro" or "loop") on random data; only for static sizes (symbolic ones keep the
+    model's choice)."""
     if not blas_capable(g):
         return choice
     dims = [sympy.sympify(d) for b in g.buffers for d in b.shape]
@@ -87,16 +130,20 @@ def measure_gemm(g: GemmKernel, choice: GemmChoice, compile_variant, repeats: in
         arrays.append(rng.standard_normal(shape).astype(b.dtype.np_dtype) if b.dtype.is_floating
                       else np.zeros(shape, b.dtype.np_dtype))
     times = {}
-    for use_blas in (True, False):
-        ck = compile_variant(use_blas)
+    for kind in ("blas", "micro", "loop"):
+        if kind == "micro" and not micro_capable(g):
+            continue
+        ck = compile_variant(kind)
         ck(arrays, {})
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
             ck(arrays, {})
             best = min(best, time.perf_counter() - t0)
-        times[use_blas] = best
-    return GemmChoice(times[True] <= times[False], choice.panel_rows, times[True], times[False], True)
+        times[kind] = best
+    kind = min(times, key=times.get)
+    return GemmChoice(kind == "blas", choice.panel_rows, times["blas"], times["loop"], True, kind,
+                      times.get("micro", float("inf")))
 
 
 def gemm_outer_extents(g: GemmKernel, use_blas: bool, panel_rows: int) -> tuple:

@@ -36,6 +36,7 @@ from kiln.codegen.cpu.compiled import CompiledKernel
 from kiln.codegen.cpu.gemm import check_strides, emit_gemm, gemm_as_kernel
 from kiln.codegen.cpu.ir_builder import Module
 from kiln.codegen.cpu.llvm_emit import emit_kernel
+from kiln.codegen.cpu.microkernel import emit_micro_gemm, row_blocks
 from kiln.codegen.cpu.compiled import default_threads
 from kiln.codegen.cpu.scalar_ops import SCALAR_TABLE
 
@@ -85,6 +86,7 @@ class _Plan:
     outer_extents: tuple
     blas: bool = False
     panel_rows: int = 0
+    micro: bool = False  # kiln's register-blocked micro-kernel (microkernel.py)
 
 
 def _symbol(name: str, taken: set) -> str:
@@ -123,7 +125,9 @@ class CpuBackend(Backend):
         return passes[:at] + [("fold_transpose", fold_transpose)] + passes[at:]
 
     # -- planning and emission --------------------------------------------------------
-    def _plan(self, k: AnyKernel, taken: set, use_blas: bool | None = None) -> _Plan:
+    def _plan(self, k: AnyKernel, taken: set, variant: str | bool | None = None) -> _Plan:
+        """How `k` is emitted; for a GEMM `variant` ("blas", "micro", "loop"; True/False
+        meaning blas/loop) overrides the cost model's choice."""
         symbol = _symbol(k.name, taken)
         if isinstance(k, Kernel):
             return _Plan(k, symbol, tuple(l.extent for l in k.outer))
@@ -133,10 +137,14 @@ class CpuBackend(Backend):
             raise KilnArgumentError(f"cpu backend: cannot compile {type(k).__name__}")
         check_strides(k)
         choice = choose_gemm(k)
-        blas = choice.use_blas if use_blas is None else use_blas
-        if blas:
+        if isinstance(variant, bool):
+            variant = "blas" if variant else "loop"
+        kind = variant or choice.variant
+        if kind == "blas":
             require_blas()
             return _Plan(k, symbol, gemm_outer_extents(k, True, choice.panel_rows), True, choice.panel_rows)
+        if kind == "micro":
+            return _Plan(k, symbol, (row_blocks(k),), micro=True)
         loop = gemm_as_kernel(k)
         return _Plan(loop, symbol, tuple(l.extent for l in loop.outer))
 
@@ -145,6 +153,8 @@ class CpuBackend(Backend):
         for p in plans:
             if p.blas:
                 emit_gemm(module, p.kernel, p.symbol, p.panel_rows)
+            elif p.micro:
+                emit_micro_gemm(module, p.kernel, p.symbol)
             elif isinstance(p.kernel, BatchKernel):
                 emit_batch(module, p.kernel, p.symbol)
             else:
@@ -174,8 +184,9 @@ class CpuBackend(Backend):
         o = self.options
         return [CompiledKernel(p.kernel, owner.address(p.symbol), owner,
                                object_address=owner.address(p.symbol + ".np"),
-                               threads=1 if p.blas else o.threads, threshold=o.parallel_threshold,
-                               outer_extents=p.outer_extents, serial=p.blas) for p in plans]
+                               threads=1 if p.blas or p.micro else o.threads,
+                               threshold=o.parallel_threshold, outer_extents=p.outer_extents,
+                               serial=p.blas or p.micro) for p in plans]
 
     def compile(self, kernel: AnyKernel, measure: bool | None = None) -> CompiledKernel:
         """Compile one kernel. `measure` (default: options.mode == "max-autotune") times
@@ -188,8 +199,8 @@ class CpuBackend(Backend):
                 return self._cache[key]
         if measure and isinstance(kernel, GemmKernel):
             choice = measure_gemm(kernel, choose_gemm(kernel),
-                                  lambda blas: self._compile_plans([self._plan(kernel, set(), blas)])[0])
-            compiled = self._compile_plans([self._plan(kernel, set(), choice.use_blas)])[0]
+                                  lambda kind: self._compile_plans([self._plan(kernel, set(), kind)])[0])
+            compiled = self._compile_plans([self._plan(kernel, set(), choice.variant)])[0]
         else:
             compiled = self.build([kernel])[0]
         with self._lock:

@@ -1,0 +1,269 @@
+"""kiln's own GEMM micro-kernel: packed panels and a register-blocked MR x NR tile.
+
+For the small and batched products where a BLAS call's fixed cost (argument checks,
+buffer setup, thread wake-up: microseconds) is the bigger part of the time, e.g. the
+attention GEMMs of a small transformer ((B*heads) x [32, 16] @ [16, 32]), the cost
+model (autotune.py) picks this instead of BLAS. It is the BLIS/GotoBLAS structure in
+miniature, written as LLVM IR with explicit vector types:
+
+- B is read in place, NR columns of a row as NR/W vector loads, when its columns are
+  contiguous and of the accumulator dtype; otherwise (and for the partial last panel)
+  it is packed once per batch item a call sees into column panels of NR (k rows of NR
+  contiguous values, zero-padded past n), converted to the accumulator dtype;
+- each outer point is a block of MR rows; for every panel the MR x NR tile accumulates
+  in registers, MR * NR / W vector accumulators updated by one fused multiply-add per
+  A value (read in place through its strides, broadcast) and B vector per k (12
+  accumulators: 12 ymm on AVX2, 12 zmm on AVX-512);
+- the tile goes to a small stack buffer, and the epilogue (bias, activation, residual,
+  cast: the GEMM template's `Acc` expression) runs on the valid rows and columns of it
+  straight to the output, like the BLAS path's per-panel epilogue.
+
+The vector width W comes from the host CPU's features: 512 bits with AVX-512F, 256 with
+AVX2, else 128; NR = 2W, MR = 6 (MR x NR/W = 12 accumulators). Operand strides are any
+(the packing reads them), so transposed operands need no copy. float32 and float64
+accumulators; low-precision operands are converted while packing.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from kiln.codegen.kernel_ir import GemmKernel
+
+from kiln.codegen.cpu import dtype_map
+from kiln.codegen.cpu.gemm import acc_dtype
+from kiln.codegen.cpu.index_emit import emit_index
+from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
+from kiln.codegen.cpu.llvm_emit import ExprEmitter, abi_wrapper
+from kiln.codegen.cpu.scalar_ops import convert
+from kiln.ir import dtypes as dt
+
+MR = 6  # rows per register tile
+
+
+@lru_cache(maxsize=None)
+def vector_bits() -> int:
+    """The widest vector registers of the host: 512 (AVX-512F), 256 (AVX2) or 128."""
+    from kiln.codegen.cpu.jit import _init
+    import llvmlite.binding as llvm
+
+    _init()
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512f"):
+        return 512
+    if features.get("avx2"):
+        return 256
+    return 128
+
+
+def tile(esize: int) -> tuple[int, int, int]:
+    """(MR, NR, W): rows and columns of the register tile and lanes per vector."""
+    lanes = vector_bits() // (8 * esize)
+    return MR, 2 * lanes, lanes
+
+
+def micro_capable(g: GemmKernel) -> bool:
+    """Float accumulators (float32/float64) only: integer GEMMs keep the loop nest."""
+    return acc_dtype(g) in (dt.float32, dt.float64)
+
+
+def row_blocks(g: GemmKernel):
+    """The outer space: batch x blocks of MR rows."""
+    import sympy
+
+    return g.batch * sympy.floor((sympy.sympify(g.m) + MR - 1) / MR)
+
+
+class MicroEmitter:
+    def __init__(self, module: Module, g: GemmKernel, symbol: str):
+        self.module, self.g, self.symbol = module, g, symbol
+        self.acc = acc_dtype(g)
+        self.ty = dtype_map.reg_type(self.acc)
+        self.esize = 8 if self.acc == dt.float64 else 4
+        self.mr, self.nr, self.w = tile(self.esize)
+        self.vty = f"<{self.w} x {self.ty}>"
+
+    def emit(self) -> None:
+        g, module = self.g, self.module
+        fn = Fn(module, prefix="u")
+        params, self.buffers = [], {}
+        for i, b in enumerate(g.buffers):
+            params.append(f"ptr noalias %b{i}")
+            self.buffers[b.name] = (V(f"%b{i}", "ptr"), b)
+        params += [f"i64 %s{i}" for i in range(len(g.sizes))] + ["i64 %begin", "i64 %end"]
+        self.sizes = {name: V(f"%s{i}", "i64") for i, name in enumerate(g.sizes)}
+        module.declare("malloc", "declare noalias ptr @malloc(i64)")
+        module.declare("free", "declare void @free(ptr)")
+        self.fma = f"llvm.fma.v{self.w}{'f64' if self.esize == 8 else 'f32'}"
+        module.declare(self.fma, f"declare {self.vty} @{self.fma}({self.vty}, {self.vty}, {self.vty})")
+        self._body(fn)
+        fn.stmt("ret void")
+        module.functions.append(fn.define(
+            f"define internal void @{self.symbol}.body({', '.join(params)}) noinline nounwind"))
+        module.functions.append(abi_wrapper(self.symbol, len(g.buffers), len(g.sizes)))
+
+    def _ix(self, fn, expr, extra=None):
+        env = dict(self.sizes)
+        env.update(extra or {})
+        return emit_index(fn, expr, env)
+
+    def _direct_b(self) -> bool:
+        """B rows can be read as vectors in place: unit column stride, accumulator dtype."""
+        import sympy
+
+        param = self.buffers[self.g.b][1]
+        return sympy.sympify(self.g.b_strides[2]) == 1 and param.dtype == self.acc
+
+    def _body(self, fn: Fn) -> None:
+        g, mr, nr = self.g, self.mr, self.nr
+        m, n, k = (self._ix(fn, d) for d in (g.m, g.n, g.k))
+        one = const("i64", 1)
+        esz = const("i64", self.esize)
+        npanels = fn.bin("sdiv", fn.bin("add", n, const("i64", nr - 1)), const("i64", nr))
+        nblocks = fn.bin("sdiv", fn.bin("add", m, const("i64", mr - 1)), const("i64", mr))
+        direct = self._direct_b()
+        # packed panels: all of them, or only the partial last one when B is read in place
+        first = fn.bin("sdiv", n, const("i64", nr)) if direct else const("i64", 0)
+        packed = fn.bin("sub", npanels, first)
+        size = fn.bin("mul", fn.bin("mul", fn.bin("mul", fn.bin("add", packed, one),
+                                                     fn.bin("add", k, one)), const("i64", nr)), esz)
+        pack_b = fn.call("malloc", "ptr", [size])
+        tile_buf = fn.emit(f"alloca [{mr * nr} x {self.ty}], align 64", "ptr", "tile")
+        sb0, sb1 = self._ix(fn, g.b_strides[0]), self._ix(fn, g.b_strides[1])
+        loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), carried=[const("i64", -1)],
+                           vectorize=False)
+        p, (last_b,) = loop.begin()
+        bi = fn.bin("sdiv", p, nblocks)
+        i0 = fn.bin("mul", fn.bin("srem", p, nblocks), const("i64", mr))
+        left = fn.bin("sub", m, i0)
+        rows = fn.select(fn.icmp("slt", left, const("i64", mr)), left, const("i64", mr))
+        pack, after = fn.new_label("packb"), fn.new_label("packed")
+        fn.cbr(fn.icmp("ne", bi, last_b), pack, after)
+        fn.start_block(pack)
+        self._pack_b(fn, pack_b, bi, k, n, first, npanels)
+        fn.br(after)
+        fn.start_block(after)
+        panels = CountedLoop(fn, const("i64", 0), npanels, vectorize=False)
+        jp, _ = panels.begin()
+        j0 = fn.bin("mul", jp, const("i64", nr))
+        cleft = fn.bin("sub", n, j0)
+        cols = fn.select(fn.icmp("slt", cleft, const("i64", nr)), cleft, const("i64", nr))
+        packed_base = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), k),
+                                                     const("i64", nr)))
+        if direct:
+            in_place, from_pack, tiled = (fn.new_label(h) for h in ("bdirect", "bpacked", "tiled"))
+            fn.cbr(fn.icmp("slt", jp, first), in_place, from_pack)
+            fn.start_block(in_place)
+            base = fn.gep(self.ty, self.buffers[g.b][0], fn.bin("add", fn.bin("mul", bi, sb0), j0))
+            self._tile(fn, base, sb1, tile_buf, bi, i0, m, k)
+            fn.br(tiled)
+            fn.start_block(from_pack)
+            self._tile(fn, packed_base, const("i64", nr), tile_buf, bi, i0, m, k)
+            fn.br(tiled)
+            fn.start_block(tiled)
+        else:
+            self._tile(fn, packed_base, const("i64", nr), tile_buf, bi, i0, m, k)
+        self._epilogue(fn, tile_buf, bi, i0, rows, j0, cols, m, n)
+        panels.end()
+        loop.end([bi])
+        fn.call("free", "void", [pack_b])
+
+    def _load_operand(self, fn, name, index):
+        """Element `index` of operand `name`, converted to the accumulator dtype."""
+        ptr, param = self.buffers[name]
+        st = dtype_map.storage_type(param.dtype)
+        raw = fn.load(st, fn.gep(st, ptr, index), max(1, param.dtype.itemsize))
+        return convert(fn, dtype_map.load_convert(fn, raw, param.dtype), param.dtype, self.acc)
+
+    def _pack_b(self, fn, dst, bi, k, n, first, npanels) -> None:
+        """dst[((jp - first) * k + kk) * NR + jj] = B[bi, kk, jp * NR + jj] for the panels
+        first <= jp < npanels, 0 past n."""
+        nr = self.nr
+        s0, s1, s2 = (self._ix(fn, s) for s in self.g.b_strides)
+        j_lo = fn.bin("mul", first, const("i64", nr))
+        width = fn.bin("mul", fn.bin("sub", npanels, first), const("i64", nr))
+        kl = CountedLoop(fn, const("i64", 0), k, vectorize=False)
+        kk, _ = kl.begin()
+        jl = CountedLoop(fn, const("i64", 0), width, vectorize=None)
+        jrel, _ = jl.begin()
+        j = fn.bin("add", j_lo, jrel)
+        inside, outside, joined = fn.new_label("bin"), fn.new_label("bpad"), fn.new_label("bjoin")
+        fn.cbr(fn.icmp("slt", j, n), inside, outside)
+        fn.start_block(inside)
+        src = fn.bin("add", fn.bin("mul", bi, s0), fn.bin("add", fn.bin("mul", kk, s1), fn.bin("mul", j, s2)))
+        value = self._load_operand(fn, self.g.b, src)
+        fn.br(joined)
+        fn.start_block(outside)
+        fn.br(joined)
+        fn.start_block(joined)
+        v = fn.emit(f"phi {self.ty} [ {value.ref}, %{inside} ], [ {const(self.ty, 0.0).ref}, %{outside} ]",
+                    self.ty)
+        jp = fn.bin("sdiv", jrel, const("i64", nr))
+        jj = fn.bin("srem", jrel, const("i64", nr))
+        at = fn.bin("add", fn.bin("mul", fn.bin("add", fn.bin("mul", jp, k), kk), const("i64", nr)), jj)
+        fn.store(v, fn.gep(self.ty, dst, at), self.esize)
+        jl.end()
+        kl.end()
+
+    def _tile(self, fn, b_base, b_row, tile_buf, bi, i0, m, k) -> None:
+        """tile[ii * NR + jj] = sum_kk A[bi, i0 + ii, kk] * B(kk, jj) with B's vector v of
+        row kk at b_base + kk * b_row + v * W: MR x NR/W vector accumulators carried
+        through the k loop. A is read in place (rows past m repeat row m - 1; the epilogue
+        never stores them)."""
+        mr, nr, w, vty = self.mr, self.nr, self.w, self.vty
+        nv = nr // w
+        sa0, sa1, sa2 = (self._ix(fn, s) for s in self.g.a_strides)
+        last = fn.bin("sub", m, const("i64", 1))
+        a_rows = []
+        for ii in range(mr):
+            row = fn.bin("add", i0, const("i64", ii))
+            row = fn.select(fn.icmp("slt", row, m), row, last)
+            a_rows.append(fn.bin("add", fn.bin("mul", bi, sa0), fn.bin("mul", row, sa1)))
+        zero = V("zeroinitializer", vty)
+        kl = CountedLoop(fn, const("i64", 0), k, carried=[zero] * (mr * nv), vectorize=False)
+        kk, accs = kl.begin()
+        brow = fn.bin("mul", kk, b_row)
+        bvecs = [fn.load(vty, fn.gep(self.ty, b_base, fn.bin("add", brow, const("i64", v * w))), self.esize)
+                 for v in range(nv)]
+        koff = fn.bin("mul", kk, sa2)
+        new = []
+        for ii in range(mr):
+            a = self._load_operand(fn, self.g.a, fn.bin("add", a_rows[ii], koff))
+            ins = fn.emit(f"insertelement {vty} poison, {self.ty} {a.ref}, i64 0", vty)
+            splat = fn.emit(f"shufflevector {vty} {ins.ref}, {vty} poison, <{w} x i32> zeroinitializer", vty)
+            for v in range(nv):
+                acc = accs[ii * nv + v]
+                new.append(fn.emit(f"call {vty} @{self.fma}({vty} {splat.ref}, {vty} {bvecs[v].ref}, "
+                                   f"{vty} {acc.ref})", vty))
+        outs = kl.end(new)  # phis in (ii, v) order, as `new`
+        for ii in range(mr):
+            for v in range(nv):
+                at = const("i64", ii * nr + v * w)
+                fn.store(outs[ii * nv + v], fn.gep(self.ty, tile_buf, at), self.esize)
+
+    def _epilogue(self, fn, tile_buf, bi, i0, rows, j0, cols, m, n) -> None:
+        g = self.g
+        out_ptr, out_param = self.buffers[g.out]
+        rl = CountedLoop(fn, const("i64", 0), rows, vectorize=False)
+        r, _ = rl.begin()
+        jl = CountedLoop(fn, const("i64", 0), cols)
+        j, _ = jl.begin()
+        gi = fn.bin("add", i0, r)
+        gj = fn.bin("add", j0, j)
+        acc = fn.load(self.ty, fn.gep(self.ty, tile_buf, fn.bin("add", fn.bin("mul", r, const("i64", self.nr)), j)),
+                      self.esize)
+        symbols = dict(self.sizes)
+        symbols.update({"gb": bi, "gi": gi, "gj": gj})
+        value = convert(fn, ExprEmitter(fn, self.buffers, symbols, {}, acc=acc)(g.epilogue),
+                        g.epilogue.dtype, out_param.dtype)
+        st = dtype_map.storage_type(out_param.dtype)
+        index = fn.bin("add", fn.bin("mul", fn.bin("add", fn.bin("mul", bi, m), gi), n), gj)
+        fn.store(dtype_map.store_convert(fn, value, out_param.dtype), fn.gep(st, out_ptr, index),
+                 max(1, out_param.dtype.itemsize))
+        jl.end()
+        rl.end()
+
+
+def emit_micro_gemm(module: Module, g: GemmKernel, symbol: str) -> None:
+    """Add the micro-kernel GEMM `g` to `module` as exported function `symbol`."""
+    MicroEmitter(module, g, symbol).emit()

@@ -1,0 +1,107 @@
+"""kiln's GEMM micro-kernel against numpy: odd edges around the MR x NR tile, transposed
+operands, float32/float64 (and float16 operands), batched products, epilogues, k = 0,
+symbolic rows; the cost model's choice between loop nest, micro-kernel and BLAS."""
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.codegen.cpu import CpuBackend, CpuOptions
+from kiln.codegen.cpu.autotune import choose_gemm
+from kiln.codegen.cpu.microkernel import tile, vector_bits
+from kiln.codegen.kernel_eval import run_kernel
+from kiln.ir import dtypes as dt
+
+from tests.codegen.cpu_helpers import make_arrays
+from tests.codegen.test_cpu_gemm import M, gemm
+
+BACKEND = CpuBackend(CpuOptions())
+MR, NR, W = tile(4)
+
+
+def micro(g):
+    return BACKEND._compile_plans([BACKEND._plan(g, set(), "micro")])[0]
+
+
+def run(g, sizes=None, seed=0, rtol=1e-5, atol=1e-5):
+    sizes = sizes or {}
+    arrays = make_arrays(g, sizes, np.random.default_rng(seed), low=-1.0, high=1.0)
+    ours, ref = [a.copy() for a in arrays], [a.copy() for a in arrays]
+    micro(g)(ours, sizes)
+    run_kernel(g, ref, sizes)
+    np.testing.assert_allclose(ours[-1], ref[-1], rtol=rtol, atol=atol)
+    return arrays, ours
+
+
+def test_tile_follows_the_host_vectors():
+    assert vector_bits() in (128, 256, 512)
+    assert (MR, NR, W) == (6, 2 * vector_bits() // 32, vector_bits() // 32)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (MR - 1, NR - 1, 3), (MR, NR, 16), (MR + 1, NR + 1, 17),
+                                   (2 * MR + 5, 3 * NR + 7, 1), (37, 50, 29)])
+def test_edges_match_numpy(m, n, k):
+    arrays, ours = run(gemm(1, m, n, k))
+    a, b = arrays[0][0].astype(np.float64), arrays[1][0].astype(np.float64)
+    np.testing.assert_allclose(ours[-1][0], a @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("d", [dt.float32, dt.float64])
+def test_transposes_and_dtypes(ta, tb, d):
+    tol = 1e-12 if d == dt.float64 else 1e-5
+    run(gemm(3, 13, 21, 11, d=d, ta=ta, tb=tb), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("epilogue", ["bias_relu", "bias_gelu", "residual_scale"])
+def test_epilogues_batched(epilogue):
+    run(gemm(5, 9, 40, 12, epilogue=epilogue))
+
+
+def test_float16_operands_and_output():
+    run(gemm(2, 7, 19, 24, d=dt.float16), rtol=2e-2, atol=2e-2)
+
+
+def test_k0_and_symbolic_rows():
+    run(gemm(2, 5, 6, 0, epilogue="bias_relu"))
+    g = gemm(1, M, 20, 9, epilogue="bias_relu", sizes=("M",))
+    for m in (0, 1, MR, 17):
+        run(g, {"M": m})
+
+
+def test_cost_model_picks_each_variant():
+    assert choose_gemm(gemm(3, 4, 5, 3)).variant == "loop"          # tiny: no packing
+    assert choose_gemm(gemm(1, 512, 512, 512), blas_available=True).use_blas
+    assert choose_gemm(gemm(64, 32, 32, 16), blas_available=True).variant == "blas"
+    # without OpenBLAS the micro-kernel takes its place, small and large
+    for shape in ((64, 32, 32, 16), (1, 512, 512, 512)):
+        assert choose_gemm(gemm(*shape), blas_available=False).variant == "micro"
+    assert choose_gemm(gemm(3, 4, 5, 3), blas_available=False).variant == "loop"
+
+
+def test_max_autotune_measures_the_micro_kernel_too():
+    g = gemm(4, 20, 40, 24, epilogue="bias_relu")
+    compiled = BACKEND.compile(g, measure=True)
+    arrays = make_arrays(g, {}, np.random.default_rng(1))
+    ours, ref = [a.copy() for a in arrays], [a.copy() for a in arrays]
+    compiled(ours, {})
+    run_kernel(g, ref, {})
+    np.testing.assert_allclose(ours[-1], ref[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_batched_attention_scores_compiled_match_numpy(monkeypatch):
+    """q @ k^T over (batch*heads) small items, end to end with the micro-kernel (as the
+    cost model picks it when OpenBLAS is absent)."""
+    from kiln.codegen.cpu import autotune
+
+    real = autotune.choose_gemm
+    monkeypatch.setattr(autotune, "choose_gemm", lambda g, *a, **k: real(g, blas_available=False))
+    import kiln.codegen.cpu.backend as backend_module
+    monkeypatch.setattr(backend_module, "choose_gemm", autotune.choose_gemm)
+    rng = np.random.default_rng(3)
+    q, k = (rng.standard_normal((48, 29, 13)).astype(np.float32) for _ in range(2))
+    f = kn.compile(lambda q, k: (q @ k.transpose(1, 2)) * 0.25)
+    out = f(kn.tensor(q), kn.tensor(k))
+    np.testing.assert_allclose(out.numpy(), (q @ k.transpose(0, 2, 1)) * 0.25, rtol=1e-5, atol=1e-5)
+    (gemm_kernel,) = f.compiled_graphs()[0].program.kernels.values()
+    assert real(gemm_kernel, blas_available=False).variant == "micro"
