@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import subprocess
 import sys
 
 import numpy as np
@@ -27,18 +25,7 @@ import numpy as np
 import kiln as kn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import median_s, write_section  # noqa: E402
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown"
+from report import cpu_model, median_s, write_section  # noqa: E402
 
 
 def _dft_matmul(x: np.ndarray, n: int) -> np.ndarray:
@@ -105,7 +92,7 @@ def main() -> None:
         "## FFT (kn.fft: pocketfft extern) vs numpy.fft and torch.fft",
         "",
         f"`{' '.join(['.venv/bin/python', 'benchmarks/bench_fft.py'] + (['--quick'] if args.quick else []))}`"
-        f" on {_cpu_model()}, {datetime.date.today().isoformat()}; batch {batch} rows of float32 "
+        f" on {cpu_model()}, {datetime.date.today().isoformat()}; batch {batch} rows of float32 "
         "(rfft) / complex64 (fft), torch with 1 thread; medians in ms, alternating rounds; "
         f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (compare "
         "within a row only).",

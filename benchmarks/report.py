@@ -4,6 +4,8 @@ script's marked section of a results file without touching the others' sections.
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
 import time
 
 import numpy as np
@@ -43,3 +45,15 @@ def write_section(path: str, name: str, section: str, title: str = "# CPU benchm
         text = f"{title}\n\n{block}\n\n{old}"
     with open(path, "w") as f:
         f.write(text.rstrip("\n") + "\n")
+
+
+def cpu_model() -> str:
+    """The `lscpu` model name of this machine (results name the machine they ran on)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or "unknown"
