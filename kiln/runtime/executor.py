@@ -144,7 +144,7 @@ class Executable:
             inputs, outputs, op = step.inputs, step.outputs, step.op
 
             def control(env, sizes, arena):
-                results = _run_control(op, bodies, [env[s] for s in inputs], sizes)
+                results = _run_control(op, bodies, [env[s] for s in inputs], sizes, env[-1])
                 for s, r in zip(outputs, results):
                     env[s] = r
 
@@ -165,15 +165,22 @@ class Executable:
     # -- running ---------------------------------------------------------------------------
 
     def run(self, arrays: Sequence[np.ndarray], sizes: dict[str, int],
-            borrow: bool = False, recycle: Sequence[np.ndarray] = ()) -> list[np.ndarray]:
+            borrow: bool = False, recycle: Sequence[np.ndarray] = (),
+            remember: bool = False, made: dict | None = None) -> list[np.ndarray]:
         """The outputs; `borrow=True` (sub-programs of control flow) may return an input
         or a constant itself, since the parent program still checks its own outputs.
         `recycle` offers arrays (a loop's outputs from two trips ago, which nothing reads
-        any more) to be overwritten as this run's outputs instead of allocating."""
+        any more) to be overwritten as this run's outputs instead of allocating.
+        `remember=True` (a `cond` branch, whose outputs become its parent's) keeps the
+        outputs it allocated for reuse once every holder has dropped them, as a top-level
+        run does (see `_reclaim`). `made` (id -> array) collects the outputs this call
+        allocated, across control-flow sub-programs, so a parent hands a branch's fresh
+        output to its caller as it is instead of copying it."""
         program = self.program
         # one global read per run: a profile swaps in timed copies of the steps
         steps = self._steps if _profiler.ACTIVE is None else self._timed_steps()
-        env = [None] * self._nslots
+        env = [None] * (self._nslots + 1)
+        made = env[-1] = {} if made is None else made  # read by the control steps
         for slot, array in zip(program.inputs, arrays):
             env[slot] = array
         offered = {("out", s): a for s, a in zip(program.outputs, recycle)
@@ -195,14 +202,19 @@ class Executable:
                 step(env, sizes, context)
         if self._transient:
             self.allocator.end_call(sum(env[s].nbytes for s in self._transient if env[s] is not None))
-            if not borrow:
+            if not borrow or remember:
                 self._remember_outputs(env)
         result = []
         borrowed = None
         fresh = self._transient_set
+        handed: set[int] = set()
         for slot in program.outputs:
             array = env[slot]
-            if slot in fresh:  # allocated (or reclaimed) for this call: the caller's own
+            if (slot in fresh or made.get(id(array)) is array) and id(array) not in handed:
+                # allocated (or reclaimed) for this call, here or in a branch or loop body
+                # run by it: the caller's own (once: a second output of it is a copy)
+                handed.add(id(array))
+                made[id(array)] = array
                 result.append(array)
                 continue
             # any other output must be the caller's own too: never an input, a constant,
@@ -301,11 +313,16 @@ def _fresh(result, operands: list):
     return result
 
 
-def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict) -> list:
+def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict,
+                 made: dict) -> list:
+    """Run a cond or while_loop step; `made` collects the outputs its bodies allocated
+    (see `Executable.run`)."""
     if op == "cond":
         index, *rest = operands
         k = min(max(int(index), 0), len(bodies) - 1)
-        return bodies[k].run(rest, sizes, borrow=True)
+        # the branch's fresh outputs are reused on its next run once nothing holds them:
+        # a new 4 MiB output costs its page faults, as much as the kernel (issue 22)
+        return bodies[k].run(rest, sizes, borrow=True, remember=True, made=made)
     if op == "while_loop":
         cond_body, loop_body = bodies
         carried = list(operands)
@@ -313,11 +330,16 @@ def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict)
         previous: list = []
         # a value the body passes through unchanged is not copied on every trip, and the
         # outputs of two trips ago are refilled instead of touching new memory each trip
+        owned: dict = {}  # the carried arrays this call allocated (only those: bounded)
         while bool(cond_body.run(carried, sizes, borrow=True)[0]):
             live = {id(a) for a in carried} | outside
             recycle = [a if a is not None and id(a) not in live else None for a in previous]
             previous = carried
-            carried = loop_body.run(carried, sizes, borrow=True, recycle=recycle)
+            trip: dict = {}
+            carried = loop_body.run(carried, sizes, borrow=True, recycle=recycle, made=trip)
+            owned = {id(a): a for a in carried
+                     if trip.get(id(a)) is a or owned.get(id(a)) is a}
+        made.update(owned)
         return carried
     raise KilnError(f"internal: unknown control step {op}")
 
