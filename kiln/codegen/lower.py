@@ -292,7 +292,7 @@ def _lower_split_reduction(name, region, gen, buffers, sizes, domain, axes, redu
     first = Kernel(f"{name}_partial", inputs + tuple(scratch), sizes, (Loop("p0", parts),),
                    tuple(partial_stages))
     q = loop_var("q0")
-    combine, refs = [], {}
+    combine = []
     for k, node in enumerate(reduces):
         acc = scratch[k].dtype
         combine.append(Reduce(f"acc{k}", node.op[len("reduce_"):], (Loop("q0", parts),),
@@ -334,5 +334,5 @@ def _lower_gemm(name, region, gen, buffers, sizes):
     epilogue = gen(out, index)
     acc = accumulator_dtype(node.results[0].type.dtype)
     return GemmKernel(name, tuple(buffers), sizes, gen.buffer_of[id(a)], gen.buffer_of[id(b)],
-                      f"out0", layout.batch, layout.m, layout.n, layout.k,
+                      "out0", layout.batch, layout.m, layout.n, layout.k,
                       tuple(layout.a_strides), tuple(layout.b_strides), epilogue, acc)
