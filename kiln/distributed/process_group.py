@@ -784,16 +784,25 @@ class ProcessGroup:
                                   % bad, hint="every rank must pass the same list to split()")
         index = self._splits
         self._splits += 1
+        timeout = self.timeout if timeout is None else timeout
+        # a backend that splits its own communicator (nccl: ncclCommSplit) does it on
+        # every rank of the parent, those in no sub-group too
+        split_backend = getattr(self.backend, "split_backend", None)
         if my_color < 0:
+            if split_backend is not None:
+                split_backend(None, None, timeout)
             return None
         members = sorted((int(table[r, 1]), r) for r in range(self.world_size)
                          if table[r, 0] == my_color)
         members_ranks = [r for _, r in members]
         name = "%s.s%d" % (self.name, index) + ("" if ranks is not None else ".c%d" % my_color)
-        timeout = self.timeout if timeout is None else timeout
-        backend = self._backend_factory.rendezvous(
-            self.store, "pg/%s/e%d" % (name, self.epoch), members_ranks.index(self.rank),
-            len(members_ranks), self._token, timeout, self.epoch)
+        prefix = "pg/%s/e%d" % (name, self.epoch)
+        if split_backend is not None:
+            backend = split_backend(prefix, members_ranks, timeout)
+        else:
+            backend = self._backend_factory.rendezvous(
+                self.store, prefix, members_ranks.index(self.rank), len(members_ranks),
+                self._token, timeout, self.epoch)
         child = ProcessGroup(backend, name=name, rank=members_ranks.index(self.rank),
                              world_size=len(members_ranks),
                              global_ranks=[self.global_ranks[r] for r in members_ranks],
