@@ -100,6 +100,7 @@ def tracing_wrapper(fn: Callable, alias_pairs: tuple, plan: WriteBack) -> Callab
         plan.mutated = tuple(k for k, _ in changed)
         return result, tuple(leaf for _, leaf in changed)
 
+    traced.__name__ = getattr(fn, "__name__", "main")  # the graph's name (a partial has none)
     return traced
 
 

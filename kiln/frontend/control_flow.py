@@ -308,16 +308,6 @@ def _traced_while(builder: GraphBuilder, cond_fn, body_fn, tensors, attrs: dict 
     from kiln.frontend import region_mutation
 
     n = len(tensors)
-    # handles from outside that the body writes in place become extra carried values
-    handles = region_mutation.loop_writes(lambda writes: _trace_region(
-        builder, body_fn, [raw(builder, t).type for t in tensors], list, writes))
-    if handles:
-        out = _traced_while(builder, *region_mutation.carried_loop(cond_fn, body_fn, handles, n),
-                            list(tensors) + [Tensor._make(t._x, builder) for t in handles], attrs)
-        for t, r in zip(handles, out[n:]):
-            region_mutation.bind(t, r._x, builder)
-        region_mutation.resync_views(handles)
-        return out[:n]
     values = [raw(builder, t) for t in tensors]
     types = [v.type for v in values]
     cond_region, _ = _trace_region(builder, cond_fn, types, list)
@@ -326,8 +316,17 @@ def _traced_while(builder: GraphBuilder, cond_fn, body_fn, tensors, attrs: dict 
         raise KilnDTypeError(f"while_loop: cond_fn {_name(cond_fn)!r} must return one bool scalar, "
                              f"returns ({', '.join(map(str, results))})", where=user_location(),
                              hint="reduce it first: (x > 0).all(), i < n")
+    writes: list = []
     body, _ = _trace_region(builder, lambda *a: tuple(_body_outputs(body_fn(*a), n, body_fn)),
-                            types, list)
+                            types, list, writes)
+    handles = [t for t, _, _ in writes[0].values()]
+    if handles:  # outside handles the body writes in place: traced again, carried through
+        out = _traced_while(builder, *region_mutation.carried_loop(cond_fn, body_fn, handles, n),
+                            list(tensors) + [Tensor._make(t._x, builder) for t in handles], attrs)
+        for t, r in zip(handles, out[n:]):
+            region_mutation.bind(t, r._x, builder)
+        region_mutation.resync_views(handles)
+        return out[:n]
     _check_body_types(body.result_types, types, body_fn)
     captured = captured_values([cond_region, body])
     add_params(cond_region, captured)

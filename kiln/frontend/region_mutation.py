@@ -10,8 +10,8 @@ is out of scope. The writes are turned into data flow, as torch's functionalizat
   outside the region is put back, and its new value becomes an extra result of the
   branch; a branch that leaves it alone yields the old value. The node's extra results
   are then bound to the handles, so code after the `cond` reads the branch's write.
-- `while_loop`: the body is traced once to find the outside handles it writes; those
-  become extra carried values (the handle holds the region's parameter inside the cond
+- `while_loop`: a body that writes outside handles is traced again with them as extra
+  carried values (the handle holds the region's parameter inside the cond
   and the body, the body yields its new value), and the loop's extra results are bound
   to them afterwards.
 
@@ -116,14 +116,6 @@ def merge_branch_writes(regions: list[Region], writes: list[dict]) -> list:
         region.results = region.results + [w[key][2] if key in w else state[0]
                                            for key, (t, state) in order.items()]
     return [t for t, _ in order.values()]
-
-
-def loop_writes(trace_body) -> list:
-    """The outside handles that tracing the loop body (`trace_body(writes)`) writes in
-    place; that trial region is thrown away, and every handle is put back."""
-    writes: list = []
-    trace_body(writes)
-    return [t for t, _, _ in writes[0].values()]
 
 
 def carried_loop(cond_fn, body_fn, handles: list, n: int) -> tuple:
