@@ -1,8 +1,10 @@
 """`NcclBackend`: kiln's `Backend` contract over one nonblocking NCCL communicator.
 
-Rendezvous: rank 0 makes the NCCL unique id and publishes it under the group's prefix
-in kiln's authenticated store; every rank reads it and creates its communicator with
-`NcclComm.init` (nonblocking, polled, bounded). Each collective is enqueued on the
+Rendezvous (kiln.distributed.nccl_groups): rank 0 makes the NCCL unique id and
+publishes it under the group's prefix in kiln's authenticated store; every rank reads it
+and creates its communicator with `NcclComm.init` (nonblocking, polled, bounded). A
+fault-tolerant group's later epochs shrink and grow the previous communicator in place,
+and `ProcessGroup.split` is one `ncclCommSplit`. Each collective is enqueued on the
 backend's stream and waited for through its event, bounded by the call's deadline;
 gather, scatter, all_to_all and p2p are grouped ncclSend/ncclRecv calls.
 
@@ -40,9 +42,11 @@ class NcclBackend(Backend):
 
     name = "nccl"
 
-    def __init__(self, comm: NcclComm, stream: int = 0):
+    def __init__(self, comm: NcclComm, stream: int = 0, *, groups=None, key: str = "",
+                 epoch: int = 0):
         self.comm, self.stream = comm, stream
         self.rank, self.world_size = comm.rank, comm.size
+        self.groups, self.key, self.epoch = groups, key, epoch  # see nccl_groups
         self._scratch = np.zeros(1, np.int32)
 
     @classmethod
@@ -50,22 +54,22 @@ class NcclBackend(Backend):
                    timeout: float, epoch: int = 0, *, nccl: api.NcclApi | None = None
                    ) -> "NcclBackend":
         """Exchange the unique id through `store` under `prefix` and create the
-        communicator. `nccl` is the NcclApi to use (default: the real libnccl)."""
-        if nccl is None:  # the real library: a GPU first (K251 names the hardware)
-            from kiln.distributed.nccl_lib import LibNccl, require_gpu
-            require_gpu()
-            nccl = LibNccl()
-        key = "%s/nccl-uid" % prefix
-        if rank == 0:
-            res, uid = nccl.get_unique_id()
-            if res != api.SUCCESS:
-                from kiln.distributed.errors import NcclError
-                raise NcclError("ncclGetUniqueId failed: %s" % api.result_name(res),
-                                call="ncclGetUniqueId", result=res)
-            store.set(key, uid)
-        else:
-            uid = store.get(key, timeout=timeout)
-        return cls(NcclComm.init(nccl, world_size, uid, rank, timeout=timeout))
+        communicator, or derive it from this process's previous one for the group
+        (shrink/grow: kiln.distributed.nccl_groups). `nccl` is the NcclApi to use
+        (default: this process's, the real libnccl unless `set_nccl_api` changed it)."""
+        from kiln.distributed.nccl_groups import NcclGroups, default_groups
+
+        groups = default_groups() if nccl is None else NcclGroups(nccl)
+        return groups.rendezvous(store, prefix, rank, world_size, token, timeout, epoch)
+
+    def split_backend(self, prefix: str | None, members: list[int] | None,
+                      timeout: float) -> "NcclBackend | None":
+        """`ProcessGroup.split`'s hook, called on every rank: ncclCommSplit into the
+        sub-group of parent ranks `members` (in their new order), None for no group."""
+        from kiln.distributed.nccl_groups import NcclGroups
+
+        groups = self.groups if self.groups is not None else NcclGroups(self.comm.api)
+        return groups.split(self, prefix, members, timeout)
 
     # -- helpers ------------------------------------------------------------------------------
     def _wait(self, ctx: CallContext, work) -> None:
@@ -192,7 +196,14 @@ class NcclBackend(Backend):
 
     # -- lifetime -----------------------------------------------------------------------------
     def abort(self, error: BaseException) -> None:
-        self.comm.abort()
+        """Stop the communicator's work: revoked, not freed, so that the group's next
+        epoch can shrink it (nccl_groups); freed when nothing will."""
+        self.comm.stop()
+        if self.groups is None or not self.groups.retains(self):
+            self.comm.free()
 
     def close(self) -> None:
-        self.comm.destroy()
+        """Leave the group: the communicator is kept while it may be the parent of the
+        group's next epoch (its NcclGroups frees it then, or on release), freed otherwise."""
+        if self.groups is None or not self.groups.retains(self):
+            self.comm.free()

@@ -5,8 +5,11 @@ may return `ncclInProgress` and are finished by polling `ncclCommGetAsyncError`,
 that is what makes `ncclCommAbort`/`ncclCommShrink(NCCL_SHRINK_ABORT)` safe while a
 peer is dead. Collectives are enqueued on a stream and complete through an event; a
 `NcclWork.wait` polls the event and the communicator's async error, bounded by its
-deadline. On a failure or a timeout the communicator is aborted and the error raised;
-deciding who survives is the caller's business (kiln's store-agreed epochs).
+deadline. On a failure or a timeout of a working communicator it is *revoked*
+(ncclCommRevoke: in-flight and later work stops, the communicator stays valid) and the
+error raised, so it can still be the parent of an `ncclCommShrink(NCCL_SHRINK_ABORT)`;
+one that never finished initializing is aborted. Deciding who survives is the caller's
+business (kiln's store-agreed epochs); `free` releases a communicator for good.
 
     comm = NcclComm.init(api, nranks, unique_id, rank, timeout=60.0)
     comm.all_reduce(send_ptr, recv_ptr, n, np.float32, "sum").wait()
@@ -53,10 +56,10 @@ class NcclWork:
         step = _POLL_MIN
         while not self.is_completed():
             if time.monotonic() >= deadline:
-                self.comm.abort()
+                how = self.comm.stop()
                 raise CollectiveTimeout(
                     "NCCL %s on rank %d did not complete within its deadline; the "
-                    "communicator was aborted" % (self.call, self.comm.rank))
+                    "communicator was %s" % (self.call, self.comm.rank, how))
             step = _sleep(step)
 
     def _finish(self) -> None:
@@ -71,7 +74,9 @@ class NcclComm:
                  timeout: float):
         self.api, self.handle, self.rank, self.size = napi, handle, rank, size
         self.timeout = timeout
-        self.aborted = False
+        self.aborted = False  # freed (ncclCommAbort/Destroy): the handle is gone
+        self.revoked = False  # ncclCommRevoke: no more work, still a valid parent
+        self.ready = False  # its (nonblocking) creation completed
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -81,6 +86,7 @@ class NcclComm:
         res, handle = napi.comm_init_rank_config(nranks, unique_id, rank, blocking=False)
         comm = cls(napi, handle, rank, nranks, timeout)
         comm._settle("ncclCommInitRankConfig", res, time.monotonic() + timeout)
+        comm.ready = True
         return comm
 
     def _settle(self, call: str, res: int, deadline: float) -> None:
@@ -98,10 +104,18 @@ class NcclComm:
             if state != api.IN_PROGRESS:
                 self._fail(call, state)
             if time.monotonic() >= deadline:
-                self.abort()
+                how = self.stop()
                 raise CollectiveTimeout("NCCL %s on rank %d was still in progress at its "
-                                        "deadline; the communicator was aborted" % (call, self.rank))
+                                        "deadline; the communicator was %s" % (call, self.rank, how))
             step = _sleep(step)
+
+    def _parent(self, call: str) -> None:
+        """A freed communicator cannot be split, shrunk or grown (its handle is gone)."""
+        if self.aborted or not self.ready:
+            raise NcclError("%s on rank %d: the parent communicator was %s" % (
+                call, self.rank, "aborted" if self.aborted else "never initialized"),
+                call=call, result=api.INVALID_USAGE,
+                hint="a failed communicator is revoked, not aborted, so that it can shrink")
 
     def _child(self, call: str, res: int, handle: int, rank: int, size: int) -> "NcclComm | None":
         if res not in (api.SUCCESS, api.IN_PROGRESS):
@@ -110,12 +124,14 @@ class NcclComm:
             return None
         child = NcclComm(self.api, handle, rank, size, self.timeout)
         child._settle(call, res, time.monotonic() + self.timeout)
+        child.ready = True
         return child
 
     def split(self, color: int, key: int, *, rank: int, size: int) -> "NcclComm | None":
         """ncclCommSplit: the ranks with this `color` (api.SPLIT_NOCOLOR: none) form a new
         communicator ordered by `key`; `rank`/`size` are this rank's place in it, which
         the caller computed from the colors every rank agreed on through the store."""
+        self._parent("ncclCommSplit")
         res, handle = self.api.comm_split(self.handle, color, key, blocking=False)
         return self._child("ncclCommSplit", res, handle, rank, size)
 
@@ -123,6 +139,7 @@ class NcclComm:
         """ncclCommShrink without the `exclude` ranks (the failed ones, agreed through the
         store); with `abort_pending` (NCCL_SHRINK_ABORT) pending work is dropped first,
         as it must be when a peer is dead. Survivors keep their order."""
+        self._parent("ncclCommShrink")
         flags = api.SHRINK_ABORT if abort_pending else api.SHRINK_DEFAULT
         gone = sorted(set(exclude))
         res, handle = self.api.comm_shrink(self.handle, gone, flags, blocking=False)
@@ -132,6 +149,7 @@ class NcclComm:
     def grow_id(self) -> bytes:
         """ncclCommGetUniqueId: the id one member publishes (through the store) for the
         ranks that will join at the next grow."""
+        self._parent("ncclCommGetUniqueId")
         res, uid = self.api.comm_get_unique_id(self.handle)
         if res != api.SUCCESS:
             self._fail("ncclCommGetUniqueId", res)
@@ -140,6 +158,7 @@ class NcclComm:
     def grow(self, nranks: int) -> "NcclComm":
         """ncclCommGrow as a member: the new communicator has `nranks` ranks; members keep
         their ranks, joiners take the ranks after them."""
+        self._parent("ncclCommGrow")
         res, handle = self.api.comm_grow(self.handle, nranks, None, -1, blocking=False)
         return self._child("ncclCommGrow", res, handle, self.rank, nranks)
 
@@ -150,14 +169,16 @@ class NcclComm:
         res, handle = napi.comm_grow(0, nranks, grow_id, rank, blocking=False)
         comm = cls(napi, handle, rank, nranks, timeout)
         comm._settle("ncclCommGrow", res, time.monotonic() + timeout)
+        comm.ready = True
         return comm
 
     # -- failure and teardown ---------------------------------------------------------------
     def check_async(self, call: str) -> None:
-        """Raise (after aborting) if the communicator reports an asynchronous error."""
-        if self.aborted:
-            raise NcclError("NCCL %s on rank %d: the communicator was aborted" % (call, self.rank),
-                            call=call, result=api.INVALID_USAGE)
+        """Raise (after revoking) if the communicator reports an asynchronous error."""
+        if self.aborted or self.revoked:
+            raise NcclError("NCCL %s on rank %d: the communicator was %s" % (
+                call, self.rank, "aborted" if self.aborted else "revoked"),
+                call=call, result=api.INVALID_USAGE)
         got, state = self.api.comm_get_async_error(self.handle)
         if got != api.SUCCESS:
             self._fail("ncclCommGetAsyncError", got)
@@ -166,22 +187,51 @@ class NcclComm:
 
     def _fail(self, call: str, res: int):
         text = self.api.get_error_string(res)
-        self.abort()
-        raise NcclError("%s on rank %d of %d failed: %s (%s); the communicator was aborted"
-                        % (call, self.rank, self.size, api.result_name(res), text),
+        how = self.stop()
+        raise NcclError("%s on rank %d of %d failed: %s (%s); the communicator was %s"
+                        % (call, self.rank, self.size, api.result_name(res), text, how),
                         call=call, result=res)
+
+    def stop(self) -> str:
+        """End this communicator's work after a failure; never raises. A working one is
+        revoked (it stays the parent of a later shrink), one still being created is
+        aborted. Returns what was done ("revoked" / "aborted")."""
+        if self.ready and not self.aborted:
+            if not self.revoked:
+                self.revoked = True
+                self.api.comm_revoke(self.handle)
+            return "revoked"
+        self.abort()
+        return "aborted"
 
     def revoke(self) -> None:
         """ncclCommRevoke: stop this communicator's in-flight work (before a shrink)."""
+        if self.revoked or self.aborted:
+            return
+        self.revoked = True
         res = self.api.comm_revoke(self.handle)
         if res not in (api.SUCCESS, api.IN_PROGRESS):
             self._fail("ncclCommRevoke", res)
 
     def abort(self) -> None:
-        """ncclCommAbort, once; never raises (it runs on failure paths)."""
+        """ncclCommAbort, once; never raises (it runs on failure paths). The handle is
+        freed: the communicator cannot be shrunk or grown afterwards."""
         if not self.aborted and self.handle:
             self.aborted = True
             self.api.comm_abort(self.handle)
+
+    def free(self) -> None:
+        """Release the communicator: finalize and destroy a healthy one (bounded by the
+        timeout), abort a revoked or failed one; never raises."""
+        if self.aborted or not self.handle:
+            return
+        if self.revoked or not self.ready:
+            self.abort()
+            return
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - a failed flush: abort is the way out
+            self.abort()
 
     def destroy(self) -> None:
         """Finalize (flush pending work, bounded by the timeout), then destroy."""

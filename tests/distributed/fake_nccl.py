@@ -37,7 +37,7 @@ def _drop(c: "Comm") -> None:
     """Abort, revoke, shrink-abort: the comm's kernels end without a result, so its
     stream moves on (events recorded after them complete)."""
     for op in c.ops:
-        op.done = True
+        op.done = op.dropped = True
     c.ops.clear()
 
 
@@ -46,6 +46,7 @@ class Op:
 
     def __init__(self, kind: str, rank: int, **args):
         self.kind, self.rank, self.args, self.done = kind, rank, args, False
+        self.dropped = False  # ended without a result (abort, revoke, shrink-abort)
 
 
 class Clique:
@@ -157,6 +158,8 @@ class FakeNccl(api.NcclApi):
         self.log.append("ncclCommSplit")
         with self.world.lock:
             c = self.world.comms[comm]
+            if c.aborted:  # freed by ncclCommAbort/Destroy: a use after free
+                return api.INVALID_USAGE, 0
             handle = self._new_comm(None, -1) if color != api.SPLIT_NOCOLOR else 0
             full = self._mgmt(c.clique, ("split", c.seq), c.rank, (color, key, handle),
                               c.clique.nranks - len(c.clique.dead))
@@ -176,6 +179,8 @@ class FakeNccl(api.NcclApi):
         self.log.append("ncclCommShrink")
         with self.world.lock:
             c = self.world.comms[comm]
+            if c.aborted:  # freed by ncclCommAbort/Destroy: a use after free
+                return api.INVALID_USAGE, 0
             if flags == api.SHRINK_ABORT:
                 _drop(c)
             handle = self._new_comm(None, -1)
@@ -203,7 +208,7 @@ class FakeNccl(api.NcclApi):
         with self.world.lock:
             if comm:
                 c = self.world.comms[comm]
-                if c.clique.grow_uid is None or unique_id is not None:
+                if c.aborted or c.clique.grow_uid is None or unique_id is not None:
                     return api.INVALID_USAGE, 0
                 unique_id, rank = c.clique.grow_uid, c.rank
             clique = self.world.by_uid.setdefault(unique_id, Clique(nranks))

@@ -133,7 +133,9 @@ def test_dead_peer_fails_pending_work_then_shrink_abort_continues():
         ptr(bufs[r]), ptr(bufs[r]), 5, np.float64).wait(timeout=5)))
     for e in errors:
         assert e.result == api.REMOTE_ERROR and "ncclRemoteError" in str(e) and e.code == "K250"
-    assert all(c.aborted for c in comms[:3])
+    # revoked, not aborted: an aborted communicator is freed and could not be shrunk
+    assert all(c.revoked and not c.aborted for c in comms[:3])
+    assert all("ncclCommRevoke" in a.log and "ncclCommAbort" not in a.log for a in apis[:3])
     # the store agreed that rank 3 is gone: survivors shrink in abort mode
     small = run_ranks(3, lambda r: comms[r].shrink([3]))
     assert [c.rank for c in small] == [0, 1, 2] and all(c.size == 3 for c in small)
@@ -207,7 +209,15 @@ def test_revoke_stops_later_calls():
     x = np.ones(2, np.float32)
     err = _expect(NcclError, lambda: comms[0].all_reduce(ptr(x), ptr(x), 2, np.float32))
     assert err.result == api.INVALID_USAGE and "ncclAllReduce" in str(err)
-    assert comms[0].aborted
+    assert comms[0].revoked and not comms[0].aborted
+
+
+def test_an_aborted_communicator_cannot_be_shrunk():
+    apis, comms = make_comms(2, FakeWorld())
+    comms[0].abort()
+    err = _expect(NcclError, lambda: comms[0].shrink([1]))
+    assert "ncclCommShrink on rank 0" in str(err) and "aborted" in str(err)
+    assert "ncclCommShrink" not in apis[0].log  # refused before reaching NCCL
 
 
 def test_missing_peer_times_out_and_aborts():
@@ -216,7 +226,7 @@ def test_missing_peer_times_out_and_aborts():
     work = comms[0].all_reduce(ptr(x), ptr(x), 2, np.float32)
     err = _expect(CollectiveTimeout, work.wait)
     assert "ncclAllReduce on rank 0" in str(err) and err.code == "K203"
-    assert comms[0].aborted and "ncclCommAbort" in apis[0].log
+    assert comms[0].revoked and "ncclCommRevoke" in apis[0].log and "revoked" in str(err)
 
 
 def test_init_times_out_when_a_rank_never_arrives():
