@@ -123,11 +123,17 @@ def _split_operands(builder: GraphBuilder, operands: tuple):
 
 def _traced_branches(op: str, builder: GraphBuilder, index: Value, branches: list[Callable],
                      labels: list[str], operands: tuple):
+    from kiln.frontend import region_mutation
+
     values, call_args = _split_operands(builder, operands)
     types = [v.type for v in values]
     regions, specs, writes = [], [], []
+    # an operand written in place through its parameter in a branch is written outside
+    watch = region_mutation.OperandWrites(builder, pytree.flatten(operands, _is_leaf)[0], values)
     for fn in branches:
-        region, spec = _trace_region(builder, fn, types, call_args, writes)
+        region, spec = _trace_region(builder, watch.branch(fn), types, watch.call_args(call_args),
+                                     writes)
+        watch.collect(region, writes[-1])
         regions.append(region)
         specs.append(spec)
     ref = 0 if op == "switch" else 1  # cond's regions are (false, true): compare with true_fn
@@ -140,8 +146,6 @@ def _traced_branches(op: str, builder: GraphBuilder, index: Value, branches: lis
         for i, (got, want) in enumerate(zip(region.result_types, regions[ref].result_types)):
             if got != want:
                 raise _mismatch(op, labels[k], i, got, labels[ref], want)
-    from kiln.frontend import region_mutation
-
     n = len(regions[ref].results)
     written = region_mutation.merge_branch_writes(regions, writes)  # in-place writes: results
     captured = captured_values(regions)
@@ -149,7 +153,7 @@ def _traced_branches(op: str, builder: GraphBuilder, index: Value, branches: lis
         add_params(region, captured)
     results = builder.apply("cond", [index] + values + captured, {}, regions=regions)
     for t, r in zip(written, results[n:]):
-        region_mutation.bind(t, r, builder)
+        watch.bind(t, r)
     region_mutation.resync_views(written)
     tensors = [Tensor._make(r, builder) for r in results[:n]]
     return pytree.unflatten(specs[ref], tensors)

@@ -105,6 +105,54 @@ def resync_views(tensors) -> None:
             t._view.synced = t._view.base._version
 
 
+class OperandWrites:
+    """Writes to a cond/switch operand through the branch's parameter that stands for it
+    (`kn.cond(p, lambda v: v.add_(1), lambda v: None, x)` changes x, as eagerly)."""
+
+    def __init__(self, builder, leaves: list, values: list) -> None:
+        self.builder = builder
+        self.operands = [leaf for leaf in leaves if isinstance(leaf, Tensor) or hasattr(leaf, "dtype")]
+        self.values = values
+        self.params: list = []
+        self.after: list = []
+        self.written: set = set()
+
+    def call_args(self, call_args):
+        def remember(params):
+            self.params = list(params)
+            return call_args(params)
+
+        return remember
+
+    def branch(self, fn):
+        def traced(*args):
+            out = fn(*args)
+            self.after = [p._x for p in self.params]  # before the region's journal settles
+            return out
+
+        traced.__name__ = getattr(fn, "__name__", "branch")
+        return traced
+
+    def collect(self, region: Region, writes: dict) -> None:
+        """Add this branch's operand writes to `writes` (settle's form)."""
+        for operand, value, param, after in zip(self.operands, self.values, region.params,
+                                                self.after):
+            if after is not param and isinstance(operand, Tensor) and \
+                    operand._builder is self.builder:
+                writes.setdefault(id(operand), (operand, (value,), after))
+                self.written.add(id(operand))
+
+    def bind(self, t, value) -> None:
+        """After the node: an operand is rebound as an in-place write (so a view writes
+        through to its base); a journaled handle just takes its result."""
+        if id(t) in self.written:
+            from kiln.frontend.mutation import rebind
+
+            rebind(t, Tensor._make(value, self.builder), "cond")
+        else:
+            bind(t, value, self.builder)
+
+
 def merge_branch_writes(regions: list[Region], writes: list[dict]) -> list:
     """Append the written handles' values to every branch's results (old value where a
     branch leaves a handle alone); returns the handles, in result order."""

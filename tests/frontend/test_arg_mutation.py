@@ -81,6 +81,30 @@ def test_argument_written_inside_cond_branches():
     assert f.stats()["compiles"] == 1
 
 
+def test_operand_written_through_the_branch_parameter():
+    def fn(x, p, i):
+        def grow(v):
+            v.add_(1)
+
+        def scale_first(v):
+            v[0].mul_(5)
+
+        kn.cond(p > 0, grow, scale_first, x)
+        kn.switch(i, [grow, scale_first, lambda v: None], x[1:])  # an operand that is a view
+        return x * 2
+
+    f = kn.compile(fn)
+    for p in (1.0, -1.0):
+        for i in (0, 1, 2):
+            data = _data(4)
+            k, e = kn.tensor(data), kn.tensor(data)
+            want = fn(e, kn.tensor(p), kn.tensor(i))  # eager: the branch changes x itself
+            np.testing.assert_allclose(f(k, kn.tensor(p), kn.tensor(i)).numpy(), want.numpy(),
+                                       rtol=1e-6)
+            np.testing.assert_allclose(k.numpy(), e.numpy(), rtol=1e-6)
+    assert f.stats()["compiles"] == 1
+
+
 def test_argument_written_inside_switch_and_nested_cond():
     def fn(x, i):
         def outer():
