@@ -145,7 +145,8 @@ def trace_for_export(fn: Callable, args: tuple, dynamic_shapes):
         names = ", ".join(f"`{paths[k]}`" for k in plan.mutated)
         raise KilnExportMutationError(
             f"export: {getattr(fn, '__name__', 'the function')} changes its argument {names} in "
-            "place; an exported program is a pure function of its inputs and cannot update them",
+            "place; an exported (or kn.capture'd) program is a pure function of its inputs and "
+            "cannot update them",
             hint="return the new value (`return out, x`) and assign it after the call, or use "
                  "kn.compile, which writes mutated arguments back")
     traced.out_spec = plan.out_spec
