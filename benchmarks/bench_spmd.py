@@ -4,7 +4,8 @@ on N ranks against the same compiled step in one process, same machine, same run
     python benchmarks/bench_spmd.py                  # 4 ranks, 20 timed steps each
     python benchmarks/bench_spmd.py --ranks 2 --steps 10 --out /tmp/r.md
 
-The functions are examples/sharded_training.py's (`mlp`, `train_step`); each is
+The functions are examples/sharded_training.py's (`mlp`, `train_step`, and on 4 ranks
+`mesh_2d_setup`'s MLP training step on a 2 x 2 ("dp", "tp") mesh); each is
 compiled once (`kn.compile` called with DTensors on the ranks, with whole arrays in
 the single process), warmed up, then timed step by step: ranks from a barrier to the
 step's end on every rank (rank 0's median reported). The single process and the ranks
@@ -29,6 +30,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 MLP = dict(seed=0, dim=256, hidden=1024, tokens=256)
 BLOCK = dict(batch=8, seq=16, dim=64, hidden=256)
+MLP2D = dict(dim=256, hidden=1024, tokens=256)  # the 2 x 2 mesh's MLP training step
 
 
 def _time(fn, steps: int, sync=lambda: None) -> list[float]:
@@ -58,7 +60,23 @@ def single(steps: int) -> dict:
         loss, *state["p"] = step(xs[0], ys[0], *state["p"])
         loss.numpy()
 
-    return {"mlp": _time(lambda: mlp(*args).numpy(), steps), "fsdp": _time(train, steps)}
+    out = {"mlp": _time(lambda: mlp(*args).numpy(), steps), "fsdp": _time(train, steps)}
+    out["dp_tp"] = out["fsdp_tp"] = _time(_train_2d(None, False), steps)  # one process: same
+    return out
+
+
+def _train_2d(mesh, fsdp: bool):
+    """One training step of the MLP on the 2 x 2 mesh (or whole, mesh None), as a thunk."""
+    import sharded_training as ex
+
+    step, x, y, params = ex.mesh_2d_setup(mesh, fsdp, **MLP2D)
+    state = {"p": params}
+
+    def train():
+        loss, *state["p"] = step(x, y, *state["p"])
+        (loss.to_local() if mesh is not None else loss).numpy()
+
+    return train
 
 
 def worker(rank: int, world: int, address: str, steps: int) -> None:
@@ -88,6 +106,10 @@ def worker(rank: int, world: int, address: str, steps: int) -> None:
 
     out = {"mlp": _time(lambda: mlp(*args).to_local().numpy(), steps, sync),
            "fsdp": _time(train, steps, sync)}
+    if world == 4:
+        mesh2 = DeviceMesh((2, 2), ("dp", "tp"))
+        out["dp_tp"] = _time(_train_2d(mesh2, False), steps, sync)
+        out["fsdp_tp"] = _time(_train_2d(mesh2, True), steps, sync)
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -121,17 +143,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "results" / "distributed.md"))
     opts = parser.parse_args()
-    one, many = {"mlp": [], "fsdp": []}, {"mlp": [], "fsdp": []}
+    one: dict = {}
+    many: dict = {}
     for _ in range(opts.rounds):  # alternate, so both see the same machine load
         for key, values in run_single(opts.steps).items():
-            one[key] += values
+            one.setdefault(key, []).extend(values)
         for key, values in run_job(opts.ranks, opts.steps).items():
-            many[key] += values
+            many.setdefault(key, []).extend(values)
     rows = []
+    mlp2d = "MLP train step %(tokens)d x %(dim)d, hidden %(hidden)d" % MLP2D
     for name, what in (("mlp", "TP MLP (column then row parallel), %(tokens)d x %(dim)d, "
                         "hidden %(hidden)d" % MLP),
                        ("fsdp", "FSDP train step, transformer block b%(batch)d s%(seq)d "
-                        "d%(dim)d h%(hidden)d" % BLOCK)):
+                        "d%(dim)d h%(hidden)d" % BLOCK),
+                       ("dp_tp", "2 x 2 mesh, DP x TP: " + mlp2d),
+                       ("fsdp_tp", "2 x 2 mesh, FSDP x TP: " + mlp2d)):
+        if name not in many:
+            continue
         a, b = statistics.median(one[name]), statistics.median(many[name])
         rows.append("| %s | %.2f ms | %.2f ms | %.2fx |" % (what, 1e3 * a, 1e3 * b, a / b))
     section = "\n".join([

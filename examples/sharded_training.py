@@ -98,12 +98,14 @@ def mlp_train_step(x, y, w1, b1, w2, b2):
     return (value, *[p - 2.0 * g for p, g in zip((w1, b1, w2, b2), grads)])
 
 
-def mesh_2d_losses(mesh: DeviceMesh | None, steps: int = 3, fsdp: bool = False) -> list[float]:
-    """The loss curve of `steps` SGD steps of the MLP on a 2-d ("dp", "tp") mesh (None:
-    one process). The batch is Shard(0) over dp; w1 / b1 are column-parallel and w2
-    row-parallel over tp; `fsdp` also shards every weight over dp (FSDP x TP)."""
-    x, w1, b1, w2, b2 = mlp_inputs(seed=2, tokens=32)
-    y = 0.5 * np.random.default_rng(3).standard_normal(x.shape).astype(np.float32)
+def mesh_2d_setup(mesh: DeviceMesh | None, fsdp: bool = False, seed: int = 2, dim: int = 64,
+                  hidden: int = 256, tokens: int = 32):
+    """(compiled step, x, y, params) of the MLP's training on a 2-d ("dp", "tp") mesh, or
+    whole arrays in one process (None). The batch is Shard(0) over dp; w1 / b1 are
+    column-parallel and w2 row-parallel over tp; `fsdp` also shards every weight over dp
+    (FSDP x TP)."""
+    x, w1, b1, w2, b2 = mlp_inputs(seed=seed, dim=dim, hidden=hidden, tokens=tokens)
+    y = 0.5 * np.random.default_rng(seed + 1).standard_normal(x.shape).astype(np.float32)
     params = [w1, b1, w2, b2]
     step = kn.compile(mlp_train_step)
     if mesh is not None:
@@ -113,6 +115,12 @@ def mesh_2d_losses(mesh: DeviceMesh | None, steps: int = 3, fsdp: bool = False) 
         step.out_placements = [(Replicate(), Replicate())] + layout
         params = [distribute_tensor(p, mesh, pl) for p, pl in zip(params, layout)]
         x, y = (distribute_tensor(a, mesh, [Shard(0), Replicate()]) for a in (x, y))
+    return step, x, y, params
+
+
+def mesh_2d_losses(mesh: DeviceMesh | None, steps: int = 3, fsdp: bool = False) -> list[float]:
+    """The loss curve of `steps` SGD steps of `mesh_2d_setup`'s training."""
+    step, x, y, params = mesh_2d_setup(mesh, fsdp)
     losses = []
     for _ in range(steps):
         loss, *params = step(x, y, *params)
