@@ -25,7 +25,6 @@ Every kernel: void f(ptr a, ptr o0, ptr o1, ptr o2, i64 lo, i64 hi) over groups 
 
 from __future__ import annotations
 
-from kiln.codegen.cpu.ir_builder import float_literal
 from kiln.codegen.cpu.linalg_lanes import Lanes
 
 MAX_SWEEPS = 30
@@ -46,10 +45,11 @@ def _dot_sub(L: Lanes, start, stop, init, x_at, y_at):
 
 
 def _store(L: Lanes, out, group, rows: int, cols: int, value_at) -> None:
-    with L.loop(0, rows) as lr:
-        with L.loop(0, cols) as lc:
-            e = L.idx(lr.i, cols, lc.i)
-            L.scatter(L.args[out], group, rows * cols, e, value_at(lr.i, lc.i, e))
+    def get(e):
+        r, c = L.rc(e, cols)
+        return value_at(r, c, e)
+
+    L.write_elements(L.args[out], group, rows * cols, get)
 
 
 def cholesky(n: int, scalar: str, width: int) -> tuple[str, str]:
@@ -131,11 +131,15 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     return L.name, L.text()
 
 
-def _rotation(L: Lanes, num, den2, rotate):
-    """(c, s) of the Jacobi rotation with zeta = num / den2 (t = sign(zeta) / (|zeta| +
-    sqrt(1 + zeta^2))); c = 1, s = 0 in lanes where `rotate` is false."""
-    zeta = L.fdiv(num, den2)
-    t = L.fdiv(L.copysign(L.k(1), zeta), L.fadd(L.fabs(zeta), L.sqrt(L.fma(zeta, zeta, L.k(1)))))
+def _rotation(L: Lanes, d, off, rotate):
+    """(t, c, s) of the Jacobi rotation that zeroes the pair whose difference of diagonal
+    terms (or squared norms) is d and whose coupling is off: t = sign(zeta) / (|zeta| +
+    sqrt(1 + zeta^2)) for zeta = d / (2 off), written as 2 off sign(d) / (|d| +
+    sqrt(d^2 + 4 off^2)) to spend one division less (the divider bounds small n);
+    t = 0 (c = 1, s = 0) in lanes where `rotate` is false."""
+    two_off = L.fmul(L.k(2), off)
+    root = L.sqrt(L.fma(d, d, L.fmul(two_off, two_off)))
+    t = L.fdiv(L.fmul(L.copysign(L.k(1), d), two_off), L.fadd(L.fabs(d), root))
     t = L.select(rotate, t, L.k(0))
     c = L.fdiv(L.k(1), L.sqrt(L.fma(t, t, L.k(1))))
     return t, c, L.fmul(t, c)
@@ -164,25 +168,27 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
     tol2 = L.eps * L.eps
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
+        L.load_matrix(A, g, n, n)
         with L.loop(0, n) as rl:  # symmetric A from the lower triangle
-            with L.loop(0, L.add(rl.i, 1)) as cl:
-                x = L.gather(L.args["a"], g, n * n, L.idx(rl.i, n, cl.i))
-                L.st(A, L.idx(rl.i, n, cl.i), x)
-                L.st(A, L.idx(cl.i, n, rl.i), x)
+            with L.loop(0, rl.i) as cl:
+                L.st(A, L.idx(cl.i, n, rl.i), L.ld(A, L.idx(rl.i, n, cl.i)))
         fro2 = _sum(L, 0, n * n, L.k(0), lambda e: L.fmul(x := L.ld(A, e), x))
         limit = L.fmul(fro2, L.k(tol2))
         pair_limit = L.fmul(limit, L.k(1.0 / (n * n)))
+        table, rounds, half = L.round_robin(n)
         _identity(L, Vt, n)
         _count, end = L.sweep_loop(MAX_SWEEPS)
-        with L.loop(0, n - 1) as pl:
-            p = pl.i
-            with L.loop(L.add(p, 1), n) as ql:
-                q = ql.i
+        with L.loop(0, rounds) as rl_:
+            with L.loop(0, half) as kl_:
+                p, q = L.pair(table, rl_.i, kl_.i, half)
+                valid = L.icmp("sge", p, 0)
+                pv, qv = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))
+                p, q = pv, qv
                 pq, pp, qq = L.idx(p, n, q), L.idx(p, n, p), L.idx(q, n, q)
                 apq, app, aqq = L.ld(A, pq), L.ld(A, pp), L.ld(A, qq)
                 rotate = L.fcmp("ogt", L.fmul(apq, apq), pair_limit)
-                with L.when(L.any(rotate)):
-                    t, c, s = _rotation(L, L.fsub(aqq, app), L.fmul(L.k(2), apq), rotate)
+                with L.when(L.f.bin("and", valid, L.any(rotate))):
+                    t, c, s = _rotation(L, L.fsub(aqq, app), apq, rotate)
                     with L.loop(0, n) as kl:  # columns p, q and (by symmetry) rows p, q
                         kk = kl.i
                         edge = L.f.bin("or", L.icmp("eq", kk, p), L.icmp("eq", kk, q))
@@ -201,8 +207,7 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
                     L.st(A, L.idx(q, n, p), L.select(rotate, L.k(0), apq))
                     _rotate_rows(L, Vt, n, p, q, n, c, s)
         end(_converged(L, A, n, limit))
-        with L.loop(0, n) as dl:
-            L.scatter(L.args["o0"], g, n, dl.i, L.ld(A, L.idx(dl.i, n, dl.i)))
+        L.write_elements(L.args["o0"], g, n, lambda e: L.ld(A, L.idx(e, n, e)))
         _store(L, "o1", g, n, n, lambda r, c, e: L.ld(Vt, e))
     return L.name, L.text()
 
@@ -219,7 +224,8 @@ def _converged(L: Lanes, A, n: int, limit):
 def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     """m >= n. o0 <- U (m x n, columns normalized), o1 <- s (n, unsorted), o2 <- V^T."""
     L = Lanes(f"kiln_la_svd_{scalar}_{m}x{n}_w{width}", scalar, width)
-    Ut, Vt, N = L.array(n * m), L.array(n * n), L.array(n)
+    Ut, Vt, N, M = L.array(n * m), L.array(n * n), L.array(n), L.array(1)
+    table, rounds, half = L.round_robin(n)
     tol = (m ** 0.5) * L.eps
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
@@ -228,28 +234,27 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
         _count, end = L.sweep_loop(MAX_SWEEPS)
         with L.loop(0, n) as cl:  # exact squared column norms at each sweep's start
             L.st(N, cl.i, _sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(cl.i, m, r)), x)))
-        with L.loop(0, n - 1, [L.k(0)]) as pl:
-            p = pl.i
-            with L.loop(L.add(p, 1), n, [pl.vals[0]]) as ql:
-                q = ql.i
+        L.st(M, 0, L.k(0))
+        with L.loop(0, rounds) as rl_:
+            with L.loop(0, half) as kl_:
+                p, q = L.pair(table, rl_.i, kl_.i, half)
+                valid = L.icmp("sge", p, 0)
+                p, q = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))
                 with L.loop(0, m, [L.k(0)]) as rl:
                     rl.next = [L.fma(L.ld(Ut, L.idx(p, m, rl.i)), L.ld(Ut, L.idx(q, m, rl.i)), rl.vals[0])]
                 gamma = rl.vals[0]
                 alpha, beta = L.ld(N, p), L.ld(N, q)
-                norm = L.sqrt(L.fmul(alpha, beta))
-                cosine = L.select(L.fcmp("ogt", norm, L.k(0)), L.fdiv(L.fabs(gamma), norm), L.k(0))
-                rotate = L.fcmp("ogt", cosine, L.k(tol))
-                with L.when(L.any(rotate)):
-                    t, c, s = _rotation(L, L.fsub(beta, alpha), L.fmul(L.k(2), gamma), rotate)
+                # cosine > tol, without a division or a root: gamma^2 > tol^2 alpha beta
+                rotate = L.fcmp("ogt", L.fmul(gamma, gamma), L.fmul(L.k(tol * tol), L.fmul(alpha, beta)))
+                with L.when(L.f.bin("and", valid, L.any(rotate))):
+                    t, c, s = _rotation(L, L.fsub(beta, alpha), gamma, rotate)
                     _rotate_rows(L, Ut, m, p, q, m, c, s)
                     _rotate_rows(L, Vt, n, p, q, n, c, s)
                     tg = L.fmul(t, gamma)  # the rotated columns' squared norms
                     L.st(N, p, L.fsub(alpha, tg))
                     L.st(N, q, L.fadd(beta, tg))
-                ql.next = [L.fmax(ql.vals[0], cosine)]
-            pl.next = [ql.vals[0]]
-        worst = L.hmax(pl.vals[0])
-        end(L.f.emit(f"fcmp ole {L.t} {worst.ref}, {_lit(L, tol)}", "i1"))
+                    L.st(M, 0, L.k(1))  # some lane rotated in this sweep
+        end(L.f.emit(f"fcmp oeq {L.t} {L.hmax(L.ld(M, 0)).ref}, 0.0", "i1"))
         with L.loop(0, n) as cl:
             c = cl.i
             norm = L.sqrt(_sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(c, m, r)), x)))
@@ -257,11 +262,9 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
             with L.loop(0, m) as rl:
                 e = L.idx(c, m, rl.i)
                 L.st(Ut, e, L.fmul(L.ld(Ut, e), inv))
-            L.scatter(L.args["o1"], g, n, c, norm)
+            L.st(N, c, norm)
+        L.write_elements(L.args["o1"], g, n, lambda e: L.ld(N, e))
         _store(L, "o0", g, m, n, lambda r, c, e: L.ld(Ut, L.idx(c, m, r)))
         _store(L, "o2", g, n, n, lambda r, c, e: L.ld(Vt, e))
     return L.name, L.text()
 
-
-def _lit(L: Lanes, value: float) -> str:
-    return float_literal(value, L.t)

@@ -197,6 +197,35 @@ class Lanes:
 
         return count, end
 
+    def round_robin(self, n: int):
+        """A constant table of the round-robin ordering of the pairs of n indices: n-1
+        rounds (n even; n odd adds a dummy index) of disjoint pairs (p < q), so that
+        consecutive rotations are independent and their latency chains overlap. Returns
+        (table, rounds, per_round); a dummy pair holds p = q = -1."""
+        big = n + n % 2
+        rounds, half = big - 1, big // 2
+        pos = lambda k, r: 0 if k == 0 else 1 + (k - 1 + r) % (big - 1)  # noqa: E731
+        flat = []
+        for r in range(rounds):
+            for k in range(half):
+                p, q = sorted((pos(k, r), pos(big - 1 - k, r)))
+                flat += [p, q] if q < n else [-1, -1]
+        name = f"@kiln_rr_{n}"
+        if name not in self.module.helpers:
+            self.module.helpers.add(name)
+            body = ", ".join(f"i32 {v}" for v in flat)
+            self.module.functions.insert(0, f"{name} = internal unnamed_addr constant [{len(flat)} x i32] [{body}]\n")
+        return V(name, "ptr"), rounds, half
+
+    def pair(self, table: V, r, k, half: int) -> tuple[V, V]:
+        """(p, q) of pair k of round r, as i64."""
+        base = self.mul(self.idx(r, half, k), 2)
+        out = []
+        for j in (0, 1):
+            x = self.f.load("i32", self.f.gep("i32", table, self.add(base, j)), 4)
+            out.append(self.f.cast("sext", x, "i64"))
+        return out[0], out[1]
+
     # -- the batch in memory ------------------------------------------------------------------
     def gather(self, ptr: V, group: V, size: int, element) -> V:
         """Element `element` of the W matrices (each `size` scalars) of `group`."""
@@ -222,13 +251,74 @@ class Lanes:
             p = f.gep(ty, ptr, self.add(base, self.add(w * size, element)))
             f.store(x, p, nbytes)
 
+    def _transpose(self, rows: list[V]) -> list[V]:
+        """The W x W transpose of W vectors by log2(W) stages of two-input shuffles
+        (swap the off-diagonal h x h blocks, h = W/2, ..., 1); it is its own inverse."""
+        f, W = self.f, self.W
+        h = W // 2
+        while h >= 1:
+            out = list(rows)
+            for r in range(W):
+                if (r // h) % 2:
+                    continue
+                a, b = rows[r], rows[r + h]
+                for dst, shift in ((r, 0), (r + h, h)):
+                    mask = []
+                    for c0 in range(0, W, 2 * h):
+                        mask += [c0 + shift + i for i in range(h)] + [W + c0 + shift + i for i in range(h)]
+                    m = ", ".join(f"i32 {i}" for i in mask)
+                    out[dst] = f.emit(f"shufflevector {self.vt} {a.ref}, {self.vt} {b.ref}, <{W} x i32> <{m}>",
+                                      self.vt)
+            rows, h = out, h // 2
+        return rows
+
+    def read_elements(self, ptr: V, group: V, size: int, put) -> None:
+        """For every element e of the group's W matrices (each `size` scalars):
+        put(e, lanes). Whole blocks of W elements are W contiguous vector loads and a
+        transpose; the rest (size % W of them) scalar gathers."""
+        W, blocks = self.W, (size // self.W if self.W > 1 else 0)
+        if blocks:
+            base = self.mul(group, W * size)
+            with self.loop(0, blocks) as bl:
+                e0 = self.mul(bl.i, W)
+                rows = []
+                for w in range(W):
+                    p = self.f.gep(self.t, ptr, self.add(base, self.add(e0, w * size)))
+                    rows.append(self.f.load(self.vt, p, self.bytes))
+                for j, vec in enumerate(self._transpose(rows)):
+                    put(self.add(e0, j), vec)
+        if blocks * W < size:
+            with self.loop(blocks * W, size) as el:
+                put(el.i, self.gather(ptr, group, size, el.i))
+
+    def write_elements(self, ptr: V, group: V, size: int, get) -> None:
+        """Element e of the group's W matrices <- get(e) (lanes), as read_elements."""
+        W, blocks = self.W, (size // self.W if self.W > 1 else 0)
+        if blocks:
+            base = self.mul(group, W * size)
+            with self.loop(0, blocks) as bl:
+                e0 = self.mul(bl.i, W)
+                rows = self._transpose([get(self.add(e0, j)) for j in range(W)])
+                for w, vec in enumerate(rows):
+                    p = self.f.gep(self.t, ptr, self.add(base, self.add(e0, w * size)))
+                    self.f.store(vec, p, self.bytes)
+        if blocks * W < size:
+            with self.loop(blocks * W, size) as el:
+                self.scatter(ptr, group, size, el.i, get(el.i))
+
+    def rc(self, e: V, cols: int) -> tuple[V, V]:
+        """(row, col) of flat index e in a row-major matrix of `cols` columns."""
+        return self.f.bin("udiv", e, self.i(cols)), self.f.bin("urem", e, self.i(cols))
+
     def load_matrix(self, arr: V, group: V, rows: int, cols: int, transpose: bool = False) -> None:
         """arr <- the group's rows x cols input matrices (arr[c*rows + r] if transpose)."""
-        with self.loop(0, rows) as lr:
-            with self.loop(0, cols) as lc:
-                r, c = lr.i, lc.i
-                x = self.gather(self.args["a"], group, rows * cols, self.idx(r, cols, c))
-                self.st(arr, self.idx(c, rows, r) if transpose else self.idx(r, cols, c), x)
+        def put(e, vec):
+            if transpose:
+                r, c = self.rc(e, cols)
+                e = self.idx(c, rows, r)
+            self.st(arr, e, vec)
+
+        self.read_elements(self.args["a"], group, rows * cols, put)
 
     # -- the module ------------------------------------------------------------------------------
     def text(self) -> str:
