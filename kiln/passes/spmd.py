@@ -323,7 +323,7 @@ def spmd_partition_nd(graph: Graph, placements: list, *, mesh_shape: tuple, grou
     if len(groups) != nd or len(set(groups)) != nd:
         raise ShardingRuleError("SPMD: %d distinct group names needed for a mesh of shape "
                                 "%s, got %r" % (nd, list(mesh_shape), list(groups)))
-    for k, p in enumerate(list(placements) + list(out_placements or [])):
+    for p in list(placements) + list(out_placements or []):
         if len(p) != nd:
             raise ShardingRuleError("SPMD: placements %r give %d mesh dim(s) for a mesh of "
                                     "shape %s" % (list(p), len(p), list(mesh_shape)))
