@@ -3,7 +3,9 @@
     >>> pg = kiln.distributed.init_process_group("mpi")  # mpirun, kiln launch --engine mpi
 
 Every kiln call maps to one nonblocking MPI call on the user's memory (zero-copy: numpy
-views go to MPI as they are): all_reduce -> Iallreduce(IN_PLACE), broadcast -> Ibcast,
+views go to MPI as they are): all_reduce -> Iallreduce(IN_PLACE) below 1 MB, kiln's
+ring over Isend/Irecv from 1 MB (mpi_ring.py: Open MPI's nonblocking all_reduce is
+a binomial tree there, 3-9x slower), broadcast -> Ibcast,
 reduce -> Ireduce, all_gather -> Iallgather, gather/scatter -> Igather/Iscatter,
 reduce_scatter -> Ireduce_scatter_block, all_to_all -> Ialltoallv, barrier -> Ibarrier,
 send/recv -> Isend/Irecv with the tag; the group's thread waits in `Wait`. (Open MPI's
@@ -42,6 +44,7 @@ import numpy as np
 from kiln.distributed import mpi_world
 from kiln.distributed.backend import Backend, CallContext
 from kiln.distributed.buffers import Reducer
+from kiln.distributed.mpi_ring import MpiRing
 from kiln.distributed.errors import (
     CollectiveMismatch, CollectiveTimeout, DistributedError, GroupAborted, MpiError,
     PeerFailure, StoreError, error_from_wire, error_to_wire,
@@ -114,14 +117,17 @@ class MpiBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm, prefix: str, store, p2p_comms: list | None = None):
+    def __init__(self, comm, prefix: str, store, p2p_comms: list | None = None,
+                 ring_comm=None):
         MPI = mpi_world.load_mpi()
         self.MPI, self.comm, self.prefix, self.store = MPI, comm, prefix, store
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         self.group = prefix.split("/")[1] if prefix.count("/") >= 2 else prefix  # its name
         # p2p on four communicators: MPI tags stop at 2**31 - 1, kiln's go up to 2**32
         self.p2p_comms = p2p_comms or [comm] + [comm.Dup() for _ in range(3)]
-        for c in self.p2p_comms:
+        self._ring = MpiRing(self, ring_comm or comm.Dup())  # large all_reduce
+        self._comms = self.p2p_comms + [self._ring.comm]  # what abort() revokes
+        for c in self._comms:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.check = os.environ.get("KILN_MPI_CHECK", "1") != "0"
         self._ops = mpi_world.ops()
@@ -144,28 +150,36 @@ class MpiBackend(Backend):
                    timeout: float, epoch: int = 0) -> "MpiBackend":
         deadline = time.monotonic() + timeout
         comm = mpi_world.communicator(store, prefix, rank, world_size, token, timeout, epoch)
-        dups = mpi_world.bounded(lambda: [comm.Dup() for _ in range(3)], deadline,
+        dups = mpi_world.bounded(lambda: [comm.Dup() for _ in range(4)], deadline,
                                  "group '%s' (p2p communicators)" % prefix)
-        return cls(comm, prefix, store, [comm] + dups)
+        return cls(comm, prefix, store, [comm] + dups[:3], dups[3])
 
     # -- running one call ------------------------------------------------------------
     def _run(self, ctx: CallContext, start) -> None:
         """Check the call's signature across ranks (unless KILN_MPI_CHECK=0), start the
         MPI call, and wait for it under the call's deadline."""
+        self._check(ctx)
+        self.wait_requests(ctx, start)
+
+    def _check(self, ctx: CallContext) -> None:
         if self._error is not None:
             raise self._error
         if self.check and self.world_size > 1:
             sig = self._sig
             sig[0], sig[1], sig[2], sig[3] = ctx.op_code, ctx.dtype_code, ctx.reduce_code, ctx.count
-            self._wait(ctx, lambda: self.comm.Iallgather(sig, self._sigs))
+            self.wait_requests(ctx, lambda: self.comm.Iallgather(sig, self._sigs))
             self._compare(ctx)
-        self._wait(ctx, start)
 
-    def _wait(self, ctx: CallContext, run) -> None:
+    def wait_requests(self, ctx: CallContext, requests) -> None:
+        """Wait for MPI requests (a list, or a function that starts one) under the call's
+        deadline (past it the watcher revokes); MPI's errors become kiln's."""
         with self._lock:
             self._call = (ctx.deadline, ctx)
         try:
-            run().Wait()
+            if callable(requests):
+                requests().Wait()
+            else:
+                self.MPI.Request.Waitall(requests)
         except self.MPI.Exception as err:
             raise self._translate(err, "%s (seq %d)" % (ctx.op, ctx.seq)) from None
         finally:
@@ -296,8 +310,16 @@ class MpiBackend(Backend):
 
     # -- collectives -----------------------------------------------------------------
     def all_reduce(self, ctx: CallContext, buf: np.ndarray, reducer: Reducer) -> None:
-        op, mtype = self._ops.get(reducer)
-        self._run(ctx, lambda: self.comm.Iallreduce(self.MPI.IN_PLACE, _spec(buf, mtype), op))
+        if self._ring.usable(buf):  # kiln's ring from 1 MB: see mpi_ring.py for why
+            self._check(ctx)
+            try:
+                self._ring.all_reduce(ctx, buf, reducer)
+            except self.MPI.Exception as err:  # posting a send or receive failed
+                raise self._translate(err, "%s (seq %d)" % (ctx.op, ctx.seq)) from None
+        else:
+            op, mtype = self._ops.get(reducer)
+            self._run(ctx, lambda: self.comm.Iallreduce(self.MPI.IN_PLACE, _spec(buf, mtype),
+                                                        op))
         reducer.finish(buf, self.world_size)
 
     def broadcast(self, ctx: CallContext, buf: np.ndarray, src: int) -> None:
@@ -385,7 +407,7 @@ class MpiBackend(Backend):
                                   name="kiln-mpi-revoke-reason")
         poster.start()
         poster.join(0.5)  # peers look for it when their calls end: post it first, bounded
-        for comm in self.p2p_comms:
+        for comm in self._comms:
             try:
                 comm.Revoke()
             except self.MPI.Exception:

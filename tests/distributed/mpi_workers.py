@@ -70,6 +70,70 @@ def no_store(rank, world, addr, args):
 
 
 @scenario
+def large_all_reduce(rank, world, addr, args):
+    """all_reduce from 1 MB takes kiln's ring over MPI p2p (mpi_ring.py): every dtype
+    class and reduce op against numpy, sizes that split unevenly over the ranks and the
+    2 MB segments, a view of a larger array, identical bytes on every rank."""
+    import hashlib
+
+    from kiln.distributed import mpi_ring
+
+    pg = join(rank, world, addr, timeout=60.0)
+    assert pg.backend._ring.comm is not pg.backend.comm  # its messages match no user's
+    digests = []
+    cases = [("float32", "sum", 1_300_001), ("float64", "avg", 700_013),
+             ("int8", "sum", 2_500_003), ("int64", "max", 262_147),
+             ("bool", "sum", 3_000_001), ("complex64", "sum", 300_007),
+             ("bfloat16", "avg", 1_100_009), ("float32", "prod", 600_001),
+             ("int32", "min", 5 * mpi_ring.SEGMENT // 4 + 3)]
+    for name, op, n in cases:
+        dt = kd.dtype(name)
+        assert n * np.dtype(dt.np_dtype).itemsize >= mpi_ring.MIN_BYTES, name
+        per_rank = []
+        for r in range(world):  # every rank makes every rank's input: the oracle
+            g = np.random.default_rng([7, r, n])
+            if dt.is_bool:
+                per_rank.append(g.random(n) < 0.2)
+            elif dt.is_integer:
+                per_rank.append(g.integers(-100, 100, n).astype(dt.np_dtype))
+            elif dt.is_complex:
+                per_rank.append((g.standard_normal(n) + 1j * g.standard_normal(n))
+                                .astype(dt.np_dtype))
+            elif op == "prod":
+                per_rank.append(g.uniform(0.5, 1.5, n).astype(dt.np_dtype))
+            else:
+                per_rank.append(np.round(g.standard_normal(n) * 8).astype(dt.np_dtype))
+        x = per_rank[rank].copy()
+        pg.all_reduce(x, op=op).wait(timeout=60)
+        wide = [a.astype(np.complex128 if dt.is_complex else np.float64) for a in per_rank]
+        if dt.is_bool:
+            want = np.logical_or.reduce(per_rank)
+        elif op in ("sum", "avg"):
+            want = sum(wide) / (world if op == "avg" else 1)
+            if dt.is_integer:  # sums wrap, as numpy's do
+                want = sum(a.astype(np.int64) for a in per_rank).astype(dt.np_dtype)
+        else:
+            want = {"max": np.maximum, "min": np.minimum,
+                    "prod": np.multiply}[op].reduce(wide)
+        check(x, np.asarray(want).astype(x.dtype) if dt.is_integer or dt.is_bool else want,
+              dt, "%s %s of %d" % (name, op, n))
+        digests.append(hashlib.sha256(x.tobytes()).hexdigest())
+    base = np.zeros(2_000_000, np.float32)  # a view in the middle: reduced in place
+    view = base[500_000:1_800_000]
+    view[:] = rank + 1
+    pg.all_reduce(view).wait(timeout=60)
+    assert np.all(view == world * (world + 1) / 2) and not base[:500_000].any() \
+        and not base[1_800_000:].any()
+    # a two-rank sub-group (one chunk each way) and a one-rank one (no ring: MPI's call)
+    sub = pg.split(color=int(rank >= 2), timeout=30)
+    y = np.full(1_000_001, rank + 1.5, np.float64)
+    sub.all_reduce(y, op="max").wait(timeout=60)
+    members = [r for r in range(world) if (r >= 2) == (rank >= 2)]
+    assert np.all(y == max(members) + 1.5), (y[:4], members)
+    return {"digests": digests}
+
+
+@scenario
 def every_collective(rank, world, addr, args):
     """workers.collectives without its tcp-only second pass (forced ring segments)."""
     pg = join(rank, world, addr)

@@ -29,6 +29,14 @@ def test_bare_mpirun_big_tags_bfloat16_large_and_zero_copy_buffers(tmp_path):
     assert len({d["store"] for d in data}) == 1  # rank 0's store, shared over MPI
 
 
+def test_large_all_reduce_rides_kiln_ring_every_dtype_against_numpy(tmp_path):
+    """From 1 MB all_reduce runs kiln's ring over MPI p2p (Open MPI's nonblocking
+    all_reduce is a binomial tree there): the right answer for every dtype class and op
+    on 3 ranks (then on sub-groups of 2 and 1), and the same bytes on every rank."""
+    data = check_all_ok(run_mpi("large_all_reduce", 3, tmp_path, timeout=100))
+    assert len({tuple(d["digests"]) for d in data}) == 1
+
+
 def test_bad_input_splits_flight_recorder_and_sigusr1_dump(tmp_path):
     data = check_all_ok(run_mpi("basic", 4, tmp_path))
     errors = data[0]["errors"]
