@@ -69,6 +69,17 @@ def test_n_dim_and_multi_dim_forms(fn, kw):
     _close(getattr(kn.fft, fn)(kn.tensor(data), **kw).numpy(), want)
 
 
+def test_exported_fft_saves_and_loads(tmp_path):
+    def f(x):
+        return kn.fft.irfft(kn.fft.rfft(x, norm="ortho") * 2, n=9, norm="ortho")
+
+    x = _real(3, 9)
+    kn.export(f, (x,)).save(tmp_path / "f.kir")
+    loaded = kn.load(tmp_path / "f.kir")
+    assert "rfft(" in str(loaded.graph) and 'norm="ortho"' in str(loaded.graph)
+    _close(loaded(x).numpy(), 2 * x.astype(np.float64))
+
+
 def test_compiled_is_an_extern_fft_and_captures():
     def power(x):
         spec = kn.fft.rfft(x, norm="ortho")
