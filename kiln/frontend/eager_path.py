@@ -15,6 +15,8 @@ thread (an eager tensor used inside a trace becomes a graph constant).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kiln.ir import dtypes as dt
@@ -33,7 +35,7 @@ _SCALAR_OK = frozenset({"add", "sub", "mul", "div", "pow", "max", "min", "rem", 
                         "eq", "ne", "lt", "le", "gt", "ge"})
 
 
-_FILLS: dict = {}  # (type, value, dtype) -> the 0-d fill of a Python scalar
+_FILLS: dict = {}  # (type, value, sign, dtype) -> the 0-d fill of a Python scalar
 
 
 def _tensor_class():
@@ -62,16 +64,29 @@ def _plain(x, Tensor) -> bool:
             and x._node is None and not x._requires_grad)
 
 
-_track = None  # the CPU caching allocator's `track` (placement.charge's, bound once)
+_track = _track_new = None  # the CPU caching allocator's (placement.charge's), bound once
 
 
 def _result(array) -> object:
     """An eager CPU result, counted by the CPU allocator as `placement.charge` counts it."""
-    global _track
+    global _track, _track_new
     if type(array) is np.ndarray and array.base is None:  # a view is counted with its base
         if _track is None:
-            _track = placement._cpu().track
+            _track, _track_new = placement._cpu().track, placement._cpu().track_new
         _track(array)
+    return _Tensor._make(array)
+
+
+def _new_result(array, a, b=None) -> object:
+    """`_result` of an elementwise op's output, which is a new array (never counted
+    before) unless a reference handed back its operand `a` or `b`."""
+    global _track, _track_new
+    if array is a or array is b:
+        return _result(array)
+    if type(array) is np.ndarray and array.base is None:
+        if _track_new is None:
+            _track, _track_new = placement._cpu().track, placement._cpu().track_new
+        _track_new(array)
     return _Tensor._make(array)
 
 
@@ -97,7 +112,7 @@ def eager_unary_float(op: str, x):
     Tensor = _Tensor or _tensor_class()
     if not _plain(x, Tensor) or x._x.dtype not in _INEXACT or _tracing():
         return None
-    return _result(EAGER.run1(op, (x._x,), (x._x,)))
+    return _new_result(EAGER.run1(op, (x._x,), x._x, 1), x._x)
 
 
 def eager_binary(op: str, x, y):
@@ -116,7 +131,7 @@ def eager_binary(op: str, x, y):
         a, b = x._x, y._x
         if a.dtype not in _FLOATING or a.dtype != b.dtype or a.shape != b.shape or _tracing():
             return None
-        return _result(EAGER.run1(op, (a, b), (a, b)))
+        return _new_result(EAGER.run1(op, (a, b), a, 2), a, b)
     if tx is Tensor:
         tensor, scalar, first = x, y, True
     elif ty is Tensor:
@@ -131,11 +146,12 @@ def eager_binary(op: str, x, y):
     if a.dtype not in _FLOATING or (type(scalar) is int and not -2**63 <= scalar < 2**64) \
             or _tracing():
         return None  # `full` refuses an int beyond 64 bits: the general path says so
-    fill = _FILLS.get((type(scalar), scalar, a.dtype))
+    key = (type(scalar), scalar, math.copysign(1.0, scalar), a.dtype)  # -0.0 is not 0.0
+    fill = _FILLS.get(key)
     if fill is None:  # the 0-d `full` the general path would broadcast (read only)
         if len(_FILLS) >= 256:
             _FILLS.clear()
-        fill = _FILLS[(type(scalar), scalar, a.dtype)] = np.array(scalar, a.dtype)
+        fill = _FILLS[key] = np.array(scalar, a.dtype)
         fill.flags.writeable = False
     operands = (a, fill) if first else (fill, a)
-    return _result(EAGER.run1(op, operands, (a, a)))
+    return _new_result(EAGER.run1(op, operands, a, 2), a)

@@ -244,6 +244,7 @@ class EagerEmitter(Emitter):
 
     def __init__(self):
         self._plans: dict[tuple, _Plan] = {}
+        self._alike: dict[tuple, _Plan] = {}  # run1's: (op, dtype, shape, arity) -> plan
         self._types: dict[tuple, TensorType] = {}
 
     def type_of(self, x) -> TensorType:
@@ -279,19 +280,14 @@ class EagerEmitter(Emitter):
             self._plans[key] = plan
         return self._replay(op, plan, operands)
 
-    def run1(self, op: str, operands: Sequence[Any], typed: Sequence[Any]):
-        """The one result of an op without attributes (the lean eager path's elementwise
-        ops): `run` with nothing but the plan lookup, the numpy call and the result check
-        between the caller and numpy."""
-        if len(typed) == 2:
-            a, b = typed
-            key = (op, a.dtype, a.shape, b.dtype, b.shape) \
-                if type(a) is np.ndarray and type(b) is np.ndarray else None
-        else:
-            key = _signature(op, typed, None)
-        plan = self._plans.get(key)
-        if plan is not None and plan.reference is not None \
-                and plan.nbytes <= memory_limits._limit:  # process_limit(), without a call
+    def run1(self, op: str, operands: Sequence[Any], like: np.ndarray, arity: int):
+        """The one result of an op without attributes whose `arity` operands all have the
+        type of the array `like` (the lean eager path's elementwise ops; a Python
+        scalar's 0-d fill is typed as the full-shape `full` it stands for): `run` with
+        nothing but the plan lookup, the numpy call and the result check between the
+        caller and numpy."""
+        plan = self._alike.get((op, like.dtype, like.shape, arity))
+        if plan is not None and plan.nbytes <= memory_limits._limit:  # process_limit()
             direct = plan.direct
             quiet = None if direct is None else _QUIET.get(_ERRSTATE.get()) or quiet_state()
             if quiet is not None:  # float32/64: the numpy function, quietly, unwrapped
@@ -308,7 +304,14 @@ class EagerEmitter(Emitter):
             if r.dtype != plan.dtype or r.shape != plan.shape:
                 _check_results(op, [r], plan.types)
             return r
-        return self.run(op, operands, {}, typed)[0]
+        typed = (like,) * arity
+        result = self.run(op, operands, {}, typed)[0]
+        plan = self._plans.get(_signature(op, typed, None))
+        if plan is not None and plan.reference is not None and type(like) is np.ndarray:
+            if len(self._alike) >= _PLAN_LIMIT:
+                self._alike.clear()
+            self._alike[(op, like.dtype, like.shape, arity)] = plan
+        return result
 
     def _plan(self, op: str, typed: Sequence[Any], attrs: dict[str, Any]) -> _Plan:
         """Every check of an eager op, raising its numbered error on bad input."""

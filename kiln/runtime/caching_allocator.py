@@ -403,11 +403,16 @@ class CachingAllocator(AllocatorStatistics):
         figures are read or blocks change hands, so the counters and peaks are exact. The
         limit is checked against an estimate of the unreplayed growth, and precisely
         (under the lock) when the estimate comes near it."""
-        key = id(array)
-        tracked = self._tracked
-        known = tracked.get(key)
+        known = self._tracked.get(id(array))
         if known is not None and known() is array:
             return
+        self.track_new(array)
+
+    def track_new(self, array: np.ndarray) -> None:
+        """`track` for an array made just now (a ufunc's output), which cannot be counted
+        already: the eager fast path's call (kiln/frontend/eager_path.py)."""
+        key = id(array)
+        tracked = self._tracked
         nbytes = array.nbytes
         unsettled = self._unsettled + nbytes
         if self.reserved + unsettled > self.limit:

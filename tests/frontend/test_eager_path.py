@@ -159,7 +159,7 @@ def test_a_signature_cache_over_its_limit_starts_over(monkeypatch):
     for n in range(1, 30):
         x = kn.tensor(np.ones(n, np.float32))
         np.testing.assert_array_equal((x + x).numpy(), np.full(n, 2, np.float32))
-        assert len(EAGER._plans) <= 8
+        assert len(EAGER._plans) <= 8 and len(EAGER._alike) <= 8
 
 
 def test_a_replayed_plan_keeps_this_calls_attributes():
@@ -168,3 +168,11 @@ def test_a_replayed_plan_keeps_this_calls_attributes():
     assert np.signbit(kn.full((3,), -0.0).numpy()).all()
     assert kn.full((2,), 1).dtype == kn.int64 and kn.full((2,), True).dtype == kn.bool_
     assert kn.full((2,), 1.0).dtype == kn.float32
+
+
+def test_signed_zero_scalars_keep_their_sign():
+    x = kn.tensor(np.array([1.0, -2.0], np.float32))
+    for _ in range(2):
+        np.testing.assert_array_equal(np.signbit((x * 0.0).numpy()), [False, True])
+        np.testing.assert_array_equal(np.signbit((x * -0.0).numpy()), [True, False])
+        np.testing.assert_array_equal(np.signbit((-0.0 + kn.zeros(2)).numpy()), [False, False])
