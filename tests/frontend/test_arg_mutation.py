@@ -255,3 +255,43 @@ def test_export_refuses_argument_mutation_naming_it():
         kn.export(fn, (kn.ones(2), kn.ones(2)))
     prog = kn.export(lambda x, y: x + y, (kn.ones(2), kn.ones(2)))  # pure ones still export
     np.testing.assert_array_equal(prog(kn.ones(2), kn.ones(2)).numpy(), [2, 2])
+
+
+def _view_writes(x):
+    x[1:].mul_(2)
+    x.transpose(0, 1)[0].add_(10)
+    return x.sum()
+
+
+def _mask_write(x, m):
+    x[x > 0.5] = -1.0
+    x[m > 0] = 0.25
+    return x * 2
+
+
+def _two_names(a, b):
+    a.add_(1)
+    b.mul_(2)
+    return a + b
+
+
+@pytest.mark.parametrize("fn,arity,same", [(lambda x: x.add_(1), 1, False), (_view_writes, 1, False),
+                                           (_mask_write, 2, False), (_two_names, 2, True),
+                                           (_two_names, 2, False)])
+def test_matches_torch_compile(fn, arity, same, tmp_path, monkeypatch):
+    """torch.compile (AOTAutograd's functionalization: backend aot_eager) as the oracle."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing outside tmp
+    tc = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    kc = kn.compile(fn)
+    for _ in range(2):
+        data = [_data(4, 3) for _ in range(arity)]
+        if same:
+            data[1] = data[0]
+        ts = [torch.tensor(a) for a in data]
+        ks = [kn.tensor(a) for a in data]
+        if same:
+            ts[1], ks[1] = ts[0], ks[0]
+        want, got = tc(*ts), kc(*ks)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+        for k, t in zip(ks, ts):
+            np.testing.assert_allclose(k.numpy(), t.numpy(), rtol=1e-6)
