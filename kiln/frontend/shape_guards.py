@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 
 _local = threading.local()
+_MEMO = 4096  # answers kept per guard
 
 
 @dataclass(frozen=True)
@@ -36,16 +37,28 @@ class ShapeGuard:
     verdict: bool
     text: str
     where: str | None = None
+    # the answers for the sizes seen so far (a call's check is then a dict lookup)
+    _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    _symbols: tuple = field(default=(), compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_symbols", tuple(sorted(self.diff.free_symbols, key=lambda s: s.name)))
 
     def holds(self, sizes: dict) -> bool:
+        symbols = self._symbols
         try:
-            value = self.diff.xreplace({s: sympy.Integer(sizes[s.name])
-                                        for s in self.diff.free_symbols})
+            key = tuple([sizes[s.name] for s in symbols])
         except KeyError:
             return False
-        if not value.is_Number:
-            return False
-        return bool(self.op(value, 0)) == self.verdict
+        known = self._memo.get(key)
+        if known is None:
+            value = self.diff.xreplace({s: sympy.Integer(n) for s, n in zip(symbols, key)})
+            known = value.is_Number and bool(self.op(value, 0)) == self.verdict
+            if len(self._memo) >= _MEMO:
+                self._memo.clear()
+            self._memo[key] = known
+        return known
 
     def describe(self) -> str:
         text = f"`{self.text}` is {self.verdict}"
