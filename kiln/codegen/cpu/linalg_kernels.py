@@ -11,16 +11,21 @@ CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py):
               already zero below the diagonal gets tau = 0), reduced Q (m x k), R (k x n)
     eigh      two-sided cyclic Jacobi on the symmetrized lower triangle; sweeps end when
               every lane's off-diagonal mass is below (eps |A|_F)^2 or after MAX_SWEEPS;
-              eigenvalues unsorted (the driver sorts and fixes signs)
+              ascending eigenvalues, eigenvector columns with the sign convention
     svd       one-sided Jacobi (Hestenes) on the columns of an m x n (m >= n) matrix,
               held transposed so a column is contiguous; a pair rotates while its cosine
               exceeds sqrt(m) eps (squared column norms computed at each sweep's start and
-              updated by each rotation); U's columns normalized, V^T written as held
+              updated by each rotation); U's columns normalized; descending order
 
 A pair that no lane needs to rotate is skipped with a real branch, so the last sweeps
 (quadratic convergence: most pairs already converged) cost little.
 
-Every kernel: void f(ptr a, ptr o0, ptr o1, ptr o2, i64 lo, i64 hi) over groups [lo, hi).
+Sorting and the sign convention happen in the kernels too (ranks by O(n^2) lane compares,
+outputs gathered by O(n^3) selects, signs from each vector's largest-magnitude entry):
+done in numpy afterwards they cost more than the decomposition at n = 8.
+
+Every kernel: void f(ptr a, ptr o0, ptr o1, ptr o2, ptr o3, i64 lo, i64 hi) over groups
+[lo, hi); o3 gets each matrix's largest magnitude (linalg_lanes.Lanes.magnitude).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def cholesky(n: int, scalar: str, width: int) -> tuple[str, str]:
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
         L.load_matrix(A, g, n, n)
+        L.magnitude(A, n, n, g, lower=True)
         with L.loop(0, n, [L.k(0), L.k(1)]) as jl:
             j, (info, order) = jl.i, jl.vals
             rj = L.mul(j, n)
@@ -101,6 +107,7 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
         L.load_matrix(A, g, m, n)
+        L.magnitude(A, m, n, g)
         with L.loop(0, k) as jl:
             j = jl.i
             jj = L.idx(j, n, j)
@@ -154,6 +161,22 @@ def _rotate_rows(L: Lanes, X, stride: int, p, q, length: int, c, s) -> None:
         L.st(X, iq, L.fma(s, xp, L.fmul(c, xq)))
 
 
+def _sign_rows(L: Lanes, X, rows: int, cols: int, also=None) -> None:
+    """Flip each row of X (and the same row of `also` = (Y, its cols)) whose entry of
+    largest magnitude (the first such on ties) is negative: the sign convention."""
+    with L.loop(0, rows) as rl:
+        with L.loop(0, cols, [L.k(-1), L.k(1)]) as cl:
+            x = L.ld(X, L.idx(rl.i, cols, cl.i))
+            best, value = cl.vals
+            better = L.fcmp("ogt", L.fabs(x), best)
+            cl.next = [L.select(better, L.fabs(x), best), L.select(better, x, value)]
+        sign = L.copysign(L.k(1), cl.vals[1])
+        for Y, ycols in [(X, cols)] + ([also] if also else []):
+            with L.loop(0, ycols) as yl:
+                e = L.idx(rl.i, ycols, yl.i)
+                L.st(Y, e, L.f.fmul(L.ld(Y, e), sign))
+
+
 def _identity(L: Lanes, X, n: int) -> None:
     with L.loop(0, n * n) as el:
         L.st(X, el.i, L.k(0))
@@ -162,9 +185,9 @@ def _identity(L: Lanes, X, n: int) -> None:
 
 
 def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
-    """o0 <- eigenvalues (n, unsorted), o1 <- V^T (n x n: row p is eigenvector p)."""
+    """o0 <- eigenvalues (n, ascending), o1 <- eigenvectors (n x n, as columns)."""
     L = Lanes(f"kiln_la_eigh_{scalar}_{n}_w{width}", scalar, width)
-    A, Vt = L.array(n * n), L.array(n * n)
+    A, Vt, D = L.array(n * n), L.array(n * n), L.array(n)
     tol2 = L.eps * L.eps
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
@@ -172,6 +195,7 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
         with L.loop(0, n) as rl:  # symmetric A from the lower triangle
             with L.loop(0, rl.i) as cl:
                 L.st(A, L.idx(cl.i, n, rl.i), L.ld(A, L.idx(rl.i, n, cl.i)))
+        L.magnitude(A, n, n, g)
         fro2 = _sum(L, 0, n * n, L.k(0), lambda e: L.fmul(x := L.ld(A, e), x))
         limit = L.fmul(fro2, L.k(tol2))
         pair_limit = L.fmul(limit, L.k(1.0 / (n * n)))
@@ -207,8 +231,12 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
                     L.st(A, L.idx(q, n, p), L.select(rotate, L.k(0), apq))
                     _rotate_rows(L, Vt, n, p, q, n, c, s)
         end(_converged(L, A, n, limit))
-        L.write_elements(L.args["o0"], g, n, lambda e: L.ld(A, L.idx(e, n, e)))
-        _store(L, "o1", g, n, n, lambda r, c, e: L.ld(Vt, e))
+        with L.loop(0, n) as dl:
+            L.st(D, dl.i, L.ld(A, L.idx(dl.i, n, dl.i)))
+        _sign_rows(L, Vt, n, n)
+        rank = L.rank(D, n)
+        L.write_elements(L.args["o0"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(D, i)))
+        _store(L, "o1", g, n, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Vt, L.idx(i, n, r))))
     return L.name, L.text()
 
 
@@ -222,7 +250,7 @@ def _converged(L: Lanes, A, n: int, limit):
 
 
 def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
-    """m >= n. o0 <- U (m x n, columns normalized), o1 <- s (n, unsorted), o2 <- V^T."""
+    """m >= n. o0 <- U (m x n), o1 <- s (n, descending), o2 <- V^T (n x n)."""
     L = Lanes(f"kiln_la_svd_{scalar}_{m}x{n}_w{width}", scalar, width)
     Ut, Vt, N, M = L.array(n * m), L.array(n * n), L.array(n), L.array(1)
     table, rounds, half = L.round_robin(n)
@@ -230,6 +258,7 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
         L.load_matrix(Ut, g, m, n, transpose=True)
+        L.magnitude(Ut, n, m, g)
         _identity(L, Vt, n)
         _count, end = L.sweep_loop(MAX_SWEEPS)
         with L.loop(0, n) as cl:  # exact squared column norms at each sweep's start
@@ -263,8 +292,10 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
                 e = L.idx(c, m, rl.i)
                 L.st(Ut, e, L.fmul(L.ld(Ut, e), inv))
             L.st(N, c, norm)
-        L.write_elements(L.args["o1"], g, n, lambda e: L.ld(N, e))
-        _store(L, "o0", g, m, n, lambda r, c, e: L.ld(Ut, L.idx(c, m, r)))
-        _store(L, "o2", g, n, n, lambda r, c, e: L.ld(Vt, e))
+        _sign_rows(L, Vt, n, n, also=(Ut, m))
+        rank = L.rank(N, n, descending=True)
+        L.write_elements(L.args["o1"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(N, i)))
+        _store(L, "o0", g, m, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Ut, L.idx(i, m, r))))
+        _store(L, "o2", g, n, n, lambda r, c, e: L.permuted(rank, n, r, lambda i: L.ld(Vt, L.idx(i, n, c))))
     return L.name, L.text()
 

@@ -12,8 +12,10 @@ group g is at (g*W + w) * size + e): W scalar loads gather one vector, so no tra
 copy of the batch is ever made; the working copies live in stack arrays of vectors
 (L1/L2-resident for n <= 64).
 
-Kernel ABI (every kernel): void f(ptr a, ptr o0, ptr o1, ptr o2, i64 lo, i64 hi) runs
-the groups [lo, hi); unused outputs are null. `Lanes` is the small builder the kernels
+Kernel ABI (every kernel): void f(ptr a, ptr o0, ptr o1, ptr o2, ptr o3, i64 lo, i64 hi)
+runs the groups [lo, hi); unused outputs are null; o3 receives each matrix's largest
+magnitude (the part the op reads), so the caller learns from B numbers, not B n^2,
+whether some matrix needs rescaling. `Lanes` is the small builder the kernels
 in linalg_kernels.py are written with (on top of ir_builder's text builder).
 """
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const, float_literal
 
-ABI_ARGS = ("a", "o0", "o1", "o2")
+ABI_ARGS = ("a", "o0", "o1", "o2", "o3")
 
 
 class LoopState:
@@ -306,6 +308,44 @@ class Lanes:
             with self.loop(blocks * W, size) as el:
                 self.scatter(ptr, group, size, el.i, get(el.i))
 
+    def magnitude(self, arr: V, rows: int, cols: int, group: V, lower: bool = False) -> None:
+        """o3 <- per matrix the largest |entry| of arr (rows x cols; its lower triangle
+        only if `lower`), NaN when an entry is NaN or infinite (x * 0 carries that)."""
+        with self.loop(0, rows, [self.k(0), self.k(0)]) as rl:
+            with self.loop(0, self.add(rl.i, 1) if lower else cols, rl.vals) as cl:
+                x = self.ld(arr, self.idx(rl.i, cols, cl.i))
+                big, bad = cl.vals
+                cl.next = [self.fmax(big, self.fabs(x)), self.f.fadd(bad, self.f.fmul(x, self.k(0)))]
+            rl.next = cl.vals
+        biggest = self.f.fadd(rl.vals[0], rl.vals[1])
+        self.write_elements(self.args["o3"], group, 1, lambda e: biggest)
+
+    def rank(self, values: V, n: int, descending: bool = False) -> V:
+        """A new array of n lanes: rank[i] = the position of values[i] in the stable
+        ascending (or descending) order of values[0..n), per lane, as a float."""
+        out = self.array(n)
+        strict, loose = ("ogt", "oge") if descending else ("olt", "ole")
+        with self.loop(0, n) as il:
+            vi = self.ld(values, il.i)
+            with self.loop(0, n, [self.k(0)]) as jl:
+                vj = self.ld(values, jl.i)
+                before = self.select(self.icmp("slt", jl.i, il.i), self.fcmp(loose, vj, vi), self.fcmp(strict, vj, vi))
+                jl.next = [self.f.fadd(jl.vals[0], self.select(before, self.k(1), self.k(0)))]
+            self.st(out, il.i, jl.vals[0])
+        return out
+
+    def permuted(self, rank: V, n: int, position, value_of) -> V:
+        """The lanes of value_of(i) for the i whose rank is `position` (i64), per lane:
+        a sum of selects over the n candidates (no lane-varying addresses needed)."""
+        target = self.f.cast("sitofp", position, self.t)
+        want = self.f.emit(f"insertelement {self.vt} poison, {self.t} {target.ref}, i32 0", self.vt)
+        want = self.f.emit(f"shufflevector {self.vt} {want.ref}, {self.vt} poison, <{self.W} x i32> "
+                           "zeroinitializer", self.vt)
+        with self.loop(0, n, [self.k(0)]) as il:
+            hit = self.fcmp("oeq", self.ld(rank, il.i), want)
+            il.next = [self.select(hit, value_of(il.i), il.vals[0])]
+        return il.vals[0]
+
     def rc(self, e: V, cols: int) -> tuple[V, V]:
         """(row, col) of flat index e in a row-major matrix of `cols` columns."""
         return self.f.bin("udiv", e, self.i(cols)), self.f.bin("urem", e, self.i(cols))
@@ -327,7 +367,7 @@ class Lanes:
         f.stmt("ret void")
         f.lines[1:1] = self.allocas
         header = (f"define void @{self.name}(ptr noalias %a, ptr noalias %o0, ptr noalias %o1, "
-                  f"ptr noalias %o2, i64 %lo, i64 %hi) #0")
+                  f"ptr noalias %o2, ptr noalias %o3, i64 %lo, i64 %hi) #0")
         self.module.functions.append(f.define(header))
         bits = self.W * self.bytes * 8
         width = max(128, bits)

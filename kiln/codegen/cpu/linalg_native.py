@@ -9,12 +9,13 @@ kernels: one of W lanes, W = the host's SIMD width over the dtype (AVX-512: 16 f
 are split over kiln's intra-op pool (kiln/codegen/cpu/compiled.py) when the work pays
 for the hand-off. The kernels read and write the row-major batch directly.
 
-What the kernels leave to numpy here, all O(batch * n^2): eigh's ascending order and
-svd's descending one (argsort + take_along_axis), the sign convention (each eigenvector
-and right singular vector has its largest-magnitude entry positive, the first such on
-ties, as the Metal kernels), scaling each matrix by a power of two when the batch holds
-values whose squares would overflow or underflow, and completing U for exactly zero
-singular values (a QR of the few matrices that have one).
+The kernels also sort (eigh ascending, svd descending), apply the sign convention (each
+eigenvector and right singular vector has its largest-magnitude entry positive, the
+first such on ties, as the Metal kernels) and report each matrix's largest magnitude.
+Left to numpy here, touching only the few matrices concerned: redoing a matrix whose
+squares would overflow or underflow, scaled by a power of two; NaN results for a matrix
+with a NaN or infinite entry; completing U for exactly zero singular values (a QR of
+the matrices that have one); the transposes of a wide (m < n) SVD.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import numpy as np
 
 from kiln.codegen.cpu import linalg_kernels as kernels
 
-_ABI = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_int64, ctypes.c_int64)
+_ABI = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_int64)
 _SCALAR = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 # below this many flops a launch stays on the calling thread (the pool's hand-off costs
 # 20-50 us on a loaded machine)
@@ -78,15 +78,17 @@ def _ptr(x) -> int | None:
     return None if x is None else x.ctypes.data
 
 
-def _launch(op: str, dims: tuple, a: np.ndarray, outs: list, flops_each: float) -> None:
-    """Run `op` over the batch a [B, ...] into the preallocated `outs` (each [B, ...])."""
+def _launch(op: str, dims: tuple, a: np.ndarray, outs: list, flops_each: float) -> np.ndarray:
+    """Run `op` over the batch a [B, ...] into the preallocated `outs` (each [B, ...]);
+    returns each matrix's largest magnitude (NaN: a NaN or infinite entry)."""
     from kiln.codegen.cpu.compiled import pool, split
     from kiln.runtime.threads import get_num_threads
 
     batch = a.shape[0]
     scalar = _SCALAR[a.dtype]
     width = lanes(a.dtype)
-    ptrs = [_ptr(a)] + [_ptr(o) for o in outs] + [None] * (3 - len(outs))
+    mag = np.empty(batch, a.dtype)
+    ptrs = [_ptr(a)] + [_ptr(o) for o in outs] + [None] * (3 - len(outs)) + [_ptr(mag)]
     groups = batch // width
     if groups:
         fn = _compiled(op, dims, scalar, width).fn
@@ -98,6 +100,7 @@ def _launch(op: str, dims: tuple, a: np.ndarray, outs: list, flops_each: float) 
             fn(*ptrs, 0, groups)
     if groups * width < batch:
         _compiled(op, dims, scalar, 1).fn(*ptrs, groups * width, batch)
+    return mag
 
 
 def supports(a_shape: tuple, dtype) -> bool:
@@ -114,18 +117,28 @@ def _batch(a: np.ndarray) -> np.ndarray:
 _SAFE_EXP = {np.dtype(np.float32): 40, np.dtype(np.float64): 400}
 
 
-def _scales(a: np.ndarray, even: bool = False) -> np.ndarray | None:
-    """Power-of-two factors bringing each matrix's largest entry near 1, or None when
-    every entry's square is representable as it is (the usual case: one max and min)."""
-    mag = np.abs(a).max(axis=(-2, -1))
-    limit = _SAFE_EXP[a.dtype]
-    finite = mag[np.isfinite(mag) & (mag > 0)]
-    if finite.size == 0 or (np.frexp(finite.max())[1] < limit and np.frexp(finite.min())[1] > -limit):
-        return None
-    _, e = np.frexp(np.where(np.isfinite(mag) & (mag > 0), mag, 1))
-    if even:
-        e = e + (e % 2)
-    return np.ldexp(np.ones_like(mag), -e).astype(a.dtype)
+def _run(op: str, dims: tuple, x: np.ndarray, outs: list, flops_each: float, unscale, even: bool = False):
+    """Launch, then redo the matrices whose squares would overflow or underflow scaled
+    by a power of two (4^k when `even`), `unscale(sub_outs, factors)` undoing it on the
+    results; matrices with a NaN or infinite entry get NaN results (as LAPACK's)."""
+    mag = _launch(op, dims, x, outs, flops_each)
+    _, e = np.frexp(mag)
+    limit = _SAFE_EXP[x.dtype]
+    redo = np.nonzero(np.isfinite(mag) & (mag > 0) & ((e > limit) | (e < -limit)))[0]
+    if redo.size:
+        e = e[redo] + (e[redo] % 2 if even else 0)
+        factor = np.ldexp(np.ones(redo.size, x.dtype), -e)
+        sub = [np.empty((redo.size,) + o.shape[1:], o.dtype) for o in outs]
+        _launch(op, dims, np.ascontiguousarray(x[redo] * factor[:, None, None]), sub, flops_each)
+        unscale(sub, factor)
+        for o, v in zip(outs, sub):
+            o[redo] = v
+    bad = ~np.isfinite(mag)
+    if bad.any():
+        for o in outs:
+            if o.dtype.kind == "f":
+                o[bad] = np.nan
+    return outs
 
 
 def cholesky(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -134,37 +147,28 @@ def cholesky(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     is then not a factor)."""
     x = _batch(a)
     n = x.shape[-1]
-    scale = _scales(x, even=True)
-    if scale is not None:
-        x = x * scale[:, None, None]
-    out, info = np.empty_like(x), np.empty(x.shape[0], np.int32)
-    _launch("cholesky", (n,), x, [out, info], n ** 3 / 3)
-    if scale is not None:
-        out /= np.sqrt(scale)[:, None, None]
+
+    def unscale(sub, factor):
+        sub[0] /= np.sqrt(factor)[:, None, None]
+
+    out, info = _run("cholesky", (n,), x, [np.empty_like(x), np.empty(x.shape[0], np.int32)], n ** 3 / 3,
+                     unscale, even=True)
     return out.reshape(a.shape), info.reshape(a.shape[:-2])
 
 
 def qr(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Reduced (Q, R) of a [..., m, n] (LAPACK's Householder convention)."""
     x = _batch(a)
-    m, n = x.shape[-2:]
+    b, (m, n) = x.shape[0], x.shape[-2:]
     k = min(m, n)
-    scale = _scales(x)
-    if scale is not None:
-        x = x * scale[:, None, None]
-    q, r = np.empty((x.shape[0], m, k), x.dtype), np.empty((x.shape[0], k, n), x.dtype)
-    _launch("qr", (m, n), x, [q, r], 2 * m * n * k)
-    if scale is not None:
-        r /= scale[:, None, None]
+
+    def unscale(sub, factor):
+        sub[1] /= factor[:, None, None]
+
+    q, r = _run("qr", (m, n), x, [np.empty((b, m, k), x.dtype), np.empty((b, k, n), x.dtype)], 2 * m * n * k,
+                unscale)
     lead = a.shape[:-2]
     return q.reshape(lead + (m, k)), r.reshape(lead + (k, n))
-
-
-def _sign_columns(v: np.ndarray) -> np.ndarray:
-    """+1/-1 per column of v [B, r, c]: the sign of its largest-|.| entry (first on ties)."""
-    pick = np.abs(v).argmax(axis=-2)[:, None, :]
-    s = np.sign(np.take_along_axis(v, pick, axis=-2))[:, 0, :]
-    return np.where(s == 0, 1, s).astype(v.dtype)
 
 
 def eigh(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -172,18 +176,12 @@ def eigh(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     matrices whose lower triangles a holds."""
     x = _batch(a)
     b, n = x.shape[0], x.shape[-1]
-    scale = _scales(x)
-    if scale is not None:
-        x = x * scale[:, None, None]
-    w, vt = np.empty((b, n), x.dtype), np.empty((b, n, n), x.dtype)
-    _launch("eigh", (n,), x, [w, vt], 8 * n ** 3)
-    if scale is not None:
-        w /= scale[:, None]
-    order = np.argsort(w, axis=-1, kind="stable")
-    w = np.take_along_axis(w, order, axis=-1)
-    v = np.take_along_axis(vt, order[:, :, None], axis=1).transpose(0, 2, 1)
-    v = v * _sign_columns(v)[:, None, :]
-    return w.reshape(a.shape[:-1]), np.ascontiguousarray(v).reshape(a.shape)
+
+    def unscale(sub, factor):
+        sub[0] /= factor[:, None]
+
+    w, v = _run("eigh", (n,), x, [np.empty((b, n), x.dtype), np.empty((b, n, n), x.dtype)], 8 * n ** 3, unscale)
+    return w.reshape(a.shape[:-1]), v.reshape(a.shape)
 
 
 def svd(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -196,25 +194,27 @@ def svd(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x.transpose(0, 2, 1))
         m, n = n, m
     b = x.shape[0]
-    scale = _scales(x)
-    if scale is not None:
-        x = x * scale[:, None, None]
-    u, s, vh = np.empty((b, m, n), x.dtype), np.empty((b, n), x.dtype), np.empty((b, n, n), x.dtype)
-    _launch("svd", (m, n), x, [u, s, vh], 10 * m * n * n)
-    if scale is not None:
-        s /= scale[:, None]
-    order = np.argsort(-s, axis=-1, kind="stable")
-    s = np.take_along_axis(s, order, axis=-1)
-    u = np.take_along_axis(u, order[:, None, :], axis=2)
-    v = np.take_along_axis(vh, order[:, :, None], axis=1).transpose(0, 2, 1)  # columns
+
+    def unscale(sub, factor):
+        sub[1] /= factor[:, None]
+
+    u, s, vh = _run("svd", (m, n), x, [np.empty((b, m, n), x.dtype), np.empty((b, n), x.dtype),
+                                       np.empty((b, n, n), x.dtype)], 10 * m * n * n, unscale)
     u = _complete(u, s)
-    if wide:
-        u, v = v, u
-    sign = _sign_columns(v)
-    u, vh = u * sign[:, None, :], (v * sign[:, None, :]).transpose(0, 2, 1)
+    if wide:  # u, vh of a^T: a's are vh^T, u^T; its sign convention is on the rows of vh
+        v, u = u, vh.transpose(0, 2, 1)
+        sign = _sign_columns(v)
+        u, vh = u * sign[:, None, :], (v * sign[:, None, :]).transpose(0, 2, 1)
     lead, k = a.shape[:-2], min(a.shape[-2:])
     return (np.ascontiguousarray(u).reshape(lead + (a.shape[-2], k)), s.reshape(lead + (k,)),
             np.ascontiguousarray(vh).reshape(lead + (k, a.shape[-1])))
+
+
+def _sign_columns(v: np.ndarray) -> np.ndarray:
+    """+1/-1 per column of v [B, r, c]: the sign of its largest-|.| entry (first on ties)."""
+    pick = np.abs(v).argmax(axis=-2)[:, None, :]
+    s = np.sign(np.take_along_axis(v, pick, axis=-2))[:, 0, :]
+    return np.where(s == 0, 1, s).astype(v.dtype)
 
 
 def _complete(u: np.ndarray, s: np.ndarray) -> np.ndarray:
