@@ -398,6 +398,11 @@ def _evaluate(b, expr, memo: dict):
             for _ in range(abs(k) - 1):
                 power = b.mul(power, acc)
             out = (b.div(b.full(1.0, dt.float64), power), False) if k < 0 else (power, base[1])
+    elif isinstance(expr, sympy.Pow) and expr.exp.is_Number and expr.exp.is_real:
+        base = _evaluate(b, expr.base, memo)  # `C ** -0.5`: a float power
+        if base is not None:
+            out = b.call("pow", b.convert(base[0], dt.float64),
+                         b.full(float(expr.exp), dt.float64)), False
     elif isinstance(expr, (sympy.floor, sympy.Mod)):
         args = [_evaluate(b, a, memo) for a in (expr.args if isinstance(expr, sympy.Mod)
                                                else sympy.fraction(sympy.together(expr.args[0])))]

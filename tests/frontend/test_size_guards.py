@@ -114,12 +114,13 @@ def test_a_size_as_a_tensor_value_is_computed_in_the_graph():
     def f(x, i):
         n = x.shape[0]
         mean = x.sum(0) / n  # torch code: a SymInt as a weak Python number
-        return mean * 2 + n - (n // 2) + x[0] * (n % 3) + 1.0 / n + n ** 2, i + n, i * (n / 4)
+        return (mean * 2 + n - (n // 2) + x[0] * (n % 3) + 1.0 / n + n ** 2 + x[1] * n ** -0.5,
+                i + n, i * (n / 4))
 
     def ref(x, i):
         n = x.shape[0]
-        return (x.sum(0) / n * 2 + n - n // 2 + x[0] * (n % 3) + 1.0 / n + n ** 2, i + n,
-                i * (n / 4))
+        return (x.sum(0) / n * 2 + n - n // 2 + x[0] * (n % 3) + 1.0 / n + n ** 2 + x[1] * n ** -0.5,
+                i + n, i * (n / 4))
 
     cf = kn.compile(f, dynamic_shapes={"x": TensorSpec([N, 3]), "i": None})
     for n in (3, 7, 12):
