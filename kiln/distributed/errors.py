@@ -327,6 +327,14 @@ class NcclUnavailable(RendezvousError):
                          "libnccl.so.2 >= 2.29; on CPUs use backend='tcp' or 'mpi'")
 
 
+class NcclWindowUnsupported(DistributedError):
+    """An RMA window operation NCCL cannot do: `get` and `accumulate` (NCCL has only
+    put-with-signal), or a signal slot other than 0 (NCCL windows have one counter)."""
+
+    code = "K253"
+    title = "window operation not available on nccl"
+
+
 class SymmetricMemoryError(DistributedError, ValueError):
     """`symmetric_memory` cannot be made or used as asked: a shape or dtype that is not a
     plain buffer, a rank that cannot map rank 0's segment (ranks on different hosts),

@@ -61,7 +61,10 @@ REQUIRED_SYMBOLS = (
     "ncclCommGetUniqueId", "ncclCommRevoke", "ncclCommAbort", "ncclCommDestroy",
     "ncclCommFinalize", "ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
     "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
+    "ncclCommWindowRegister", "ncclCommWindowDeregister", "ncclPutSignal", "ncclSignal",
+    "ncclWaitSignal", "ncclMemAlloc", "ncclMemFree",
 )
+WIN_COLL_SYMMETRIC = 0x01  # NCCL_WIN_COLL_SYMMETRIC: every rank registers, collectively
 MIN_VERSION = 22900  # ncclCommGrow and ncclCommGetUniqueId arrived in 2.29.0
 
 
@@ -179,6 +182,44 @@ class NcclApi(abc.ABC):
     @abc.abstractmethod
     def recv(self, buf: int, count: int, dtype: int, peer: int, comm: int,
              stream: int) -> int: ...
+
+    # -- one-sided (NCCL 2.27 windows, 2.29 put/signal); offsets are in bytes ------------
+    @abc.abstractmethod
+    def comm_window_register(self, comm: int, buf: int, nbytes: int,
+                             flags: int) -> tuple[int, int]:
+        """ncclCommWindowRegister (collective over the comm; a nonblocking comm may
+        return IN_PROGRESS: poll comm_get_async_error): (result, window handle)."""
+
+    @abc.abstractmethod
+    def comm_window_deregister(self, comm: int, win: int) -> int: ...
+
+    @abc.abstractmethod
+    def put_signal(self, send: int, count: int, dtype: int, peer: int, win: int,
+                   offset: int, sig: int, ctx: int, comm: int, stream: int) -> int:
+        """ncclPutSignal: write `count` elements at byte `offset` of `peer`'s part of
+        window `win`, then add 1 to `peer`'s signal `sig` from this rank."""
+
+    @abc.abstractmethod
+    def signal(self, peer: int, sig: int, ctx: int, comm: int, stream: int) -> int:
+        """ncclSignal: add 1 to `peer`'s signal `sig` from this rank (after this rank's
+        earlier puts to `peer` on context `ctx`)."""
+
+    @abc.abstractmethod
+    def wait_signal(self, descs: list[tuple[int, int, int, int]], comm: int,
+                    stream: int) -> int:
+        """ncclWaitSignal: the stream waits until, for each (op_count, peer, sig, ctx),
+        `op_count` more signals arrived from `peer`, and consumes them."""
+
+    @abc.abstractmethod
+    def mem_alloc(self, nbytes: int) -> int:
+        """ncclMemAlloc: device memory NCCL can register in a window (0 on failure)."""
+
+    @abc.abstractmethod
+    def mem_free(self, addr: int) -> None: ...
+
+    @abc.abstractmethod
+    def copy_to_host(self, addr: int, nbytes: int) -> bytes:
+        """The bytes at `addr` (device memory from mem_alloc) as the host sees them now."""
 
     @abc.abstractmethod
     def group_start(self) -> int: ...

@@ -48,6 +48,7 @@ class NcclBackend(Backend):
         self.rank, self.world_size = comm.rank, comm.size
         self.groups, self.key, self.epoch = groups, key, epoch  # see nccl_groups
         self._scratch = np.zeros(1, np.int32)
+        self._rma_engine = None  # NcclRma, made by the first pg.window
 
     @classmethod
     def rendezvous(cls, store, prefix: str, rank: int, world_size: int, token: str,
@@ -194,10 +195,40 @@ class NcclBackend(Backend):
 
         threading.Thread(target=complete, name="kiln-nccl-p2p", daemon=True).start()
 
+    # -- RMA windows: NCCL registered windows, put/signal (kiln.distributed.nccl_window) ----
+    def _rma(self):
+        if self._rma_engine is None:
+            from kiln.distributed.nccl_window import NcclRma
+            self._rma_engine = NcclRma(self)
+        return self._rma_engine
+
+    def window_register(self, memory) -> None:
+        self._rma().register(memory)
+
+    def window_unregister(self, window_id: int, error: BaseException) -> None:
+        self._rma().unregister(window_id, error)
+
+    def window_put(self, window_id: int, dst: int, offset: int, data: np.ndarray,
+                   done) -> None:
+        self._rma().put(window_id, dst, offset, data, done)
+
+    def window_signal(self, window_id: int, dst: int, slot: int, value: int, done) -> None:
+        self._rma().signal(window_id, dst, slot, value, done)
+
+    def window_get(self, window_id: int, src: int, offset: int, out: np.ndarray,
+                   done) -> None:
+        self._rma().unsupported("get", done)
+
+    def window_accumulate(self, window_id: int, dst: int, offset: int, data: np.ndarray,
+                          reduce_op: str, done) -> None:
+        self._rma().unsupported("accumulate", done)
+
     # -- lifetime -----------------------------------------------------------------------------
     def abort(self, error: BaseException) -> None:
         """Stop the communicator's work: revoked, not freed, so that the group's next
         epoch can shrink it (nccl_groups); freed when nothing will."""
+        if self._rma_engine is not None:
+            self._rma_engine.fail(error)
         self.comm.stop()
         if self.groups is None or not self.groups.retains(self):
             self.comm.free()
@@ -205,5 +236,9 @@ class NcclBackend(Backend):
     def close(self) -> None:
         """Leave the group: the communicator is kept while it may be the parent of the
         group's next epoch (its NcclGroups frees it then, or on release), freed otherwise."""
+        if self._rma_engine is not None:
+            from kiln.distributed.errors import GroupAborted
+            self._rma_engine.fail(GroupAborted("the nccl backend of rank %d was closed"
+                                               % self.rank))
         if self.groups is None or not self.groups.retains(self):
             self.comm.free()

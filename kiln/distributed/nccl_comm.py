@@ -17,6 +17,7 @@ business (kiln's store-agreed epochs); `free` releases a communicator for good.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from kiln.distributed import nccl_api as api
@@ -77,6 +78,7 @@ class NcclComm:
         self.aborted = False  # freed (ncclCommAbort/Destroy): the handle is gone
         self.revoked = False  # ncclCommRevoke: no more work, still a valid parent
         self.ready = False  # its (nonblocking) creation completed
+        self.lock = threading.RLock()  # serializes the calls that enqueue work
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -106,7 +108,8 @@ class NcclComm:
             if time.monotonic() >= deadline:
                 how = self.stop()
                 raise CollectiveTimeout("NCCL %s on rank %d was still in progress at its "
-                                        "deadline; the communicator was %s" % (call, self.rank, how))
+                                        "deadline; the communicator was %s"
+                                        % (call, self.rank, how))
             step = _sleep(step)
 
     def _parent(self, call: str) -> None:
@@ -243,11 +246,16 @@ class NcclComm:
         self.api.comm_destroy(self.handle)
 
     # -- collectives --------------------------------------------------------------------------
-    def _enqueue(self, call: str, res: int, stream: int) -> NcclWork:
-        if res not in (api.SUCCESS, api.IN_PROGRESS):
-            self._fail(call, res)
-        return NcclWork(self, call, self.api.event_record(stream),
-                        time.monotonic() + self.timeout)
+    def _enqueue(self, call: str, issue, stream: int) -> NcclWork:
+        """Run `issue()` (one NCCL call on the stream) and record its event, under the
+        communicator's lock: NCCL calls on one communicator must not run concurrently
+        (the group's progress thread and the RMA thread both issue them)."""
+        with self.lock:
+            res = issue() if callable(issue) else issue
+            if res not in (api.SUCCESS, api.IN_PROGRESS):
+                self._fail(call, res)
+            event = self.api.event_record(stream)
+        return NcclWork(self, call, event, time.monotonic() + self.timeout)
 
     def _dt(self, call: str, dtype) -> int:
         code = api.nccl_dtype(dtype)
@@ -267,40 +275,48 @@ class NcclComm:
                    stream: int = 0) -> NcclWork:
         """ncclAllReduce of `count` elements (send may equal recv: in place)."""
         c = "ncclAllReduce"
-        return self._enqueue(c, self.api.all_reduce(send, recv, count, self._dt(c, dtype),
-                                                    self._op(c, op), self.handle, stream), stream)
+        dt, rop, h = self._dt(c, dtype), self._op(c, op), self.handle
+        return self._enqueue(c, lambda: self.api.all_reduce(send, recv, count, dt, rop, h,
+                                                            stream), stream)
 
     def broadcast(self, send: int, recv: int, count: int, dtype, root: int,
                   stream: int = 0) -> NcclWork:
         c = "ncclBroadcast"
-        return self._enqueue(c, self.api.broadcast(send, recv, count, self._dt(c, dtype), root,
-                                                   self.handle, stream), stream)
+        dt, h = self._dt(c, dtype), self.handle
+        return self._enqueue(c, lambda: self.api.broadcast(send, recv, count, dt, root, h,
+                                                           stream), stream)
 
     def reduce(self, send: int, recv: int, count: int, dtype, op: str, root: int,
                stream: int = 0) -> NcclWork:
         c = "ncclReduce"
-        return self._enqueue(c, self.api.reduce(send, recv, count, self._dt(c, dtype),
-                                                self._op(c, op), root, self.handle, stream), stream)
+        dt, rop, h = self._dt(c, dtype), self._op(c, op), self.handle
+        return self._enqueue(c, lambda: self.api.reduce(send, recv, count, dt, rop, root, h,
+                                                        stream), stream)
 
     def all_gather(self, send: int, recv: int, send_count: int, dtype,
                    stream: int = 0) -> NcclWork:
         """recv holds `size` slots of send_count elements, in rank order."""
         c = "ncclAllGather"
-        return self._enqueue(c, self.api.all_gather(send, recv, send_count, self._dt(c, dtype),
-                                                    self.handle, stream), stream)
+        dt, h = self._dt(c, dtype), self.handle
+        return self._enqueue(c, lambda: self.api.all_gather(send, recv, send_count, dt, h,
+                                                            stream), stream)
 
     def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype, op: str = "sum",
                        stream: int = 0) -> NcclWork:
         c = "ncclReduceScatter"
-        return self._enqueue(c, self.api.reduce_scatter(
-            send, recv, recv_count, self._dt(c, dtype), self._op(c, op), self.handle, stream),
-            stream)
+        dt, rop, h = self._dt(c, dtype), self._op(c, op), self.handle
+        return self._enqueue(c, lambda: self.api.reduce_scatter(send, recv, recv_count, dt,
+                                                                rop, h, stream), stream)
 
     def send_recv(self, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
                   dtype, stream: int = 0) -> NcclWork:
         """One group of ncclSend (buf, count, peer) and ncclRecv (buf, count, peer) calls
         (all_to_all and p2p are built from this)."""
         dt = self._dt("ncclSend/ncclRecv", dtype)
+        with self.lock:
+            return self._group(sends, recvs, dt, stream)
+
+    def _group(self, sends, recvs, dt: int, stream: int) -> NcclWork:
         res = self.api.group_start()
         if res != api.SUCCESS:
             self._fail("ncclGroupStart", res)
@@ -315,3 +331,36 @@ class NcclComm:
                 self.api.group_end()
                 self._fail("ncclRecv", res)
         return self._enqueue("ncclGroupEnd", self.api.group_end(), stream)
+
+    # -- one-sided ------------------------------------------------------------------------------
+    def register_window(self, buf: int, nbytes: int) -> int:
+        """ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC), collective, polled to
+        completion within the timeout: the window handle."""
+        c = "ncclCommWindowRegister"
+        if self.aborted or self.revoked:
+            self.check_async(c)
+        res, win = self.api.comm_window_register(self.handle, buf, nbytes,
+                                                 api.WIN_COLL_SYMMETRIC)
+        self._settle(c, res, time.monotonic() + self.timeout)
+        return win
+
+    def deregister_window(self, win: int) -> None:
+        """ncclCommWindowDeregister; never raises (it runs when a window is freed)."""
+        if not self.aborted and win:
+            self.api.comm_window_deregister(self.handle, win)
+
+    def put_signal(self, send: int, nbytes: int, peer: int, win: int, offset: int,
+                   stream: int = 0) -> NcclWork:
+        """ncclPutSignal of `nbytes` bytes to byte `offset` of `peer`'s window part, then
+        one signal (index 0, context 0) to `peer`."""
+        c = "ncclPutSignal"
+        u8, h = api.DTYPES["uint8"], self.handle
+        return self._enqueue(c, lambda: self.api.put_signal(send, nbytes, u8, peer, win, offset,
+                                                            0, 0, h, stream), stream)
+
+    def wait_signal(self, counts: dict[int, int], stream: int = 0) -> NcclWork:
+        """ncclWaitSignal: the stream waits for counts[peer] more signals from each peer."""
+        c = "ncclWaitSignal"
+        descs = [(n, peer, 0, 0) for peer, n in sorted(counts.items()) if n > 0]
+        h = self.handle
+        return self._enqueue(c, lambda: self.api.wait_signal(descs, h, stream), stream)

@@ -47,6 +47,13 @@ class Config(ctypes.Structure):
             "hostCftMode", "nvlsHostMode")]
 
 
+class WaitSignalDesc(ctypes.Structure):
+    """ncclWaitSignalDesc_t (2.29): wait for `opCnt` signals `sigIdx` from `peer`."""
+
+    _fields_ = [("opCnt", ctypes.c_int), ("peer", ctypes.c_int), ("sigIdx", ctypes.c_int),
+                ("ctx", ctypes.c_int)]
+
+
 def make_config(blocking: bool) -> Config:
     """NCCL_CONFIG_INITIALIZER with `blocking` set."""
     cfg = Config()
@@ -245,6 +252,51 @@ class LibNccl(api.NcclApi):
         return self.lib.ncclRecv(ctypes.c_void_p(buf), ctypes.c_size_t(count),
                                  ctypes.c_int(dtype), ctypes.c_int(peer),
                                  ctypes.c_void_p(comm), ctypes.c_void_p(stream))
+
+    # -- one-sided ---------------------------------------------------------------------------
+    def comm_window_register(self, comm, buf, nbytes, flags):
+        win = ctypes.c_void_p()
+        res = self.lib.ncclCommWindowRegister(ctypes.c_void_p(comm), ctypes.c_void_p(buf),
+                                              ctypes.c_size_t(nbytes), ctypes.byref(win),
+                                              ctypes.c_int(flags))
+        return res, win.value or 0
+
+    def comm_window_deregister(self, comm, win):
+        return self.lib.ncclCommWindowDeregister(ctypes.c_void_p(comm), ctypes.c_void_p(win))
+
+    def put_signal(self, send, count, dtype, peer, win, offset, sig, ctx, comm, stream):
+        return self.lib.ncclPutSignal(ctypes.c_void_p(send), ctypes.c_size_t(count),
+                                      ctypes.c_int(dtype), ctypes.c_int(peer),
+                                      ctypes.c_void_p(win), ctypes.c_size_t(offset),
+                                      ctypes.c_int(sig), ctypes.c_int(ctx), ctypes.c_uint(0),
+                                      ctypes.c_void_p(comm), ctypes.c_void_p(stream))
+
+    def signal(self, peer, sig, ctx, comm, stream):
+        return self.lib.ncclSignal(ctypes.c_int(peer), ctypes.c_int(sig), ctypes.c_int(ctx),
+                                   ctypes.c_uint(0), ctypes.c_void_p(comm),
+                                   ctypes.c_void_p(stream))
+
+    def wait_signal(self, descs, comm, stream):
+        arr = (WaitSignalDesc * max(len(descs), 1))(*[WaitSignalDesc(*d) for d in descs])
+        return self.lib.ncclWaitSignal(ctypes.c_int(len(descs)), arr, ctypes.c_void_p(comm),
+                                       ctypes.c_void_p(stream))
+
+    def mem_alloc(self, nbytes):
+        ptr = ctypes.c_void_p()
+        res = self.lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        return (ptr.value or 0) if res == api.SUCCESS else 0
+
+    def mem_free(self, addr):
+        self.lib.ncclMemFree(ctypes.c_void_p(addr))
+
+    def copy_to_host(self, addr, nbytes):
+        rt = self._rt()
+        out = ctypes.create_string_buffer(nbytes)
+        (err,) = rt.cudaMemcpy(ctypes.addressof(out), addr, nbytes,
+                               rt.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+        if int(err) != 0:
+            raise NcclUnavailable("cudaMemcpy (device to host) failed: %s" % err)
+        return out.raw
 
     def group_start(self):
         return self.lib.ncclGroupStart()

@@ -61,6 +61,9 @@ class Clique:
         self.pending_recv: dict[tuple[int, int], list[Op]] = {}
         self.mgmt: dict[tuple, dict[int, tuple]] = {}  # management round -> rank -> args
         self.grow_uid: bytes | None = None
+        # the n-th window registered on the clique -> rank -> (address, bytes)
+        self.windows: dict[int, dict[int, tuple[int, int]]] = {}
+        self.signals: dict[tuple[int, int, int], int] = {}  # (target, origin, sig) -> arrived
 
 
 class Comm:
@@ -71,6 +74,8 @@ class Comm:
         self.revoked = self.aborted = False
         self.error = api.SUCCESS
         self.ops: list[Op] = []
+        self.nwin = 0  # windows registered on this comm
+        self.win_pending: set[int] = set()  # registrations not every rank made yet
 
 
 class FakeWorld:
@@ -83,6 +88,8 @@ class FakeWorld:
         self.by_uid: dict[bytes, Clique] = {}
         self._ids = itertools.count(1)
         self.events: dict[int, list[Op]] = {}
+        self.wins: dict[int, tuple[Clique, int]] = {}  # window handle -> (clique, n-th)
+        self.memory: dict[int, np.ndarray] = {}  # mem_alloc'd "device" buffers
 
     def kill(self, comm_handle: int) -> None:
         """The process owning `comm_handle` dies: its rank is dead in its clique."""
@@ -152,7 +159,9 @@ class FakeNccl(api.NcclApi):
             if c.clique.dead and any(not op.done for op in c.ops):
                 c.error = api.REMOTE_ERROR
                 return api.SUCCESS, c.error
-            return api.SUCCESS, api.SUCCESS
+            full = c.clique.nranks
+            c.win_pending = {k for k in c.win_pending if len(c.clique.windows[k]) < full}
+            return api.SUCCESS, api.IN_PROGRESS if c.win_pending else api.SUCCESS
 
     def comm_split(self, comm, color, key, blocking):
         self.log.append("ncclCommSplit")
@@ -349,6 +358,90 @@ class FakeNccl(api.NcclApi):
     def recv(self, buf, count, dtype, peer, comm, stream):
         return self._post(comm, "ncclRecv", buf=buf, count=count, dtype=dtype, peer=peer)
 
+    # -- one-sided: a window is every rank's (addr, bytes); puts land at once -------------
+    def comm_window_register(self, comm, buf, nbytes, flags):
+        self.log.append("ncclCommWindowRegister")
+        with self.world.lock:
+            c = self.world.comms[comm]
+            if c.revoked or c.aborted or not c.ready:
+                return api.INVALID_USAGE, 0
+            key, c.nwin = c.nwin, c.nwin + 1
+            c.clique.windows.setdefault(key, {})[c.rank] = (buf, nbytes)
+            c.win_pending.add(key)
+            handle = next(self.world._ids)
+            self.world.wins[handle] = (c.clique, key)
+        return api.IN_PROGRESS, handle
+
+    def comm_window_deregister(self, comm, win):
+        self.log.append("ncclCommWindowDeregister")
+        with self.world.lock:
+            return api.SUCCESS if self.world.wins.pop(win, None) else api.INVALID_ARGUMENT
+
+    def _signal_op(self, comm: int, kind: str, peer: int, sig: int, data=None) -> int:
+        with self.world.lock:
+            c = self.world.comms[comm]
+            if c.revoked or c.aborted or not c.ready:
+                return api.INVALID_USAGE
+            if not 0 <= peer < c.clique.nranks:
+                return api.INVALID_ARGUMENT
+            if peer in c.clique.dead:
+                c.error = api.REMOTE_ERROR
+                return api.REMOTE_ERROR
+            if data is not None:
+                send, nbytes, win, offset = data
+                place = self.world.wins.get(win)
+                target = place[0].windows[place[1]].get(peer) if place else None
+                if target is None or offset + nbytes > target[1]:
+                    return api.INVALID_ARGUMENT
+                ctypes.memmove(target[0] + offset, send, nbytes)
+            key = (peer, c.rank, sig)
+            c.clique.signals[key] = c.clique.signals.get(key, 0) + 1
+            op = Op(kind, c.rank, peer=peer)
+            op.done = True
+            self.pending.append(op)
+        return api.SUCCESS
+
+    def put_signal(self, send, count, dtype, peer, win, offset, sig, ctx, comm, stream):
+        self.log.append("ncclPutSignal")
+        return self._signal_op(comm, "ncclPutSignal", peer, sig,
+                               (send, count * _DT[dtype].itemsize, win, offset))
+
+    def signal(self, peer, sig, ctx, comm, stream):
+        self.log.append("ncclSignal")
+        return self._signal_op(comm, "ncclSignal", peer, sig)
+
+    def wait_signal(self, descs, comm, stream):
+        self.log.append("ncclWaitSignal")
+        with self.world.lock:
+            c = self.world.comms[comm]
+            if c.revoked or c.aborted or not c.ready:
+                return api.INVALID_USAGE
+            op = Op("ncclWaitSignal", c.rank, descs=list(descs))
+            op.signals, op.me = c.clique.signals, c.rank
+            c.ops.append(op)
+            self.pending.append(op)
+        return api.SUCCESS
+
+    @staticmethod
+    def _try_wait(op: Op) -> None:
+        """A pending ncclWaitSignal completes (consuming) once every count arrived."""
+        keys = [((op.me, peer, sig), cnt) for cnt, peer, sig, _ in op.args["descs"]]
+        if all(op.signals.get(k, 0) >= cnt for k, cnt in keys):
+            for k, cnt in keys:
+                op.signals[k] -= cnt
+            op.done = True
+
+    def mem_alloc(self, nbytes):
+        arr = np.zeros(max(nbytes, 1), np.uint8)
+        self.world.memory[arr.ctypes.data] = arr
+        return arr.ctypes.data
+
+    def mem_free(self, addr):
+        self.world.memory.pop(addr, None)
+
+    def copy_to_host(self, addr, nbytes):
+        return ctypes.string_at(addr, nbytes)
+
     def group_start(self):
         self.log.append("ncclGroupStart")
         return api.SUCCESS
@@ -367,6 +460,9 @@ class FakeNccl(api.NcclApi):
 
     def event_query(self, event):
         with self.world.lock:
+            for op in self.world.events[event]:
+                if not op.done and op.kind == "ncclWaitSignal":
+                    self._try_wait(op)
             return all(op.done for op in self.world.events[event])
 
     def event_destroy(self, event):

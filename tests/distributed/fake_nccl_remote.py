@@ -286,6 +286,31 @@ class RemoteNccl(api.NcclApi):
     def recv(self, buf, count, dtype, peer, comm, stream):
         return self._buffered("recv", buf, count, dtype, peer, comm, stream)
 
+    # windows are simulated in one process only (tests/distributed/test_nccl_window.py)
+    def comm_window_register(self, comm, buf, nbytes, flags):
+        return api.INVALID_USAGE, 0
+
+    def comm_window_deregister(self, comm, win):
+        return api.INVALID_USAGE
+
+    def put_signal(self, send, count, dtype, peer, win, offset, sig, ctx, comm, stream):
+        return api.INVALID_USAGE
+
+    def signal(self, peer, sig, ctx, comm, stream):
+        return api.INVALID_USAGE
+
+    def wait_signal(self, descs, comm, stream):
+        return api.INVALID_USAGE
+
+    def mem_alloc(self, nbytes):
+        return 0
+
+    def mem_free(self, addr):
+        return None
+
+    def copy_to_host(self, addr, nbytes):
+        raise NotImplementedError("the cross-process fake NCCL has no device memory")
+
     def group_start(self):
         return self._rpc("group_start")
 
