@@ -44,6 +44,10 @@ def mesh_2d(rank, world, addr, args):
            "dp_tp": ex.mesh_2d_losses(mesh, steps),
            "fsdp_tp": ex.mesh_2d_losses(mesh, steps, fsdp=True)}
     out["single"] = ex.mesh_2d_losses(None, steps) if rank == 0 else None
+    # a sub-mesh by name: each dp row runs the tensor-parallel MLP over its own tp pair
+    got, want = ex.tensor_parallel_mlp(mesh["tp"])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    out["tp_group"] = mesh["tp"].get_group().name
     return out
 
 

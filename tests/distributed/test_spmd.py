@@ -197,6 +197,8 @@ def test_dp_x_tp_and_fsdp_x_tp_on_a_2x2_mesh(tmp_path):
     for d in data:  # every rank of both layouts sees the single-process loss curve
         np.testing.assert_allclose(d["dp_tp"], single, rtol=2e-4)
         np.testing.assert_allclose(d["fsdp_tp"], single, rtol=2e-4)
+    # the TP MLP on mesh["tp"] ran over two distinct pairs (one per dp row)
+    assert len({d["tp_group"] for d in data}) == 2
 
 
 def test_2d_training_on_a_one_rank_mesh_matches_one_process():
