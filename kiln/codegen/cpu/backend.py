@@ -212,19 +212,64 @@ class CpuBackend(Backend):
         return self._wrap(plans, jit.Jitted(mod, opt_level=self.options.opt_level))
 
     def build(self, kernels: Sequence[AnyKernel]) -> list[CompiledKernel]:
-        """Compile legalized kernels into ONE LLVM module: one optimize and one JIT for all."""
+        """Compile legalized kernels into ONE LLVM module: one optimize and one JIT for all
+        (a kernel identical to another but for its name is compiled once, `_distinct`)."""
+        unique, index = _distinct(kernels)
         taken: set = set()
-        return self._compile_plans([self._plan(k, taken) for k in kernels])
+        return _renamed(kernels, index, self._compile_plans([self._plan(k, taken) for k in unique]))
 
     # -- object code cache hooks ------------------------------------------------------
     def build_object_code(self, kernels: Sequence[AnyKernel]) -> bytes:
         """Relocatable machine code of `kernels` compiled together (cache by content)."""
         taken: set = set()
-        plans = [self._plan(k, taken) for k in kernels]
+        plans = [self._plan(k, taken) for k in _distinct(kernels)[0]]
         return jit.object_code(self._optimized(self._module_text(plans)), self.options.opt_level)
 
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list[CompiledKernel]:
         """CompiledKernels from bytes made by `object_code(kernels)` with these options."""
+        unique, index = _distinct(kernels)
         taken: set = set()
-        plans = [self._plan(k, taken) for k in kernels]
-        return self._wrap(plans, jit.Jitted(objects=(blob,), opt_level=self.options.opt_level))
+        plans = [self._plan(k, taken) for k in unique]
+        return _renamed(kernels, index, self._wrap(plans, jit.Jitted(objects=(blob,),
+                                                                     opt_level=self.options.opt_level)))
+
+
+def _distinct(kernels: Sequence[AnyKernel]) -> tuple[list, list[int]]:
+    """(the kernels that differ in more than their name, each kernel's index among them).
+    A model's repeated layers lower to identical kernels: compile each once."""
+    import dataclasses
+
+    from kiln.codegen.kernel_ir import kernel_fingerprint
+
+    def anonymous(k):
+        if isinstance(k, BatchKernel):
+            members = tuple(dataclasses.replace(m, name=f"m{i}") for i, m in enumerate(k.members))
+            return dataclasses.replace(k, name="k", members=members)
+        return dataclasses.replace(k, name="k")
+
+    first: dict[str, int] = {}
+    unique, index = [], []
+    for k in kernels:
+        key = kernel_fingerprint(anonymous(k))
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(k)
+        index.append(first[key])
+    return unique, index
+
+
+def _renamed(kernels, index: list[int], compiled: list[CompiledKernel]) -> list[CompiledKernel]:
+    """One CompiledKernel per kernel: a duplicate shares its twin's code (and its argument
+    buffers and lock, as calls of one kernel do) under its own name."""
+    import copy
+    import dataclasses
+
+    out = []
+    for k, i in zip(kernels, index):
+        c = compiled[i]
+        if c.name != k.name:
+            c = copy.copy(c)
+            c.kernel = dataclasses.replace(c.kernel, name=k.name)
+            c.name = k.name
+        out.append(c)
+    return out
