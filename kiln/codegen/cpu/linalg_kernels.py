@@ -103,16 +103,17 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     """o0 <- Q (m x k), o1 <- R (k x n), k = min(m, n)."""
     k = min(m, n)
     L = Lanes(f"kiln_la_qr_{scalar}_{m}x{n}_w{width}", scalar, width)
-    A, T, Q = L.array(m * n), L.array(k), L.array(m * k)
+    na, nq = n + 1, k + 1  # padded row strides (see Lanes.load_matrix)
+    A, T, Q = L.array(m * na), L.array(k), L.array(m * nq)
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
-        L.load_matrix(A, g, m, n)
-        L.magnitude(A, m, n, g)
+        L.load_matrix(A, g, m, n, stride=na)
+        L.magnitude(A, m, n, g, stride=na)
         with L.loop(0, k) as jl:
             j = jl.i
-            jj = L.idx(j, n, j)
+            jj = L.idx(j, na, j)
             alpha = L.ld(A, jj)
-            xn2 = _sum(L, L.add(j, 1), m, L.k(0), lambda i: L.fmul(x := L.ld(A, L.idx(i, n, j)), x))
+            xn2 = _sum(L, L.add(j, 1), m, L.k(0), lambda i: L.fmul(x := L.ld(A, L.idx(i, na, j)), x))
             beta = L.f.fneg(L.copysign(L.sqrt(L.fma(alpha, alpha, xn2)), alpha))
             zero = L.fcmp("oeq", xn2, L.k(0))
             tau = L.select(zero, L.k(0), L.fdiv(L.fsub(beta, alpha), beta))
@@ -120,21 +121,21 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
             L.st(A, jj, L.select(zero, alpha, beta))
             L.st(T, j, tau)
             with L.loop(L.add(j, 1), m) as il:
-                e = L.idx(il.i, n, j)
+                e = L.idx(il.i, na, j)
                 L.st(A, e, L.fmul(L.ld(A, e), scale))
             with L.loop(L.add(j, 1), n) as cl:
-                _reflect(L, A, n, j, cl.i, m, A, n, tau)
-        with L.loop(0, m * k) as el:  # Q = I, then the reflectors from the last one back
+                _reflect(L, A, na, j, cl.i, m, A, na, tau)
+        with L.loop(0, m * nq) as el:  # Q = I, then the reflectors from the last one back
             L.st(Q, el.i, L.k(0))
         for d in range(k):
-            L.st(Q, d * k + d, L.k(1))
+            L.st(Q, d * nq + d, L.k(1))
         with L.loop(0, k) as bl:
             j = L.f.bin("sub", L.i(k - 1), bl.i, "nsw")
             tau = L.ld(T, j)
             with L.loop(j, k) as cl:
-                _reflect(L, Q, k, j, cl.i, m, A, n, tau)
-        _store(L, "o0", g, m, k, lambda r, c, e: L.ld(Q, e))
-        _store(L, "o1", g, k, n, lambda r, c, e: L.select(L.icmp("uge", c, r), L.ld(A, L.idx(r, n, c)), L.k(0)))
+                _reflect(L, Q, nq, j, cl.i, m, A, na, tau)
+        _store(L, "o0", g, m, k, lambda r, c, e: L.ld(Q, L.idx(r, nq, c)))
+        _store(L, "o1", g, k, n, lambda r, c, e: L.select(L.icmp("uge", c, r), L.ld(A, L.idx(r, na, c)), L.k(0)))
     return L.name, L.text()
 
 
@@ -187,16 +188,19 @@ def _identity(L: Lanes, X, n: int) -> None:
 def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
     """o0 <- eigenvalues (n, ascending), o1 <- eigenvectors (n x n, as columns)."""
     L = Lanes(f"kiln_la_eigh_{scalar}_{n}_w{width}", scalar, width)
-    A, Vt, D = L.array(n * n), L.array(n * n), L.array(n)
+    ld = n + 1  # A's padded row stride
+    A, Vt, D = L.array(n * ld), L.array(n * n), L.array(n)
     tol2 = L.eps * L.eps
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
-        L.load_matrix(A, g, n, n)
+        L.load_matrix(A, g, n, n, stride=ld)
         with L.loop(0, n) as rl:  # symmetric A from the lower triangle
             with L.loop(0, rl.i) as cl:
-                L.st(A, L.idx(cl.i, n, rl.i), L.ld(A, L.idx(rl.i, n, cl.i)))
-        L.magnitude(A, n, n, g)
-        fro2 = _sum(L, 0, n * n, L.k(0), lambda e: L.fmul(x := L.ld(A, e), x))
+                L.st(A, L.idx(cl.i, ld, rl.i), L.ld(A, L.idx(rl.i, ld, cl.i)))
+        L.magnitude(A, n, n, g, stride=ld)
+        with L.loop(0, n) as rl:  # the padding column: zero, so sums may run over it
+            L.st(A, L.idx(rl.i, ld, n), L.k(0))
+        fro2 = _sum(L, 0, n * ld, L.k(0), lambda e: L.fmul(x := L.ld(A, e), x))
         limit = L.fmul(fro2, L.k(tol2))
         pair_limit = L.fmul(limit, L.k(1.0 / (n * n)))
         table, rounds, half = L.round_robin(n)
@@ -208,31 +212,33 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
                 valid = L.icmp("sge", p, 0)
                 pv, qv = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))
                 p, q = pv, qv
-                pq, pp, qq = L.idx(p, n, q), L.idx(p, n, p), L.idx(q, n, q)
+                pq, pp, qq = L.idx(p, ld, q), L.idx(p, ld, p), L.idx(q, ld, q)
                 apq, app, aqq = L.ld(A, pq), L.ld(A, pp), L.ld(A, qq)
                 rotate = L.fcmp("ogt", L.fmul(apq, apq), pair_limit)
                 with L.when(L.f.bin("and", valid, L.any(rotate))):
                     t, c, s = _rotation(L, L.fsub(aqq, app), apq, rotate)
-                    with L.loop(0, n) as kl:  # columns p, q and (by symmetry) rows p, q
-                        kk = kl.i
-                        edge = L.f.bin("or", L.icmp("eq", kk, p), L.icmp("eq", kk, q))
-                        kp, kq = L.idx(kk, n, p), L.idx(kk, n, q)
-                        akp, akq = L.ld(A, kp), L.ld(A, kq)
-                        nkp = L.select(edge, akp, L.fsub(L.fmul(c, akp), L.fmul(s, akq)))
-                        nkq = L.select(edge, akq, L.fma(s, akp, L.fmul(c, akq)))
-                        L.st(A, kp, nkp)
-                        L.st(A, L.idx(p, n, kk), nkp)
-                        L.st(A, kq, nkq)
-                        L.st(A, L.idx(q, n, kk), nkq)
+                    # columns p, q and (by symmetry) rows p, q, outside the 2x2 block:
+                    # three ranges instead of a select per entry
+                    for lo, hi in ((0, p), (L.add(p, 1), q), (L.add(q, 1), n)):
+                        with L.loop(lo, hi) as kl:
+                            kk = kl.i
+                            kp, kq = L.idx(kk, ld, p), L.idx(kk, ld, q)
+                            akp, akq = L.ld(A, kp), L.ld(A, kq)
+                            nkp = L.fsub(L.fmul(c, akp), L.fmul(s, akq))
+                            nkq = L.fma(s, akp, L.fmul(c, akq))
+                            L.st(A, kp, nkp)
+                            L.st(A, L.idx(p, ld, kk), nkp)
+                            L.st(A, kq, nkq)
+                            L.st(A, L.idx(q, ld, kk), nkq)
                     tapq = L.fmul(t, apq)
                     L.st(A, pp, L.fsub(app, tapq))
                     L.st(A, qq, L.fadd(aqq, tapq))
                     L.st(A, pq, L.select(rotate, L.k(0), apq))
-                    L.st(A, L.idx(q, n, p), L.select(rotate, L.k(0), apq))
+                    L.st(A, L.idx(q, ld, p), L.select(rotate, L.k(0), apq))
                     _rotate_rows(L, Vt, n, p, q, n, c, s)
-        end(_converged(L, A, n, limit))
+        end(_converged(L, A, n, ld, limit))
         with L.loop(0, n) as dl:
-            L.st(D, dl.i, L.ld(A, L.idx(dl.i, n, dl.i)))
+            L.st(D, dl.i, L.ld(A, L.idx(dl.i, ld, dl.i)))
         _sign_rows(L, Vt, n, n)
         rank = L.rank(D, n)
         L.write_elements(L.args["o0"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(D, i)))
@@ -240,10 +246,10 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
     return L.name, L.text()
 
 
-def _converged(L: Lanes, A, n: int, limit):
+def _converged(L: Lanes, A, n: int, ld: int, limit):
     """i1: every lane's strict-upper off-diagonal mass is within `limit`."""
     with L.loop(0, n, [L.k(0)]) as rl:
-        row = _sum(L, L.add(rl.i, 1), n, rl.vals[0], lambda c: L.fmul(x := L.ld(A, L.idx(rl.i, n, c)), x))
+        row = _sum(L, L.add(rl.i, 1), n, rl.vals[0], lambda c: L.fmul(x := L.ld(A, L.idx(rl.i, ld, c)), x))
         rl.next = [row]
     excess = L.hmax(L.fsub(rl.vals[0], limit))
     return L.f.emit(f"fcmp ole {L.t} {excess.ref}, 0.0", "i1")

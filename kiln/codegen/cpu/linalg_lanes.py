@@ -308,12 +308,13 @@ class Lanes:
             with self.loop(blocks * W, size) as el:
                 self.scatter(ptr, group, size, el.i, get(el.i))
 
-    def magnitude(self, arr: V, rows: int, cols: int, group: V, lower: bool = False) -> None:
+    def magnitude(self, arr: V, rows: int, cols: int, group: V, lower: bool = False,
+                  stride: int | None = None) -> None:
         """o3 <- per matrix the largest |entry| of arr (rows x cols; its lower triangle
         only if `lower`), NaN when an entry is NaN or infinite (x * 0 carries that)."""
         with self.loop(0, rows, [self.k(0), self.k(0)]) as rl:
             with self.loop(0, self.add(rl.i, 1) if lower else cols, rl.vals) as cl:
-                x = self.ld(arr, self.idx(rl.i, cols, cl.i))
+                x = self.ld(arr, self.idx(rl.i, stride or cols, cl.i))
                 big, bad = cl.vals
                 cl.next = [self.fmax(big, self.fabs(x)), self.f.fadd(bad, self.f.fmul(x, self.k(0)))]
             rl.next = cl.vals
@@ -350,12 +351,15 @@ class Lanes:
         """(row, col) of flat index e in a row-major matrix of `cols` columns."""
         return self.f.bin("udiv", e, self.i(cols)), self.f.bin("urem", e, self.i(cols))
 
-    def load_matrix(self, arr: V, group: V, rows: int, cols: int, transpose: bool = False) -> None:
-        """arr <- the group's rows x cols input matrices (arr[c*rows + r] if transpose)."""
+    def load_matrix(self, arr: V, group: V, rows: int, cols: int, transpose: bool = False,
+                    stride: int | None = None) -> None:
+        """arr <- the group's rows x cols input matrices (arr[c*rows + r] if transpose;
+        rows `stride` apart if given: padding a power-of-two row length keeps column
+        walks from thrashing one L1 set)."""
         def put(e, vec):
-            if transpose:
+            if transpose or stride:
                 r, c = self.rc(e, cols)
-                e = self.idx(c, rows, r)
+                e = self.idx(c, rows, r) if transpose else self.idx(r, stride, c)
             self.st(arr, e, vec)
 
         self.read_elements(self.args["a"], group, rows * cols, put)
