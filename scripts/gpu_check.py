@@ -21,6 +21,7 @@ triton.testing.do_bench (median of warm runs, L2 flushed between runs).
     python scripts/gpu_check.py --out benchmarks/results/gpu-h200.md
     python scripts/gpu_check.py --quick               # smaller shapes, no tuning
     python scripts/gpu_check.py --cute                # only kiln's CuTeDSL GEMMs (scripts/gpu_check_cute.py)
+    python scripts/gpu_check.py --nccl                # only kiln's NCCL layer (scripts/gpu_check_nccl.py)
 
 Needs: an NVIDIA GPU, a CUDA build of torch, triton. Exits with status 2 and says what
 is missing when there is no GPU.
@@ -367,6 +368,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cute", action="store_true", help="only the CuTeDSL GEMMs: numerics of every "
                         "epilogue and dtype, TFLOP/s vs cuBLAS and _scaled_mm (needs nvidia-cutlass-dsl: "
                         "see scripts/gpu_check_cute.py for how its wheels travel)")
+    parser.add_argument("--nccl", action="store_true", help="only kiln's NCCL layer on one GPU: "
+                        "single-rank communicator, split/revoke/shrink, window put/signal, the "
+                        "ProcessGroup (scripts/gpu_check_nccl.py; libnccl >= 2.29 via "
+                        "KILN_NCCL_LIBRARY or KILN_NCCL_WHEELS)")
     args = parser.parse_args(argv)
     torch = gpu_or_exit()
     sys.path.insert(0, ROOT)
@@ -396,6 +401,11 @@ def main(argv=None) -> int:
 
         parts = [("cute", "CuTeDSL GEMMs",
                   lambda: gpu_check_cute.run(torch, report, table, bench_ms, args.quick))]
+    if args.nccl:  # the NCCL part replaces the kernel parts (under a minute of GPU time)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_check_nccl
+
+        parts = [("nccl", "NCCL", lambda: gpu_check_nccl.run(torch, report, table, args.quick))]
     for key, title, run in parts:
         if key in skip or (args.quick and key == "tuning"):
             continue
