@@ -239,18 +239,16 @@ def _distinct(kernels: Sequence[AnyKernel]) -> tuple[list, list[int]]:
     A model's repeated layers lower to identical kernels: compile each once."""
     import dataclasses
 
-    from kiln.codegen.kernel_ir import kernel_fingerprint
-
-    def anonymous(k):
+    def anonymous(k):  # kernels are frozen dataclasses: equal fields, equal code
         if isinstance(k, BatchKernel):
             members = tuple(dataclasses.replace(m, name=f"m{i}") for i, m in enumerate(k.members))
             return dataclasses.replace(k, name="k", members=members)
         return dataclasses.replace(k, name="k")
 
-    first: dict[str, int] = {}
+    first: dict = {}
     unique, index = [], []
     for k in kernels:
-        key = kernel_fingerprint(anonymous(k))
+        key = anonymous(k)
         if key not in first:
             first[key] = len(unique)
             unique.append(k)
