@@ -1,6 +1,6 @@
 """`LibNccl`: the `NcclApi` over the real libnccl.so.2, through ctypes.
 
-Why ctypes and not nccl4py: the layer kiln needs is a one-to-one mirror of ~22 C calls
+Why ctypes and not nccl4py: the layer kiln needs is a one-to-one mirror of 29 C calls
 (`kiln.distributed.nccl_api`) that a fake implements too; nccl4py wraps them in its own
 Communicator objects and cuda.core stream types, which kiln would have to wrap again
 and which a fake could not mirror call for call. ctypes adds no dependency, and the
