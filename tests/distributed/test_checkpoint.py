@@ -226,3 +226,48 @@ def test_async_snapshot_is_taken_at_the_call_and_its_staging_buffer_reused(tmp_p
     assert np.all(state["big"] == 7.0) and state["small"].tolist() == [-1] * 5
     staging.clear()
     assert not staging._POOL.idle
+
+
+def test_async_save_without_copy_writes_in_place_and_guards_the_arrays(tmp_path):
+    from kiln.distributed import DeviceMesh, Shard, distribute_tensor
+    from kiln.distributed.checkpoint import staging
+
+    mesh = DeviceMesh((1,), ("dp",))
+    path = str(tmp_path / "ck")
+    w = distribute_tensor(np.arange(12, dtype=np.float32).reshape(3, 4), mesh, [Shard(0)])
+    steps = np.arange(3, dtype=np.int64)
+    t = kn.tensor(np.array([1.5, 2.5], np.float32))  # kn.Tensors are copied either way
+    staging.clear()
+    # a save still in flight into the folder: this one's writer waits for it, so the
+    # arrays are certainly still being saved while the test writes to them
+    import concurrent.futures
+
+    from kiln.distributed.checkpoint import io
+
+    blocker: concurrent.futures.Future = concurrent.futures.Future()
+    io._IN_FLIGHT[os.path.realpath(path)] = blocker
+    fut = checkpoint.async_save({"w": w, "steps": steps, "t": t}, path, copy=False)
+    with pytest.raises(ValueError, match="read-only"):
+        steps += 10  # the training loop may not change what is being written
+    with pytest.raises(ValueError, match="read-only"):
+        w.local_array()[0, 0] = 5.0
+    assert not fut.done()
+    blocker.set_result(None)
+    fut.result(timeout=120)
+    assert steps.flags.writeable and w.local_array().flags.writeable  # released
+    state = {"w": np.zeros((3, 4), np.float32), "steps": np.zeros(3, np.int64),
+             "t": np.zeros(2, np.float32)}
+    checkpoint.load(state, path)
+    np.testing.assert_array_equal(state["w"], np.arange(12).reshape(3, 4))
+    assert state["steps"].tolist() == [0, 1, 2]
+    assert state["t"].tolist() == [1.5, 2.5]
+    # holds nest: two saves in flight keep the array read-only until both end
+    token1, token2 = staging.hold([steps]), staging.hold([steps])
+    staging.unhold(token1)
+    assert not steps.flags.writeable
+    staging.unhold(token2)
+    assert steps.flags.writeable
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    staging.unhold(staging.hold([frozen]))
+    assert not frozen.flags.writeable  # read-only before: read-only after

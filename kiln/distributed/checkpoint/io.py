@@ -33,15 +33,18 @@ def _group(state: dict):
     return rendezvous.get_world() if rendezvous.is_initialized() else None
 
 
-def _snapshot(state: dict, rank: int) -> list:
+def _snapshot(state: dict, rank: int, held: list | None = None) -> list:
     """[(key, dtype, shape, placements text, [(offsets, block)])] for this rank (the
-    blocks are the tensors' own memory; `_stage` copies them for an async save)."""
+    blocks are the tensors' own memory; `_stage` copies them for an async save). The
+    blocks that are the memory of a DTensor or of a numpy array of the state are also
+    listed in `held` (what `copy=False` writes in place, read-only meanwhile)."""
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError("save: the state must be a dict with string keys")
     items = []
     for key, value in state.items():
         if isinstance(value, DTensor):
             mesh = value.device_mesh
+            own = value
             if any(p.is_partial() for p in value.placements):
                 value = value.redistribute(mesh, [Replicate() if p.is_partial() else p
                                                   for p in value.placements])
@@ -50,22 +53,30 @@ def _snapshot(state: dict, rank: int) -> list:
             offsets = tuple(lo for lo, _ in value.local_bounds())
             local = value.local_array()
             blocks = [(offsets, local)] if owner else []
+            if held is not None and owner and value is own:
+                held.append(local)
             items.append((key, value.dtype, value.shape, [str(p) for p in value.placements],
                           blocks))
         else:
             arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
             dtype = kd.from_numpy(arr.dtype)
             blocks = [((0,) * arr.ndim, arr)] if rank == 0 else []
+            if held is not None and blocks and isinstance(value, np.ndarray) and arr is value:
+                held.append(arr)
             items.append((key, dtype, arr.shape, [], blocks))
     return items
 
 
-def _stage(items: list) -> tuple[list, np.ndarray]:
-    """The items with every block replaced by its copy in one staging buffer (the
-    snapshot of an async save: one memcpy per block); and the buffer, to release."""
-    copies, lease = staging.stage([block for *_, bl in items for _, block in bl])
+def _stage(items: list, keep: tuple = ()) -> tuple[list, np.ndarray | None]:
+    """The items with every block but those in `keep` replaced by its copy in one
+    staging buffer (the snapshot of an async save: one memcpy per block); and the
+    buffer, to release."""
+    kept = {id(a) for a in keep}
+    copies, lease = staging.stage([block for *_, bl in items for _, block in bl
+                                   if id(block) not in kept])
     it = iter(copies)
-    return [(key, dtype, shape, pl, [(off, next(it)) for off, _ in bl])
+    return [(key, dtype, shape, pl, [(off, block if id(block) in kept else next(it))
+                                     for off, block in bl])
             for key, dtype, shape, pl, bl in items], lease
 
 
@@ -237,11 +248,11 @@ def _finish(folder: str, save_id: str, rank: int, world: int, items: list, store
         raise CheckpointError("save to %s failed: %s" % (folder, verdict))
 
 
-def _prepare(state: dict, path: str, timeout: float | None):
+def _prepare(state: dict, path: str, timeout: float | None, held: list | None = None):
     group = _group(state)
     rank = group.rank if group is not None else 0
     world = group.world_size if group is not None else 1
-    items = _snapshot(state, rank)
+    items = _snapshot(state, rank, held)
     save_id = _agree_save_id(group)
     try:
         os.makedirs(path, exist_ok=True)
@@ -276,17 +287,29 @@ def save(state: dict, path: str, *, timeout: float | None = None) -> None:
     _finish(path, save_id, rank, world, items, store, timeout)
 
 
-def async_save(state: dict, path: str, *,
-               timeout: float | None = None) -> concurrent.futures.Future:
+def async_save(state: dict, path: str, *, timeout: float | None = None,
+               copy: bool = True) -> concurrent.futures.Future:
     """Like `save`, but returns at once with a Future: this rank's blocks are copied at
     the call into a reused staging buffer (the only stall; `staging.py`) and a
     background thread writes and commits the copy (training may change the tensors).
     Saves into one folder commit in call order.
 
+    `copy=False` skips the copy of the DTensors' and numpy arrays' blocks: they are
+    written from their own memory, which is made read-only until the future completes
+    (an in-place write raises instead of changing the checkpoint). A functional
+    training loop, whose steps return new DTensors (a `kn.compile`d SPMD step does),
+    never writes them, and pays no stall for them. kn.Tensors are copied either way.
+
         >>> fut = dist.checkpoint.async_save(state, "ckpt"); ...; fut.result()
     """
-    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout)
-    items, lease = _stage(items)
+    held: list | None = None if copy else []
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, held)
+    hold = staging.hold(held or [])
+    try:
+        items, lease = _stage(items, tuple(held or ()))
+    except BaseException:
+        staging.unhold(hold)
+        raise
     future: concurrent.futures.Future = concurrent.futures.Future()
     key = os.path.realpath(path)
     previous = _IN_FLIGHT.get(key)
@@ -303,6 +326,7 @@ def async_save(state: dict, path: str, *,
             error = err
         finally:  # cleaned up before the future completes: its waiter sees the buffer back
             staging.release(lease)
+            staging.unhold(hold)
             if own_store is not None:
                 own_store.close()
             if _IN_FLIGHT.get(key) is future:

@@ -86,14 +86,16 @@ def _pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, nbytes)) for i in range(0, nbytes, step)]
 
 
-def stage(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+def stage(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray | None]:
     """Copies of `arrays` (C-ordered) in one staging buffer: (the copies, the buffer to
-    hand back with `release` once they are written)."""
+    hand back with `release` once they are written; None when there is nothing)."""
     arrays = [np.require(a, requirements="C") for a in arrays]
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
         total += -(-a.nbytes // _ALIGN) * _ALIGN
+    if not arrays:
+        return [], None
     lease = _POOL.take(total)
     views, jobs = [], []
     for a, start in zip(arrays, offsets):
@@ -111,9 +113,44 @@ def stage(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
     return views, lease
 
 
-def release(lease: np.ndarray) -> None:
+def release(lease: np.ndarray | None) -> None:
     """Hand a staging buffer back once nothing reads its copies any more."""
-    _POOL.give(lease)
+    if lease is not None:
+        _POOL.give(lease)
+
+
+_HELD: dict = {}  # id(array) -> [array, holds, was it writeable]
+_HELD_LOCK = threading.Lock()
+
+
+def hold(arrays: list) -> list:
+    """Make `arrays` read-only while a save writes them from their own memory (an
+    async save with copy=False); returns the token for `unhold`. Holds nest: an array
+    becomes writeable again when its last hold ends, if it was before the first."""
+    token = []
+    with _HELD_LOCK:
+        for a in arrays:
+            entry = _HELD.get(id(a))
+            if entry is None or entry[0] is not a:
+                entry = _HELD[id(a)] = [a, 0, bool(a.flags.writeable)]
+                a.flags.writeable = False
+            entry[1] += 1
+            token.append(a)
+    return token
+
+
+def unhold(token: list) -> None:
+    """End the holds `hold` returned `token` for."""
+    with _HELD_LOCK:
+        for a in token:
+            entry = _HELD.get(id(a))
+            if entry is None or entry[0] is not a:
+                continue
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _HELD[id(a)]
+                if entry[2]:
+                    a.flags.writeable = True
 
 
 def clear() -> None:
@@ -122,4 +159,4 @@ def clear() -> None:
         _POOL.idle.clear()
 
 
-__all__ = ["clear", "release", "stage"]
+__all__ = ["clear", "hold", "release", "stage", "unhold"]
