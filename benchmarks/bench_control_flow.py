@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import median_s, write_section  # noqa: E402
+from report import timings, write_section  # noqa: E402
 
 N = 1 << 20
 STEPS = 20
@@ -117,7 +117,8 @@ def torch_workloads():
 
 
 def measure(make, repeat: int, convert=np.asarray, only: str | None = None) -> dict:
-    """Compile-and-first-call time and steady medians of the workloads (or of `only`)."""
+    """Compile-and-first-call time and steady (median, minimum) of the workloads (or of
+    `only`)."""
     a, x = inputs()
     a, x = convert(a), convert(x)
     start = time.perf_counter()
@@ -131,9 +132,9 @@ def measure(make, repeat: int, convert=np.asarray, only: str | None = None) -> d
     result["first"] = time.perf_counter() - start
     cycle = iter(range(10 ** 9))
     if only in (None, "newton"):
-        result["newton"] = median_s(lambda: newton(a), repeat)
+        result["newton"] = timings(lambda: newton(a), repeat)
     if only in (None, "switch"):
-        result["switch"] = median_s(lambda: dispatch(index(next(cycle) % 4), x), 4 * repeat)
+        result["switch"] = timings(lambda: dispatch(index(next(cycle) % 4), x), 4 * repeat)
     return result
 
 
@@ -151,8 +152,8 @@ def torch_in_child(repeat: int, limit: float) -> dict:
         if out.returncode != 0:
             result[key] = "failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:60]
             continue
-        median, first = (float(v) for v in out.stdout.split()[-2:])
-        result[key] = median
+        median, minimum, first = (float(v) for v in out.stdout.split()[-3:])
+        result[key] = (median, minimum)
         result["first"] += first
     return result
 
@@ -194,11 +195,15 @@ def render(rows: dict, guards: dict, args) -> str:
 
     def cell(result, key):
         value = result[key]
-        return value if isinstance(value, str) else f"{value * 1e3:.2f}"
+        return value if isinstance(value, str) else f"{value[0] * 1e3:.2f} ({value[1] * 1e3:.2f})"
 
     def ratio(key):
         times = [rows[p][key] for p in peers if not isinstance(rows[p][key], str)]
-        return f"{min(times) / rows['kiln'][key]:.2f}x" if times else "-"
+        if not times:
+            return "-"
+        kiln = rows["kiln"][key]
+        return (f"{min(t[0] for t in times) / kiln[0]:.2f}x "
+                f"({min(t[1] for t in times) / kiln[1]:.2f}x)")
 
     lines = ["## Control flow and dynamic shapes (bench_control_flow.py)", "",
              f"- command: `.venv/bin/python benchmarks/bench_control_flow.py{' --quick' if args.quick else ''}`",
@@ -208,7 +213,10 @@ def render(rows: dict, guards: dict, args) -> str:
              f"- workloads over 2^20 float32: `newton` = sqrt by {STEPS} Newton steps in a "
              "`while_loop` (numpy and torch run the Python loop); `switch` = a 4-way `switch` "
              "whose index cycles through the branches (numpy and torch dispatch in Python)",
-             "", "Medians in milliseconds (lower is better); last column: best peer's time / kiln's.",
+             f"- load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: all rows "
+             "from the same run)",
+             "", "Medians (minimums) in milliseconds, lower is better; last column: best peer's "
+             "time / kiln's, of the medians (of the minimums).",
              "", "| workload | kiln | " + " | ".join(peers) + " | best peer / kiln |",
              "|---" * (len(peers) + 3) + "|"]
     for key in ("newton", "switch"):
@@ -237,7 +245,7 @@ def main() -> int:
         import torch
 
         r = measure(torch_workloads, args.repeat, torch.from_numpy, only=args.torch_worker)
-        print(r[args.torch_worker], r["first"])
+        print(*r[args.torch_worker], r["first"])
         return 0
     repeat = 5 if args.quick else 15
     rows = {"kiln": measure(kiln_workloads, repeat), "numpy": measure(numpy_workloads, repeat)}

@@ -39,7 +39,7 @@ from kiln.ir.regions import copy_region_into, free_values, replace_uses
 from kiln.passes.rewrite import copy_graph
 
 MAX_TRIPS = 64  # longer loops keep their loop (and their code size)
-MAX_NODES = 2048  # unrolled body nodes per loop
+MAX_NODES = 1024  # unrolled body nodes per loop (compile time grows with the kernel)
 MAX_STATE = 64  # elements of one scalar-state value evaluated at compile time
 
 # the shape and fill ops fusion computes inline inside a pointwise loop nest

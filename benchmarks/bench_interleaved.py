@@ -1,0 +1,151 @@
+"""Issue 22 item 4's rows measured round-robin: each repetition runs kiln and every peer
+once, one after the other, so a shared machine's load falls on all of them alike.
+
+Rows: sum of squares over 2^25 float32 (memory bandwidth), 20 Newton steps for sqrt over
+2^20 float32 written as a Python loop (every framework traces it into one graph) and
+as a `while_loop` (jax.lax.while_loop; numpy runs the loop), and a 4-way switch over
+2^20 float32 whose index cycles through the branches (jax.lax.switch; numpy dispatches
+in Python). torch.compile is left out: the workloads of bench_cpu.py and
+bench_control_flow.py show its compile times here (minutes for the Newton loop).
+
+    .venv/bin/python benchmarks/bench_interleaved.py [--repeat 40] [--out benchmarks/results/cpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import cpu_model, write_section  # noqa: E402
+
+STEPS = 20
+
+
+def newton_unrolled(x):
+    y = x
+    for _ in range(STEPS):
+        y = 0.5 * (y + x / y)
+    return y
+
+
+def workloads():
+    """name -> (inputs, {framework: fn})."""
+    import jax
+    import jax.numpy as jnp
+
+    import kiln as kn
+
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(1 << 25).astype(np.float32)
+    a = rng.uniform(0.5, 100.0, 1 << 20).astype(np.float32)
+    x = rng.standard_normal(1 << 20).astype(np.float32)
+
+    def kn_loop(a):
+        body = lambda i, y: (i + 1, 0.5 * (y + a / y))  # noqa: E731
+        return kn.while_loop(lambda i, y: i < STEPS, body, (kn.tensor(0, dtype=kn.int32), kn.ones_like(a)))[1]
+
+    def jax_loop(a):
+        body = lambda s: (s[0] + 1, 0.5 * (s[1] + a / s[1]))  # noqa: E731
+        return jax.lax.while_loop(lambda s: s[0] < STEPS, body, (0, jnp.ones_like(a)))[1]
+
+    def np_loop(a):
+        y = np.ones_like(a)
+        for _ in range(STEPS):
+            y = 0.5 * (y + a / y)
+        return y
+
+    kn_branches = [lambda v: v * 2.0 + 1.0, lambda v: kn.exp(-v * v), lambda v: kn.sqrt(kn.abs(v)),
+                   lambda v: kn.tanh(v) * 3.0]
+    jax_branches = [lambda v: v * 2.0 + 1.0, lambda v: jnp.exp(-v * v), lambda v: jnp.sqrt(jnp.abs(v)),
+                    lambda v: jnp.tanh(v) * 3.0]
+    np_branches = [lambda v: v * 2.0 + 1.0, lambda v: np.exp(-v * v), lambda v: np.sqrt(np.abs(v)),
+                   lambda v: np.tanh(v) * 3.0]
+    kn_switch = kn.compile(lambda i, v: kn.switch(i, kn_branches, v))
+    jax_switch = jax.jit(lambda i, v: jax.lax.switch(i, jax_branches, v))
+    cycle = iter(range(10 ** 9))
+    index = [np.array(k, np.int32) for k in range(4)]
+    jindex = [jnp.int32(k) for k in range(4)]
+    ja, jx, jbig = jnp.asarray(a), jnp.asarray(x), jnp.asarray(big)
+
+    def ready(fn):
+        return lambda *args: fn(*args).block_until_ready()
+
+    ssq_k, ssq_j = kn.compile(lambda v: (v * v).sum()), jax.jit(lambda v: (v * v).sum())
+    unrolled_k, unrolled_j = kn.compile(newton_unrolled), jax.jit(newton_unrolled)
+    loop_k, loop_j = kn.compile(kn_loop), jax.jit(jax_loop)
+    return {
+        "sum of squares 2^25": {"kiln": lambda: ssq_k(big), "jax.jit": lambda: ready(ssq_j)(jbig),
+                                "numpy": lambda: np.dot(big, big)},
+        "20-step Newton, Python loop (traced)": {
+            "kiln": lambda: unrolled_k(a), "jax.jit": lambda: ready(unrolled_j)(ja),
+            "numpy": lambda: newton_unrolled(a)},
+        "20-step Newton, while_loop": {"kiln": lambda: loop_k(a), "jax.jit": lambda: ready(loop_j)(ja),
+                                       "numpy": lambda: np_loop(a)},
+        "4-way switch, index cycling": {
+            "kiln": lambda: kn_switch(index[next(cycle) % 4], x),
+            "jax.jit": lambda: ready(jax_switch)(jindex[next(cycle) % 4], jx),
+            "numpy": lambda: np_branches[next(cycle) % 4](x)},
+    }
+
+
+def measure(repeat: int) -> dict:
+    rows = {}
+    for name, fns in workloads().items():
+        for fn in fns.values():  # compile and warm up
+            for _ in range(4):
+                fn()
+        times = {k: [] for k in fns}
+        for _ in range(repeat):
+            for k, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - start)
+        rows[name] = {k: (float(np.median(v)), float(np.min(v))) for k, v in times.items()}
+    return rows
+
+
+def render(rows: dict, repeat: int, load: tuple, command: str) -> str:
+    peers = ["jax.jit", "numpy"]
+    lines = ["## Reductions and control flow, interleaved (bench_interleaved.py, issue 22 item 4)", "",
+             f"- command: `{command}`",
+             f"- machine: {os.cpu_count()} CPUs, {cpu_model()}; date {datetime.date.today().isoformat()}",
+             f"- load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (a machine shared "
+             "by several agents: every repetition runs all frameworks back to back, {repeat} "
+             "repetitions)".replace("{repeat}", str(repeat)),
+             "", "Medians (minimums) in milliseconds; ratio = best peer / kiln, of the medians "
+             "(of the minimums), same run.", "",
+             "| workload | kiln | " + " | ".join(peers) + " | best peer / kiln |",
+             "|---" * (len(peers) + 3) + "|"]
+    for name, row in rows.items():
+        k = row["kiln"]
+        best_med = min(row[p][0] for p in peers)
+        best_min = min(row[p][1] for p in peers)
+        lines.append(f"| {name} | " + " | ".join(f"{row[f][0] * 1e3:.2f} ({row[f][1] * 1e3:.2f})"
+                                                 for f in ["kiln"] + peers)
+                     + f" | {best_med / k[0]:.2f}x ({best_min / k[1]:.2f}x) |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--out", help="replace or append this benchmark's section in this file")
+    args = parser.parse_args()
+    start = os.getloadavg()[0]
+    rows = measure(args.repeat)
+    command = "python benchmarks/bench_interleaved.py" + (f" --repeat {args.repeat}" if args.repeat != 40 else "")
+    section = render(rows, args.repeat, (start, os.getloadavg()[0]), ".venv/bin/" + command)
+    print(section)
+    if args.out:
+        write_section(args.out, "bench_interleaved", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
