@@ -99,6 +99,9 @@ def _layout(strides, row: int, col: int):
 
 
 class GemmEmitter:
+    """The BLAS-panel GEMM; also the base of kiln's micro-kernel (microkernel.py), which
+    shares the function frame, operand loads and the epilogue."""
+
     def __init__(self, module: Module, g: GemmKernel, symbol: str, panel_rows: int):
         self.module, self.g, self.symbol, self.mp = module, g, symbol, panel_rows
         self.acc = acc_dtype(g)
@@ -107,6 +110,12 @@ class GemmEmitter:
                                  "use gemm_as_kernel")
         self.acc_ty = dtype_map.reg_type(self.acc)
         self.esize = 8 if self.acc == dt.float64 else 4
+
+    def _declare(self, module: Module) -> None:
+        blas = DGEMM if self.acc == dt.float64 else SGEMM
+        module.declare(blas, f"declare void @{blas}(i32, i32, i32, i64, i64, i64, {self.acc_ty}, ptr, "
+                             f"i64, ptr, i64, {self.acc_ty}, ptr, i64)")
+        self.blas = blas
 
     def emit(self) -> None:
         g, module = self.g, self.module
@@ -119,10 +128,7 @@ class GemmEmitter:
         self.sizes = {name: V(f"%s{i}", "i64") for i, name in enumerate(g.sizes)}
         module.declare("malloc", "declare noalias ptr @malloc(i64)")
         module.declare("free", "declare void @free(ptr)")
-        blas = DGEMM if self.acc == dt.float64 else SGEMM
-        module.declare(blas, f"declare void @{blas}(i32, i32, i32, i64, i64, i64, {self.acc_ty}, ptr, "
-                             f"i64, ptr, i64, {self.acc_ty}, ptr, i64)")
-        self.blas = blas
+        self._declare(module)
         self._body(fn)
         fn.stmt("ret void")
         module.functions.append(fn.define(
@@ -207,7 +213,7 @@ class GemmEmitter:
         zl.end()
         fn.br(done)
         fn.start_block(done)
-        self._epilogue(fn, c_ptr, bi, i0, rows, m, n)
+        self._epilogue(fn, c_ptr, n, bi, i0, rows, const("i64", 0), n, m, n)
         loop.end([bi])
         for t in (tmp_a, tmp_b, tmp_c):
             if t is not None:
@@ -216,7 +222,6 @@ class GemmEmitter:
     def _pack(self, fn, dst, name, strides, bi, r0, rows, cols):
         """dst[r * cols + c] = convert(src[b, r0 + r, c]) in the operand's logical layout
         (A: rows x k; B: k x n), as a dense row-major accumulator-dtype matrix."""
-        ptr, param = self.buffers[name]
         s0, s1, s2 = (self._ix(fn, s) for s in strides)
         outer = CountedLoop(fn, const("i64", 0), rows, vectorize=False)
         r, _ = outer.begin()
@@ -224,22 +229,29 @@ class GemmEmitter:
         c, _ = inner.begin()
         src = fn.bin("add", fn.bin("mul", bi, s0),
                      fn.bin("add", fn.bin("mul", fn.bin("add", r0, r), s1), fn.bin("mul", c, s2)))
-        st = dtype_map.storage_type(param.dtype)
-        raw = fn.load(st, fn.gep(st, ptr, src), max(1, param.dtype.itemsize))
-        value = convert(fn, dtype_map.load_convert(fn, raw, param.dtype), param.dtype, self.acc)
+        value = self._load_operand(fn, name, src)
         fn.store(value, fn.gep(self.acc_ty, dst, fn.bin("add", fn.bin("mul", r, cols), c)), self.esize)
         inner.end()
         outer.end()
 
-    def _epilogue(self, fn, c_ptr, bi, i0, rows, m, n) -> None:
+    def _load_operand(self, fn, name, index):
+        """Element `index` of operand `name`, converted to the accumulator dtype."""
+        ptr, param = self.buffers[name]
+        st = dtype_map.storage_type(param.dtype)
+        raw = fn.load(st, fn.gep(st, ptr, index), max(1, param.dtype.itemsize))
+        return convert(fn, dtype_map.load_convert(fn, raw, param.dtype), param.dtype, self.acc)
+
+    def _epilogue(self, fn, c_ptr, ld, bi, i0, rows, j0, cols, m, n) -> None:
+        """out[bi, i0 + r, j0 + j] = epilogue(Acc = c_ptr[r * ld + j]) for r < rows, j < cols."""
         g = self.g
         out_ptr, out_param = self.buffers[g.out]
         rl = CountedLoop(fn, const("i64", 0), rows, vectorize=False)
         r, _ = rl.begin()
-        jl = CountedLoop(fn, const("i64", 0), n)
-        j, _ = jl.begin()
+        jl = CountedLoop(fn, const("i64", 0), cols)
+        jc, _ = jl.begin()
         gi = fn.bin("add", i0, r)
-        acc = fn.load(self.acc_ty, fn.gep(self.acc_ty, c_ptr, fn.bin("add", fn.bin("mul", r, n), j)), self.esize)
+        j = fn.bin("add", j0, jc)
+        acc = fn.load(self.acc_ty, fn.gep(self.acc_ty, c_ptr, fn.bin("add", fn.bin("mul", r, ld), jc)), self.esize)
         symbols = dict(self.sizes)
         symbols.update({"gb": bi, "gi": gi, "gj": j})
         ex = ExprEmitter(fn, self.buffers, symbols, {}, acc=acc)

@@ -30,12 +30,8 @@ from functools import lru_cache
 
 from kiln.codegen.kernel_ir import GemmKernel
 
-from kiln.codegen.cpu import dtype_map
-from kiln.codegen.cpu.gemm import acc_dtype
-from kiln.codegen.cpu.index_emit import emit_index
+from kiln.codegen.cpu.gemm import GemmEmitter, acc_dtype
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
-from kiln.codegen.cpu.llvm_emit import ExprEmitter, abi_wrapper
-from kiln.codegen.cpu.scalar_ops import convert
 from kiln.ir import dtypes as dt
 
 MR = 6  # rows per register tile
@@ -74,38 +70,19 @@ def row_blocks(g: GemmKernel):
     return g.batch * sympy.floor((sympy.sympify(g.m) + MR - 1) / MR)
 
 
-class MicroEmitter:
+class MicroEmitter(GemmEmitter):
+    """GemmEmitter's frame (parameters, malloc/free, the ABI wrapper), operand loads and
+    epilogue, with the register-tiled body instead of BLAS calls."""
+
     def __init__(self, module: Module, g: GemmKernel, symbol: str):
-        self.module, self.g, self.symbol = module, g, symbol
-        self.acc = acc_dtype(g)
-        self.ty = dtype_map.reg_type(self.acc)
-        self.esize = 8 if self.acc == dt.float64 else 4
+        super().__init__(module, g, symbol, 0)
+        self.ty = self.acc_ty
         self.mr, self.nr, self.w = tile(self.esize)
         self.vty = f"<{self.w} x {self.ty}>"
 
-    def emit(self) -> None:
-        g, module = self.g, self.module
-        fn = Fn(module, prefix="u")
-        params, self.buffers = [], {}
-        for i, b in enumerate(g.buffers):
-            params.append(f"ptr noalias %b{i}")
-            self.buffers[b.name] = (V(f"%b{i}", "ptr"), b)
-        params += [f"i64 %s{i}" for i in range(len(g.sizes))] + ["i64 %begin", "i64 %end"]
-        self.sizes = {name: V(f"%s{i}", "i64") for i, name in enumerate(g.sizes)}
-        module.declare("malloc", "declare noalias ptr @malloc(i64)")
-        module.declare("free", "declare void @free(ptr)")
+    def _declare(self, module: Module) -> None:
         self.fma = f"llvm.fma.v{self.w}{'f64' if self.esize == 8 else 'f32'}"
         module.declare(self.fma, f"declare {self.vty} @{self.fma}({self.vty}, {self.vty}, {self.vty})")
-        self._body(fn)
-        fn.stmt("ret void")
-        module.functions.append(fn.define(
-            f"define internal void @{self.symbol}.body({', '.join(params)}) noinline nounwind"))
-        module.functions.append(abi_wrapper(self.symbol, len(g.buffers), len(g.sizes)))
-
-    def _ix(self, fn, expr, extra=None):
-        env = dict(self.sizes)
-        env.update(extra or {})
-        return emit_index(fn, expr, env)
 
     def _direct_b(self) -> bool:
         """B rows can be read as vectors in place: unit column stride, accumulator dtype."""
@@ -163,17 +140,10 @@ class MicroEmitter:
             fn.start_block(tiled)
         else:
             self._tile(fn, packed_base, const("i64", nr), tile_buf, bi, i0, m, k)
-        self._epilogue(fn, tile_buf, bi, i0, rows, j0, cols, m, n)
+        self._epilogue(fn, tile_buf, const("i64", self.nr), bi, i0, rows, j0, cols, m, n)
         panels.end()
         loop.end([bi])
         fn.call("free", "void", [pack_b])
-
-    def _load_operand(self, fn, name, index):
-        """Element `index` of operand `name`, converted to the accumulator dtype."""
-        ptr, param = self.buffers[name]
-        st = dtype_map.storage_type(param.dtype)
-        raw = fn.load(st, fn.gep(st, ptr, index), max(1, param.dtype.itemsize))
-        return convert(fn, dtype_map.load_convert(fn, raw, param.dtype), param.dtype, self.acc)
 
     def _pack_b(self, fn, dst, bi, k, n, first, npanels) -> None:
         """dst[((jp - first) * k + kk) * NR + jj] = B[bi, kk, jp * NR + jj] for the panels
@@ -240,28 +210,6 @@ class MicroEmitter:
             for v in range(nv):
                 at = const("i64", ii * nr + v * w)
                 fn.store(outs[ii * nv + v], fn.gep(self.ty, tile_buf, at), self.esize)
-
-    def _epilogue(self, fn, tile_buf, bi, i0, rows, j0, cols, m, n) -> None:
-        g = self.g
-        out_ptr, out_param = self.buffers[g.out]
-        rl = CountedLoop(fn, const("i64", 0), rows, vectorize=False)
-        r, _ = rl.begin()
-        jl = CountedLoop(fn, const("i64", 0), cols)
-        j, _ = jl.begin()
-        gi = fn.bin("add", i0, r)
-        gj = fn.bin("add", j0, j)
-        acc = fn.load(self.ty, fn.gep(self.ty, tile_buf, fn.bin("add", fn.bin("mul", r, const("i64", self.nr)), j)),
-                      self.esize)
-        symbols = dict(self.sizes)
-        symbols.update({"gb": bi, "gi": gi, "gj": gj})
-        value = convert(fn, ExprEmitter(fn, self.buffers, symbols, {}, acc=acc)(g.epilogue),
-                        g.epilogue.dtype, out_param.dtype)
-        st = dtype_map.storage_type(out_param.dtype)
-        index = fn.bin("add", fn.bin("mul", fn.bin("add", fn.bin("mul", bi, m), gi), n), gj)
-        fn.store(dtype_map.store_convert(fn, value, out_param.dtype), fn.gep(st, out_ptr, index),
-                 max(1, out_param.dtype.itemsize))
-        jl.end()
-        rl.end()
 
 
 def emit_micro_gemm(module: Module, g: GemmKernel, symbol: str) -> None:
