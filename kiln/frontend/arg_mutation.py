@@ -104,9 +104,11 @@ def tracing_wrapper(fn: Callable, alias_pairs: tuple, plan: WriteBack) -> Callab
     return traced
 
 
-def write_back(plan: WriteBack, leaves, outputs: list, paths: Callable[[], list]) -> list:
+def write_back(plan: WriteBack, leaves, outputs: list, paths: Callable[[], list],
+               device=None) -> list:
     """Write the mutated arguments' new values into the caller's objects; returns the
-    user's outputs (as kn.Tensors, a returned argument as the caller's own object)."""
+    user's outputs (as kn.Tensors, a returned argument as the caller's own object).
+    `device`: the device the program ran on (its results are tensors there)."""
     from kiln.frontend.mutation import rebind
     from kiln.frontend.tape import no_grad
 
@@ -116,7 +118,7 @@ def write_back(plan: WriteBack, leaves, outputs: list, paths: Callable[[], list]
             for k, new in zip(plan.mutated, outputs[n:]):
                 target = leaves[k]
                 if isinstance(target, Tensor):
-                    rebind(target, Tensor._make(new), "compiled write-back")
+                    rebind(target, Tensor._make(new, None, device), "compiled write-back")
                 elif not target.flags.writeable:
                     raise KilnWriteBackError(
                         f"the compiled function changed its argument `{paths()[k]}` in place, "
@@ -125,7 +127,7 @@ def write_back(plan: WriteBack, leaves, outputs: list, paths: Callable[[], list]
                              "new value instead of changing the argument")
                 else:
                     np.copyto(target, new)
-    made = [Tensor._make(o) for o in outputs[:n]]
+    made = [Tensor._make(o, None, device) for o in outputs[:n]]
     for i, k in plan.returned.items():
         if isinstance(leaves[k], Tensor):
             made[i] = leaves[k]

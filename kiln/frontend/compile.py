@@ -89,9 +89,11 @@ def make_binder(graph: Graph) -> Callable[[list], dict]:
 
 
 def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
-                  build: bool = True) -> CompiledGraph:
+                  build: bool = True, device=None) -> CompiledGraph:
     """Optimize (with the backend's own graph passes), fuse, lower and build `graph` for
-    `backend`; `build=False` stops at the program (no machine code, executable None)."""
+    `backend`; `build=False` stops at the program (no machine code, executable None).
+    `device` (not the CPU): every buffer of the program is in that device's memory
+    (kiln/runtime/device_programs.py)."""
     from kiln.codegen.backends import get_backend
     from kiln.codegen.build_program import build_program
     from kiln.codegen.lower import template_externs
@@ -125,8 +127,12 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     # a backend whose kernels run on a device of their own hands out that device's buffers
     # (the opencl backend: SVM), so intermediates stay there between kernels
     allocator = getattr(target, "runtime_allocator", lambda: None)()
+    if device is not None:
+        from kiln.runtime.device_programs import runtime_allocator
+
+        allocator = runtime_allocator(device)
     executable = Executable(program, dict(zip(names, compiled)), allocator=allocator,
-                            externs=template_externs(target))
+                            externs=template_externs(target), device=device)
     return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
 
 
@@ -139,6 +145,7 @@ class _Entry:
     write_back: Any = None  # arg_mutation.WriteBack: arguments changed in place, returned ones
     shape_guards: tuple = ()  # shape_guards.ShapeGuard: size decisions the range left open
     next: Any = None  # another specialization of the same key, tried when a guard fails
+    device: Any = None  # the device its program runs on (None: the host; device_programs.py)
 
     def chain(self) -> list:
         out, entry = [], self
@@ -217,6 +224,12 @@ class CompiledFunction:
             if entry is None:  # fell back to eager (fullgraph=False)
                 self._eager_calls += 1
                 return self.fn(*_as_tensors(args))
+        device = entry.device
+        if device is not None:  # device memory in, device tensors out (device_programs.py)
+            from kiln.runtime.device_programs import bind_arguments
+
+            arrays = bind_arguments(arrays, device, entry.compiled.executable.allocator)
+        if entry.shape_guards:
             outputs = entry.compiled.executable.run(arrays, sizes)
         else:
             outputs = entry.compiled.run_trusted(arrays)
@@ -224,9 +237,9 @@ class CompiledFunction:
         if plan is not None:  # arguments changed in place, or returned (arg_mutation.py)
             from kiln.frontend.arg_mutation import write_back
 
-            made = write_back(plan, leaves, outputs, lambda: self._paths(args))
+            made = write_back(plan, leaves, outputs, lambda: self._paths(args), device)
         else:
-            made = [Tensor._make(o) for o in outputs]
+            made = [Tensor._make(o, None, device) for o in outputs]
         if entry.out_spec == "*":
             return made[0]
         return pytree.unflatten(entry.out_spec, made)
@@ -234,9 +247,12 @@ class CompiledFunction:
     def _key(self, leaves, spec):
         dynamic = self._dynamic
         parts = []
+        device = None  # tensors on a device: a specialization of their own (device_programs.py)
         for i, leaf in enumerate(leaves):
             cls = leaf.__class__
             if cls is Tensor:
+                if leaf._device is not None:
+                    device = leaf._device
                 if leaf._builder is not None:
                     raise KilnTraceError("a compiled function was called with a traced tensor; "
                                          "call it outside kn.trace or trace the inner function")
@@ -261,11 +277,12 @@ class CompiledFunction:
         # a pytree spec is nested lists and dicts: its JSON text is the hashable key; the
         # same tensor passed twice is one handle in the trace, so aliasing is keyed too
         if spec is None:
-            return None, tuple(parts)
+            return (None if device is None else f"on {device}"), tuple(parts)
         from kiln.frontend.arg_mutation import aliases
 
         same = aliases(leaves)
-        return json.dumps(spec) + (f" aliases {same}" if same else ""), tuple(parts)
+        return (json.dumps(spec) + (f" aliases {same}" if same else "")
+                + ("" if device is None else f" on {device}")), tuple(parts)
 
     # -- compiling ----------------------------------------------------------------------
 
@@ -296,8 +313,13 @@ class CompiledFunction:
     def _compile(self, args, key, reason: str | None = None):
         from kiln.frontend import recompiles
 
-        if reason is None:
-            reason = self._reason(key, args) if self._cache else None
+        from kiln.runtime.device_programs import call_device
+
+        device = call_device(_leaves_and_spec(args)[0])  # K380 for mixed devices
+        if reason is None and self._cache:
+            reason = self._reason(key, args)
+            if all(e.device != device for e in self._specializations()):
+                reason = f"the arguments are on {device or 'cpu'} (a program of its own per device)"
         if reason is not None and self.strict:
             raise recompiles.strict_error(self.fn, reason)
         count = len(self._specializations())
@@ -342,7 +364,13 @@ class CompiledFunction:
                 recompiles.report(self.fn, reason, len(self._specializations()) + 1)
         if recorder is not None:
             recorder.traced()
-        compiled = compile_graph(traced.graph, self.backend, self.mode)
+        if device is None:
+            compiled = compile_graph(traced.graph, self.backend, self.mode)
+        else:
+            from kiln.runtime.device_programs import backend_on
+
+            compiled = compile_graph(traced.graph, backend_on(device, self.backend), self.mode,
+                                     device=device)
         if recorder is not None:
             recorder.compiled(compiled, reason=self._recompiles[-1]["reason"] if self._cache else None,
                               guards=guard_summary(traced.graph))
@@ -351,7 +379,8 @@ class CompiledFunction:
         out_spec = plan.out_spec
         statics = tuple(i for i, _ in traced.static_args)
         entry = _Entry(compiled, out_spec, statics, self._guards(args, traced, statics),
-                       None if plan.trivial else plan, tuple(self._shape_guards.guards))
+                       None if plan.trivial else plan, tuple(self._shape_guards.guards),
+                       device=device)
         if key in self._cache:  # a size guard failed: one more specialization of this key
             self._cache[key].chain()[-1].next = entry
         else:

@@ -14,6 +14,7 @@ them with numpy and their results are charged to the device's caching allocator.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -126,6 +127,10 @@ class DeviceKind:
     dlpack_type: int = 1  # DLDeviceType (kDLCPU = 1, kDLCUDA = 2, kDLROCM = 10, ...)
     synchronize: Callable[[int], None] | None = None
     extra: dict = field(default_factory=dict)
+    # the compile target whose kernels run on this kind's memory ("cuda", "opencl:N" via
+    # a function of the index); None: the compiled function's own backend runs its
+    # kernels on the host-visible memory (the CPU; a test's fake device)
+    backend: str | Callable[[int], str] | None = None
 
 
 _KINDS: dict[str, DeviceKind] = {}
@@ -136,12 +141,15 @@ _lock = threading.Lock()
 def register_device_kind(name: str, *, hardware: str, raw_memory: Callable[[int], RawMemory],
                          total_memory: Callable[[int], int], available: Callable[[], bool],
                          count: Callable[[], int] = lambda: 1, copy=host_copy,
-                         dlpack_type: int = 1, synchronize=None) -> DeviceKind:
+                         dlpack_type: int = 1, synchronize=None,
+                         backend: str | Callable[[int], str] | None = None) -> DeviceKind:
     """Register a device kind: after this, `kn.device(name)`, `x.to(name)` and
     `kn.memory.*(name)` work for it. `raw_memory(index)` gives the memory its caching
     allocator carves (host-visible: a numpy uint8 view per segment), `total_memory(index)`
     its size in bytes (what a memory fraction is of), `copy(dst, src)` copies between its
-    arrays and host arrays.
+    arrays and host arrays. `backend` is the compile target of programs called with
+    tensors of this kind (a string, or a function of the device index); without one, the
+    compiled function's own backend runs its kernels on this kind's (host-visible) memory.
 
     >>> from kiln.runtime.caching_allocator import RawMemory
     >>> register_device_kind("fake", hardware="nothing", raw_memory=lambda i: RawMemory(),
@@ -159,7 +167,7 @@ def register_device_kind(name: str, *, hardware: str, raw_memory: Callable[[int]
             raise KilnDeviceRegistryError(f"register_device_kind: {name!r} is already registered",
                                           hint="unregister_device_kind(name) first to replace it")
         kind = DeviceKind(name, hardware, raw_memory, total_memory, available, count, copy,
-                          dlpack_type, synchronize)
+                          dlpack_type, synchronize, backend=backend)
         _KINDS[name] = kind
         _RESOLVED.clear()
     return kind
@@ -174,6 +182,7 @@ def unregister_device_kind(name: str) -> None:
         _RESOLVED.clear()
         for key in [k for k in _ALLOCATORS if Device(k).type == name]:
             del _ALLOCATORS[key]
+            _RANGE_STARTS.pop(key, None)
 
 
 def device_kinds() -> dict[str, DeviceKind]:
@@ -251,6 +260,14 @@ def kind_of(device: Device) -> DeviceKind:
     return _kind_of(Device(device), "device")
 
 
+def backend_for(device: Device) -> str | None:
+    """The compile target for programs on `device` (None: the host's kernels serve)."""
+    backend = kind_of(device).backend
+    if callable(backend):
+        return backend(device.index or 0)
+    return backend
+
+
 def allocator_for(device=None) -> CachingAllocator:
     """The caching allocator of a device (created on first use)."""
     dev = as_device(device, "memory")
@@ -261,13 +278,66 @@ def allocator_for(device=None) -> CachingAllocator:
         with _lock:
             allocator = _ALLOCATORS.get(dev)
             if allocator is None:
-                allocator = CachingAllocator(str(dev), kind.raw_memory(index),
-                                             kind.total_memory(index))
+                raw = kind.raw_memory(index)
+                if dev is not CPU:  # device memory: its address ranges are known (in_memory_of)
+                    raw = _Ranges(raw, dev)
+                allocator = CachingAllocator(str(dev), raw, kind.total_memory(index))
                 _ALLOCATORS[dev] = allocator
         from kiln.runtime.memory_tracking import ensure_publisher
 
         ensure_publisher()
     return allocator
+
+
+class _Ranges(RawMemory):
+    """A device's RawMemory, recording the address range of every live segment."""
+
+    def __init__(self, raw: RawMemory, device: Device):
+        self.raw, self.device = raw, device
+        self._address: dict[int, int] = {}  # id(handle) -> start (the handle lives as long)
+
+    def alloc(self, nbytes: int):
+        handle, view, address = self.raw.alloc(nbytes)
+        with _ranges_lock:
+            bisect.insort(_RANGE_STARTS.setdefault(self.device, []), address)
+            _RANGE_ENDS[(self.device, address)] = address + nbytes
+            self._address[id(handle)] = address
+        return handle, view, address
+
+    def free(self, handle) -> None:
+        address = self._address.pop(id(handle), None)
+        if address is not None:
+            with _ranges_lock:
+                starts = _RANGE_STARTS.get(self.device, [])
+                at = bisect.bisect_left(starts, address)
+                if at < len(starts) and starts[at] == address:
+                    del starts[at]
+                _RANGE_ENDS.pop((self.device, address), None)
+        self.raw.free(handle)
+
+    def __getattr__(self, name):  # what else the kind's memory offers (index, kind, ...)
+        if name == "raw":
+            raise AttributeError(name)
+        return getattr(self.raw, name)
+
+
+_RANGE_STARTS: dict[Device, list[int]] = {}
+_RANGE_ENDS: dict[tuple, int] = {}
+_ranges_lock = threading.Lock()
+
+
+def in_memory_of(device: Device, array: np.ndarray) -> bool:
+    """Whether `array`'s memory lies in a segment of `device`'s caching allocator (device
+    memory a kernel there takes as it is), rather than in host memory."""
+    if array.size == 0:
+        return True
+    address = array.__array_interface__["data"][0]
+    with _ranges_lock:
+        starts = _RANGE_STARTS.get(device)
+        if not starts:
+            return False
+        at = bisect.bisect_right(starts, address) - 1
+        return at >= 0 and address + array.nbytes <= _RANGE_ENDS[(device, starts[at])]
 
 
 def allocators() -> dict[str, CachingAllocator]:

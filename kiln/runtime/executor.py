@@ -30,19 +30,32 @@ class Executable:
     """A Program with its compiled kernels; `run(arrays, sizes)` returns the outputs."""
 
     def __init__(self, program: Program, kernels: dict[str, KernelFn],
-                 allocator: Allocator | None = None, externs: dict | None = None):
+                 allocator: Allocator | None = None, externs: dict | None = None,
+                 device=None, side=None):
+        """`device`: a device (not the CPU) whose memory every buffer is in; the host
+        boundary is then crossed only where the program needs the host (see
+        kiln/runtime/device_programs.py). `side` is the parent's (sub-programs)."""
         self.program = program
         self.kernels = kernels
         # ops the backend runs itself (a GPU grouped GEMM) instead of their numpy
         # reference: op -> fn(arrays, attrs) -> results
         self.externs = dict(externs or {})
         self.allocator = allocator or default_allocator()
+        if side is None and device is not None:
+            from kiln.runtime.device_programs import DeviceSide
+
+            side = DeviceSide(device, self.allocator)
+        self.side = side
+        self.device = device if side is None else side.device
+        # a program on a device reads its constants from device memory (copied once)
+        self._constants = program.constants if side is None else \
+            {name: side.constant(c) for name, c in program.constants.items()}
         self._arenas: dict[tuple, list] = {}
         self._lock = threading.Lock()
         self._nslots = max(program.buffers, default=-1) + 1
         self._static = {s: spec.shape for s, spec in program.buffers.items()
                         if all(isinstance(d, int) for d in spec.shape)}
-        self._borrowed_constants = {id(c) for c in program.constants.values()}
+        self._borrowed_constants = {id(c) for c in self._constants.values()}
         self._transient: list[int] = []  # slots allocated fresh on every call (outputs)
         self._returned: dict[int, list] = {}  # output slot -> arrays handed out before
         self._output_slots = frozenset(program.outputs)
@@ -111,40 +124,46 @@ class Executable:
             return view
         if isinstance(step, Collective):  # before Extern, its base class
             run_step, op, attrs = _collective_runner(), step.op, step.attrs
-            inputs, outputs = step.inputs, step.outputs
+            inputs, outputs, side = step.inputs, step.outputs, self.side
 
             def collective(env, sizes, arena):
                 operands = [env[s] for s in inputs]
+                if side is not None:
+                    side.host_read(operands)
                 results = run_step(op, operands, concrete_attrs(attrs, sizes))
                 for s, r in zip(outputs, results):
-                    env[s] = _fresh(r, operands)
+                    env[s] = _fresh(r, operands) if side is None else side.to_device(r)
 
             return collective
         if isinstance(step, Extern):
             op, attrs, inputs, outputs = step.op, step.attrs, step.inputs, step.outputs
 
             run = self.externs.get(op) or (lambda arrays, a: EAGER.apply(op, arrays, a))
+            side = self.side
 
             def extern(env, sizes, arena):
                 operands = [env[s] for s in inputs]
+                if side is not None:  # computed on the host: read there, written back
+                    side.host_read(operands)
                 results = run(operands, concrete_attrs(attrs, sizes))
                 for s, r in zip(outputs, results):
-                    env[s] = _fresh(r, operands)
+                    env[s] = _fresh(r, operands) if side is None else side.to_device(r)
 
             return extern
         if isinstance(step, Constant):
-            data, target = self.program.constants[step.name], step.target
+            data, target = self._constants[step.name], step.target
 
             def constant(env, sizes, arena):
                 env[target] = data
 
             return constant
         if isinstance(step, Control):
-            bodies = [Executable(b, self.kernels, self.allocator, self.externs) for b in step.bodies]
-            inputs, outputs, op = step.inputs, step.outputs, step.op
+            bodies = [Executable(b, self.kernels, self.allocator, self.externs, side=self.side)
+                      for b in step.bodies]
+            inputs, outputs, op, side = step.inputs, step.outputs, step.op, self.side
 
             def control(env, sizes, arena):
-                results = _run_control(op, bodies, [env[s] for s in inputs], sizes, env[-1])
+                results = _run_control(op, bodies, [env[s] for s in inputs], sizes, env[-1], side)
                 for s, r in zip(outputs, results):
                     env[s] = r
 
@@ -200,6 +219,8 @@ class Executable:
             context = offered or None
             for step in steps:
                 step(env, sizes, context)
+        if self.side is not None and not borrow:
+            self.side.finish()
         if self._transient:
             self.allocator.end_call(sum(env[s].nbytes for s in self._transient if env[s] is not None))
             if not borrow or remember:
@@ -219,13 +240,14 @@ class Executable:
                 continue
             # any other output must be the caller's own too: never an input, a constant,
             # or a view into memory the next call reuses
+            copy = np.copy if self.side is None else self.side.copy  # on the program's device
             if not array.flags.owndata:
-                array = array.copy()
+                array = copy(array)
             elif not borrow:
                 if borrowed is None:
                     borrowed = {id(a) for a in arrays} | self._borrowed_constants
                 if id(array) in borrowed:
-                    array = array.copy()
+                    array = copy(array)
             result.append(array)
         return result
 
@@ -314,11 +336,14 @@ def _fresh(result, operands: list):
 
 
 def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict,
-                 made: dict) -> list:
+                 made: dict, side=None) -> list:
     """Run a cond or while_loop step; `made` collects the outputs its bodies allocated
-    (see `Executable.run`)."""
+    (see `Executable.run`); `side` (a program on a device) waits for the device before
+    the host reads the branch index or the loop flag, and counts the read."""
     if op == "cond":
         index, *rest = operands
+        if side is not None:
+            side.host_read([index])
         k = min(max(int(index), 0), len(bodies) - 1)
         # the branch's fresh outputs are reused on its next run once nothing holds them:
         # a new 4 MiB output costs its page faults, as much as the kernel (issue 22)
@@ -331,7 +356,7 @@ def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict,
         # a value the body passes through unchanged is not copied on every trip, and the
         # outputs of two trips ago are refilled instead of touching new memory each trip
         owned: dict = {}  # the carried arrays this call allocated (only those: bounded)
-        while bool(cond_body.run(carried, sizes, borrow=True)[0]):
+        while _flag(cond_body.run(carried, sizes, borrow=True)[0], side):
             live = {id(a) for a in carried} | outside
             recycle = [a if a is not None and id(a) not in live else None for a in previous]
             previous = carried
@@ -342,6 +367,12 @@ def _run_control(op: str, bodies: list[Executable], operands: list, sizes: dict,
         made.update(owned)
         return carried
     raise KilnError(f"internal: unknown control step {op}")
+
+
+def _flag(value, side) -> bool:
+    if side is not None:
+        side.host_read([value])
+    return bool(value)
 
 
 def _collective_runner() -> Callable:

@@ -195,8 +195,10 @@ def _hip_synchronize(index: int) -> None:
 register_device_kind("cuda", hardware="an NVIDIA GPU and its driver",
                      raw_memory=CudaManagedMemory, total_memory=_cuda_total,
                      available=_cuda_available, count=_cuda_count, copy=_cuda_copy,
-                     dlpack_type=13, synchronize=_cuda_synchronize)  # kDLCUDAManaged
+                     dlpack_type=13, synchronize=_cuda_synchronize,  # kDLCUDAManaged
+                     backend="cuda")
 register_device_kind("rocm", hardware="an AMD GPU and the HIP runtime",
                      raw_memory=HipManagedMemory, total_memory=_hip_total,
                      available=lambda: _hip_count() > 0, count=_hip_count, copy=_hip_copy,
-                     dlpack_type=10, synchronize=_hip_synchronize)  # kDLROCM
+                     dlpack_type=10, synchronize=_hip_synchronize,  # kDLROCM
+                     backend="rocm")

@@ -91,4 +91,5 @@ for _kind, _hardware in (("opencl", "an OpenCL device and its ICD loader (pyopen
                          raw_memory=lambda index, k=_kind: SvmMemory(k, index),
                          total_memory=lambda index, k=_kind: _total(k, index),
                          available=lambda k=_kind: bool(_devices(k)),
-                         count=lambda k=_kind: len(_devices(k)), synchronize=_synchronize(_kind))
+                         count=lambda k=_kind: len(_devices(k)), synchronize=_synchronize(_kind),
+                         backend=lambda index, k=_kind: f"{k}:{index}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.runtime.device import CPU, Device, allocator_for, copy_to, kind_of
+from kiln.runtime.transfers import record
 
 _cpu_allocator = None
 
@@ -36,6 +37,7 @@ def place(array: np.ndarray, device: Device) -> np.ndarray:
     if device is CPU:
         charge(array, None)
         return array
+    record("host_to_device", array.nbytes)
     return copy_to(np.ascontiguousarray(array), device)
 
 
@@ -45,6 +47,8 @@ def move(array: np.ndarray, source: Device, target: Device) -> np.ndarray:
     if target is CPU or target == "cpu":
         out = np.empty(array.shape, array.dtype)
         kind_of(source).copy(out, array)
+        record("device_to_host", array.nbytes)
         charge(out, None)
         return out
+    record("host_to_device" if source is CPU or source == "cpu" else "device_to_device", array.nbytes)
     return copy_to(np.ascontiguousarray(array), target)

@@ -21,6 +21,7 @@ import numpy as np
 
 from kiln.codegen.opencl.runtime import device_arg
 from kiln.ir.shapes import dim_function
+from kiln.runtime.transfers import record
 from kiln.runtime.capture import Copy, Launcher, Loop, NativeLaunch, Swap, Switch
 
 
@@ -62,6 +63,7 @@ class _Launch:
                 cl.enqueue_nd_range_kernel(self.ctx.queue, kernel, glob, local, global_work_offset=offset)
         for buf, host in back:
             cl.enqueue_copy(self.ctx.queue, host, buf)
+            record("device_to_host", host.nbytes)
         back.clear()
 
 

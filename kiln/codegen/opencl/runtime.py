@@ -9,9 +9,10 @@ checked (header, device identity, size) before the driver sees it, and a binary 
 driver refuses is rebuilt from source.
 
 Kernels take shared virtual memory pointers: arrays in the device's own segments
-(kiln/codegen/opencl/device.py), or any host array where the device has fine-grained
+(kiln/runtime/opencl_device.py), or any host array where the device has fine-grained
 *system* SVM (PoCL on the CPU has it), go to the kernel without a copy; other host
-arrays are copied through a buffer, in and back out.
+arrays are copied through a buffer, in and back out. Host arrays are counted either way
+(kiln/runtime/transfers.py: a copy, or a host operand used in place).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kiln.codegen.opencl.emit import EmittedKernel, Limits
 from kiln.codegen.opencl.errors import (KilnOpenCLBuildError, KilnOpenCLFeatureError,
                                         KilnOpenCLLaunchError, KilnOpenCLUnavailableError)
 from kiln.ir.shapes import dim_function
+from kiln.runtime.transfers import record
 
 _BLOB_MAGIC = b"KILNCL1\0"
 
@@ -275,6 +277,7 @@ class OpenCLKernel:
                     cl.enqueue_nd_range_kernel(self.ctx.queue, kernel, glob, local, global_work_offset=offset)
                 for buf, host in back:  # the queue is in order: after the kernel
                     cl.enqueue_copy(self.ctx.queue, host, buf)
+                    record("device_to_host", host.nbytes)
                 self.ctx.queue.finish()
             except cl.Error as exc:
                 raise KilnOpenCLLaunchError(f"opencl backend: launching {self.emitted.name} on "
@@ -291,12 +294,17 @@ def device_arg(ctx: DeviceContext, array: np.ndarray):
     cl = ctx.cl
     if array.size == 0:
         array = _EMPTY
-    if ctx.host_pointers or owns(ctx, array):
-        return cl.SVM(array), None
-    if not array.flags.c_contiguous:
-        raise KilnOpenCLLaunchError("opencl backend: kernel arguments must be contiguous arrays")
-    buf = cl.Buffer(ctx.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=array)
-    return buf, buf
+    elif not owns(ctx, array):  # host memory (counted: kiln/runtime/transfers.py)
+        if ctx.host_pointers:
+            record("host_operands", array.nbytes)
+        else:
+            if not array.flags.c_contiguous:
+                raise KilnOpenCLLaunchError("opencl backend: kernel arguments must be contiguous arrays")
+            record("host_to_device", array.nbytes)
+            buf = cl.Buffer(ctx.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                            hostbuf=array)
+            return buf, buf
+    return cl.SVM(array), None
 
 
 def owns(ctx: DeviceContext, array: np.ndarray) -> bool:
