@@ -204,9 +204,10 @@ class OpenCLKernel:
         self.emitted, self.ctx = emitted, ctx
         self.kernel = kernel  # a Kernel IR kernel (capture reads its sizes)
         program = ctx.program(emitted.source)
-        self.cl_kernels = [getattr(program, emitted.name)]
+        # a kernel object of its own (getattr on the program would warn on a second build)
+        self.cl_kernels = [ctx.cl.Kernel(program, emitted.name)]
         if emitted.tail_name:
-            self.cl_kernels.append(getattr(program, emitted.tail_name))
+            self.cl_kernels.append(ctx.cl.Kernel(program, emitted.tail_name))
         self.cl_kernel = self.cl_kernels[0]
         self.work = [(dim_function(e), per, items) for e, per, items in emitted.work]
         self.local = tuple(emitted.local)
