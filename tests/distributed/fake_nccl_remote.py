@@ -190,6 +190,14 @@ class FakeNcclServer:
         self._thread.join(timeout=2.0)
 
 
+def _forward(method: str):
+    """A RemoteNccl method that sends its arguments as they are."""
+    def call(self, *args):
+        return self._rpc(method, *args)
+    call.__name__ = method
+    return call
+
+
 class RemoteNccl(api.NcclApi):
     """One rank's NcclApi: every call is forwarded to a `FakeNcclServer`."""
 
@@ -212,6 +220,19 @@ class RemoteNccl(api.NcclApi):
         res = head["r"]
         return tuple(res) if isinstance(res, list) else res
 
+    # calls whose arguments and results cross as they are
+    get_version = _forward("get_version")
+    get_error_string = _forward("get_error_string")
+    comm_get_async_error = _forward("comm_get_async_error")
+    comm_revoke = _forward("comm_revoke")
+    comm_abort = _forward("comm_abort")
+    comm_finalize = _forward("comm_finalize")
+    comm_destroy = _forward("comm_destroy")
+    group_start = _forward("group_start")
+    group_end = _forward("group_end")
+    event_record = _forward("event_record")
+    event_query = _forward("event_query")
+
     def _buffered(self, method: str, *args):
         si, _, ci, di, mi = _BUFFERED[method]
         payload = b""
@@ -223,21 +244,12 @@ class RemoteNccl(api.NcclApi):
             payload = ctypes.string_at(args[si], n) if n else b""
         return self._rpc(method, *args, payload=payload)
 
-    def get_version(self):
-        return self._rpc("get_version")
-
     def get_unique_id(self):
         res, uid = self._rpc("get_unique_id")
         return res, bytes.fromhex(uid)
 
-    def get_error_string(self, result):
-        return self._rpc("get_error_string", result)
-
     def comm_init_rank_config(self, nranks, unique_id, rank, blocking):
         return self._rpc("comm_init_rank_config", nranks, unique_id.hex(), rank, blocking)
-
-    def comm_get_async_error(self, comm):
-        return self._rpc("comm_get_async_error", comm)
 
     def comm_split(self, comm, color, key, blocking):
         return self._rpc("comm_split", comm, color, key, blocking)
@@ -252,18 +264,6 @@ class RemoteNccl(api.NcclApi):
     def comm_grow(self, comm, nranks, unique_id, rank, blocking):
         return self._rpc("comm_grow", comm, nranks,
                          None if unique_id is None else unique_id.hex(), rank, blocking)
-
-    def comm_revoke(self, comm):
-        return self._rpc("comm_revoke", comm)
-
-    def comm_abort(self, comm):
-        return self._rpc("comm_abort", comm)
-
-    def comm_finalize(self, comm):
-        return self._rpc("comm_finalize", comm)
-
-    def comm_destroy(self, comm):
-        return self._rpc("comm_destroy", comm)
 
     def all_reduce(self, send, recv, count, dtype, op, comm, stream):
         return self._buffered("all_reduce", send, recv, count, dtype, op, comm, stream)
@@ -310,18 +310,6 @@ class RemoteNccl(api.NcclApi):
 
     def copy_to_host(self, addr, nbytes):
         raise NotImplementedError("the cross-process fake NCCL has no device memory")
-
-    def group_start(self):
-        return self._rpc("group_start")
-
-    def group_end(self):
-        return self._rpc("group_end")
-
-    def event_record(self, stream):
-        return self._rpc("event_record", stream)
-
-    def event_query(self, event):
-        return self._rpc("event_query", event)
 
     def event_destroy(self, event):
         return self._rpc("event_destroy", event)
