@@ -8,14 +8,17 @@ carries no value. kiln maps its API onto that:
 
 - `pg.window(buf)` registers `buf` (ncclCommWindowRegister, symmetric, collective) and a
   small *signal pad* of kiln's own (ncclMemAlloc'd, registered the same way): one
-  16-byte record per origin rank, [cumulative signal value, PutSignal ops issued].
+  24-byte record per origin rank, [cumulative signal value, PutSignal ops issued,
+  a check word that catches a record read half-written].
 - `win.put(dst, data, offset)` is one `ncclPutSignal`; its Work completes when the put's
   event on the stream completed.
 - `win.signal(dst, slot=0, value)` waits until this rank's earlier puts to `dst` on the
   window completed, then writes this rank's record into `dst`'s pad (one more
-  `ncclPutSignal`). The target's RMA thread polls its pad, credits the value to the
-  window's signal counter (what `wait_signal` waits on) and consumes NCCL's signal
-  counts with `ncclWaitSignal`. So a waiter sees every put made before the signal.
+  `ncclPutSignal`). The target's RMA thread polls its pad; for a new record it enqueues
+  `ncclWaitSignal` for NCCL's signal count of every PutSignal the origin had issued
+  (the record's, and the puts before it), and once that wait completed credits the
+  value to the window's signal counter (what `wait_signal` waits on). So a waiter sees
+  every put made before the signal, on NCCL's own guarantee.
   NCCL has one signal index here: only slot 0 exists on nccl.
 - `get` and `accumulate` raise `NcclWindowUnsupported` (K253): NCCL has no call for them.
 
@@ -35,7 +38,8 @@ from kiln.distributed.errors import (
     CollectiveTimeout, DistributedError, NcclWindowUnsupported,
 )
 
-_RECORD = 16  # bytes per origin in a signal pad: int64 value, int64 ops issued
+_RECORD = 24  # bytes per origin in a signal pad: value, ops issued, value ^ ops ^ _CHECK
+_CHECK = 0x6B696C6E5F736967  # a record read while being written fails its check: reread
 _POLL_MIN, _POLL_MAX = 1e-4, 2e-3
 
 
@@ -45,6 +49,7 @@ class _Win:
     def __init__(self, memory, win: int, pad: int, pad_win: int, world: int):
         self.memory, self.win, self.pad, self.pad_win = memory, win, pad, pad_win
         self.seen = np.zeros(world, np.int64)  # value credited from each origin
+        self.claimed = np.zeros(world, np.int64)  # value seen in the pad (credit pending)
         self.sent = np.zeros(world, np.int64)  # value this rank signalled to each peer
         self.puts: dict[int, list] = collections.defaultdict(list)  # dst -> pending puts
         self.error: BaseException | None = None
@@ -64,6 +69,7 @@ class NcclRma:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._last_wait = None  # the newest ncclWaitSignal's work
 
     # -- the backend's window methods ---------------------------------------------------
     def register(self, memory) -> None:
@@ -181,7 +187,8 @@ class NcclRma:
                     return busy
                 w.sent[dst] += arg
                 self.issued[dst] += 1
-                record = np.array([w.sent[dst], self.issued[dst]], np.int64)
+                v, n = int(w.sent[dst]), int(self.issued[dst])
+                record = np.array([v, n, v ^ n ^ _CHECK], np.uint64).view(np.int64)
                 work = self.comm.put_signal(record.ctypes.data, _RECORD, dst, w.pad_win,
                                             self.rank * _RECORD, self.backend.stream)
                 keep = record
@@ -212,27 +219,41 @@ class NcclRma:
         return True
 
     def _watch(self) -> bool:
-        """Credit the signals that arrived in the pads; consume NCCL's counts."""
+        """Read the pads; credit new signal values once NCCL's signals of the puts
+        before them arrived (one ncclWaitSignal for everything issued so far)."""
         with self._lock:
             wins = list(self.wins.values())
-        busy = False
         ops = self.drained.copy()
+        credits = []
         for w in wins:
             pad = np.frombuffer(self.api.copy_to_host(w.pad, self.world * _RECORD),
-                                np.int64).reshape(self.world, 2)
+                                np.uint64).reshape(self.world, 3)
             for origin in range(self.world):
-                value, issued = int(pad[origin, 0]), int(pad[origin, 1])
+                value, issued, check = (int(x) for x in pad[origin])
+                if value ^ issued ^ _CHECK != check:
+                    continue  # never written, or caught mid-write: next poll
                 ops[origin] = max(ops[origin], issued)
-                if value > w.seen[origin]:
-                    w.memory.add_signal(0, value - int(w.seen[origin]))
-                    w.seen[origin] = value
-                    busy = True
+                if value > w.claimed[origin]:
+                    w.claimed[origin] = value
+                    credits.append((w, origin, value))
+        if not credits and (ops <= self.drained).all():
+            return False
         counts = {p: int(ops[p] - self.drained[p]) for p in range(self.world)
                   if ops[p] > self.drained[p]}
         if counts:
-            work = self.comm.wait_signal(counts, self.backend.stream)
+            self._last_wait = self.comm.wait_signal(counts, self.backend.stream)
             self.drained[:] = ops
+        wait = self._last_wait
+
+        def credit(_error=None, credits=credits):
+            for w, origin, value in credits:
+                if value > w.seen[origin]:
+                    w.memory.add_signal(0, value - int(w.seen[origin]))
+                    w.seen[origin] = value
+
+        if wait is None or wait.is_completed():
+            credit()
+        else:
             with self._lock:
-                self._pending.append((work, None, None))
-            busy = True
-        return busy
+                self._pending.append((wait, credit, None))
+        return True
