@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import Any
 
 import numpy as np
@@ -19,12 +18,12 @@ import sympy
 from kiln.errors import KilnDTypeError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
-from kiln.frontend.eager_path import eager_apply, eager_binary
+from kiln.frontend.eager_path import _state as eager_path_state, eager_apply, eager_binary
 from kiln.frontend.tape import Dual, TapeEmitter, builder_of, taping
 from kiln.runtime.device import CPU, KilnDeviceMismatchError
 from kiln.runtime.placement import charge
 
-_state = threading.local()
+_state = eager_path_state  # thread-local: `stack` (active traces), `device` (wrap's)
 _KILN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

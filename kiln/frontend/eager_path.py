@@ -16,6 +16,7 @@ thread (an eager tensor used inside a trace becomes a graph constant).
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -47,13 +48,12 @@ def _tensor_class():
     return _Tensor
 
 
-_state = None  # dispatch's thread-local state, whose `stack` holds the active traces
+# dispatch's thread-local state (defined here, where the hot path reads it): `stack` holds
+# the active traces, `device` the device of the results dispatch.wrap makes
+_state = threading.local()
 
 
 def _tracing() -> bool:
-    global _state
-    if _state is None:
-        from kiln.frontend.dispatch import _state
     # through __dict__: getattr with a default costs ~0.3 us when the thread never traced
     # (the AttributeError it makes and swallows), more than the rest of these checks
     return bool(_state.__dict__.get("stack"))
@@ -110,7 +110,9 @@ def eager_unary_float(op: str, x):
     """A float op on one plain floating or complex tensor (ints take the general path,
     which computes them in float32), else None."""
     Tensor = _Tensor or _tensor_class()
-    if not _plain(x, Tensor) or x._x.dtype not in _INEXACT or _tracing():
+    if type(x) is not Tensor or x._builder is not None or x._device is not None \
+            or x._view is not None or x._node is not None or x._requires_grad \
+            or x._x.dtype not in _INEXACT or _tracing():  # `_plain`, inlined
         return None
     return _new_result(EAGER.run1(op, (x._x,), x._x, 1), x._x)
 
@@ -129,7 +131,8 @@ def eager_binary(op: str, x, y):
                 or y._requires_grad:  # `_plain`, inlined for the commonest case
             return None
         a, b = x._x, y._x
-        if a.dtype not in _FLOATING or a.dtype != b.dtype or a.shape != b.shape or _tracing():
+        if a.dtype not in _FLOATING or a.dtype != b.dtype or a.shape != b.shape \
+                or _state.__dict__.get("stack"):  # `_tracing()`, inlined
             return None
         return _new_result(EAGER.run1(op, (a, b), a, 2), a, b)
     if tx is Tensor:
@@ -140,7 +143,8 @@ def eager_binary(op: str, x, y):
         return None
     if (type(scalar) is not float and type(scalar) is not int) or op not in _SCALAR_OK:
         return None
-    if not _plain(tensor, Tensor):
+    if tensor._builder is not None or tensor._device is not None or tensor._view is not None \
+            or tensor._node is not None or tensor._requires_grad:  # `_plain`, inlined
         return None
     a = tensor._x
     if a.dtype not in _FLOATING or (type(scalar) is int and not -2**63 <= scalar < 2**64) \

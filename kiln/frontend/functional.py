@@ -173,6 +173,10 @@ def add(x, y, alpha=1):
 
 
 def sub(x, y, alpha=1):
+    if alpha == 1:
+        result = eager_binary("sub", x, y)  # plain eager float tensors (eager_path.py)
+        if result is not None:
+            return result
     return binary("sub", x, y if alpha == 1 else mul(y, alpha))
 
 
