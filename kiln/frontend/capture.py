@@ -36,17 +36,23 @@ class CapturedFunction:
     def __init__(self, fn: Callable, example_args: tuple, backend: str):
         from kiln.codegen.launchers import launcher_for
         from kiln.frontend.compile import compile_graph
+        from kiln.runtime.device_programs import backend_on, call_device
 
         self.fn = getattr(fn, "fn", fn)  # a kn.compile'd function: capture what it wraps
+        # tensors on a device: the program of that device's backend, on its memory
+        self.device = call_device(pytree.flatten(tuple(example_args), _leaf)[0], op="capture")
+        if self.device is not None:
+            backend = backend_on(self.device, backend)
         exported = export(self.fn, tuple(example_args), backend=backend)
         self.graph = exported.graph
         self.in_spec, self.out_spec = exported.in_spec, exported.out_spec
         self.static_args = dict(exported.static_args)
-        compiled = compile_graph(exported.graph, backend)
+        compiled = compile_graph(exported.graph, backend, device=self.device)
         arrays = self._arrays(example_args)
         executable = compiled.executable
         self.plan = CapturedPlan(compiled.program, executable.kernels, executable.externs,
-                                 compiled.binder(arrays), arrays, launcher_for(backend))
+                                 compiled.binder(arrays), arrays, launcher_for(backend),
+                                 device=self.device)
         self.backend = backend
         self._flat = spec_is_flat(self.in_spec) and not self.static_args
 
@@ -70,7 +76,18 @@ class CapturedFunction:
             arrays = [a._x if a.__class__ is Tensor and a._builder is None else to_array(a) for a in args]
         else:
             arrays = self._arrays(args)
-        outputs = [Tensor._make(a) for a in self.plan.run(arrays)]
+        device = self.device
+        if device is not None:  # device memory in (host arrays copied, counted), device tensors out
+            from kiln.runtime.device_programs import bind_arguments, call_device, runtime_allocator
+
+            if call_device(pytree.flatten(tuple(args), _leaf)[0], op="capture replay") != device:
+                from kiln.runtime.device import KilnDeviceMismatchError
+
+                raise KilnDeviceMismatchError(f"capture replay: the program was captured on {device}; "
+                                              "its arguments must be there too",
+                                              hint=f"move them with x.to({str(device)!r})")
+            arrays = bind_arguments(self.plan.check(arrays), device, runtime_allocator(device))
+        outputs = [Tensor._make(a, None, device) for a in self.plan.run(arrays)]
         return pytree.unflatten(self.out_spec, outputs)
 
     @property

@@ -135,8 +135,10 @@ class Launcher(abc.ABC):
 # -- capture: storage for every buffer, steps to ops -----------------------------------------
 
 class _Flattener:
-    def __init__(self, kernels: dict, externs: dict, sizes: dict, launcher: Launcher | None):
+    def __init__(self, kernels: dict, externs: dict, sizes: dict, launcher: Launcher | None,
+                 device=None):
         self.kernels, self.externs, self.sizes = kernels, externs, sizes
+        self.device = device or "cpu"  # whose memory every captured buffer is
         self.native = launcher is not None
         self.parallel = bool(launcher is not None and launcher.parallel)
         self.arrays: list = []  # table index -> array (None: an input, bound per call)
@@ -155,12 +157,12 @@ class _Flattener:
         self.groups.update({root: tuple(m) for root, m in members.items()})
 
     def buffer(self, shape, dtype) -> np.ndarray:
-        """A captured buffer, from the CPU device's caching allocator: counted by
-        kn.memory and held to the memory fraction while the capture lives. Every op
+        """A captured buffer, from the caching allocator of the program's device: counted
+        by kn.memory and held to the memory fraction while the capture lives. Every op
         writes a buffer before reading it, so none needs clearing."""
         from kiln.runtime.device import allocator_for
 
-        return allocator_for("cpu").array(shape, dtype, what="a captured program's buffer")
+        return allocator_for(self.device).array(shape, dtype, what="a captured program's buffer")
 
     def new(self, array, root: int | None = None) -> int:
         self.arrays.append(array)
@@ -230,6 +232,12 @@ class _Flattener:
             return []
         if isinstance(step, Constant):
             data = np.ascontiguousarray(program.constants[step.name])
+            if self.device != "cpu":  # in the device's memory, copied once at capture
+                from kiln.runtime.device import kind_of
+
+                on_device = self.buffer(data.shape, data.dtype)
+                kind_of(self.device).copy(on_device, data)
+                data = on_device
             env[step.target] = self.new(data)
             self.frozen.add(env[step.target])
             return []
@@ -402,10 +410,12 @@ class CapturedPlan:
     """A program captured for fixed input shapes: `run(arrays)` replays it."""
 
     def __init__(self, program: Program, kernels: dict, externs: dict, sizes: dict,
-                 example: Sequence[np.ndarray], launcher: Launcher | None = None):
+                 example: Sequence[np.ndarray], launcher: Launcher | None = None,
+                 device=None):
         self.program, self.sizes = program, dict(sizes)
         self.launcher = launcher  # owns the native code the plan calls
-        flat = _Flattener(kernels, externs, self.sizes, launcher)
+        self.device = device  # None: host memory; else every buffer is this device's
+        flat = _Flattener(kernels, externs, self.sizes, launcher, device)
         env = {}
         for slot in program.inputs:
             env[slot] = flat.new(None)
@@ -503,4 +513,10 @@ class CapturedPlan:
         if array is None:  # a view of an input, bound natively: make it from the input
             source, shape = self._alias_of[index]
             return self._output(source).reshape(shape)
+        if self.device is not None:  # the caller's copy, in the device's memory
+            from kiln.runtime.device import allocator_for, kind_of
+
+            out = allocator_for(self.device).array(array.shape, array.dtype, "a replay's output")
+            kind_of(self.device).copy(out, np.ascontiguousarray(array))
+            return out
         return array.copy()

@@ -340,6 +340,15 @@ def in_memory_of(device: Device, array: np.ndarray) -> bool:
         return at >= 0 and address + array.nbytes <= _RANGE_ENDS[(device, starts[at])]
 
 
+def memory_owner(array: np.ndarray, kinds: tuple[str, ...] = ()) -> Device | None:
+    """The device (of one of `kinds`, or any) whose caching allocator holds `array`'s
+    memory, or None for host memory."""
+    for device in list(_RANGE_STARTS):
+        if (not kinds or device.type in kinds) and in_memory_of(device, array):
+            return device
+    return None
+
+
 def allocators() -> dict[str, CachingAllocator]:
     """The allocators made so far, by device (what `kiln mem` publishes)."""
     return dict(_ALLOCATORS)

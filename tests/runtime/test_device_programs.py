@@ -202,3 +202,20 @@ def test_write_back_and_returned_arguments_stay_on_the_device(fake):
     assert s.device == p.device == "fake:0"
     np.testing.assert_allclose(p.numpy(), np.arange(6) - 0.5)
     np.testing.assert_allclose(s.item(), (np.arange(6) - 0.5).sum())
+
+
+@needs_opencl
+def test_capture_on_the_opencl_device_replays_in_device_memory(kernel_args):
+    xs = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    x = kn.tensor(xs).to("opencl:0")
+    g = kn.capture(lambda v: kn.gelu(v * 2 + 1) * kn.sigmoid(v), x)
+    expected = kn.compile(lambda v: kn.gelu(v * 2 + 1) * kn.sigmoid(v))(kn.tensor(xs)).numpy()
+    kernel_args.clear()
+    with transfers.counting() as seen:
+        y = g(x)
+    assert y.device == "opencl:0" and in_memory_of(y.device, y.numpy())
+    assert seen["host_operands"] == seen["host_to_device"] == seen["device_to_host"] == 0
+    assert kernel_args and all(kernel_args)
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(KilnDeviceMismatchError, match="K380.*captured on opencl:0"):
+        g(kn.tensor(xs))

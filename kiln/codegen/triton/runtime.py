@@ -10,10 +10,13 @@ needs at run time:
 - AMD: ROCm (libamdhip64.so) and triton; Triton's HIP driver only activates where a
   ROCm build of torch is importable, so that torch is needed too.
 
-A kernel called with numpy arrays (what kiln's runtime passes today) copies its input
-buffers to the device, launches, and copies its outputs back. Called with device
-buffers (`DeviceBuffer`, or anything with `data_ptr()` returning a device address:
-torch CUDA tensors, CuPy arrays via a wrapper) it launches in place with no copies.
+Arrays in a kiln device's memory (the `cuda`/`rocm` device kinds' managed segments,
+kiln/runtime/gpu_devices.py: what a compiled program on device tensors hands its
+kernels, kiln/runtime/device_programs.py) go to the kernel as their device pointers,
+with no copy. Any other numpy array is host memory: it is copied to a device buffer,
+and an output copied back, each copy counted (kiln/runtime/transfers.py). Device buffers
+(`DeviceBuffer`, or anything with `data_ptr()` returning a device address: torch CUDA
+tensors, CuPy arrays via a wrapper) launch in place too.
 
 On the CPU (`InterpretedKernel`): in a process started with TRITON_INTERPRET=1 (set
 before triton is imported), the same source runs through Triton's interpreter on CPU
@@ -184,6 +187,47 @@ def _address(arg) -> int:
     return arg.data_ptr() if hasattr(arg, "data_ptr") else 0
 
 
+class DevicePointer:
+    """A kiln device array's address, as a kernel argument (no copy)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def kernel_arguments(name: str, arrays: Sequence, outputs, vendor: str) -> tuple[list, list]:
+    """(launch arguments, (host array, device buffer) pairs to copy back after the launch).
+    An array in a `cuda`/`rocm` device's memory passes as its pointer; another numpy
+    array goes through a device buffer (uploaded unless it is an output: kernels write
+    outputs whole), counted."""
+    from kiln.runtime.device import memory_owner
+    from kiln.runtime.transfers import record
+
+    kinds = ("cuda",) if vendor == "cuda" else ("rocm",)
+    device_args, copies = [], []
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            device_args.append(a)
+            continue
+        if memory_owner(a, kinds) is not None:
+            device_args.append(DevicePointer(a.__array_interface__["data"][0]))
+            continue
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: buffer {i} is not C-contiguous")
+        buf = DeviceBuffer(a.nbytes, vendor)
+        if i not in outputs:  # outputs are written whole by the kernel
+            buf.upload(a)
+            record("host_to_device", a.nbytes)
+        else:
+            copies.append((a, buf))
+        device_args.append(buf)
+    return device_args, copies
+
+
 # -- launching on a GPU -----------------------------------------------------------------------
 
 class GpuKernel:
@@ -202,6 +246,13 @@ class GpuKernel:
         self.size_args = names[len(emitted.buffers):len(emitted.buffers) + len(emitted.sizes)]
         self.outputs = [i for i, b in enumerate(kernel.buffers) if b.role == "out"]
         self.compile_variant(tuple(self.pointer_args))  # the aligned variant, so errors show at compile time
+        # capture's mark that this kernel can join a CUDA graph (kiln/runtime/cuda_graphs.py
+        # launches it on the capture stream; nothing calls the value as a function address)
+        self.address = id(self)
+
+    def launch_info(self, sizes: dict) -> tuple:
+        """(size values, programs, parallel) for capture (kiln/runtime/capture.py)."""
+        return tuple(int(sizes[s]) for s in self.emitted.sizes), grid_size(self.emitted, sizes), False
 
     def compile_variant(self, divisible: tuple):
         """The compiled kernel for one specialization (which arguments are multiples of 16)."""
@@ -219,27 +270,32 @@ class GpuKernel:
         programs = grid_size(e, sizes)
         if programs == 0:
             return
-        device_args, copies = [], []
-        for i, a in enumerate(arrays):
-            if isinstance(a, np.ndarray):
-                if not a.flags.c_contiguous:
-                    raise ValueError(f"{e.name}: buffer {i} is not C-contiguous")
-                buf = DeviceBuffer(a.nbytes, self.vendor)
-                if i not in self.outputs:  # outputs are written whole by the kernel
-                    buf.upload(a)
-                else:
-                    copies.append((a, buf))
-                device_args.append(buf)
-            else:
-                device_args.append(a)
+        device_args, copies = kernel_arguments(e.name, arrays, self.outputs, self.vendor)
+        self.launch_pointers([_address(a) for a in device_args], sizes)
+        if copies:
+            from kiln.runtime.transfers import record
+
+            for host, buf in copies:
+                buf.to_array(host)
+                record("device_to_host", host.nbytes)
+
+
+    def launch_pointers(self, pointers: Sequence[int], sizes: dict, stream: int | None = None) -> None:
+        """Launch on device addresses (no copies), asynchronously, on `stream` (None:
+        triton's current stream): what a CUDA-graph capture records."""
+        e = self.emitted
+        programs = grid_size(e, sizes)
+        if programs == 0:
+            return
         size_values = [int(sizes[s]) for s in e.sizes]
-        divisible = tuple(n for n, a in zip(self.pointer_args, device_args) if _address(a) % 16 == 0)
+        divisible = tuple(n for n, a in zip(self.pointer_args, pointers) if a % 16 == 0)
         divisible += tuple(n for n, v in zip(self.size_args, size_values) if v % 16 == 0)
         compiled = self.compile_variant(divisible)
-        args = [_address(a) for a in device_args] + size_values + [e.constexprs[b] for b in e.constexprs]
-        compiled[(programs, 1, 1)](*args)
-        for host, buf in copies:
-            buf.to_array(host)
+        args = list(pointers) + size_values + [e.constexprs[b] for b in e.constexprs]
+        if stream is None:
+            compiled[(programs, 1, 1)](*args)
+        else:
+            compiled[(programs, 1, 1)](*args, stream=stream)
 
 
 # -- the CPU interpreter ----------------------------------------------------------------------
