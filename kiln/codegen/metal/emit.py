@@ -25,30 +25,24 @@ exact in half and stay there (no needless up-cast).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 import sympy
 
-from kiln.codegen.backend import lookup
-from kiln.codegen.kernel_ir import (Acc, Const, GemmKernel, IndexValue, Kernel, Load, Op, Reduce,
-                                    ReduceRef, walk)
+from kiln.codegen.cfamily import expr as cexpr
+from kiln.codegen.cfamily.index import INDEX_HELPERS, kernel_name, next_pow2, static_int  # noqa: F401
+from kiln.codegen.cfamily.index import decompose as _decompose
+from kiln.codegen.cfamily.index import names_of
+from kiln.codegen.cfamily.index import index_c as index_cl
+from kiln.codegen.kernel_ir import GemmKernel, Kernel, Load, Op, Reduce, walk
 from kiln.codegen.legalize import reduce_identity
-from kiln.codegen.metal.scalar import SCALAR_TABLE, SIMD, combine, literal, msl_type
-from kiln.codegen.opencl.scalar import index_cl  # C-family index printing (shared; see docs)
+from kiln.codegen.metal.scalar import SCALAR_TABLE, SIMD, combine, literal, msl_cast, msl_type
 from kiln.errors import KilnBackendContractError
 from kiln.ir.shapes import numel, symbol
 
 SIMD_WIDTH = 32
 NARROW_MAX = 32
-PRELUDE = """#include <metal_stdlib>
-using namespace metal;
-
-inline long kiln_floordiv(long a, long b) {
-  long q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
-inline long kiln_mod(long a, long b) {
-  long r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
-"""
+PRELUDE = "#include <metal_stdlib>\nusing namespace metal;\n\n" + INDEX_HELPERS
 THREAD_ARGS = ("uint tg [[threadgroup_position_in_grid]]", "uint tid [[thread_index_in_threadgroup]]",
                "uint lane [[thread_index_in_simdgroup]]", "uint sg [[simdgroup_index_in_threadgroup]]")
 
@@ -73,64 +67,15 @@ class EmittedKernel:
         return int(sympy.sympify(self.groups).subs({symbol(k): v for k, v in sizes.items()}))
 
 
-def kernel_name(name: str) -> str:
-    return "kiln_" + re.sub(r"\W", "_", name)
+# MSL's way of writing what every C-family emitter writes (kiln/codegen/cfamily)
+DIALECT = cexpr.Dialect("metal", msl_type, msl_cast, literal, SCALAR_TABLE)
 
 
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def static_int(e) -> int | None:
-    e = sympy.sympify(e)
-    return int(e) if e.is_Integer else None
-
-
-class ExprEmitter:
+class ExprEmitter(cexpr.ExprEmitter):
     """Binds every node of an expression DAG to a `const` temporary once per scope."""
 
     def __init__(self, names: dict, buffers: dict):
-        self.names, self.buffers = names, buffers  # symbol -> MSL name; buffer -> (MSL name, dtype)
-        self.counter = 0
-        self.refs: dict = {}  # ReduceRef name -> MSL name
-        self.acc: str | None = None
-        self.override: dict = {}  # Load -> text (vec4 components)
-
-    def emit(self, e, lines: list, pad: str) -> str:
-        memo: dict = {}
-        for x in walk(e):
-            if isinstance(x, Const):
-                memo[x] = literal(x.value, x.dtype)
-                continue
-            if isinstance(x, Load) and x in self.override:
-                text = self.override[x]
-            elif isinstance(x, Load):
-                cname, d = self.buffers[x.buffer]
-                text = f"{cname}[{index_cl(x.index, self.names)}]"
-                if d != x.dtype:
-                    text = f"{msl_type(x.dtype)}({text})"
-            elif isinstance(x, IndexValue):
-                text = f"{msl_type(x.dtype)}({index_cl(x.expr, self.names)})"
-            elif isinstance(x, ReduceRef):
-                text = f"{msl_type(x.dtype)}({self.refs[x.name]})"
-            elif isinstance(x, Acc):
-                if self.acc is None:
-                    raise KilnBackendContractError("metal backend: Acc outside a GEMM epilogue")
-                text = f"{msl_type(x.dtype)}({self.acc})"
-            elif isinstance(x, Op):
-                dts = [a.dtype for a in x.args]
-                emitter = lookup(SCALAR_TABLE, x.op, dts, x.dtype)
-                if emitter is None:
-                    raise KilnBackendContractError(f"metal backend: scalar op {x.op!r} reached the emitter "
-                                                   "unlegalized")
-                text = emitter([memo[a] for a in x.args], dts, x.dtype)
-            else:
-                raise KilnBackendContractError(f"metal backend: not a Kernel IR expression: {x!r}")
-            name = f"t{self.counter}"
-            self.counter += 1
-            lines.append(f"{pad}const {msl_type(x.dtype)} {name} = {text};")
-            memo[x] = name
-        return memo[e]
+        super().__init__(DIALECT, names, buffers)
 
 
 def _coefficients(st, kernel: Kernel):
@@ -178,21 +123,6 @@ def lanes(kind: str, kernel: Kernel) -> tuple[int, int]:
     return SIMD_WIDTH, 8  # strided
 
 
-def _decompose(names: list[str], extents: list, flat: str, symnames: dict, pad: str) -> list[str]:
-    """Statements binding each loop variable from a flat row-major index."""
-    out, strides, stride = [], [], sympy.Integer(1)
-    for ext in reversed(extents):
-        strides.append(stride)
-        stride = sympy.expand(stride * ext)
-    strides.reverse()
-    for j, (v, ext, st) in enumerate(zip(names, extents, strides)):
-        text = flat if st == 1 else f"({flat} / {index_cl(st, symnames)})"
-        if j > 0:
-            text = f"({text} % {index_cl(ext, symnames)})"
-        out.append(f"{pad}const long {v} = {text};")
-    return out
-
-
 def signature(kernel, symnames: dict, buffers: dict) -> list[str]:
     """Buffers as `device` pointers, sizes as `constant long&`, then the thread indices."""
     params = []
@@ -205,11 +135,7 @@ def signature(kernel, symnames: dict, buffers: dict) -> list[str]:
 
 
 def store_cast(value: str, src, dst) -> str:
-    if src == dst:
-        return value
-    if dst.is_bool:
-        return f"(({value}) != 0)"
-    return f"{msl_type(dst)}({value})"
+    return cexpr.store_cast(DIALECT, value, src, dst)
 
 
 def emit_kernel(kernel) -> EmittedKernel:
@@ -229,13 +155,7 @@ def emit_kernel(kernel) -> EmittedKernel:
 def _emit_loops(k: Kernel) -> EmittedKernel:
     kind = classify(k)
     fname = kernel_name(k.name)
-    symnames = {s: f"s_{s}" for s in k.sizes}
-    buffers = {b.name: (f"b_{b.name}", b.dtype) for b in k.buffers}
-    for l in k.outer:
-        symnames[l.var] = f"v_{l.var}"
-    for st in k.stages:
-        for l in st.loops:
-            symnames[l.var] = f"v_{l.var}"
+    symnames, buffers = names_of(k)
     xnumel = numel([l.extent for l in k.outer]) if k.outer else sympy.Integer(1)
     ex = ExprEmitter(symnames, buffers)
     pad = "  "

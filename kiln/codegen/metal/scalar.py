@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from kiln.codegen.cfamily.expr import COMBINE, convert, scalar_table
 from kiln.errors import KilnBackendContractError
 
 MSL_TYPES = {"f32": "float", "f16": "half", "i8": "char", "i16": "short", "i32": "int",
@@ -33,6 +34,11 @@ def msl_type(d) -> str:
         return MSL_TYPES[d.short]
     except KeyError:
         raise KilnBackendContractError(f"metal backend: no MSL type for {d.name}") from None
+
+
+def msl_cast(t: str, text: str) -> str:
+    """`text` converted to MSL type `t` (a constructor-style cast)."""
+    return f"{t}({text})"
 
 
 def literal(value, d) -> str:
@@ -54,10 +60,6 @@ def literal(value, d) -> str:
     return f"{t}({v})"
 
 
-def _binop(sym):
-    return lambda a, d, out: f"({a[0]} {sym} {a[1]})"
-
-
 def _wrapping(sym):
     """Signed integer arithmetic that wraps: computed in the unsigned type."""
     def emit(a, d, out):
@@ -77,47 +79,21 @@ def _math(name):
     return lambda a, d, out: f"{msl_type(out)}({name}({', '.join(a)}))"
 
 
-def _cast(a, d, out):
-    if out.is_bool:
-        return f"(({a[0]}) != 0)"
-    return f"{msl_type(out)}({a[0]})"
-
-
 def _shift_unsigned(sym):
     return lambda a, d, out: f"{msl_type(out)}({UNSIGNED[out.short]}({a[0]}) {sym} {a[1]})"
 
 
-SCALAR_TABLE: dict = {"convert": _cast, "select": lambda a, d, out: f"({a[0]} ? {a[1]} : {a[2]})",
-                      "bitcast_convert": lambda a, d, out: f"as_type<{msl_type(out)}>({a[0]})"}
-SCALAR_TABLE.update({f"{op}:float": _binop(sym) for op, sym in (("add", "+"), ("sub", "-"), ("mul", "*"))})
-SCALAR_TABLE.update({f"{op}:int": _wrapping(sym) for op, sym in (("add", "+"), ("sub", "-"), ("mul", "*"))})
-SCALAR_TABLE["neg:float"] = lambda a, d, out: f"(-{a[0]})"
-SCALAR_TABLE["neg:int"] = _neg_int
-for _k in ("float", "int", "bool"):
-    SCALAR_TABLE.update({f"{op}:{_k}": _binop(sym) for op, sym in
-                         (("eq", "=="), ("ne", "!="), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="))})
-SCALAR_TABLE.update({f"{op}:int": (lambda s: lambda a, d, out: f"{msl_type(out)}({a[0]} {s} {a[1]})")(sym)
-                     for op, sym in (("and", "&"), ("or", "|"), ("xor", "^"))})
-SCALAR_TABLE.update({f"{op}:bool": (lambda s: lambda a, d, out: f"bool({a[0]} {s} {a[1]})")(sym)
-                     for op, sym in (("and", "&"), ("or", "|"), ("xor", "^"))})
-SCALAR_TABLE.update({
-    "div:float": _binop("/"), "rem:float": _math("fmod"), "pow:float": _math("pow"),
-    "atan2:float": _math("atan2"), "abs:float": _math("fabs"), "round:float": _math("rint"),
-    "div_unchecked:int": lambda a, d, out: f"{msl_type(out)}({a[0]} / {a[1]})",
-    "rem_unchecked:int": lambda a, d, out: f"{msl_type(out)}({a[0]} % {a[1]})",
-    "shl_unchecked:int": _shift_unsigned("<<"), "shr_logical_unchecked:int": _shift_unsigned(">>"),
-    "shr_arith_unchecked:int": lambda a, d, out: f"{msl_type(out)}({a[0]} >> {a[1]})",
-})
-SCALAR_TABLE.update({f"{f}:float": _math(f) for f in (
-    "exp", "log", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
-    "tanh", "sqrt", "floor", "ceil", "trunc")})
-SCALAR_TABLE.update({f"reduce.{op}:{k}": op for op in ("sum", "prod", "max", "min") for k in ("float", "int")})
-SCALAR_TABLE.update({f"reduce.{op}:{k}": op for op in ("and", "or") for k in ("int", "bool")})
+def _typed(sym, t=None):
+    """`a sym b` converted to the result type (or to `t`)."""
+    return lambda a, d, out: f"{t or msl_type(out)}({a[0]} {sym} {a[1]})"
 
-# how a reduction folds value x into accumulator a (max/min propagate NaN, as numpy)
-COMBINE = {"sum": "{a} + {x}", "prod": "{a} * {x}", "and": "{a} & {x}", "or": "{a} | {x}",
-           "max": "(({x}) > ({a}) || ({x}) != ({x})) ? ({x}) : ({a})",
-           "min": "(({x}) < ({a}) || ({x}) != ({x})) ? ({x}) : ({a})"}
+
+SCALAR_TABLE: dict = scalar_table(
+    convert=convert(msl_type, msl_cast), bitcast=lambda a, d, out: f"as_type<{msl_type(out)}>({a[0]})", wrapping=_wrapping,
+    neg_int=_neg_int, math=_math, shift_unsigned=_shift_unsigned, int_bitwise=_typed,
+    bool_bitwise=lambda sym: _typed(sym, "bool"), div_int=_typed("/"), rem_int=_typed("%"),
+    shr_arith=_typed(">>"))
+
 # the simdgroup reduction builtin of each op on float/int (and/or on bool use simd_and/or)
 SIMD = {"sum": "simd_sum", "prod": "simd_product", "max": "simd_max", "min": "simd_min",
         "and": "simd_and", "or": "simd_or"}

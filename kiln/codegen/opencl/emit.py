@@ -20,16 +20,17 @@ kernel arguments, so one program serves every size; index math is `long`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import sympy
 
-from kiln.codegen.backend import lookup
-from kiln.codegen.kernel_ir import (Acc, Const, GemmKernel, IndexValue, Kernel, Load, Op, Reduce,
-                                    ReduceRef, walk)
+from kiln.codegen.cfamily import expr as cexpr
+from kiln.codegen.cfamily.index import decompose as _decompose
+from kiln.codegen.cfamily.index import names_of
+from kiln.codegen.cfamily.index import kernel_name, next_pow2, static_int  # noqa: F401
+from kiln.codegen.kernel_ir import GemmKernel, Kernel, Load, Reduce, walk
 from kiln.codegen.legalize import reduce_identity
-from kiln.codegen.opencl.scalar import HELPERS, SCALAR_TABLE, cl_type, combine, index_cl, literal
+from kiln.codegen.opencl.scalar import HELPERS, SCALAR_TABLE, cl_cast, cl_type, combine, index_cl, literal
 from kiln.errors import KilnBackendContractError
 from kiln.ir.shapes import numel, symbol
 
@@ -68,21 +69,8 @@ class EmittedKernel:
     tail_name: str | None = None  # pointwise: the bounds-checked entry for the last group
 
 
-def kernel_name(name: str) -> str:
-    return "kiln_" + re.sub(r"\W", "_", name)
-
-
 def pow2_floor(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
-
-
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def static_int(e) -> int | None:
-    e = sympy.sympify(e)
-    return int(e) if e.is_Integer else None
 
 
 def uses_f64(kernel) -> bool:
@@ -103,48 +91,15 @@ def prelude(f64: bool) -> str:
     return "\n".join(lines) + "\n" + HELPERS
 
 
-class ExprEmitter:
+# OpenCL C's way of writing what every C-family emitter writes (kiln/codegen/cfamily)
+DIALECT = cexpr.Dialect("opencl", cl_type, cl_cast, literal, SCALAR_TABLE)
+
+
+class ExprEmitter(cexpr.ExprEmitter):
     """Binds every node of an expression DAG to a `const` temporary once per scope."""
 
     def __init__(self, names: dict, buffers: dict):
-        self.names, self.buffers = names, buffers  # symbol -> C name; buffer -> (C name, dtype)
-        self.counter = 0
-        self.refs: dict = {}  # ReduceRef name -> C name
-        self.acc: str | None = None
-
-    def emit(self, e, lines: list, pad: str) -> str:
-        memo: dict = {}
-        for x in walk(e):
-            if isinstance(x, Const):
-                memo[x] = literal(x.value, x.dtype)
-                continue
-            if isinstance(x, Load):
-                cname, d = self.buffers[x.buffer]
-                text = f"{cname}[{index_cl(x.index, self.names)}]"
-                if d != x.dtype:
-                    text = f"(({cl_type(x.dtype)}){text})"
-            elif isinstance(x, IndexValue):
-                text = f"(({cl_type(x.dtype)}){index_cl(x.expr, self.names)})"
-            elif isinstance(x, ReduceRef):
-                text = f"(({cl_type(x.dtype)}){self.refs[x.name]})"
-            elif isinstance(x, Acc):
-                if self.acc is None:
-                    raise KilnBackendContractError("opencl backend: Acc outside a GEMM epilogue")
-                text = f"(({cl_type(x.dtype)}){self.acc})"
-            elif isinstance(x, Op):
-                dts = [a.dtype for a in x.args]
-                emitter = lookup(SCALAR_TABLE, x.op, dts, x.dtype)
-                if emitter is None:
-                    raise KilnBackendContractError(f"opencl backend: scalar op {x.op!r} reached the emitter "
-                                                   "unlegalized")
-                text = emitter([memo[a] for a in x.args], dts, x.dtype)
-            else:
-                raise KilnBackendContractError(f"opencl backend: not a Kernel IR expression: {x!r}")
-            name = f"t{self.counter}"
-            self.counter += 1
-            lines.append(f"{pad}const {cl_type(x.dtype)} {name} = {text};")
-            memo[x] = name
-        return memo[e]
+        super().__init__(DIALECT, names, buffers)
 
 
 def classify(kernel: Kernel) -> str:
@@ -196,21 +151,6 @@ def group_shape(kind: str, xnumel, rnumel, limits: Limits, acc_bytes: int) -> tu
     return rl, xl
 
 
-def _decompose(names: list[str], extents: list, flat: str, symnames: dict, pad: str) -> list[str]:
-    """Statements binding each loop variable from a flat row-major index."""
-    out, strides, stride = [], [], sympy.Integer(1)
-    for ext in reversed(extents):
-        strides.append(stride)
-        stride = sympy.expand(stride * ext)
-    strides.reverse()
-    for j, (v, ext, st) in enumerate(zip(names, extents, strides)):
-        text = flat if st == 1 else f"({flat} / {index_cl(st, symnames)})"
-        if j > 0:
-            text = f"({text} % {index_cl(ext, symnames)})"
-        out.append(f"{pad}const long {v} = {text};")
-    return out
-
-
 def emit_kernel(kernel, limits: Limits = DEFAULT_LIMITS) -> EmittedKernel:
     """OpenCL C for one legalized Kernel IR kernel (a `Kernel` or a `GemmKernel`).
 
@@ -237,13 +177,7 @@ def _signature(kernel, symnames: dict, buffers: dict) -> list[str]:
 def _emit_loops(k: Kernel, limits: Limits) -> EmittedKernel:
     kind = classify(k)
     fname = kernel_name(k.name)
-    symnames = {s: f"s_{s}" for s in k.sizes}
-    buffers = {b.name: (f"b_{b.name}", b.dtype) for b in k.buffers}
-    for l in k.outer:
-        symnames[l.var] = f"v_{l.var}"
-    for st in k.stages:
-        for l in st.loops:
-            symnames[l.var] = f"v_{l.var}"
+    symnames, buffers = names_of(k)
     xnumel = numel([l.extent for l in k.outer]) if k.outer else 1
     spaces = [numel([l.extent for l in st.loops]) for st in k.stages if st.loops]
     rmax = None if any(static_int(r) is None for r in spaces) else max((static_int(r) for r in spaces), default=1)
@@ -306,11 +240,7 @@ def _emit_loops(k: Kernel, limits: Limits) -> EmittedKernel:
 
 
 def _store_cast(value: str, src, dst) -> str:
-    if src == dst:
-        return value
-    if dst.is_bool:
-        return f"(({value}) != 0)"
-    return f"(({cl_type(dst)}){value})"
+    return cexpr.store_cast(DIALECT, value, src, dst)
 
 
 def _stage(st, ex: ExprEmitter, buffers: dict, symnames: dict, rl: int, xl: int, scratch: dict,

@@ -1,4 +1,4 @@
-"""Scalar Kernel IR as OpenCL C: types, literals, index expressions and the scalar table.
+"""Scalar Kernel IR as OpenCL C: types, literals and the scalar table.
 
 The table holds what OpenCL C 1.2 has natively (operators, casts, the built-in math
 functions); everything else -- integer division guards, INT_MIN / -1, integer pow,
@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import sympy
 
+from kiln.codegen.cfamily.index import INDEX_HELPERS, index_c
+from kiln.codegen.cfamily.expr import COMBINE, binop, convert, scalar_table
 from kiln.errors import KilnBackendContractError
 
 CL_TYPES = {"f32": "float", "f64": "double", "i8": "char", "i16": "short", "i32": "int",
@@ -24,11 +25,8 @@ CL_TYPES = {"f32": "float", "f64": "double", "i8": "char", "i16": "short", "i32"
 UNSIGNED = {"i8": "uchar", "i16": "ushort", "i32": "uint", "i64": "ulong", "u8": "uchar", "u32": "uint"}
 DTYPES = frozenset(CL_TYPES)
 
-HELPERS = """inline long kiln_floordiv(long a, long b) {
-  long q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
-inline long kiln_mod(long a, long b) {
-  long r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
-"""
+HELPERS = INDEX_HELPERS
+index_cl = index_c  # the C-family index printer (kiln/codegen/cfamily/index.py), by its old name
 
 
 def cl_type(d) -> str:
@@ -37,6 +35,11 @@ def cl_type(d) -> str:
         return CL_TYPES[d.short]
     except KeyError:
         raise KilnBackendContractError(f"opencl backend: no OpenCL C type for {d.name}") from None
+
+
+def cl_cast(t: str, text: str) -> str:
+    """`text` converted to OpenCL C type `t` (a C cast)."""
+    return f"(({t}){text})"
 
 
 def literal(value, d) -> str:
@@ -58,43 +61,7 @@ def literal(value, d) -> str:
     return f"(({cl_type(d)}){text})"
 
 
-def index_cl(e, names: dict) -> str:
-    """A sympy index expression as `long` OpenCL C; `names` maps symbol names to C names.
-    Floor division and Mod keep Python's signs (kiln_floordiv / kiln_mod)."""
-    e = sympy.sympify(e)
-    if e.is_Integer:
-        return f"{int(e)}L"
-    if e.is_Symbol:
-        return names[e.name]
-    if isinstance(e, sympy.Add):
-        return "(" + " + ".join(index_cl(a, names) for a in e.args) + ")"
-    if isinstance(e, sympy.Mul):
-        return "(" + " * ".join(index_cl(a, names) for a in e.args) + ")"
-    if isinstance(e, sympy.Pow) and e.exp.is_Integer and int(e.exp) > 0:
-        return "(" + " * ".join([index_cl(e.base, names)] * int(e.exp)) + ")"
-    if isinstance(e, (sympy.floor, sympy.ceiling)):
-        num, den = sympy.fraction(sympy.together(e.args[0]))
-        top, bottom = index_cl(sympy.expand(num), names), index_cl(den, names)
-        if isinstance(e, sympy.ceiling):
-            return f"(-kiln_floordiv(-{top}, {bottom}))"
-        return f"kiln_floordiv({top}, {bottom})"
-    if isinstance(e, sympy.Mod):
-        return f"kiln_mod({index_cl(e.args[0], names)}, {index_cl(e.args[1], names)})"
-    if isinstance(e, (sympy.Min, sympy.Max)):
-        fn = "min" if isinstance(e, sympy.Min) else "max"
-        text = index_cl(e.args[0], names)
-        for a in e.args[1:]:
-            text = f"{fn}({text}, {index_cl(a, names)})"
-        return text
-    raise KilnBackendContractError(f"opencl backend: index expression {e} uses {type(e).__name__}, "
-                                   "which the OpenCL emitter does not print")
-
-
 # -- the scalar table: op key -> emitter(args, arg dtypes, out dtype) -----------------------
-
-def _binop(sym):
-    return lambda a, d, out: f"({a[0]} {sym} {a[1]})"
-
 
 def _wrapping(sym):
     """Signed integer arithmetic that wraps: computed in the unsigned type."""
@@ -119,45 +86,15 @@ def _math(name):
     return lambda a, d, out: f"{name}({', '.join(a)})"
 
 
-def _cast(a, d, out):
-    if out.is_bool:
-        return f"(({a[0]}) != 0)"
-    return f"(({cl_type(out)}){a[0]})"
-
-
 def _shift_unsigned(sym):
     return lambda a, d, out: f"(({cl_type(out)})(({UNSIGNED[out.short]}){a[0]} {sym} {a[1]}))"
 
 
-SCALAR_TABLE: dict = {"convert": _cast, "select": lambda a, d, out: f"({a[0]} ? {a[1]} : {a[2]})",
-                      # same width by the op's type rule: OpenCL's as_<type> reinterprets the bits
-                      "bitcast_convert": lambda a, d, out: f"as_{cl_type(out)}({a[0]})"}
-SCALAR_TABLE.update({f"{op}:float": _binop(sym) for op, sym in (("add", "+"), ("sub", "-"), ("mul", "*"))})
-SCALAR_TABLE.update({f"{op}:int": _wrapping(sym) for op, sym in (("add", "+"), ("sub", "-"), ("mul", "*"))})
-SCALAR_TABLE["neg:float"] = lambda a, d, out: f"(-{a[0]})"
-SCALAR_TABLE["neg:int"] = _neg_int
-for _k in ("float", "int", "bool"):
-    SCALAR_TABLE.update({f"{op}:{_k}": _binop(sym) for op, sym in
-                         (("eq", "=="), ("ne", "!="), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="))})
-for _k in ("int", "bool"):
-    SCALAR_TABLE.update({f"{op}:{_k}": _binop(sym) for op, sym in (("and", "&"), ("or", "|"), ("xor", "^"))})
-SCALAR_TABLE.update({
-    "div:float": _binop("/"), "rem:float": _math("fmod"), "pow:float": _math("pow"),
-    "atan2:float": _math("atan2"), "abs:float": _math("fabs"), "round:float": _math("rint"),
-    "div_unchecked:int": _binop("/"), "rem_unchecked:int": _binop("%"),
-    "shl_unchecked:int": _shift_unsigned("<<"), "shr_logical_unchecked:int": _shift_unsigned(">>"),
-    "shr_arith_unchecked:int": _binop(">>"),
-})
-SCALAR_TABLE.update({f"{f}:float": _math(f) for f in (
-    "exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
-    "tanh", "erf", "sqrt", "floor", "ceil", "trunc")})
-SCALAR_TABLE.update({f"reduce.{op}:{k}": op for op in ("sum", "prod", "max", "min") for k in ("float", "int")})
-SCALAR_TABLE.update({f"reduce.{op}:{k}": op for op in ("and", "or") for k in ("int", "bool")})
-
-# how a reduction folds value x into accumulator a (max/min propagate NaN, as numpy)
-COMBINE = {"sum": "{a} + {x}", "prod": "{a} * {x}", "and": "{a} & {x}", "or": "{a} | {x}",
-           "max": "(({x}) > ({a}) || ({x}) != ({x})) ? ({x}) : ({a})",
-           "min": "(({x}) < ({a}) || ({x}) != ({x})) ? ({x}) : ({a})"}
+SCALAR_TABLE: dict = scalar_table(
+    # same width by the op's type rule: OpenCL's as_<type> reinterprets the bits
+    convert=convert(cl_type, cl_cast), bitcast=lambda a, d, out: f"as_{cl_type(out)}({a[0]})", wrapping=_wrapping,
+    neg_int=_neg_int, math=_math, shift_unsigned=_shift_unsigned, int_bitwise=binop, bool_bitwise=binop,
+    div_int=binop("/"), rem_int=binop("%"), shr_arith=binop(">>"), extra_math=("expm1", "log1p", "erf"))
 
 
 def combine(op: str, d, a: str, x: str) -> str:
