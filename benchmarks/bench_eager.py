@@ -22,6 +22,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -58,18 +59,40 @@ def _fmt(t: float) -> str:
 
 
 def eager_chain(repeat: int) -> list[tuple]:
+    """numpy, kiln and torch measured round-robin (every repetition runs each once, back to
+    back), so the shared machine's load falls on them alike."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((32, 32), dtype=np.float32), rng.standard_normal((32, 32), dtype=np.float32)
-    rows = [("numpy", timings(lambda: chain(a, b, np.tanh), repeat, 3))]
     ka, kb = kn.tensor(a), kn.tensor(b)
-    rows.append(("kiln eager", timings(lambda: chain(ka, kb, kn.tanh), repeat, 3)))
+    fns = {"numpy": lambda: chain(a, b, np.tanh), "kiln eager": lambda: chain(ka, kb, kn.tanh)}
     if torch is not None:
         ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-        with torch.no_grad():
-            rows.append(("torch eager", timings(lambda: chain(ta, tb, torch.tanh), repeat, 3)))
-            with _torch_threads(1):
-                rows.append(("torch eager, 1 thread", timings(lambda: chain(ta, tb, torch.tanh), repeat, 3)))
+
+        fns["torch eager"] = lambda: chain(ta, tb, torch.tanh)
+    times: dict = {name: [] for name in fns}
+    with (torch.no_grad() if torch is not None else _nothing()):
+        for _ in range(3):
+            for fn in fns.values():
+                fn()
+        for _ in range(repeat):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    rows = [(name, (float(np.median(t)), float(np.min(t)))) for name, t in times.items()]
+    if torch is not None:  # torch's default threads can spin on a busy machine: one thread too
+        with torch.no_grad(), _torch_threads(1):
+            rows.append(("torch eager, 1 thread (after the others)",
+                         timings(lambda: chain(ta, tb, torch.tanh), repeat, 3)))
     return rows
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 class _torch_threads:
@@ -191,7 +214,8 @@ def main() -> None:
         if line.startswith("Model name")), platform.processor())
     load = os.getloadavg()[0]
     sections = [
-        _table("64-op eager chain of 32x32 float32 tensors (per op)", eager_chain(repeat), "torch", 64),
+        _table("64-op eager chain of 32x32 float32 tensors (per op, rows measured round-robin)",
+               eager_chain(3 * repeat), "torch", 64),
         _table("eager value_and_grad, MLP 32x64 -> 128 -> 16 (per call)", eager_grad(repeat), "torch"),
         _table("erf over 2^20 float32 (per call)", eager_erf(max(5, repeat // 10)), "torch"),
         _table("batched GEMM (16,32,256) x (16,256,64), idle", batched_gemm(repeat, False), "torch"),
