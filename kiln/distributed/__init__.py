@@ -15,7 +15,8 @@ from kiln.distributed.errors import (
     ShardingRuleError,
     CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
     FaultInjectionError, FlightRecorderError, GroupAborted, InvalidTimeout, LaunchError,
-    MalformedFrame, PeerFailure, RendezvousError, StoreAuthError, StoreBadRequest,
+    MalformedFrame, MpiError, MpiLaunchError, MpiUnavailable, NcclError, NcclUnavailable,
+    NcclWindowUnsupported, PeerFailure, SymmetricMemoryError, RendezvousError, StoreAuthError, StoreBadRequest,
     StoreError, StoreLost, StoreTimeout, WindowInvalidated,
 )
 from kiln.distributed import checkpoint
@@ -44,5 +45,6 @@ __all__ = [
     "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_tensor",
     "checkpoint", "init_device_mesh", "CheckpointCorrupt", "CheckpointError",
     "CheckpointManifestError", "MeshError", "PlacementError", "ShardingRuleError",
-    "SymmetricMemory", "symmetric_memory",
+    "SymmetricMemory", "symmetric_memory", "SymmetricMemoryError", "MpiError", "MpiLaunchError",
+    "MpiUnavailable", "NcclError", "NcclUnavailable", "NcclWindowUnsupported",
 ]

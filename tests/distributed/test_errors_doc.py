@@ -20,3 +20,18 @@ def test_every_distributed_code_is_documented():
 def test_peer_failure_names_the_rank():
     err = kiln.distributed.PeerFailure(3, "rank 3 died", group="world")
     assert err.rank == 3 and err.code == "K202" and "[K202] rank 3 died" in str(err)
+
+
+def test_every_distributed_error_class_is_on_the_package_face():
+    # users catch them as dist.NcclError, dist.MpiError, ...: none may be reachable only
+    # through the private module
+    import inspect
+
+    import kiln.distributed.errors as errors
+
+    classes = [name for name, obj in vars(errors).items()
+               if inspect.isclass(obj) and issubclass(obj, KilnError) and obj.__module__ == errors.__name__]
+    assert len(classes) >= 20
+    missing = [name for name in classes if name not in kiln.distributed.__all__
+               or getattr(kiln.distributed, name) is not getattr(errors, name)]
+    assert missing == []
