@@ -98,8 +98,7 @@ def compile_gemm(kernel: GemmKernel, arch: str, tile: tuple) -> CuteArtifact:
 def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifact:
     arch_env()
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_compact_tensor
 
     from kiln.codegen.cute import layouts
     from kiln.codegen.cute.epilogue import cutlass_type, make_epilogue
@@ -120,14 +119,7 @@ def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifa
     sizes = tuple(cutlass.Int32(1) for _ in size_names) or (cutlass.Int32(0),)
     module = _kernel_module(arch)
     gemm = (module.Sm100Gemm if arch == "sm_100a" else module.Sm90Gemm)(tuple(tile), fn)
-    with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump, warnings.catch_warnings():
-        # an epilogue without loads passes an empty operand tuple, which CuTeDSL warns it
-        # takes as a compile-time constant: exactly what it is
-        warnings.filterwarnings("ignore", message=r"Argument operands .* cannot be converted", category=UserWarning)
-        start = time.perf_counter()
-        compiled = cute.compile(gemm, a, b, c, operands, sizes, MAX_CTAS[arch], make_fake_stream(),
-                                options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump}")
-        seconds = time.perf_counter() - start
+    compiled, seconds = _run_compile(gemm, (a, b, c, operands, sizes, MAX_CTAS[arch]), arch)
     ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
     if not ptx or not cubin:
         raise RuntimeError(f"cute.compile of {kernel.name} for {arch} kept no PTX/cubin")
@@ -160,7 +152,7 @@ def compile_grouped_gemm(arch: str, dtype, out_dtype, k: int, n: int, experts: i
         return _decode(blob, key)
     arch_env()
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_compact_tensor
 
     from kiln.codegen.cute.epilogue import cutlass_type
 
@@ -178,11 +170,7 @@ def compile_grouped_gemm(arch: str, dtype, out_dtype, k: int, n: int, experts: i
     kind = grouped_gemm.Sm100GroupedGemm if arch == "sm_100a" else sm90_grouped.Sm90GroupedGemm
     gemm = kind(tuple(tile), activation, alpha, bias, row_scale)
     args = (x, w, y, sizes, b, rs) + ((MAX_CTAS[arch],) if arch == "sm_90a" else ())
-    with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump:
-        start = time.perf_counter()
-        compiled = cute.compile(gemm, *args, make_fake_stream(),
-                                options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump}")
-        seconds = time.perf_counter() - start
+    compiled, seconds = _run_compile(gemm, args, arch)
     names = ("bias",) * bias + ("row_scale",) * row_scale
     art = CuteArtifact("grouped_gemm", arch, tuple(tile), compiled.artifacts.PTX, bytes(compiled.artifacts.CUBIN),
                        seconds, names, ("T",), key)
@@ -220,13 +208,12 @@ def compile_blockscaled_gemm(fmt: str, m, n, k, out_dtype, *, tensor_scale: bool
     arch_env()
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_compact_tensor
 
     from kiln.codegen.cute import layouts
     from kiln.codegen.cute.epilogue import cutlass_type, make_epilogue
 
     fn, operand_names, _ = make_epilogue(kernel)
-    vec = sm100_blockscaled.FORMATS[fmt]
     values_t = cutlass.Float4E2M1FN if fmt == "nvfp4" else cutlass.Float8E4M3FN
     sf_t = cutlass.Float8E4M3FN if fmt == "nvfp4" else cutlass.Float8E8M0FNU
     dims = layouts.FakeDims()
@@ -239,17 +226,28 @@ def compile_blockscaled_gemm(fmt: str, m, n, k, out_dtype, *, tensor_scale: bool
     sfb = make_fake_compact_tensor(sf_t, (cute.sym_int32(),), assumed_align=16)
     operands = tuple(make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4) for _ in operand_names)
     gemm = sm100_blockscaled.Sm100BlockScaledGemm(fmt, fn, tuple(tile))
-    with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Argument operands .* cannot be converted", category=UserWarning)
-        start = time.perf_counter()
-        compiled = cute.compile(gemm, a, b, c, sfa, sfb, operands, (cutlass.Int32(0),), MAX_CTAS["sm_100a"],
-                                make_fake_stream(),
-                                options=f"--gpu-arch sm_100a --keep-ptx --keep-cubin --dump-dir={dump}")
-        seconds = time.perf_counter() - start
+    compiled, seconds = _run_compile(gemm, (a, b, c, sfa, sfb, operands, (cutlass.Int32(0),), MAX_CTAS["sm_100a"]),
+                                     "sm_100a")
     art = CuteArtifact(kernel.name, "sm_100a", tuple(tile), compiled.artifacts.PTX, bytes(compiled.artifacts.CUBIN),
                        seconds, operand_names, (), key)
     artifact_cache.store(key, _encode(art), _CACHE_KIND)
     return art
+
+
+def _run_compile(gemm, args: tuple, arch: str) -> tuple:
+    """(compiled, seconds): `cute.compile(gemm, *args, stream)` for `arch`, keeping PTX and
+    cubin, one compile at a time."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    with _LOCK, tempfile.TemporaryDirectory(prefix="kiln-cute-") as dump, warnings.catch_warnings():
+        # an epilogue without loads passes an empty operand tuple, which CuTeDSL warns it
+        # takes as a compile-time constant: exactly what it is
+        warnings.filterwarnings("ignore", message=r"Argument operands .* cannot be converted", category=UserWarning)
+        start = time.perf_counter()
+        compiled = cute.compile(gemm, *args, make_fake_stream(),
+                                options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump}")
+        return compiled, time.perf_counter() - start
 
 
 def _encode(art: CuteArtifact) -> bytes:

@@ -24,10 +24,9 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-import cutlass.utils.blackwell_helpers as sm100
-from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cute.nvgpu import cpasync
 
+from kiln.codegen.cute.builders import tma_split
 from kiln.codegen.cute.sm100_gemm import Sm100Gemm
 
 ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
@@ -36,7 +35,9 @@ ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
 class GroupedParts:
     """What both grouped kernels share: their options, the work-list walk, the epilogue."""
 
-    def _options(self, activation: str, alpha: float, has_bias: bool, has_row_scale: bool) -> None:
+    def __init__(self, tile_mn: tuple[int, int], activation: str = "none", alpha: float = 1.0,
+                 has_bias: bool = False, has_row_scale: bool = False):
+        super().__init__(tile_mn, None)  # the kernel class after this one in the MRO
         if activation not in ACTIVATIONS:
             raise ValueError(f"grouped GEMM: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation, self.alpha = activation, float(alpha)
@@ -85,21 +86,12 @@ class GroupedParts:
 class Sm100GroupedGemm(GroupedParts, Sm100Gemm):
     """The grouped GEMM for sm_100a; `activation` one of ACTIVATIONS, bias / row_scale optional."""
 
-    def __init__(self, tile_mn: tuple[int, int], activation: str = "none", alpha: float = 1.0,
-                 has_bias: bool = False, has_row_scale: bool = False):
-        super().__init__(tile_mn, None)
-        self._options(activation, alpha, has_bias, has_row_scale)
-
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, y: cute.Tensor, group_sizes: cute.Tensor,
                  bias: cute.Tensor, row_scale: cute.Tensor, stream):
         self._configure(x, w, y)
-        tma_a, ta = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100.cluster_shape_to_tma_atom_A((1, 1), self.mma.thr_id), x,
-            cute.slice_(self.sa_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
-        tma_b, tb = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100.cluster_shape_to_tma_atom_B((1, 1), self.mma.thr_id), w,
-            cute.slice_(self.sb_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
+        tma_a, ta = self.tma_a(x, self.sa_layout)
+        tma_b, tb = self.tma_b(w, self.sb_layout)
         experts = cute.size(group_sizes)
         grid = (cute.ceil_div(y.shape[0], self.tile[0]) + experts, cute.ceil_div(y.shape[1], self.tile[1]), 1)
         self.kernel(self.mma, tma_a, ta, tma_b, tb, y, self.cluster, self.sa_layout, self.sb_layout,
@@ -127,20 +119,7 @@ class Sm100GroupedGemm(GroupedParts, Sm100Gemm):
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-
-        @cute.struct
-        class Shared:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            acc_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            tmem_address: cutlass.Int32
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(Shared)
-        loads, mmas, acc_ready, tmem = self.pipelines(storage, cluster)
-        sa = smem.allocate_tensor(element_type=self.a_dtype, layout=sa_layout.outer, byte_alignment=128,
-                                  swizzle=sa_layout.inner)
-        sb = smem.allocate_tensor(element_type=self.b_dtype, layout=sb_layout.outer, byte_alignment=128,
-                                  swizzle=sb_layout.inner)
+        _, loads, mmas, acc_ready, tmem, sa, sb = self.shared_stages(cluster, sa_layout, sb_layout)
 
         thr = mma.get_slice(0)
         # A: the tile's rows start at row0, anywhere (TMA coordinates are elements)
@@ -151,30 +130,19 @@ class Sm100GroupedGemm(GroupedParts, Sm100Gemm):
         gc = thr.partition_C(cute.local_tile(cute.domain_offset((row0, 0, 0), mc), tiler_mn, (0, bn, 0)))
         cc = thr.partition_C(cute.local_tile(cute.domain_offset((row0, 0, 0), cute.make_identity_tensor(mc.shape)),
                                              tiler_mn, (0, bn, 0)))
-        one = cute.make_layout(1)
-        tsa, tga = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sa, 0, 3), cute.group_modes(ga, 0, 3))
-        tsb, tgb = cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sb, 0, 3), cute.group_modes(gb, 0, 3))
+        tsa, tga = tma_split(tma_a, sa, ga, 3)
+        tsb, tgb = tma_split(tma_b, sb, gb, 3)
         ra = mma.make_fragment_A(sa)
         rb = mma.make_fragment_B(sb)
         acc_layout = mma.make_fragment_C(mma.partition_shape_C(self.tile[:2])).layout
         k_tiles = cute.size(tga, mode=[1])
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
-
-        tmem.allocate(self.tmem_cols)
-        tmem.wait_for_alloc()
-        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-        acc = cute.make_tensor(tmem_ptr, acc_layout)
+        tmem_ptr, acc = self.tmem_accumulator(tmem, cluster, acc_layout)
 
         if warp == 0:
             self.mainloop(mma, acc, ra, rb, loads, mmas, k_tiles, tma_a, tga, tsa, tma_b, tgb, tsb)
-            acc_ready.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
-        tmem.relinquish_alloc_permit()
-        acc_ready.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-
-        self.epilogue_slices(tidx, acc, gc[((None, None), 0, 0)], cc[((None, None), 0, 0)], self.store_grouped,
-                             (row_end, mc.shape[1], expert, bias, row_scale))
-        pipeline.sync(barrier_id=1)
-        tmem.free(tmem_ptr)
+            self.acc_ready_commit(acc_ready)
+        self.store_and_free(tidx, acc, tmem, tmem_ptr, acc_ready, gc, cc, ((None, None), 0, 0), self.store_grouped,
+                            (row_end, mc.shape[1], expert, bias, row_scale))
         if warp == 0:
             loads.tail()
 

@@ -19,12 +19,11 @@ from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.blackwell_helpers as sm100
 import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from kiln.codegen.cute.builders import tma_split
 from kiln.codegen.cute.sm100_gemm import Sm100Gemm
 
 FORMATS = {"nvfp4": 16, "mxfp8": 32}  # scale-factor vector size
@@ -40,14 +39,11 @@ class Sm100BlockScaledGemm(Sm100Gemm):
         self.fmt, self.vec = fmt, FORMATS[fmt]
 
     def _configure_scaled(self, a, b, c, sf_dtype):
-        self.a_dtype, self.b_dtype, self.c_dtype, self.sf_dtype = a.element_type, b.element_type, c.element_type, sf_dtype
-        a_mode = tensor_utils.LayoutEnum.from_tensor(a).mma_major_mode()
-        b_mode = tensor_utils.LayoutEnum.from_tensor(b).mma_major_mode()
-        self.c_major = tensor_utils.LayoutEnum.from_tensor(c)
+        a_mode, b_mode = self._operands(a, b, c)
+        self.sf_dtype = sf_dtype
         self.mma = sm100.make_blockscaled_trivial_tiled_mma(self.a_dtype, self.b_dtype, a_mode, b_mode, sf_dtype,
                                                             self.vec, tcgen05.CtaGroup.ONE, self.tile_mn)
-        self.tile = (*self.tile_mn, 4 * cute.size(self.mma.shape_mnk, mode=[2]))
-        self.cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (self.mma.thr_id.shape,))
+        self._tile_from_mma()
         self.epi_tile = (self.tile[0], 32)
         parts = (sm100.make_smem_layout_a(self.mma, self.tile, self.a_dtype, 1),
                  sm100.make_smem_layout_b(self.mma, self.tile, self.b_dtype, 1),
@@ -71,20 +67,11 @@ class Sm100BlockScaledGemm(Sm100Gemm):
         self._configure_scaled(a, b, c, sfa.element_type)
         sfa_t = cute.make_tensor(sfa.iterator, blockscaled.tile_atom_to_shape_SF(a.shape, self.vec))
         sfb_t = cute.make_tensor(sfb.iterator, blockscaled.tile_atom_to_shape_SF(b.shape, self.vec))
-        tma_a, ta = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100.cluster_shape_to_tma_atom_A((1, 1), self.mma.thr_id), a,
-            cute.slice_(self.sa_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
-        tma_b, tb = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100.cluster_shape_to_tma_atom_B((1, 1), self.mma.thr_id), b,
-            cute.slice_(self.sb_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape)
-        tma_sfa, tsfa = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100.cluster_shape_to_tma_atom_A((1, 1), self.mma.thr_id), sfa_t,
-            cute.slice_(self.ssfa_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape,
-            internal_type=cutlass.Int16)
-        tma_sfb, tsfb = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100.cluster_shape_to_tma_atom_SFB((1, 1), self.mma.thr_id), sfb_t,
-            cute.slice_(self.ssfb_layout, (None, None, None, 0)), self.tile, self.mma, self.cluster.shape,
-            internal_type=cutlass.Int16)
+        tma_a, ta = self.tma_a(a, self.sa_layout)
+        tma_b, tb = self.tma_b(b, self.sb_layout)
+        tma_sfa, tsfa = self.tma_a(sfa_t, self.ssfa_layout, internal_type=cutlass.Int16)
+        tma_sfb, tsfb = self.tma_b(sfb_t, self.ssfb_layout, sm100.cluster_shape_to_tma_atom_SFB((1, 1), self.mma.thr_id),
+                                   internal_type=cutlass.Int16)
         grid = (cute.ceil_div(c.shape[0], self.tile[0]), cute.ceil_div(c.shape[1], self.tile[1]), c.shape[2])
         self.scaled_kernel(self.mma, tma_a, ta, tma_b, tb, tma_sfa, tsfa, tma_sfb, tsfb, c, self.cluster,
                            self.sa_layout, self.sb_layout, self.ssfa_layout, self.ssfb_layout, operands,
@@ -102,20 +89,7 @@ class Sm100BlockScaledGemm(Sm100Gemm):
         if warp == 0:
             for atom in (tma_a, tma_b, tma_sfa, tma_sfb):
                 cpasync.prefetch_descriptor(atom)
-
-        @cute.struct
-        class Shared:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            acc_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            tmem_address: cutlass.Int32
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(Shared)
-        loads, mmas, acc_ready, tmem = self.pipelines(storage, cluster)
-        sa = smem.allocate_tensor(element_type=self.a_dtype, layout=sa_layout.outer, byte_alignment=128,
-                                  swizzle=sa_layout.inner)
-        sb = smem.allocate_tensor(element_type=self.b_dtype, layout=sb_layout.outer, byte_alignment=128,
-                                  swizzle=sb_layout.inner)
+        smem, loads, mmas, acc_ready, tmem, sa, sb = self.shared_stages(cluster, sa_layout, sb_layout)
         ssfa = smem.allocate_tensor(element_type=self.sf_dtype, layout=ssfa_layout, byte_alignment=128)
         ssfb = smem.allocate_tensor(element_type=self.sf_dtype, layout=ssfb_layout, byte_alignment=128)
 
@@ -128,13 +102,10 @@ class Sm100BlockScaledGemm(Sm100Gemm):
         tiler_mn = cute.slice_(self.tile, (None, None, 0))
         gc = thr.partition_C(cute.local_tile(mc, tiler_mn, (None, None, None)))
         cc = thr.partition_C(cute.local_tile(cute.make_identity_tensor(mc.shape), tiler_mn, (None, None, None)))
-        one = cute.make_layout(1)
-        tsa, tga = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sa, 0, 3), cute.group_modes(ga, 0, 3))
-        tsb, tgb = cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sb, 0, 3), cute.group_modes(gb, 0, 3))
-        tssfa, tgsfa = cpasync.tma_partition(tma_sfa, 0, one, cute.group_modes(ssfa, 0, 3),
-                                             cute.group_modes(gsfa, 0, 3))
-        tssfb, tgsfb = cpasync.tma_partition(tma_sfb, 0, one, cute.group_modes(ssfb, 0, 3),
-                                             cute.group_modes(gsfb, 0, 3))
+        tsa, tga = tma_split(tma_a, sa, ga, 3)
+        tsb, tgb = tma_split(tma_b, sb, gb, 3)
+        tssfa, tgsfa = tma_split(tma_sfa, ssfa, gsfa, 3)
+        tssfb, tgsfb = tma_split(tma_sfb, ssfb, gsfb, 3)
         tssfa, tgsfa = cute.filter_zeros(tssfa), cute.filter_zeros(tgsfa)
         tssfb, tgsfb = cute.filter_zeros(tssfb), cute.filter_zeros(tgsfb)
         tga, tgb = tga[(None, bm, None, bl)], tgb[(None, bn, None, bl)]
@@ -143,12 +114,7 @@ class Sm100BlockScaledGemm(Sm100Gemm):
         rb = mma.make_fragment_B(sb)
         acc_layout = mma.make_fragment_C(mma.partition_shape_C(self.tile[:2])).layout
         k_tiles = cute.size(ga, mode=[3])
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
-
-        tmem.allocate(self.tmem_cols)
-        tmem.wait_for_alloc()
-        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-        acc = cute.make_tensor(tmem_ptr, acc_layout)
+        tmem_ptr, acc = self.tmem_accumulator(tmem, cluster, acc_layout)
         # the scale factors live in tensor memory right after the accumulator's columns
         tsfa_t = cute.make_tensor(cute.recast_ptr(tmem_ptr + self.acc_cols, dtype=self.sf_dtype),
                                   blockscaled.make_tmem_layout_sfa(mma, self.tile, self.vec,
@@ -181,14 +147,9 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                 stage = (None, None, None, ready.index)
                 cute.gemm(mma, acc, [ra[stage], tsfa_t], [rb[stage], tsfb_t], acc)
                 ready.release()
-            acc_ready.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
-        tmem.relinquish_alloc_permit()
-        acc_ready.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-
-        self.epilogue_slices(tidx, acc, gc[((None, None), 0, 0, bm, bn, bl)], cc[((None, None), 0, 0, bm, bn, bl)],
-                             self.store_element, (operands, sizes, mc.shape))
-        pipeline.sync(barrier_id=1)
-        tmem.free(tmem_ptr)
+            self.acc_ready_commit(acc_ready)
+        self.store_and_free(tidx, acc, tmem, tmem_ptr, acc_ready, gc, cc, ((None, None), 0, 0, bm, bn, bl),
+                            self.store_element, (operands, sizes, mc.shape))
         if warp == 0:
             loads.tail()
 

@@ -23,12 +23,12 @@ from typing import Callable
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.tensor_utils as tensor_utils
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 
+from kiln.codegen.cute.builders import Sm90Tiles, tma_split
 
-class Sm90Gemm:
+
+class Sm90Gemm(Sm90Tiles):
     """C = epilogue(A @ B) on Hopper; `epilogue(acc, coord, operands, sizes)` -> Float32."""
 
     def __init__(self, tile_mn: tuple[int, int], epilogue: Callable, acc_dtype=cutlass.Float32):
@@ -45,37 +45,11 @@ class Sm90Gemm:
         self.smem_bytes = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_groups * 128)
 
-    def _configure(self, a, b, c):
-        self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
-        self.a_major = tensor_utils.LayoutEnum.from_tensor(a)
-        self.b_major = tensor_utils.LayoutEnum.from_tensor(b)
-        self.c_major = tensor_utils.LayoutEnum.from_tensor(c)
-        self.mma = sm90.make_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype, self.a_major.sm90_mma_major_mode(), self.b_major.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout, tiler_mn=(64, self.tile_mn[1]))
-        # four wgmma k-steps per pipeline stage (64 elements of 16 bits, 128 of 8)
-        k_step = cute.size(self.mma.shape_mnk, mode=[2])
-        self.tile = (self.tile_mn[0], self.tile_mn[1], 4 * k_step)
-        self.epi_tile = sm90.compute_tile_shape_or_override(
-            self.tile, self.c_dtype, is_cooperative=self.consumer_groups == 2)
-        self.epi_stages = 4
-        ab_bytes = (self.tile[0] * self.tile[2] * self.a_dtype.width
-                    + self.tile[1] * self.tile[2] * self.b_dtype.width) // 8
-        epi_bytes = self.epi_stages * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
-        self.ab_stages = (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
-        self.sa_layout = sm90.make_smem_layout_a(self.a_major, self.tile, self.a_dtype, self.ab_stages)
-        self.sb_layout = sm90.make_smem_layout_b(self.b_major, self.tile, self.b_dtype, self.ab_stages)
-        self.sc_layout = sm90.make_smem_layout_epi(self.c_dtype, self.c_major, self.epi_tile, self.epi_stages)
-
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, operands, sizes,
                  max_ctas: cutlass.Constexpr, stream):
         self._configure(a, b, c)
-        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, a, cute.slice_(self.sa_layout, (None, None, 0)), (self.tile[0], self.tile[2]))
-        tma_b, tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, b, cute.slice_(self.sb_layout, (None, None, 0)), (self.tile[1], self.tile[2]))
+        tma_a, ta, tma_b, tb = self.tma_loads(a, b)
         tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(self.sc_layout, (None, None, 0)),
             self.epi_tile)
@@ -96,31 +70,6 @@ class Sm90Gemm:
             grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     @cute.jit
-    def consume_tile(self, mma, acc, ra, rb, ring, read, release, k_tiles):
-        """One tile's K loop on the consumer warp groups: wgmma over each stage of the ring,
-        one wgmma group kept in flight, each stage released once its group has retired. The
-        caller sets ACCUMULATE on `mma` (a rebind the tracer must see in the caller's loop)."""
-        read.reset_count()
-        release.reset_count()
-        acc.fill(0.0)
-        cute.nvgpu.warpgroup.fence()
-        for kt in range(k_tiles):
-            ring.consumer_wait(read)
-            for kb in cutlass.range_constexpr(cute.size(ra, mode=[2])):
-                cute.gemm(mma, acc, ra[(None, None, kb, read.index)], rb[(None, None, kb, read.index)], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            # keep one wgmma group in flight; the stage before it is free again
-            if kt > 0:
-                cute.nvgpu.warpgroup.wait_group(1)
-                ring.consumer_release(release)
-                release.advance()
-            read.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        if k_tiles > 0:
-            ring.consumer_release(release)
-            release.advance()
-
-    @cute.jit
     def tile_coord(self, t, tiles_mnl):
         """(m, n, batch) of linear tile `t`: m fastest, so CTAs running together share B panels."""
         return t % tiles_mnl[0], (t // tiles_mnl[0]) % tiles_mnl[1], t // (tiles_mnl[0] * tiles_mnl[1])
@@ -139,24 +88,15 @@ class Sm90Gemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared)
-        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sa_layout, (None, None, 0)))
-                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sb_layout, (None, None, 0))))
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(), num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_groups * 4),
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        sa = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
-        sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        ring, sa, sb = self.ring(storage, sa_layout, sb_layout)
         sc = storage.sc.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
 
         # every tile of A (m, k, l), B (n, k, l) and C (m, n, l), and its TMA view
         ga = cute.local_tile(ma, (self.tile[0], self.tile[2]), (None, None, None))
         gb = cute.local_tile(mb, (self.tile[1], self.tile[2]), (None, None, None))
         gc = cute.local_tile(mc, (self.tile[0], self.tile[1]), (None, None, None))
-        one = cute.make_layout(1)
-        tsa, tga = cute.nvgpu.cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
-        tsb, tgb = cute.nvgpu.cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
+        tsa, tga = tma_split(tma_a, sa, ga, 2)
+        tsb, tgb = tma_split(tma_b, sb, gb, 2)
         k_tiles = cute.size(ga, mode=[3])
 
         group = cute.arch.make_warp_uniform(tidx // 128)
@@ -181,16 +121,11 @@ class Sm90Gemm:
                 ring.producer_tail(state)
         else:
             # the consumers: wgmma over the ring, the epilogue, the TMA store
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            thr = mma.get_slice(cute.make_layout(self.consumer_groups, stride=128)(group - 1))
-            ra = mma.make_fragment_A(thr.partition_A(sa))
-            rb = mma.make_fragment_B(thr.partition_B(sb))
-            acc = cute.make_rmem_tensor(thr.partition_C(gc).shape[:3], self.acc_dtype)
+            thr, ra, rb, acc = self.consumer_fragments(mma, group, sa, sb, lambda thr: thr.partition_C(gc).shape[:3])
             # the (row, col, batch) of every accumulator element: an identity tensor tiled like C
             coords = thr.partition_C(cute.local_tile(cute.make_identity_tensor(c_shape),
                                                      (self.tile[0], self.tile[1]), (None, None, None)))
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            read, release = self.consumer_states()
 
             ctid = tidx - 128
             store_atom = sm90.get_smem_store_op(self.c_major, self.c_dtype, self.acc_dtype)

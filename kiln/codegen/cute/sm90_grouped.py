@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
+from kiln.codegen.cute.builders import tma_split
 from kiln.codegen.cute.grouped_gemm import GroupedParts
 from kiln.codegen.cute.sm90_gemm import Sm90Gemm
 
@@ -24,20 +25,11 @@ from kiln.codegen.cute.sm90_gemm import Sm90Gemm
 class Sm90GroupedGemm(GroupedParts, Sm90Gemm):
     """The grouped GEMM for sm_90a; same arguments as Sm100GroupedGemm."""
 
-    def __init__(self, tile_mn: tuple[int, int], activation: str = "none", alpha: float = 1.0,
-                 has_bias: bool = False, has_row_scale: bool = False):
-        super().__init__(tile_mn, None)
-        self._options(activation, alpha, has_bias, has_row_scale)
-
     @cute.jit
     def __call__(self, x: cute.Tensor, w: cute.Tensor, y: cute.Tensor, group_sizes: cute.Tensor,
                  bias: cute.Tensor, row_scale: cute.Tensor, max_ctas: cutlass.Constexpr, stream):
         self._configure(x, w, y)
-        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, x, cute.slice_(self.sa_layout, (None, None, 0)), (self.tile[0], self.tile[2]))
-        tma_b, tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, w, cute.slice_(self.sb_layout, (None, None, 0)), (self.tile[1], self.tile[2]))
+        tma_a, ta, tma_b, tb = self.tma_loads(x, w)
         rows_upper = cute.ceil_div(y.shape[0], self.tile[0]) + cute.size(group_sizes)
         work = rows_upper * cute.ceil_div(y.shape[1], self.tile[1])
 
@@ -64,19 +56,10 @@ class Sm90GroupedGemm(GroupedParts, Sm90Gemm):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared)
-        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sa_layout, (None, None, 0)))
-                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sb_layout, (None, None, 0))))
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(), num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_groups * 4),
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        sa = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
-        sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        ring, sa, sb = self.ring(storage, sa_layout, sb_layout)
         a_tile, b_tile = (self.tile[0], self.tile[2]), (self.tile[1], self.tile[2])
         c_tile = (self.tile[0], self.tile[1])
         k_tiles = cute.size(cute.local_tile(ma, a_tile, (0, None, 0)), mode=[2])
-        one = cute.make_layout(1)
         group = cute.arch.make_warp_uniform(tidx // 128)
         first, _, _ = cute.arch.block_idx()
         stride, _, _ = cute.arch.grid_dim()
@@ -89,10 +72,8 @@ class Sm90GroupedGemm(GroupedParts, Sm90Gemm):
                     if expert >= 0:
                         ga = cute.local_tile(cute.domain_offset((row0, 0, 0), ma), a_tile, (0, None, 0))
                         gb = cute.local_tile(mb, b_tile, (t // rows_upper, None, expert))
-                        tsa, tga = cute.nvgpu.cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sa, 0, 2),
-                                                                    cute.group_modes(ga, 0, 2))
-                        tsb, tgb = cute.nvgpu.cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sb, 0, 2),
-                                                                    cute.group_modes(gb, 0, 2))
+                        tsa, tga = tma_split(tma_a, sa, ga, 2)
+                        tsb, tgb = tma_split(tma_b, sb, gb, 2)
                         state.reset_count()
                         for _k in range(k_tiles):
                             ring.producer_acquire(state)
@@ -103,13 +84,9 @@ class Sm90GroupedGemm(GroupedParts, Sm90Gemm):
                             state.advance()
                 ring.producer_tail(state)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            thr = mma.get_slice(cute.make_layout(self.consumer_groups, stride=128)(group - 1))
-            ra = mma.make_fragment_A(thr.partition_A(sa))
-            rb = mma.make_fragment_B(thr.partition_B(sb))
-            acc = cute.make_rmem_tensor(thr.partition_C(cute.local_tile(mc, c_tile, (0, 0, 0))).shape, self.acc_dtype)
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            thr, ra, rb, acc = self.consumer_fragments(
+                mma, group, sa, sb, lambda thr: thr.partition_C(cute.local_tile(mc, c_tile, (0, 0, 0))).shape)
+            read, release = self.consumer_states()
             for t in cutlass.range(first, work, stride):
                 expert, row0, row_end = self.find_tile(t % rows_upper, group_sizes)
                 if expert >= 0:
