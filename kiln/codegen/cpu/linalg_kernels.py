@@ -87,16 +87,27 @@ def cholesky(n: int, scalar: str, width: int) -> tuple[str, str]:
     return L.name, L.text()
 
 
-def _reflect(L: Lanes, X, cols: int, j, c, rows: int, A, n: int, tau) -> None:
-    """Apply H_j = I - tau v v^T (v = [1, A[j+1:, j]]) to column c of X (rows x cols)."""
-    xj = L.idx(j, cols, c)
-    w = _sum(L, L.add(j, 1), rows, L.ld(X, xj),
-             lambda i: L.fmul(L.ld(A, L.idx(i, n, j)), L.ld(X, L.idx(i, cols, c))))
-    w = L.fmul(w, tau)
-    L.st(X, xj, L.fsub(L.ld(X, xj), w))
+def _reflect(L: Lanes, X, cols: int, j, c_lo, c_hi, rows: int, A, n: int, tau, Wk) -> None:
+    """Apply H_j = I - tau v v^T (v = [1, A[j+1:, j]]) to columns [c_lo, c_hi) of X
+    (rows x cols), as LAPACK's larf: w = v^T X (Wk, a row of lanes), then X -= tau v w.
+    Both passes run along X's rows (contiguous, one independent sum per column), not
+    down its columns (a dependent chain of FMAs per column)."""
+    with L.loop(c_lo, c_hi) as cl:
+        L.st(Wk, cl.i, L.ld(X, L.idx(j, cols, cl.i)))
     with L.loop(L.add(j, 1), rows) as il:
-        xi = L.idx(il.i, cols, c)
-        L.st(X, xi, L.fsub(L.ld(X, xi), L.fmul(w, L.ld(A, L.idx(il.i, n, j)))))
+        vi = L.ld(A, L.idx(il.i, n, j))
+        with L.loop(c_lo, c_hi) as cl:
+            L.st(Wk, cl.i, L.fma(vi, L.ld(X, L.idx(il.i, cols, cl.i)), L.ld(Wk, cl.i)))
+    with L.loop(c_lo, c_hi) as cl:
+        w = L.fmul(L.ld(Wk, cl.i), tau)
+        L.st(Wk, cl.i, w)
+        xj = L.idx(j, cols, cl.i)
+        L.st(X, xj, L.fsub(L.ld(X, xj), w))
+    with L.loop(L.add(j, 1), rows) as il:
+        vi = L.ld(A, L.idx(il.i, n, j))
+        with L.loop(c_lo, c_hi) as cl:
+            xi = L.idx(il.i, cols, cl.i)
+            L.st(X, xi, L.fsub(L.ld(X, xi), L.fmul(vi, L.ld(Wk, cl.i))))
 
 
 def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
@@ -104,7 +115,7 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     k = min(m, n)
     L = Lanes(f"kiln_la_qr_{scalar}_{m}x{n}_w{width}", scalar, width)
     na, nq = n + 1, k + 1  # padded row strides (see Lanes.load_matrix)
-    A, T, Q = L.array(m * na), L.array(k), L.array(m * nq)
+    A, T, Q, Wk = L.array(m * na), L.array(k), L.array(m * nq), L.array(max(n, k))
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
         L.load_matrix(A, g, m, n, stride=na)
@@ -123,8 +134,7 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
             with L.loop(L.add(j, 1), m) as il:
                 e = L.idx(il.i, na, j)
                 L.st(A, e, L.fmul(L.ld(A, e), scale))
-            with L.loop(L.add(j, 1), n) as cl:
-                _reflect(L, A, na, j, cl.i, m, A, na, tau)
+            _reflect(L, A, na, j, L.add(j, 1), n, m, A, na, tau, Wk)
         with L.loop(0, m * nq) as el:  # Q = I, then the reflectors from the last one back
             L.st(Q, el.i, L.k(0))
         for d in range(k):
@@ -132,8 +142,7 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
         with L.loop(0, k) as bl:
             j = L.f.bin("sub", L.i(k - 1), bl.i, "nsw")
             tau = L.ld(T, j)
-            with L.loop(j, k) as cl:
-                _reflect(L, Q, nq, j, cl.i, m, A, na, tau)
+            _reflect(L, Q, nq, j, j, k, m, A, na, tau, Wk)
         _store(L, "o0", g, m, k, lambda r, c, e: L.ld(Q, L.idx(r, nq, c)))
         _store(L, "o1", g, k, n, lambda r, c, e: L.select(L.icmp("uge", c, r), L.ld(A, L.idx(r, na, c)), L.k(0)))
     return L.name, L.text()
@@ -160,6 +169,20 @@ def _rotate_rows(L: Lanes, X, stride: int, p, q, length: int, c, s) -> None:
         xp, xq = L.ld(X, ip), L.ld(X, iq)
         L.st(X, ip, L.fsub(L.fmul(c, xp), L.fmul(s, xq)))
         L.st(X, iq, L.fma(s, xp, L.fmul(c, xq)))
+
+
+def _dot(L: Lanes, X, length: int, p, q):
+    """Rows p and q of X (`length` apart) dotted with K independent partial sums (K = 4,
+    2 or 1 as `length` allows): one sum's chain of FMA latencies would bound the pair."""
+    k = 4 if length % 4 == 0 else 2 if length % 2 == 0 else 1
+    with L.loop(0, length // k, [L.k(0)] * k) as rl:
+        base = L.mul(rl.i, k)
+        rl.next = [L.fma(L.ld(X, L.add(L.idx(p, length, base), j)), L.ld(X, L.add(L.idx(q, length, base), j)),
+                         rl.vals[j]) for j in range(k)]
+    total = rl.vals[0]
+    for extra in rl.vals[1:]:
+        total = L.fadd(total, extra)
+    return total
 
 
 def _sign_rows(L: Lanes, X, rows: int, cols: int, also=None) -> None:
@@ -275,9 +298,7 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
                 p, q = L.pair(table, rl_.i, kl_.i, half)
                 valid = L.icmp("sge", p, 0)
                 p, q = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))
-                with L.loop(0, m, [L.k(0)]) as rl:
-                    rl.next = [L.fma(L.ld(Ut, L.idx(p, m, rl.i)), L.ld(Ut, L.idx(q, m, rl.i)), rl.vals[0])]
-                gamma = rl.vals[0]
+                gamma = _dot(L, Ut, m, p, q)
                 alpha, beta = L.ld(N, p), L.ld(N, q)
                 # cosine > tol, without a division or a root: gamma^2 > tol^2 alpha beta
                 rotate = L.fcmp("ogt", L.fmul(gamma, gamma), L.fmul(L.k(tol * tol), L.fmul(alpha, beta)))
