@@ -9,7 +9,7 @@ CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py):
               and continues on a unit pivot, so no NaN spreads into other lanes' work
     qr        Householder QR as LAPACK's geqrf + orgqr (beta = -sign(alpha) |x|; a column
               already zero below the diagonal gets tau = 0), reduced Q (m x k), R (k x n)
-    eigh      two-sided cyclic Jacobi on the symmetrized lower triangle; sweeps end when
+    eigh      two-sided cyclic Jacobi on the lower triangle (kept as such); sweeps end when
               every lane's off-diagonal mass is below (eps |A|_F)^2 or after MAX_SWEEPS;
               ascending eigenvalues, eigenvector columns with the sign convention
     svd       one-sided Jacobi (Hestenes) on the columns of an m x n (m >= n) matrix,
@@ -209,22 +209,23 @@ def _identity(L: Lanes, X, n: int) -> None:
 
 
 def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
-    """o0 <- eigenvalues (n, ascending), o1 <- eigenvectors (n x n, as columns)."""
+    """o0 <- eigenvalues (n, ascending), o1 <- eigenvectors (n x n, as columns).
+
+    A lives in its lower triangle only (the symmetric entry (i, j) at row max(i, j)): a
+    rotation reads and writes each entry it changes once, and the triangle touches half
+    the cache lines of the full matrix."""
     L = Lanes(f"kiln_la_eigh_{scalar}_{n}_w{width}", scalar, width)
     ld = n + 1  # A's padded row stride
     A, Vt, D = L.array(n * ld), L.array(n * n), L.array(n)
     tol2 = L.eps * L.eps
+    at = lambda i, j: L.idx(i, ld, j)  # noqa: E731  (row i >= column j)
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
         L.load_matrix(A, g, n, n, stride=ld)
-        with L.loop(0, n) as rl:  # symmetric A from the lower triangle
-            with L.loop(0, rl.i) as cl:
-                L.st(A, L.idx(cl.i, ld, rl.i), L.ld(A, L.idx(rl.i, ld, cl.i)))
-        L.magnitude(A, n, n, g, stride=ld)
-        with L.loop(0, n) as rl:  # the padding column: zero, so sums may run over it
-            L.st(A, L.idx(rl.i, ld, n), L.k(0))
-        fro2 = _sum(L, 0, n * ld, L.k(0), lambda e: L.fmul(x := L.ld(A, e), x))
-        limit = L.fmul(fro2, L.k(tol2))
+        L.magnitude(A, n, n, g, lower=True, stride=ld)
+        strict = _lower_mass(L, A, n, ld)
+        diag = _sum(L, 0, n, L.k(0), lambda i: L.fmul(x := L.ld(A, at(i, i)), x))
+        limit = L.fmul(L.fma(L.k(2), strict, diag), L.k(tol2))  # (eps |A|_F)^2, the off mass bound
         pair_limit = L.fmul(limit, L.k(1.0 / (n * n)))
         table, rounds, half = L.round_robin(n)
         _identity(L, Vt, n)
@@ -233,35 +234,32 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
             with L.loop(0, half) as kl_:
                 p, q = L.pair(table, rl_.i, kl_.i, half)
                 valid = L.icmp("sge", p, 0)
-                pv, qv = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))
-                p, q = pv, qv
-                pq, pp, qq = L.idx(p, ld, q), L.idx(p, ld, p), L.idx(q, ld, q)
-                apq, app, aqq = L.ld(A, pq), L.ld(A, pp), L.ld(A, qq)
+                p, q = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))  # p < q
+                qp, pp, qq = at(q, p), at(p, p), at(q, q)
+                apq, app, aqq = L.ld(A, qp), L.ld(A, pp), L.ld(A, qq)
                 rotate = L.fcmp("ogt", L.fmul(apq, apq), pair_limit)
                 with L.when(L.f.bin("and", valid, L.any(rotate))):
                     t, c, s = _rotation(L, L.fsub(aqq, app), apq, rotate)
-                    # columns p, q and (by symmetry) rows p, q, outside the 2x2 block:
-                    # three ranges instead of a select per entry
-                    for lo, hi in ((0, p), (L.add(p, 1), q), (L.add(q, 1), n)):
+                    # entries (k, p) and (k, q) outside the 2x2 block, where the triangle
+                    # keeps them: rows p and q for k < p, column p and row q between,
+                    # columns p and q below q
+                    for lo, hi, kp_at, kq_at in ((0, p, lambda k: at(p, k), lambda k: at(q, k)),
+                                                 (L.add(p, 1), q, lambda k: at(k, p), lambda k: at(q, k)),
+                                                 (L.add(q, 1), n, lambda k: at(k, p), lambda k: at(k, q))):
                         with L.loop(lo, hi) as kl:
-                            kk = kl.i
-                            kp, kq = L.idx(kk, ld, p), L.idx(kk, ld, q)
+                            kp, kq = kp_at(kl.i), kq_at(kl.i)
                             akp, akq = L.ld(A, kp), L.ld(A, kq)
-                            nkp = L.fsub(L.fmul(c, akp), L.fmul(s, akq))
-                            nkq = L.fma(s, akp, L.fmul(c, akq))
-                            L.st(A, kp, nkp)
-                            L.st(A, L.idx(p, ld, kk), nkp)
-                            L.st(A, kq, nkq)
-                            L.st(A, L.idx(q, ld, kk), nkq)
+                            L.st(A, kp, L.fsub(L.fmul(c, akp), L.fmul(s, akq)))
+                            L.st(A, kq, L.fma(s, akp, L.fmul(c, akq)))
                     tapq = L.fmul(t, apq)
                     L.st(A, pp, L.fsub(app, tapq))
                     L.st(A, qq, L.fadd(aqq, tapq))
-                    L.st(A, pq, L.select(rotate, L.k(0), apq))
-                    L.st(A, L.idx(q, ld, p), L.select(rotate, L.k(0), apq))
+                    L.st(A, qp, L.select(rotate, L.k(0), apq))
                     _rotate_rows(L, Vt, n, p, q, n, c, s)
-        end(_converged(L, A, n, ld, limit))
+        excess = L.hmax(L.fsub(_lower_mass(L, A, n, ld), limit))
+        end(L.f.emit(f"fcmp ole {L.t} {excess.ref}, 0.0", "i1"))
         with L.loop(0, n) as dl:
-            L.st(D, dl.i, L.ld(A, L.idx(dl.i, ld, dl.i)))
+            L.st(D, dl.i, L.ld(A, at(dl.i, dl.i)))
         _sign_rows(L, Vt, n, n)
         rank = L.rank(D, n)
         L.write_elements(L.args["o0"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(D, i)))
@@ -269,13 +267,11 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
     return L.name, L.text()
 
 
-def _converged(L: Lanes, A, n: int, ld: int, limit):
-    """i1: every lane's strict-upper off-diagonal mass is within `limit`."""
-    with L.loop(0, n, [L.k(0)]) as rl:
-        row = _sum(L, L.add(rl.i, 1), n, rl.vals[0], lambda c: L.fmul(x := L.ld(A, L.idx(rl.i, ld, c)), x))
-        rl.next = [row]
-    excess = L.hmax(L.fsub(rl.vals[0], limit))
-    return L.f.emit(f"fcmp ole {L.t} {excess.ref}, 0.0", "i1")
+def _lower_mass(L: Lanes, A, n: int, ld: int):
+    """Per lane, the sum of squares of A's strict lower triangle (the off-diagonal mass)."""
+    with L.loop(1, n, [L.k(0)]) as rl:
+        rl.next = [_sum(L, 0, rl.i, rl.vals[0], lambda c: L.fmul(x := L.ld(A, L.idx(rl.i, ld, c)), x))]
+    return rl.vals[0]
 
 
 def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
