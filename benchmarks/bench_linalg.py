@@ -54,13 +54,20 @@ CASES = {
 }
 
 
+# beyond the issue's sizes: the cheap factorizations at 64 x 64 (the kernels' limit), so
+# the routing rule rests on a measurement there too
+EXTRA = {64: ("cholesky", "qr")}
+
+
 def run(batch: int, sizes, rounds: int, repeat: int) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
-    for n in sizes:
+    for n in list(sizes) + sorted(EXTRA):
         for dtype in (np.float32, np.float64):
             a, spd = _operands(batch, n, dtype, rng)
             for op, (mine, ref, which) in CASES.items():
+                if n in EXTRA and n not in sizes and op not in EXTRA[n]:
+                    continue
                 x = spd if which == "spd" else a
                 mine(x)  # compile (both kernels) outside the timing
                 k_med, k_min, n_med, n_min = [], [], [], []
@@ -99,7 +106,8 @@ def main() -> None:
             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the machine is shared by ~8 agents)  ",
             f"Batch: {args.batch} matrices per call; {rounds} alternating rounds x {repeat} runs; medians "
             "of round medians, minimums over all runs; ratio = numpy median / kiln median (same run). "
-            "numpy with OpenBLAS on one thread.", "",
+            "numpy with OpenBLAS on one thread. The last column is the path kn.linalg takes for "
+            "that operand by the rule (kiln/codegen/cpu/linalg_route.py), set from these measurements.", "",
             "| op | n | dtype | kiln median ms | kiln min ms | numpy median ms | numpy min ms | ratio | kn.linalg path |",
             "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
