@@ -12,6 +12,10 @@ One prepared run (under 5 minutes on an H200) that prints markdown tables:
 3. kiln-generated kernels through `kn.compile(..., backend="cuda")`, where the backend
    exists: pointwise numerics and GB/s against the copy ceiling (4.3 TB/s measured
    on an H200, and this GPU's torch copy), softmax and layer_norm against torch eager.
+4. the device runtime (scripts/gpu_check_device.py): a compiled program on `cuda`
+   device tensors with its host copies counted, CUDA-graph replay vs normal launch per
+   call, a captured while_loop, the caching allocator against cuMemGetInfo, DLPack with
+   torch CUDA tensors.
 
 Every part is guarded: a missing piece (no kiln Triton backend yet, an older torch) is
 reported in its table and the rest still runs. Kernels are timed with
@@ -22,6 +26,7 @@ triton.testing.do_bench (median of warm runs, L2 flushed between runs).
     python scripts/gpu_check.py --quick               # smaller shapes, no tuning
     python scripts/gpu_check.py --cute                # only kiln's CuTeDSL GEMMs (scripts/gpu_check_cute.py)
     python scripts/gpu_check.py --nccl                # only kiln's NCCL layer (scripts/gpu_check_nccl.py)
+    python scripts/gpu_check.py --device --out benchmarks/results/gpu.md   # only the device runtime
 
 Needs: an NVIDIA GPU, a CUDA build of torch, triton. Exits with status 2 and says what
 is missing when there is no GPU.
@@ -356,6 +361,13 @@ def generated_kernels(torch, report: Report, quick: bool) -> None:
                       "kiln vs torch"], rows))
 
 
+def _device_part(torch, report: Report, quick: bool) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_check_device
+
+    gpu_check_device.run(torch, report, table, quick)
+
+
 # -- driver -------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -364,7 +376,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller shapes, no tuning (~1 minute)")
     parser.add_argument("--out", help="also write the tables to this markdown file")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
-                                                   "numerics,speed,tuning,generated")
+                                                   "numerics,speed,tuning,generated,device")
     parser.add_argument("--cute", action="store_true", help="only the CuTeDSL GEMMs: numerics of every "
                         "epilogue and dtype, TFLOP/s vs cuBLAS and _scaled_mm (needs nvidia-cutlass-dsl: "
                         "see scripts/gpu_check_cute.py for how its wheels travel)")
@@ -372,6 +384,9 @@ def main(argv=None) -> int:
                         "single-rank communicator, split/revoke/shrink, window put/signal, the "
                         "ProcessGroup (scripts/gpu_check_nccl.py; libnccl >= 2.29 via "
                         "KILN_NCCL_LIBRARY or KILN_NCCL_WHEELS)")
+    parser.add_argument("--device", action="store_true", help="only the device runtime: device-resident "
+                        "programs with host copies counted, CUDA-graph replay, a captured while_loop, "
+                        "allocator vs cuMemGetInfo, DLPack with torch (scripts/gpu_check_device.py)")
     args = parser.parse_args(argv)
     torch = gpu_or_exit()
     sys.path.insert(0, ROOT)
@@ -394,7 +409,10 @@ def main(argv=None) -> int:
     parts = [("numerics", "Grouped GEMM numerics", lambda: grouped_numerics(torch, report, args.quick)),
              ("speed", "Grouped GEMM speed", lambda: grouped_speed(torch, report, args.quick, device)),
              ("tuning", "Tile selector vs measurement", lambda: grouped_tuning(torch, report, device)),
-             ("generated", "Generated kernels", lambda: generated_kernels(torch, report, args.quick))]
+             ("generated", "Generated kernels", lambda: generated_kernels(torch, report, args.quick)),
+             ("device", "Device runtime", lambda: _device_part(torch, report, args.quick))]
+    if args.device:  # the device-runtime part alone (about a minute of GPU time)
+        parts = parts[-1:]
     if args.cute:  # the CuTeDSL part replaces the Triton parts (a few minutes of GPU time)
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import gpu_check_cute
