@@ -64,7 +64,7 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
             else:
                 kernels[name] = lowered
                 steps.append(Launch(name, ins + outs))
-        elif node.op == "reshape":
+        elif node.op in ("reshape", "view_as_real", "view_as_complex"):  # same memory
             steps.append(View(ins[0], outs[0]))
         elif node.op == "constant":
             steps.append(Constant(outs[0], node.attrs["name"]))

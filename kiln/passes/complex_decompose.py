@@ -30,8 +30,9 @@ GEMMs. The 3M (Gauss) form saves one GEMM but computes the imaginary part as
 in float32 that loses digits exactly when the imaginary part is small, so kiln chooses
 4M (as BLAS cgemm does) and keeps 3M available (`KILN_COMPLEX_GEMM=3m`) for large
 products where the 25% fewer flops matter more than those digits. A product of matrices
-with static shapes runs 4M as ONE real GEMM, [A | B] @ [[C, D], [-D, C]] (`_block_gemm`):
-one BLAS call instead of four and no add/subtract kernel after them.
+with static shapes runs 4M as ONE real GEMM on the interleaved layout (`_interleaved_gemm`):
+A's memory as a real (m, 2k) matrix times a (2k, 2n) block of B's parts is the complex
+result's memory, so one BLAS call, no add/subtract kernel and no packing of A or C.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import numpy as np
 
 from kiln.ir import dtypes as dt
 from kiln.ir.graph import Graph, Node, Value
+from kiln.passes.dce import dce
 from kiln.passes.rewrite import RewriteBuilder, rebuild
 
 F32 = dt.float32
@@ -60,7 +62,7 @@ def decompose_complex(graph: Graph) -> Graph:
     if not any(v.type.dtype.is_complex for node in graph.walk() for v in node.results + node.operands) \
             and not any(v.type.dtype.is_complex for v in graph.inputs):
         return graph
-    return rebuild(graph, _rule)
+    return dce(rebuild(graph, _rule))
 
 
 def gemm_method() -> str:
@@ -73,11 +75,29 @@ def _is_c(v: Value) -> bool:
 
 
 def _parts(b: RewriteBuilder, v: Value) -> tuple[Value, Value]:
-    """(re, im) of a complex value: from its `complex` producer, else split."""
+    """(re, im) of a complex value: from its `complex` producer, else read in place."""
     node = v.producer
     if node is not None and node.op == "complex":
         return node.operands[0], node.operands[1]
-    return b.real(v), b.imag(v)
+    return _interleaved_part(b, v, 0), _interleaved_part(b, v, 1)
+
+
+def _interleaved_part(b: RewriteBuilder, v: Value, which: int) -> Value:
+    """Part `which` (0 real, 1 imag) of complex `v` read from its own memory: element
+    (..., which) of the f32[S, 2] view, a stride-2 read fusion folds into the kernel."""
+    pairs = _pairs_of(b, v)
+    shape = tuple(v.type.shape)
+    nd = len(shape)
+    part = b.call("slice", pairs, start=(0,) * nd + (which,), limit=shape + (which + 1,))
+    return b.call("reshape", part, shape=shape)
+
+
+def _pairs_of(b: RewriteBuilder, v: Value) -> Value:
+    """f32[S, 2] over complex `v`'s memory (one `view_as_real` per value)."""
+    cache = b.__dict__.setdefault("_complex_pairs", {})
+    if id(v) not in cache:
+        cache[id(v)] = (v, b.call("view_as_real", v))
+    return cache[id(v)][1]
 
 
 def _pack(b: RewriteBuilder, re: Value, im: Value) -> Value:
@@ -90,6 +110,16 @@ def _rule(b: RewriteBuilder, node: Node):
         src = node.operands[0].producer
         if src is not None and src.op == "complex":
             return [src.operands[0 if op == "real" else 1]]
+        return [_interleaved_part(b, node.operands[0], 0 if op == "real" else 1)]
+    if op == "view_as_real":
+        src = node.operands[0].producer
+        if src is not None and src.op == "view_as_complex":  # a round trip is the memory itself
+            return [src.operands[0]]
+        return None
+    if op == "view_as_complex":
+        src = node.operands[0].producer
+        if src is not None and src.op == "view_as_real":
+            return [src.operands[0]]
         return None
     if op == "complex" or not (any(map(_is_c, node.operands)) or any(_is_c(r) for r in node.results)):
         return None
@@ -267,7 +297,7 @@ def _gemm(b, node):
         t1, t2, t3 = gemm(a, u), gemm(c, v), gemm(b.add(a, c), b.add(u, v))
         return _pack(b, b.sub(t1, t2), b.sub(b.sub(t3, t1), t2))
     if BLOCK_GEMM and node.op == "matmul" and _static_matrices(x, y, node.results[0]):
-        return _block_gemm(b, a, c, u, v, node.results[0].shape)
+        return _interleaved_gemm(b, x, u, v, node.results[0].shape)
     return _pack(b, b.sub(gemm(a, u), gemm(c, v)), b.add(gemm(a, v), gemm(c, u)))
 
 
@@ -281,37 +311,38 @@ def _static_matrices(x: Value, y: Value, out: Value) -> bool:
         isinstance(d, int) for d in out.shape + x.shape[-1:] + y.shape)
 
 
-def _block_of(b, u: Value, v: Value) -> Value:
-    """[[C, D], [-D, C]] for C, D of shape (..., k, n), in one loop kernel: a
-    (..., 2, k, 2, n) select over two iotas, then a reshape (a view) to (..., 2k, 2n)."""
+def _pair_block(b, u: Value, v: Value) -> Value:
+    """The real (2k, 2n) matrix of B = C + iD that maps interleaved rows to interleaved
+    rows: entry (2p + s, 2q + t) is C[p, q] where s == t, D[p, q] at (0, 1) and -D[p, q]
+    at (1, 0). Built by one loop kernel over (..., k, 2, n, 2), then a reshape (a view)."""
     *batch, k, n = u.shape
     nb = len(batch)
-    shape = (*batch, 2, k, 2, n)
-    i = b.call("iota", dtype=dt.int32, shape=shape, dimension=nb)
-    j = b.call("iota", dtype=dt.int32, shape=shape, dimension=nb + 2)
-    dims = tuple(range(nb)) + (nb + 1, nb + 3)
+    shape = (*batch, k, 2, n, 2)
+    s = b.call("iota", dtype=dt.int32, shape=shape, dimension=nb + 1)
+    t = b.call("iota", dtype=dt.int32, shape=shape, dimension=nb + 3)
+    dims = tuple(range(nb)) + (nb, nb + 2)
 
     def spread(x):
         return b.call("broadcast_in_dim", x, shape=shape, broadcast_dimensions=dims)
 
     zero = b.full(0, dt.int32, shape)
-    off = b.select(b.call("eq", i, zero), spread(v), spread(b.neg(v)))
-    block = b.select(b.call("eq", i, j), spread(u), off)
+    off = b.select(b.call("eq", s, zero), spread(v), spread(b.neg(v)))
+    block = b.select(b.call("eq", s, t), spread(u), off)
     return b.call("reshape", block, shape=(*batch, 2 * k, 2 * n))
 
 
-def _block_gemm(b, a, c, u, v, shape) -> Value:
-    """4M as ONE real GEMM: [A | B] @ [[C, D], [-D, C]] = [AC - BD | AD + BC]. The same
-    four products and error bound as four GEMMs, in one BLAS call of twice the size per
-    side: a multi-threaded BLAS pays its thread hand-off once instead of four times,
-    and the result's halves need no separate add and subtract kernel (bench_complex.py)."""
-    left = b.call("concatenate", a, c, dimension=len(a.shape) - 1)
-    both = b.call("matmul", left, _block_of(b, u, v))
-    n = shape[-1]
-    zero = (0,) * len(shape)
-    re = b.call("slice", both, start=zero, limit=tuple(shape))
-    im = b.call("slice", both, start=zero[:-1] + (n,), limit=tuple(shape[:-1]) + (2 * n,))
-    return _pack(b, re, im)
+def _interleaved_gemm(b, x: Value, u: Value, v: Value, shape) -> Value:
+    """4M as ONE real GEMM on the interleaved layout: A's memory viewed as a real
+    (..., m, 2k) matrix [a_r0, a_i0, a_r1, a_i1, ...] times the (2k, 2n) pair block of B
+    (`_pair_block`) gives, row by row, [AC - BD, AD + BC] interleaved, i.e. the complex
+    (..., m, n) result's own memory. A and the result are views (no packing); only B's
+    block is built. The same four products and error bound as four GEMMs, one BLAS call
+    (a multi-threaded BLAS pays its thread hand-off once: bench_complex.py)."""
+    *lead, m, k = x.shape
+    left = b.call("reshape", _pairs_of(b, x), shape=(*lead, m, 2 * k))
+    both = b.call("matmul", left, _pair_block(b, u, v))
+    pairs = b.call("reshape", both, shape=tuple(shape) + (2,))
+    return b.call("view_as_complex", pairs)
 
 
 _HANDLERS = {

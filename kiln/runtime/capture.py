@@ -224,7 +224,10 @@ class _Flattener:
         if isinstance(step, View):
             source = env[step.source]
             shape = self.shape(program, step.target)
-            array = None if self.arrays[source] is None else self.arrays[source].reshape(shape)
+            array = self.arrays[source]
+            if array is not None and array.dtype != program.buffers[step.target].dtype.np_dtype:
+                array = array.reshape(-1).view(program.buffers[step.target].dtype.np_dtype)
+            array = None if array is None else array.reshape(shape)
             target = env[step.target] = self.new(array, self.root[source])
             if source in self.dynamic:
                 self.dynamic.add(target)

@@ -117,6 +117,15 @@ class Executable:
             return launch
         if isinstance(step, View):
             shape_of, source, target = self._shape_fn(step.target), step.source, step.target
+            buffers = self.program.buffers
+            if buffers[source].dtype != buffers[target].dtype:  # view_as_real/_complex
+                np_dtype = buffers[target].dtype.np_dtype
+
+                def retyped(env, sizes, arena):
+                    flat = env[source].reshape(-1)  # a view: buffers are contiguous
+                    env[target] = flat.view(np_dtype).reshape(shape_of(sizes))
+
+                return retyped
 
             def view(env, sizes, arena):
                 env[target] = env[source].reshape(shape_of(sizes))
