@@ -173,3 +173,18 @@ def test_leading_batch_dims_and_noncontiguous_input():
     q, r = N.qr(a)
     assert q.shape == (3, 5, 8, 8)
     np.testing.assert_allclose(q @ r, a, atol=1e-13)
+
+
+def test_object_code_comes_back_from_the_disk_cache():
+    """A fresh process (here: the in-process cache cleared) loads the kernels' object
+    code from kiln's artifact cache instead of compiling, with the same results."""
+    from kiln.codegen import artifact_cache
+
+    a = RNG.standard_normal((11, 6, 6))
+    first = N.qr(a)
+    N._compiled.cache_clear()
+    hits = artifact_cache.STATS["hits"]
+    again = N.qr(a)
+    assert artifact_cache.STATS["hits"] >= hits + 2  # the W-lane kernel and the tail kernel
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])

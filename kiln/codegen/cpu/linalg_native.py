@@ -3,8 +3,8 @@
     >>> L, info = linalg_native.cholesky(a)        # a: [..., n, n] float32/float64
     >>> w, v = linalg_native.eigh(a)               # ascending, sign-normalized columns
 
-Each call compiles (once per op, shape, dtype and width; cached in the process) two
-kernels: one of W lanes, W = the host's SIMD width over the dtype (AVX-512: 16 float32 /
+Each call compiles (once per op, shape, dtype and width; cached in the process and, as
+object code, in kiln's on-disk artifact cache) two kernels: one of W lanes, W = the host's SIMD width over the dtype (AVX-512: 16 float32 /
 8 float64; AVX2: 8 / 4), and one of a single lane for the batch's tail. The full groups
 are split over kiln's intra-op pool (kiln/codegen/cpu/compiled.py) when the work pays
 for the hand-off. The kernels read and write the row-major batch directly.
@@ -58,13 +58,28 @@ def lanes(dtype) -> int:
 
 
 class _Kernel:
+    """One compiled kernel: its object code comes from kiln's on-disk artifact cache when
+    a run before built the same IR for this CPU (keyed by kiln's version, the IR text and
+    the host CPU), else from LLVM (and is stored there)."""
+
     def __init__(self, builder, *shape):
+        import llvmlite.binding as llvm
+
+        from kiln._version import __version__
+        from kiln.codegen import artifact_cache
         from kiln.codegen.cpu import jit
 
         name, text = builder(*shape)
-        mod = jit.parse(text)
-        jit.optimize(mod)
-        self.jitted = jit.Jitted(mod)
+        jit._init()
+        key = artifact_cache.content_key("linalg-native", __version__, text, llvm.get_host_cpu_name(),
+                                         llvm.get_host_cpu_features().flatten())
+        blob = artifact_cache.load(key)
+        if blob is None:
+            mod = jit.parse(text)
+            jit.optimize(mod)
+            blob = jit.object_code(mod)
+            artifact_cache.store(key, blob)
+        self.jitted = jit.Jitted(objects=(blob,))
         self.fn = _ABI(self.jitted.address(name))
 
 
