@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from kiln.errors import KilnArgumentError
 from kiln.frontend.tensor import Tensor
 
@@ -81,6 +83,8 @@ class ParamGroups:
 
         name = f"{type(self.owner).__name__}.step"
         with no_grad():
+            if self._fused_step(name):
+                return
             for i, group in enumerate(self.param_groups):
                 kernel = type(self.owner)(**{k: group[k] for k in self.defaults})
                 if not callable(group["lr"]):
@@ -97,6 +101,64 @@ class ParamGroups:
                     for key, value in _from_functional(new_state).items():
                         rebind(state[key], value, name)
                     rebind(p, new_p, name)
+
+    def _fused_step(self, name: str) -> bool:
+        """Eager mode: every parameter's update in ONE compiled program (the multi-tensor
+        kernel of `batch_updates`), not a few numpy ops per parameter. The same pure
+        `update` per parameter is traced, each group's lr is an input (so changing it
+        never recompiles), and the program is kept per group options and layout. False
+        (the caller then updates parameter by parameter) inside a trace, for fewer than
+        two parameters, or for a schedule given as a function."""
+        from kiln.frontend.dispatch import current_builder
+        from kiln.frontend.functionalize import active_tracker
+        from kiln.frontend.mutation import rebind
+
+        if current_builder() is not None or active_tracker() is not None:
+            return False
+        entries = [(i, p) for i, g in enumerate(self.param_groups) for p in g["params"]
+                   if p.grad is not None]
+        if len(entries) < 2 or any(callable(g["lr"]) for g in self.param_groups) or any(
+                p._builder is not None or p.grad._builder is not None for _, p in entries):
+            return False
+        for i, p in entries:
+            if p not in self.state:
+                self.state[p] = _from_functional(self._kernel(i).init([p]))
+        options = tuple(tuple((k, repr(g[k])) for k in sorted(self.defaults) if k != "lr")
+                        for g in self.param_groups)
+        key = (options, tuple(i for i, _ in entries),
+               tuple(tuple(sorted(self.state[p])) for _, p in entries))
+        cache = self.__dict__.setdefault("_fused", {})
+        program = cache.get(key)
+        if program is None:
+            import kiln as kn
+
+            groups = [i for i, _ in entries]
+            kernels = {i: self._kernel(i) for i in set(groups)}
+
+            def update(lrs, params, grads, states):
+                new_params, new_states = [], []
+                for i, p, g, st in zip(groups, params, grads, states):
+                    kernels[i].lr = lrs[i]
+                    (new_p,), new_st = kernels[i].update([g], _to_functional(st), [p])
+                    new_params.append(new_p)
+                    new_states.append(_from_functional(new_st))
+                return new_params, new_states
+
+            program = cache[key] = kn.compile(update)
+        lrs = [Tensor._make(np.array(float(g["lr"]), np.float64)) for g in self.param_groups]
+        params = [p for _, p in entries]
+        new_params, new_states = program(lrs, params, [p.grad for p in params],
+                                         [self.state[p] for p in params])
+        for p, new_p, new_st in zip(params, new_params, new_states):
+            for k, value in new_st.items():
+                rebind(self.state[p][k], value, name)
+            rebind(p, new_p, name)
+        return True
+
+    def _kernel(self, i: int):
+        """The functional optimizer of group i (its options; lr set by the caller)."""
+        group = self.param_groups[i]
+        return type(self.owner)(**{k: group[k] for k in self.defaults})
 
     def _lr_tensor(self, i: int):
         """Group i's learning rate as a float64 scalar tensor (data, not a constant)."""

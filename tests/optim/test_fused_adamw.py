@@ -135,3 +135,33 @@ graph @g(%a: f32[4], %b: f32[3, 2], %c: f32[5], %t: f32[]) -> (f32[4], f32[3, 2]
     assert [str(n.results[0].type) for n in nodes[-2:]] == ["f32[4]", "f32[3, 2]"]
     assert all(n.attrs.get("batch") is None for n in nodes[:-2])
     assert "batch=" not in str(g2)  # the input graph is left alone
+
+
+def test_eager_torch_style_step_is_one_compiled_program_and_matches_torch():
+    """opt.step() outside kn.compile: every parameter of every group updated by one
+    compiled program (built once, the lr an input), step for step against torch."""
+    rng = np.random.default_rng(4)
+    shapes = [(7, 5), (5,), (5, 3), (3,)]
+    p0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(STEPS)]
+    kp = [nn.Parameter(kn.tensor(a)) for a in p0]
+    tp = [torch.nn.Parameter(torch.tensor(a)) for a in p0]
+
+    def groups(ps):
+        return [{"params": ps[::2], "weight_decay": 0.2}, {"params": ps[1::2], "weight_decay": 0.0,
+                                                           "lr": 0.05}]
+
+    kopt = optim.AdamW(groups(kp), lr=0.01, betas=(0.8, 0.99), amsgrad=True)
+    topt = torch.optim.AdamW(groups(tp), lr=0.01, betas=(0.8, 0.99), amsgrad=True)
+    for step, g in enumerate(grads):
+        if step == 2:  # a new learning rate is an input, not a recompile
+            kopt.param_groups[0]["lr"] = topt.param_groups[0]["lr"] = 0.003
+        for k, t, x in zip(kp, tp, g):
+            k.grad, t.grad = kn.tensor(x), torch.tensor(x)
+        kopt.step()
+        topt.step()
+    for k, t in zip(kp, tp):
+        np.testing.assert_allclose(k.numpy(), t.detach().numpy(), rtol=2e-6, atol=2e-6)
+    (program,) = kopt._groups._fused.values()
+    assert program.stats()["compiles"] == 1
+    assert int(kopt.state[kp[0]]["step"].item()) == STEPS
