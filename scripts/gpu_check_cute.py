@@ -13,10 +13,32 @@ Sections (markdown tables, like the rest of gpu_check):
    ragged and empty groups and the fused epilogue against torch, then 64 experts against a
    loop of per-expert torch.matmul calls (the issue's target: >= 1.5x).
 
-The GPU machine has no nvidia-cutlass-dsl. Its wheels travel with the command (see
-`wheels_hint()`); without them this part reports "not run" with that instruction and the
-rest of gpu_check still runs. Kernels for the GPU's arch (sm_90a on an H200) are compiled
-there, for the real tensors' layouts (kiln/codegen/cute/run.py), a few seconds each.
+How nvidia-cutlass-dsl reaches the GPU machine. The H200 image has no nvidia-cutlass-dsl
+and reaches no package index; its dependencies (cuda-bindings, protobuf, typing-extensions)
+are there. The four wheels for its python (3.12) are ~90 MiB, libs-cu12 alone 87 MiB (one
+192 MB shared library): more than one device call carries (64 MiB with the working tree,
+~6 MiB). So they travel in two calls while the machine stays warm (30 s after a call):
+
+    # here, once (the folders must be git-ignored to be carried)
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 -d /tmp/cute-whl nvidia-cutlass-dsl==4.8.1 \\
+        nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu12==4.8.1
+    echo '/.cute-wheels-*/' >> .git/info/exclude
+    python scripts/gpu_check_cute.py pack /tmp/cute-whl     # -> .cute-wheels-1/, .cute-wheels-2/ (< 56 MiB each)
+    # device call 1, carry [".cute-wheels-1"]: park part 1 outside the tree (seconds)
+    python3 scripts/gpu_check_cute.py stage .cute-wheels-1
+    # device call 2 at once, carry [".cute-wheels-2"]: join, check sha256, install, run
+    KILN_CUTE_WHEELS=/tmp/kiln-cute-wheels:.cute-wheels-2 python3 scripts/gpu_check.py --cute
+
+`pack` cuts the wheels' bytes into pieces over the two folders, each with a manifest of
+every wheel's size, sha256 and pieces; `ensure_cutlass` joins the pieces it finds in the
+KILN_CUTE_WHEELS folders, checks each wheel against the manifest, installs them with
+`pip --no-index --no-deps --target` into a temporary site folder and adds it (its .pth
+file included) to this process. A missing piece (the machine went back between the two
+calls) is named, with the remedy: both calls again. KILN_CUTE_WHEELS may also name one
+folder of whole wheels. Kernels for the GPU's arch (sm_90a on an H200) are compiled
+there, for the real tensors' layouts (kiln/codegen/cute/run.py), a few seconds each; the
+block-scaled NVFP4/MXFP8 kernels are sm_100a-only and are reported as not run on Hopper.
 """
 
 from __future__ import annotations
@@ -28,32 +50,141 @@ WHEELS = ("nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1",
           "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu12==4.8.1")
 
 
+PARTS = (".cute-wheels-1", ".cute-wheels-2")
+STAGE = "/tmp/kiln-cute-wheels"  # part 1 on the GPU machine, kept while the machine stays warm
+PART_LIMIT = 56 * 2 ** 20        # per call: 64 MiB carried, the working tree (~6 MiB) included
+MANIFEST = "manifest.json"
+
+
 def wheels_hint() -> str:
     """How nvidia-cutlass-dsl reaches a GPU machine that cannot reach a package index."""
-    return ("nvidia-cutlass-dsl is not installed here. On a machine with network access: "
-            "`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform "
-            f"manylinux_2_28_x86_64 -d shared/wheels/cute {' '.join(WHEELS)}` (the GPU machine's "
-            "python is 3.12; shared/ travels with the command), then on the GPU machine, before "
-            "this script: `pip install --no-index --no-deps shared/wheels/cute/*.whl` (cuda-bindings "
-            "is already there). KILN_CUTE_WHEELS=DIR installs from DIR automatically. The four "
-            "wheels are ~96 MB (libs-cu12 alone 92 MB): more than the device tool's 64 MiB `carry`, "
-            "so they must travel in shared/ (or be fetched onto the GPU machine another way).")
+    return ("nvidia-cutlass-dsl is not installed here. Its wheels (~90 MiB: "
+            f"{', '.join(WHEELS)}, for python 3.12) travel in two device calls: here `pip download --no-deps "
+            "--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 "
+            "-d /tmp/cute-whl ...` and `python scripts/gpu_check_cute.py pack /tmp/cute-whl` (folders "
+            f"{' and '.join(PARTS)}, git-ignored); call 1 carries {PARTS[0]} and runs `python3 "
+            f"scripts/gpu_check_cute.py stage {PARTS[0]}`; call 2, at once, carries {PARTS[1]} and sets "
+            f"KILN_CUTE_WHEELS={STAGE}:{PARTS[1]}. See this script's docstring.")
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def pack(wheel_dir: str, root: str = ".", limit: int = PART_LIMIT) -> list:
+    """Cut the wheels of `wheel_dir` into the folders PARTS under `root`, at most `limit`
+    bytes of pieces each (ValueError when they do not fit in two); returns the folders."""
+    import glob
+    import json
+    import shutil
+
+    wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
+    if not wheels:
+        raise ValueError(f"no .whl files in {wheel_dir}")
+    total = sum(os.path.getsize(w) for w in wheels)
+    if total > limit * len(PARTS):
+        raise ValueError(f"the wheels are {total} bytes, more than {len(PARTS)} parts of {limit}")
+    folders = [os.path.join(root, p) for p in PARTS]
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    manifest, part, used = {}, 0, 0
+    for wheel in wheels:
+        name, size = os.path.basename(wheel), os.path.getsize(wheel)
+        pieces = []
+        with open(wheel, "rb") as f:
+            offset = 0
+            while offset < size:
+                if used == limit:
+                    part, used = part + 1, 0
+                n = min(size - offset, limit - used)
+                piece = f"{name}.{len(pieces):02d}"
+                with open(os.path.join(folders[part], piece), "wb") as out:
+                    out.write(f.read(n))
+                pieces.append(piece)
+                offset, used = offset + n, used + n
+        manifest[name] = {"size": size, "sha256": _sha256(wheel), "pieces": pieces}
+    for folder in folders:
+        with open(os.path.join(folder, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+    return folders
+
+
+def stage(folder: str, stage_dir: str = STAGE) -> None:
+    """Device call 1: copy part `folder` (pieces and manifest) to `stage_dir`, outside the tree."""
+    import shutil
+
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        raise RuntimeError(f"{folder} holds no {MANIFEST}: carry a folder made by `gpu_check_cute.py pack`")
+    os.makedirs(stage_dir, exist_ok=True)
+    for name in os.listdir(folder):
+        shutil.copyfile(os.path.join(folder, name), os.path.join(stage_dir, name))
+
+
+def assemble(folders, out_dir: str) -> list:
+    """The wheels of a `pack` joined from the pieces in `folders` into `out_dir`, each
+    checked against the manifest; RuntimeError naming a missing piece or a bad wheel."""
+    import json
+
+    manifests = [os.path.join(f, MANIFEST) for f in folders if os.path.isfile(os.path.join(f, MANIFEST))]
+    if not manifests:
+        raise RuntimeError(f"no {MANIFEST} in {', '.join(folders)}")
+    with open(manifests[0]) as f:
+        manifest = json.load(f)
+    paths = []
+    for name, entry in sorted(manifest.items()):
+        path = os.path.join(out_dir, name)
+        with open(path, "wb") as out:
+            for piece in entry["pieces"]:
+                found = [os.path.join(f, piece) for f in folders if os.path.isfile(os.path.join(f, piece))]
+                if not found:
+                    raise RuntimeError(f"piece {piece} of {name} is in none of {', '.join(folders)}: the GPU "
+                                       "machine went back between the two calls (it stays warm 30 s); run "
+                                       "`stage` and this call again, the second at once")
+                with open(found[0], "rb") as f:
+                    out.write(f.read())
+        if os.path.getsize(path) != entry["size"] or _sha256(path) != entry["sha256"]:
+            raise RuntimeError(f"{name} joined from its pieces does not match its sha256 in {MANIFEST}")
+        paths.append(path)
+    return paths
+
+
+def install_wheels(spec: str) -> str:
+    """Install the wheels that `spec` names (folders joined by os.pathsep: pack parts, or
+    one folder of whole wheels) into a temporary site folder and add it to this process
+    (its .pth files included); returns the folder."""
+    import glob
+    import site
+    import subprocess
+    import sys
+    import tempfile
+
+    folders = [f for f in spec.split(os.pathsep) if f]
+    target = tempfile.mkdtemp(prefix="kiln-cute-site-")
+    if any(os.path.isfile(os.path.join(f, MANIFEST)) for f in folders):
+        wheels = assemble(folders, tempfile.mkdtemp(prefix="kiln-cute-wheels-"))
+    else:
+        wheels = sorted(w for f in folders for w in glob.glob(os.path.join(f, "*.whl")))
+    if not wheels:
+        raise RuntimeError(f"KILN_CUTE_WHEELS={spec}: no wheels there. {wheels_hint()}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
+                    "--target", target, *wheels], check=True, timeout=600)
+    site.addsitedir(target)
+    importlib.invalidate_caches()
+    return target
 
 
 def ensure_cutlass() -> None:
     """Import nvidia-cutlass-dsl, installing it from $KILN_CUTE_WHEELS when given; raise
     RuntimeError with `wheels_hint()` when it is not available."""
-    if importlib.util.find_spec("cutlass") is None:
-        folder = os.environ.get("KILN_CUTE_WHEELS")
-        if folder and os.path.isdir(folder):
-            import glob
-            import subprocess
-            import sys
-
-            wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
-            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-                            *wheels], check=True, timeout=600)
-            importlib.invalidate_caches()
+    if importlib.util.find_spec("cutlass") is None and os.environ.get("KILN_CUTE_WHEELS"):
+        install_wheels(os.environ["KILN_CUTE_WHEELS"])
     if importlib.util.find_spec("cutlass") is None:
         raise RuntimeError(wheels_hint())
 
@@ -309,3 +440,27 @@ def grouped(torch, report, table, bench_ms, arch, quick: bool) -> None:
                table(["problem", "kiln CuTeDSL", "per-expert torch.matmul loop", "speed-up"],
                      [[f"{e} experts, {t} rows, K={k}, N={n}", f"{tf(ours):.0f}", f"{tf(theirs):.0f}",
                        f"{theirs / ours:.2f}x"]]))
+
+
+def main(argv=None) -> int:
+    """`pack WHEEL_DIR` (here) and `stage FOLDER` (device call 1); the check itself runs
+    from scripts/gpu_check.py --cute."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    sub.add_parser("pack", help=f"cut downloaded wheels into {' and '.join(PARTS)}").add_argument("wheel_dir")
+    sub.add_parser("stage", help=f"device call 1: park a part in {STAGE}").add_argument("folder")
+    args = parser.parse_args(argv)
+    if args.verb == "pack":
+        for folder in pack(args.wheel_dir):
+            size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+            print(f"{folder}: {size / 2 ** 20:.1f} MiB")
+    else:
+        stage(args.folder)
+        print(f"staged {args.folder} in {STAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
