@@ -124,3 +124,14 @@ def test_float_state_and_a_nested_loop_match_eager(monkeypatch):
     np.testing.assert_array_equal(kept(x, n).numpy(), compiled(x, n).numpy())
     (graph,) = kept.compiled_graphs()
     assert len([node for node in graph.optimized.walk() if node.op == "while_loop"]) == 2
+
+
+def test_a_long_division_chain_runs_four_vectors_side_by_side():
+    from kiln.frontend.stages import render_stage
+
+    a = np.ones(1 << 12, np.float32)
+    newton_source = render_stage(kn.trace(newton, a), "source")
+    assert newton_source.count("fdiv float") >= 20
+    assert '!"llvm.loop.interleave.count", i32 4' in newton_source
+    plain_source = render_stage(kn.trace(lambda x: x * 2.0 + 1.0, a), "source")
+    assert "interleave" not in plain_source  # LLVM's own choice for everything else
