@@ -386,6 +386,10 @@ def run(torch, report, table, bench_ms, quick: bool) -> None:
         grouped(torch, report, table, bench_ms, arch, quick)
     except Exception as exc:
         report.failed("CuTeDSL grouped GEMM", exc)
+    if arch != "sm_100a":
+        report.add("CuTeDSL block-scaled GEMM (NVFP4, MXFP8)",
+                   f"**not run**: the block-scaled kernels (sm100_blockscaled.py) use tcgen05 block-scaled MMAs, "
+                   f"sm_100a only; this GPU ({props.name}) is {arch}")
 
 
 def grouped(torch, report, table, bench_ms, arch, quick: bool) -> None:
