@@ -2,7 +2,7 @@
 numpy.linalg (LAPACK per matrix) on 4096 matrices of 8x8, 16x16 and 32x32, float32 and
 float64: cholesky, qr, eigh, svd (issue 15's benchmark; target >= 5x faster than numpy).
 
-    .venv/bin/python benchmarks/bench_linalg.py [--quick] [--batch 4096] [--out benchmarks/results/linalg.md]
+    .venv/bin/python benchmarks/bench_linalg.py [--quick] [--cpu-time] [--batch 4096] [--out benchmarks/results/linalg.md]
 
 The kernels are called directly (kiln.codegen.cpu.linalg_native, after one warm-up call
 that compiles them), so the rows show the kernels whatever the routing rule decides;
@@ -10,6 +10,10 @@ the last column is the path kn.linalg takes for that operand (linalg_route.path)
 runs with OpenBLAS limited to one thread, as kiln's own pool holds the machine's cores
 (kiln uses kn.get_num_threads() threads). numpy and kiln alternate in rounds so load
 drift on the shared machine hits both alike; ratios are numpy / kiln from the same run.
+
+--cpu-time: both on ONE thread, timed by the process's CPU time (time.process_time)
+instead of the wall clock: on a machine shared with other jobs this measures the work
+each side does, undisturbed by time spent waiting for a core (its own results section).
 """
 
 from __future__ import annotations
@@ -17,27 +21,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
+import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import timings, write_section  # noqa: E402
+from report import cpu_model, timings, write_section  # noqa: E402
 
 from kiln.codegen.cpu import linalg_native, linalg_route  # noqa: E402
 from kiln.runtime.threads import blas_single_thread, get_num_threads  # noqa: E402
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
 
 
 def _operands(batch: int, n: int, dtype, rng):
@@ -59,7 +52,19 @@ CASES = {
 EXTRA = {64: ("cholesky", "qr")}
 
 
-def run(batch: int, sizes, rounds: int, repeat: int) -> list[dict]:
+def cpu_timings(fn, repeat: int, warmup: int = 1) -> tuple[float, float]:
+    """(median, minimum) process CPU time of `fn()` over `repeat` runs after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return float(np.median(times)), float(np.min(times))
+
+
+def run(batch: int, sizes, rounds: int, repeat: int, timings=timings) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     for n in list(sizes) + sorted(EXTRA):
@@ -91,16 +96,25 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--out", default=None, help="write the table into this markdown file")
+    p.add_argument("--cpu-time", action="store_true", help="one thread each, CPU time (see the docstring)")
     args = p.parse_args()
     rounds, repeat = (1, 3) if args.quick else (3, 5)
     load = os.getloadavg()
-    rows = run(args.batch, (8, 16, 32), rounds, repeat)
+    if args.cpu_time:
+        import kiln as kn
+        from kiln.runtime.threads import set_blas_num_threads
+
+        kn.set_num_threads(1)
+        set_blas_num_threads(1)
+    rows = run(args.batch, (8, 16, 32), rounds, repeat, cpu_timings if args.cpu_time else timings)
     if args.out:
         lines = [
-            "## Batched small-matrix linear algebra (benchmarks/bench_linalg.py)", "",
-            f"Command: `.venv/bin/python benchmarks/bench_linalg.py{' --quick' if args.quick else ''} "
+            "## Batched small-matrix linear algebra (benchmarks/bench_linalg.py"
+            + (", one thread each, CPU time)" if args.cpu_time else ", wall clock)"), "",
+            f"Command: `.venv/bin/python benchmarks/bench_linalg.py{' --quick' if args.quick else ''}"
+            f"{' --cpu-time' if args.cpu_time else ''} "
             f"--batch {args.batch} --out {args.out}`  ",
-            f"Machine: {_cpu_model()}, {os.cpu_count()} CPUs (kiln threads: {get_num_threads()}; "
+            f"Machine: {cpu_model()}, {os.cpu_count()} CPUs (kiln threads: {get_num_threads()}; "
             f"SIMD lanes {linalg_native.simd_bits()} bits)  ",
             f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; load average at start "
             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the machine is shared by ~8 agents)  ",
@@ -108,12 +122,13 @@ def main() -> None:
             "of round medians, minimums over all runs; ratio = numpy median / kiln median (same run). "
             "numpy with OpenBLAS on one thread. The last column is the path kn.linalg takes for "
             "that operand by the rule (kiln/codegen/cpu/linalg_route.py), set from these measurements.", "",
-            "| op | n | dtype | kiln median ms | kiln min ms | numpy median ms | numpy min ms | ratio | kn.linalg path |",
+            "| op | n | dtype | kiln median ms | kiln min ms | numpy median ms | numpy min ms | numpy / kiln | kn.linalg path |",
             "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['op']} | {r['n']} | {r['dtype']} | {r['kiln'] * 1e3:.2f} | {r['kiln_min'] * 1e3:.2f} "
                          f"| {r['numpy'] * 1e3:.2f} | {r['numpy_min'] * 1e3:.2f} | {r['ratio']:.2f}x | {r['path']} |")
-        write_section(args.out, "bench_linalg", "\n".join(lines), title="# Batched linear algebra benchmark")
+        write_section(args.out, "bench_linalg_cpu" if args.cpu_time else "bench_linalg", "\n".join(lines),
+                      title="# Batched linear algebra benchmark")
 
 
 if __name__ == "__main__":
