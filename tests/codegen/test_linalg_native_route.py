@@ -31,6 +31,8 @@ def test_rule():
     assert linalg_route.path("svd", (64, 8, 8), f32, "metal:1") == "metal"
     x = kn.tensor(RNG.standard_normal((64, 8, 8)).astype(f32))
     assert kn.linalg.path("qr", x) == "native" and kn.linalg.path("qr", x[:2]) == "lapack"
+    with pytest.raises(kn.KilnArgumentError, match="cholesky, qr, eigh, svd.*'lu'"):
+        kn.linalg.path("lu", x)
 
 
 def _spd(b, n, dtype):

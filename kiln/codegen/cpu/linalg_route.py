@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.errors import KilnArgumentError
+
 MIN_BATCH = 32
 # (op, dtype) -> largest max(m, n) at which the CPU kernels beat LAPACK per matrix
 # (benchmarks/results/linalg.md: 8, 16, 32 for all four, 64 for the factorizations);
@@ -38,10 +40,13 @@ def path(op: str, shape: tuple, dtype, device: str = "cpu") -> str:
     operand of `dtype` on `device`."""
     from kiln.codegen.cpu import linalg_native
 
+    if op not in OPS:
+        raise KilnArgumentError(f"kn.linalg.path: op must be one of {', '.join(OPS)}, got {op!r}",
+                                hint='kn.linalg.path("eigh", a)')
     if str(device).split(":")[0] in ("metal", "mps"):
         return "metal"
     name = np.dtype(dtype).name
-    if op not in OPS or not linalg_native.supports(tuple(shape), name):
+    if not linalg_native.supports(tuple(shape), name):
         return "lapack"
     batch = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
     if batch < MIN_BATCH or max(shape[-2:]) > NATIVE_WINS.get((op, name), 0):
