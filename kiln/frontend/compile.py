@@ -217,7 +217,9 @@ class CompiledFunction:
         else:
             self._hits += 1
         statics = entry.static_positions
-        arrays = [leaf._x if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
+        # a view's array may be strided (z.real): kernels read contiguous buffers
+        arrays = [(leaf._x if leaf._view is None else np.ascontiguousarray(leaf._x))
+                  if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
                   for i, leaf in enumerate(leaves) if i not in statics]
         if entry.shape_guards:  # decisions on symbolic sizes (shape_guards.py)
             entry, sizes = self._guarded(entry, args, key, arrays, hit)

@@ -6,8 +6,12 @@ three complex primitives (`real`, `imag`, `complex`), so it traces, compiles (th
 `complex` pass turns it into real arithmetic, see kiln/passes/complex_decompose.py) and
 differentiates with PyTorch's convention through their vjp rules.
 
-kiln tensors are values, not storage: `view_as_real`, `.real` and `.imag` return new
-tensors rather than views that alias `z` (writing into them does not change `z`).
+`view_as_real`, `view_as_complex`, `.real` and `.imag` are views, as in PyTorch: eagerly
+they share `z`'s memory (`view_as_real` is the same bytes as f32[..., 2]; `.real` and
+`.imag` are stride-2 views into it), and an in-place op through one changes `z` (kiln's
+view rule, kiln/frontend/mutation.py: the write is rebound into the base, and the view
+then shows the base's new memory again). Compiled, the `complex` pass reads the parts
+from the same interleaved memory (kiln/ir/ops/complex_view.py).
 
     >>> z = kn.polar(kn.ones(3), kn.tensor([0.0, 1.5708, 3.1416]))
     >>> kn.view_as_real(z).shape        # (3, 2)
@@ -32,15 +36,70 @@ def _complex_operand(op: str, x) -> Tensor:
     return x
 
 
+def _plain(x: Tensor) -> bool:
+    """An eager CPU tensor outside autograd: its parts can be numpy views of its memory."""
+    return x._builder is None and x._node is None and not x._requires_grad and x._device is None
+
+
+def _part(x: Tensor, which: str) -> Tensor:
+    if x._view is not None:
+        x._view.refresh(x)
+    if _plain(x):
+        from kiln.frontend.dispatch import current_builder
+
+        if current_builder() is None:  # a stride-2 float32 view of x's pairs
+            return Tensor._make(getattr(x._x, which))
+    return apply(which, x)
+
+
+def _aliasing(base: Tensor, out: Tensor, read, to_base, op: str) -> Tensor:
+    """Tag `out` as a view of `base`: `read(base)` makes it again, an in-place write to it
+    is rebound into `base` as `to_base(base, view)`, after which an eager view shows the
+    base's new memory again (so the two keep sharing memory, as torch's views do)."""
+    from kiln.frontend.mutation import ViewOf, rebind
+
+    def write(b: Tensor, view: Tensor) -> None:
+        rebind(b, to_base(b, view), op)
+        if view._builder is None and b._builder is None:
+            view._x = read(b)._x
+
+    out._view = ViewOf(base, read, write)
+    return out
+
+
 def real(x) -> Tensor:
-    """The real part: float32 for complex64; a real tensor is returned as it is (torch)."""
+    """The real part: float32 for complex64, a view of x (a write through it changes x);
+    a real tensor is returned as it is (torch)."""
     x = _tensor(x)
-    return apply("real", x) if x.dtype.is_complex else x
+    if not x.dtype.is_complex:
+        return x
+    return _aliasing(x, _part(x, "real"), lambda b: _part(b, "real"),
+                     lambda b, v: apply("complex", _detached(v), _part(b, "imag")), "real")
 
 
 def imag(x) -> Tensor:
-    """The imaginary part (float32) of a complex tensor; a real tensor is an error (torch)."""
-    return apply("imag", _complex_operand("imag", x))
+    """The imaginary part (float32) of a complex tensor, a view of x; a real tensor is an
+    error (torch)."""
+    x = _complex_operand("imag", x)
+    return _aliasing(x, _part(x, "imag"), lambda b: _part(b, "imag"),
+                     lambda b, v: apply("complex", _part(b, "real"), _detached(v)), "imag")
+
+
+def _detached(v: Tensor) -> Tensor:
+    """The view's values as a plain tensor (not re-read from the base it is written to)."""
+    out = Tensor._make(v._x, v._builder, v._device)
+    out._node = v._node
+    return out
+
+
+def _set_real(x: Tensor, value) -> None:
+    """`z.real = v` writes v into z's real part (torch)."""
+    real(x).copy_(value)
+
+
+def _set_imag(x: Tensor, value) -> None:
+    """`z.imag = v` writes v into z's imaginary part (torch)."""
+    imag(x).copy_(value)
 
 
 def conj(x) -> Tensor:
@@ -70,20 +129,26 @@ def complex(real_part, imag_part) -> Tensor:  # noqa: A001 - torch.complex
 
 
 def view_as_real(x) -> Tensor:
-    """[..., 2] float32 holding (real, imag) of each entry of a complex tensor."""
-    from kiln.frontend.shape_ops import stack
-
+    """[..., 2] float32 holding (real, imag) of each entry of a complex tensor: a view of
+    x's memory (a write through it changes x), as torch.view_as_real."""
     x = _complex_operand("view_as_real", x)
-    return stack([apply("real", x), apply("imag", x)], dim=-1)
+    if x._view is not None:
+        x._view.refresh(x)
+    return _aliasing(x, apply("view_as_real", x), lambda b: apply("view_as_real", b),
+                     lambda b, v: apply("view_as_complex", _detached(v)), "view_as_real")
 
 
 def view_as_complex(x) -> Tensor:
-    """The inverse of `view_as_real`: a float32 [..., 2] tensor as complex64 [...]."""
+    """The inverse of `view_as_real`: a float32 [..., 2] tensor as complex64 [...], a view
+    of x's memory (torch.view_as_complex)."""
     x = _tensor(x)
     if x.dtype != dt.float32 or x.ndim == 0 or x.shape[-1] != 2:
         raise KilnShapeError(f"view_as_complex: expects a float32 tensor whose last dim is 2, "
                              f"got {x.dtype.short}{list(x.shape)}")
-    return apply("complex", x[..., 0], x[..., 1])
+    if x._view is not None:
+        x._view.refresh(x)
+    return _aliasing(x, apply("view_as_complex", x), lambda b: apply("view_as_complex", b),
+                     lambda b, v: apply("view_as_real", _detached(v)), "view_as_complex")
 
 
 def angle(x) -> Tensor:
@@ -112,8 +177,8 @@ def is_complex(x) -> bool:
 
 def _bind() -> None:
     """Tensor.real / .imag (properties), .conj(), .angle(), .is_complex()."""
-    Tensor.real = property(real, doc="The real part (see kiln.frontend.complex_ops.real).")
-    Tensor.imag = property(imag, doc="The imaginary part (complex tensors only).")
+    Tensor.real = property(real, _set_real, doc="The real part, a view (complex_ops.real).")
+    Tensor.imag = property(imag, _set_imag, doc="The imaginary part, a view (complex tensors only).")
     Tensor.conj = conj
     Tensor.angle = angle
     Tensor.is_complex = is_complex
