@@ -80,3 +80,19 @@ def test_metal_path_needs_a_mac():
             linalg_run.run(op, a)
     with pytest.raises(KilnMetalArgumentError, match="float32"):
         linalg_run.run("qr", a.astype(np.float64))
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="checks the error raised off macOS")
+def test_a_tensor_on_metal_takes_the_metal_kernels():
+    """kn.linalg on a tensor whose device is metal:0 goes to the Metal kernels (no such
+    tensor can exist off macOS, so one claims it), which end in K410 here."""
+    class Metal0:
+        def __str__(self):
+            return "metal:0"
+
+    t = kn.tensor(RNG.standard_normal((4, 8, 8)).astype(np.float32))
+    t._device = Metal0()
+    assert kn.linalg.path("svd", t) == "metal"
+    for fn in (kn.linalg.cholesky, kn.linalg.qr, kn.linalg.eigh, kn.linalg.svd):
+        with pytest.raises(KilnMetalUnavailableError, match="macOS"):
+            fn(t)
