@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import sympy
 
+from kiln.codegen.cfamily.index import index_c as index_cl
 from kiln.codegen.kernel_ir import GemmKernel
 from kiln.codegen.lower import accumulator_dtype
 from kiln.codegen.metal.emit import (PRELUDE, EmittedKernel, ExprEmitter, kernel_name, signature,
                                      store_cast)
 from kiln.codegen.metal.scalar import UNSIGNED, msl_type
-from kiln.codegen.opencl.scalar import index_cl
 
 BM = BN = 32
 BK = 8
