@@ -67,14 +67,15 @@ def backend_on(device: Device, backend: str) -> str:
 def runtime_allocator(device: Device):
     """The runtime Allocator whose buffers are blocks of `device`'s caching allocator
     (one per device, shared by every program there)."""
+    segments = allocator_for(device)  # a re-registered kind has a new one: follow it
     allocator = _ALLOCATORS.get(device)
-    if allocator is None:
+    if allocator is None or allocator.device_allocator is not segments:
         from kiln.runtime.allocator import Allocator
 
         with _lock:
             allocator = _ALLOCATORS.get(device)
-            if allocator is None:
-                allocator = _ALLOCATORS[device] = Allocator(device_allocator=allocator_for(device))
+            if allocator is None or allocator.device_allocator is not segments:
+                allocator = _ALLOCATORS[device] = Allocator(device_allocator=segments)
     return allocator
 
 
@@ -91,8 +92,13 @@ class DeviceSide:
         self._sync = (lambda: kind.synchronize(index)) if kind.synchronize else None
         self._copy = kind.copy
 
-    def to_device(self, array: np.ndarray) -> np.ndarray:
-        """`array` (host memory) copied into a block of the device (one h2d transfer)."""
+    def to_device(self, array):
+        """`array` (host memory) copied into a block of the device (one h2d transfer);
+        anything that is not array data (a collective's pending call) passes as it is."""
+        if isinstance(array, np.generic):
+            array = np.asarray(array)
+        if not isinstance(array, np.ndarray):
+            return array
         out = self.allocator.empty(array.shape, array.dtype)
         self._copy(out, np.ascontiguousarray(array))
         record("host_to_device", array.nbytes)
@@ -121,8 +127,6 @@ class DeviceSide:
 
     def constant(self, data):
         """A program constant as device memory (copied once, when the program is built)."""
-        if not isinstance(data, np.ndarray) or data.ndim == 0 and data.dtype == object:
-            return data
         return self.to_device(data)
 
 
