@@ -11,8 +11,10 @@ scatter, LAPACK, random bits, ...), so every graph kiln can trace also runs comp
 from __future__ import annotations
 
 from kiln.codegen.batch_lower import batch_launch
+from kiln.codegen.complex_stores import interleave_stores, interleaved_pairs
 from kiln.codegen.lower import SplitReduction, lower_fused
 from kiln.ir import registry
+from kiln.ir.dtypes import float32
 from kiln.ir.graph import Graph, Region, Value
 from kiln.ir.registry import COLLECTIVE
 from kiln.runtime.memory_plan import plan_memory
@@ -38,6 +40,8 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
         return slots[id(v)]
 
     inputs = [slot(v) for v in graph.inputs]
+    pairs = interleaved_pairs(graph)  # complex results a kernel stores interleaved
+    packed: dict[int, int] = {}  # such a complex node -> the f32[..., 2] slot written
     batched: set[int] = set()  # nodes launched as members of a batch (batch_lower.py)
     for index, node in enumerate(graph.body.nodes):
         if index in batched:
@@ -62,8 +66,16 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
                 steps.append(Launch(lowered.partial.name, ins + scratch))
                 steps.append(Launch(lowered.combine.name, scratch + outs))
             else:
+                if index in pairs:  # complex_stores.py
+                    at, re, im = pairs[index]
+                    lowered = interleave_stores(lowered, re, im)
+                    shape = tuple(node.results[re].type.shape) + (2,)
+                    packed[at] = new_slot(BufferSpec(float32, shape))
+                    outs = tuple(packed[at] if k == re else s for k, s in enumerate(outs) if k != im)
                 kernels[name] = lowered
                 steps.append(Launch(name, ins + outs))
+        elif index in packed:
+            steps.append(View(packed[index], outs[0]))
         elif node.op in ("reshape", "view_as_real", "view_as_complex"):  # same memory
             steps.append(View(ins[0], outs[0]))
         elif node.op == "constant":

@@ -279,8 +279,9 @@ def _pad(b, node):
 
 def _constant(b, node):
     array = b.graph.constants[node.attrs["name"]]
-    return _pack(b, b.constant(np.ascontiguousarray(array.real, np.float32)),
-                 b.constant(np.ascontiguousarray(array.imag, np.float32)))
+    # np.array, not np.ascontiguousarray: that makes a 0-d constant 1-d
+    return _pack(b, b.constant(np.array(array.real, np.float32)),
+                 b.constant(np.array(array.imag, np.float32)))
 
 
 def _gemm(b, node):
