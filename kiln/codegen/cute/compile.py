@@ -119,7 +119,7 @@ def _compile(kernel: GemmKernel, arch: str, tile: tuple, key: str) -> CuteArtifa
     sizes = tuple(cutlass.Int32(1) for _ in size_names) or (cutlass.Int32(0),)
     module = _kernel_module(arch)
     gemm = (module.Sm100Gemm if arch == "sm_100a" else module.Sm90Gemm)(tuple(tile), fn)
-    compiled, seconds = _run_compile(gemm, (a, b, c, operands, sizes, MAX_CTAS[arch]), arch)
+    compiled, seconds = run_compile(gemm, (a, b, c, operands, sizes, MAX_CTAS[arch]), arch)
     ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
     if not ptx or not cubin:
         raise RuntimeError(f"cute.compile of {kernel.name} for {arch} kept no PTX/cubin")
@@ -170,7 +170,7 @@ def compile_grouped_gemm(arch: str, dtype, out_dtype, k: int, n: int, experts: i
     kind = grouped_gemm.Sm100GroupedGemm if arch == "sm_100a" else sm90_grouped.Sm90GroupedGemm
     gemm = kind(tuple(tile), activation, alpha, bias, row_scale)
     args = (x, w, y, sizes, b, rs) + ((MAX_CTAS[arch],) if arch == "sm_90a" else ())
-    compiled, seconds = _run_compile(gemm, args, arch)
+    compiled, seconds = run_compile(gemm, args, arch)
     names = ("bias",) * bias + ("row_scale",) * row_scale
     art = CuteArtifact("grouped_gemm", arch, tuple(tile), compiled.artifacts.PTX, bytes(compiled.artifacts.CUBIN),
                        seconds, names, ("T",), key)
@@ -226,7 +226,7 @@ def compile_blockscaled_gemm(fmt: str, m, n, k, out_dtype, *, tensor_scale: bool
     sfb = make_fake_compact_tensor(sf_t, (cute.sym_int32(),), assumed_align=16)
     operands = tuple(make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4) for _ in operand_names)
     gemm = sm100_blockscaled.Sm100BlockScaledGemm(fmt, fn, tuple(tile))
-    compiled, seconds = _run_compile(gemm, (a, b, c, sfa, sfb, operands, (cutlass.Int32(0),), MAX_CTAS["sm_100a"]),
+    compiled, seconds = run_compile(gemm, (a, b, c, sfa, sfb, operands, (cutlass.Int32(0),), MAX_CTAS["sm_100a"]),
                                      "sm_100a")
     art = CuteArtifact(kernel.name, "sm_100a", tuple(tile), compiled.artifacts.PTX, bytes(compiled.artifacts.CUBIN),
                        seconds, operand_names, (), key)
@@ -234,7 +234,7 @@ def compile_blockscaled_gemm(fmt: str, m, n, k, out_dtype, *, tensor_scale: bool
     return art
 
 
-def _run_compile(gemm, args: tuple, arch: str) -> tuple:
+def run_compile(gemm, args: tuple, arch: str) -> tuple:
     """(compiled, seconds): `cute.compile(gemm, *args, stream)` for `arch`, keeping PTX and
     cubin, one compile at a time."""
     import cutlass.cute as cute
