@@ -439,6 +439,7 @@ class MpiBackend(Backend):
         self._stop = True
         self._wake.set()
         self._watcher.join(1.0)
+        self._ring.close()
 
 
 class _Revoked(Exception):

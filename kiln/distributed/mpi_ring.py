@@ -18,9 +18,12 @@ n-1 reduce-scatter steps send a chunk to the right neighbour and add the one fro
 left into the user's buffer, then n-1 all-gather steps pass the reduced chunks round.
 Each rank moves 2(n-1)/n of the buffer, the bandwidth optimum. Reduce-scatter
 messages go in segments of `SEGMENT` bytes received into two reusable scratch
-buffers, so adding one segment overlaps the transfer of the next, and nothing the
-size of the message is allocated per call; the all-gather receives straight into the
-user's buffer. Reductions run in numpy through kiln's `Reducer` (so every dtype and op
+buffers, and nothing the size of the message is allocated per call; the all-gather
+receives straight into the user's buffer. Open MPI moves a large message inside the
+*receiver's* MPI calls (a single-copy CMA read of the sender's memory), so a segment
+travels only while this rank waits in MPI: from 8 segments a chunk on, the adds run
+on a helper thread (numpy releases the GIL) while this thread receives the next
+segment (64 MB on 2 ranks: 39 ms against 95 ms with the adds inline, same run). Reductions run in numpy through kiln's `Reducer` (so every dtype and op
 reduces as on the tcp backend: integers wrap, bfloat16/float8 go through float32), and
 every rank ends with the bytes the chunk's last reducer computed: identical everywhere.
 
@@ -39,6 +42,7 @@ from kiln.distributed.buffers import Reducer
 SEGMENT = 2 << 20  # bytes per reduce-scatter message (two of them in flight per rank)
 MIN_BYTES = 1 << 20  # all_reduce at least this large takes the ring (see mpi_backend)
 _TAG = 1
+_THREADED_SEGMENTS = 8  # a chunk of this many segments or more adds on a helper thread
 
 
 class MpiRing:
@@ -49,6 +53,7 @@ class MpiRing:
         self.backend, self.comm = backend, comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._scratch: dict[np.dtype, np.ndarray] = {}  # per dtype: 2 segments, kept warm
+        self._pool = None
 
     def usable(self, buf: np.ndarray) -> bool:
         """Whether `buf` takes the ring: large enough, contiguous, two ranks or more."""
@@ -87,13 +92,41 @@ class MpiRing:
         pending = None  # (request, scratch segment, destination) received next
         if starts:
             pending = self._post(starts[0], into, scratch[0], left)
-        for k in range(len(starts)):
-            req, seg, dst = pending
-            if k + 1 < len(starts):  # the next segment flies while this one is added
-                pending = self._post(starts[k + 1], into, scratch[(k + 1) % 2], left)
-            self._wait(ctx, [req])
-            reducer.combine(dst, dst, seg)
+        # MPI moves a large message inside the receiver's MPI calls (single-copy CMA
+        # reads), so an add on this thread would stall the next segment's transfer:
+        # with enough segments the adds run on a helper thread while this one waits
+        helper = self._adder() if len(starts) >= _THREADED_SEGMENTS else None
+        adding = None  # the add of the previous segment, on the helper thread
+        try:
+            for k in range(len(starts)):
+                req, seg, dst = pending
+                self._wait(ctx, [req])
+                if adding is not None:
+                    adding.result()  # its scratch half is free again
+                    adding = None
+                if k + 1 < len(starts):
+                    pending = self._post(starts[k + 1], into, scratch[(k + 1) % 2], left)
+                if helper is None:
+                    reducer.combine(dst, dst, seg)
+                else:
+                    adding = helper.submit(reducer.combine, dst, dst, seg)
+        finally:
+            if adding is not None:  # local and short: the user's buffer is left alone
+                adding.result()
         self._wait(ctx, sends)
+
+    def _adder(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-mpi-ring")
+        return self._pool
+
+    def close(self) -> None:
+        """Let the helper thread go (it ends once idle)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def _post(self, start: int, into: np.ndarray, scratch: np.ndarray, left: int):
         dst = into[start:start + scratch.size]
