@@ -202,8 +202,23 @@ class TritonBackend(Backend):
             raise KilnNoGpuError(f"backend {self.target!r} compiles for {self.options.arch}, but this "
                                  f"machine's GPU is {present}",
                                  hint=f"use backend={self.vendor!r} to compile for the GPU present")
-        return [runtime.GpuKernel(k, self.emit(k, present), gpu, self.vendor, self.compile_options)
-                for k in kernels]
+        return [self._gpu_kernel(k, gpu, present) for k in kernels]
+
+    def _gpu_kernel(self, kernel: AnyKernel, gpu, present: str):
+        """Triton's kernel for `kernel`, or for a GEMM that select.py gives to CuTeDSL on the
+        GPU present (`present`: "sm_90" runs sm_90a kernels), kiln/codegen/cute/launch.py's."""
+        from kiln.codegen.triton import runtime
+
+        if self.vendor == "cuda" and isinstance(kernel, GemmKernel):
+            from kiln.codegen.cute import cuda_gemm
+
+            legal = self.legalize(kernel)
+            picked = cuda_gemm.choice(legal, present, self.options.cuda_gemm)
+            if picked.impl == "cute":
+                from kiln.codegen.cute.launch import CuteGemmKernel
+
+                return CuteGemmKernel(legal, picked)
+        return runtime.GpuKernel(kernel, self.emit(kernel, present), gpu, self.vendor, self.compile_options)
 
 
 _VENDOR_NAME = {"cuda": "NVIDIA", "rocm": "AMD"}

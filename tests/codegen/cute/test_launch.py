@@ -99,3 +99,26 @@ def test_buffers_tma_cannot_take_are_k422():
                                                   r"got 98303 of 2"):
         launched.check_arrays(arrays, {})
     assert launched.compiled.calls == []
+
+
+def test_the_cuda_backend_runs_cute_gemms_on_the_gpu_present(monkeypatch):
+    """TritonBackend.build on an (imitated) sm_90 GPU: an aligned GEMM becomes a
+    CuteGemmKernel compiled for sm_90a, an unaligned one and KILN_CUDA_GEMM=triton stay Triton."""
+    from triton.backends.compiler import GPUTarget
+
+    from kiln.codegen.triton import runtime
+    from kiln.codegen.triton.backend import TritonBackend, TritonOptions
+
+    monkeypatch.setattr(runtime, "interpreter_active", lambda: False)
+    monkeypatch.setattr(runtime, "device_target", lambda vendor: GPUTarget("cuda", 90, 32))
+    monkeypatch.setattr(runtime, "GpuKernel", lambda kernel, *args: ("triton", kernel.name))
+    aligned_gemm, unaligned = gemm(name="aligned"), gemm(n=500, name="unaligned")  # 500 bf16: 1000-byte rows
+    built = TritonBackend("cuda").build([aligned_gemm, unaligned])
+    from kiln.codegen.cute.select import choose
+
+    assert isinstance(built[0], CuteGemmKernel) and built[0].arch == "sm_90a"
+    assert built[0].tile == choose(aligned_gemm, "sm_90").tile  # the selector's tile
+    assert "wgmma.mma_async" in built[0].compiled.artifacts.PTX
+    assert built[1] == ("triton", "unaligned")
+    forced = TritonBackend("cuda", TritonOptions(cuda_gemm="triton")).build([aligned_gemm])
+    assert forced == [("triton", "aligned")]
