@@ -353,6 +353,12 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
         made = {id(r) for n in nodes for r in n.results}
         reads[id(g)] = {id(o) for n in nodes for o in n.operands if id(o) not in made}
     owner = {id(v): g for g in groups for v in g.values}
+    sources: dict[int, list] = {}  # value id -> the groups making it, until the next merge
+
+    def source_groups(vid: int) -> list:
+        if vid not in sources:
+            sources[vid] = _source_groups({vid}, owner, analysis)
+        return sources[vid]
 
     def depends(a: _Group, b: _Group, direct_ok: bool = False) -> bool:
         """Does `a` read, through other groups or unfused nodes (a loop, a library call),
@@ -363,7 +369,7 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
             for vid in reads[id(current)]:
                 if direct_ok and current is a and owner.get(vid) is b:
                     continue
-                for g in _source_groups({vid}, owner, analysis):
+                for g in source_groups(vid):
                     if g is b:
                         return True
                     if id(g) not in seen:
@@ -389,6 +395,7 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
         reads[id(host)] -= {id(v) for v in host.values}
         for v in g.values:
             owner[id(v)] = host
+        sources.clear()
     return out
 
 
@@ -474,6 +481,12 @@ def _split(g: _Group, analysis: _Analysis, mat: set[int], owner: dict) -> list[_
     on a value of `g`, and the rest, which then run first. Values that only the split
     leaves read from outside their new kernel get buffers."""
     own = {id(v) for v in g.values}
+    group_inputs: dict[int, set[int]] = {}  # mat is fixed while splitting: each group once
+
+    def inputs_of(h: _Group) -> set[int]:
+        if id(h) not in group_inputs:
+            group_inputs[id(h)] = {id(o) for n in h.nodes(analysis, mat) for o in n.operands}
+        return group_inputs[id(h)]
 
     def waits(v: Value) -> bool:
         stop = mat - {id(v)}
@@ -491,7 +504,7 @@ def _split(g: _Group, analysis: _Analysis, mat: set[int], owner: dict) -> list[_
             if h is g:
                 continue  # a value of `g` itself read directly: `own` decided above
             if h is not None:
-                inputs = {id(o) for n in h.nodes(analysis, mat) for o in n.operands}
+                inputs = inputs_of(h)
             else:
                 node = analysis.producer.get(vid)
                 inputs = {id(o) for o in analysis.inputs[id(node)]} if node is not None else set()
