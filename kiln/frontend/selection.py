@@ -178,6 +178,8 @@ def clone(x):
     x = _tensor(x)
     from kiln.frontend.tensor import Tensor
 
+    if x._view is not None:  # a view re-reads its base if that changed (mutation.py)
+        x._view.refresh(x)
     data = x._x if x.is_traced else np.array(x._x, copy=True)
     out = Tensor._make(data, x._builder)
     out._node = x._grad_ref()
