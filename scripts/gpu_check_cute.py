@@ -322,6 +322,38 @@ def numerics(torch, report, table, arch, quick: bool) -> None:
                table(["problem", "epilogue", "max abs err", "relative", "verdict"], rows))
 
 
+def executor_launch(torch, report, table, arch, quick: bool) -> None:
+    """The path a compiled program takes on cuda (kiln/codegen/cute/launch.py): one
+    CuteGemmKernel with M symbolic, launched on device addresses for several M."""
+    import dataclasses
+
+    from kiln.codegen.cute.launch import CuteGemmKernel
+    from kiln.codegen.cute.select import Choice
+    from kiln.ir import dtypes as dt
+    from kiln.ir.shapes import dim_function, symbol
+
+    n, k = 768, 1024
+    exprs, extra, torch_ref = _epilogues(symbol("M"), n, dt.bfloat16)
+    kern = dataclasses.replace(_kernel(symbol("M"), n, k, dt.bfloat16, dt.bfloat16, exprs["all of them"], extra),
+                               sizes=("M",))
+    launched = CuteGemmKernel(kern, Choice("cute", "gpu check", arch, (128, 128)))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for m in ((512, 333) if quick else (512, 333, 4096, 1)):
+        t = {b.name: torch.randn(tuple(dim_function(d)({"M": m}) for d in b.shape), generator=gen,
+                                 device="cuda").to(getattr(torch, b.dtype.name)) for b in kern.buffers}
+        launched.launch_pointers([t[b.name].data_ptr() for b in kern.buffers], {"M": m},
+                                 torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        acc = (t["a"].double() @ t["b"].double()).float()
+        ref = torch_ref("all of them", torch, acc, t).to(torch.bfloat16).float()
+        err, scale = (t["y"].float() - ref).abs().max().item(), ref.abs().max().item() or 1.0
+        rows.append([f"bf16 {m}x{n}x{k}", f"{err:.3g}", f"{err / scale:.2e}",
+                     "ok" if err <= 2 ** -6 * scale * 4 else "FAIL"])
+    report.add(f"CuTeDSL GEMM through the executor's launch path (one compile for every M, "
+               f"{launched.compile_seconds:.1f} s)", table(["problem", "max abs err", "relative", "verdict"], rows))
+
+
 def speed(torch, report, table, bench_ms, arch, quick: bool) -> None:
     from cuda.bindings import driver
 
@@ -377,6 +409,8 @@ def run(torch, report, table, bench_ms, quick: bool) -> None:
         raise RuntimeError(f"kiln's CuTeDSL GEMMs are for sm_90a and sm_100a; this GPU is sm_{props.major}{props.minor}")
     os.environ.setdefault("CUTE_DSL_ARCH", arch)
     for title, part in (("CuTeDSL GEMM numerics", lambda: numerics(torch, report, table, arch, quick)),
+                        ("CuTeDSL GEMM through the executor's launch path",
+                         lambda: executor_launch(torch, report, table, arch, quick)),
                         ("CuTeDSL GEMM speed", lambda: speed(torch, report, table, bench_ms, arch, quick))):
         try:
             part()
