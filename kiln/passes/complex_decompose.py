@@ -4,18 +4,23 @@ After this pass no kernel computes on complex values: every supported op on comp
 is rewritten into real ops on the real and imaginary parts, which fusion groups into
 ordinary loop, reduction and GEMM kernels on every backend (PyTorch 2.14's compiler does
 the same for its experimental complex support). Complex values remain only at the
-graph's edges: a complex input is split by `real`/`imag`, a complex output is packed by
-`complex`, and an op this pass does not know keeps its complex operands (packed for it,
-split after it), so nothing is ever lost, only left unfused.
+graph's edges and are never copied there: a complex input's parts are read in place,
+as stride-2 slices of its `view_as_real` (the interleaved layout, see
+kiln/ir/ops/complex_view.py), which fusion folds into the kernels' loads; a complex
+output stays `complex(re, im)`, which build_program turns into pair stores of the kernel
+computing both parts (kiln/codegen/complex_stores.py) or else one packing step; an op
+this pass does not know keeps its complex operands, so nothing is ever lost, only left
+unfused.
 
 The rewrite is local. A complex value is represented by `complex(re, im)` nodes; an op
-that reads one takes its parts straight from that node (or splits a value that has no
-such producer), computes real results, and returns `complex(new_re, new_im)`; the
-`real(complex(a, b)) -> a` rules then let the next op take the parts again, and `dce`
-removes every `complex` node no one needs whole.
+that reads one takes its parts straight from that node (or reads them in place from a
+value that has no such producer), computes real results, and returns
+`complex(new_re, new_im)`; the `real(complex(a, b)) -> a` rules then let the next op take
+the parts again, and `dce` removes every `complex` node no one needs whole.
 
-    %1 = mul(%z, %w) : c64[N]          %a, %b = real(%z), imag(%z)    %c, %d = real(%w), imag(%w)
-                              ==>      %re = sub(mul(%a, %c), mul(%b, %d))
+    %1 = mul(%z, %w) : c64[N]          %a, %b = pairs(%z)[:, 0], pairs(%z)[:, 1]   (pairs = view_as_real)
+                              ==>      %c, %d = pairs(%w)[:, 0], pairs(%w)[:, 1]
+                                       %re = sub(mul(%a, %c), mul(%b, %d))
                                        %im = add(mul(%a, %d), mul(%b, %c))
                                        %1 = complex(%re, %im) : c64[N]
 
