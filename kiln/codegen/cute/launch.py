@@ -71,11 +71,16 @@ def _resolve(shape: tuple, dims) -> tuple:
 def compact_strides(shape: tuple, order: tuple) -> tuple:
     """Element strides of a compact tensor of `shape` whose mode i is the order[i]-th
     fastest (0: unit stride), size-1 modes included, as CuTe's fake compact tensors
-    (and numpy) have them: (M, K, L) with order (1, 0, 2) -> (K, 1, M * K)."""
+    (and numpy) have them: (M, K, L) with order (1, 0, 2) -> (K, 1, M * K). A stride
+    that depends on a launch-time extent is 64-bit (M * K may pass 2^31), as the fake
+    tensors' symbolic strides are; static ones stay Python ints."""
+    import cutlass
+
     strides, step = [0] * len(shape), 1
     for mode in sorted(range(len(shape)), key=lambda i: order[i]):
         strides[mode] = step
-        step = step * shape[mode]
+        extent = shape[mode]
+        step = step * (extent if isinstance(extent, int) else cutlass.Int64(extent))
     return tuple(strides)
 
 

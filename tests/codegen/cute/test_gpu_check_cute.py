@@ -70,7 +70,8 @@ def test_a_missing_part_or_a_damaged_piece_is_named(script, tmp_path):
     with pytest.raises(RuntimeError, match=r"piece big-1\.0-py3-none-any\.whl\.00 .* went back between the two calls"):
         script.assemble([second], str(out))  # call 1's part is gone: the machine was given back
     piece = pathlib.Path(second) / "big-1.0-py3-none-any.whl.01"
-    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    data = piece.read_bytes()
+    piece.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # one byte flipped
     with pytest.raises(RuntimeError, match="does not match its sha256"):
         script.assemble([first, second], str(out))
     with pytest.raises(ValueError, match="more than 2 parts of 1000"):
