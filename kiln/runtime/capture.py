@@ -439,6 +439,8 @@ class CapturedPlan:
                 self.table[i] = array.ctypes.data
         self.table_address = ctypes.addressof(self.table)
         self.ops = ops
+        if launcher is not None and hasattr(launcher, "attach"):  # what it reads of the plan
+            launcher.attach(self)
         self._block = _Block(ops, launcher, self)
         self._needs_arrays = any(kind != "native" for kind, _ in self._block.parts)
         self._bind = None

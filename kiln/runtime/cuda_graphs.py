@@ -15,14 +15,14 @@ part in place (`cuGraphExecUpdate`: a pointer update, no re-instantiation) — a
 executable graphs per part are kept, keyed by their pointers, so alternating inputs
 and loop parities replay without recording.
 
-Control flow: a `cond` waits for the stream, reads its index on the host and replays
-the chosen branch's graphs; a `while_loop` replays its condition's graph, reads the
-flag, then the body's graphs, per trip — one graph launch and one flag read per trip,
-no Python per kernel. A loop as a conditional WHILE node (CUDA 12.4+,
-`cuGraphConditionalHandleCreate`) needs the loop flag set on the device by
-`cudaGraphSetConditional`, a device-runtime call that Triton's kernels cannot make;
-`conditional_nodes_supported()` reports whether the driver has the nodes (the GPU check
-prints it).
+Control flow: a `while_loop` whose parts are launches and copies becomes one graph with a
+conditional WHILE node (CUDA 12.4+; kiln/runtime/cuda_while_nodes.py): every trip runs on
+the device, the flag set into the node's condition by a one-thread kernel, with no host
+read and no Python per trip. Where the driver lacks conditional nodes, or the kernel
+that sets the condition cannot be loaded, or the loop holds a `cond`, the loop replays
+its condition's graph, reads the flag, then the body's graphs, per trip (one graph launch
+and one flag read per trip, no Python per kernel); `loop_mode` says which. A `cond`
+waits for the stream, reads its index on the host and replays the chosen branch's graphs.
 
 The driver is passed in (`driver=`), so the bookkeeping is tested on a CPU machine with
 a fake driver (tests/runtime/test_cuda_graphs.py); on a GPU it is
@@ -72,20 +72,45 @@ def conditional_nodes_supported(driver=None) -> bool:
     return int(version) >= 12040 and hasattr(driver, "cuGraphConditionalHandleCreate")
 
 
-class _GraphPart:
-    """A run of launches and copies, replayed as one CUDA graph per pointer set."""
+class _Linear:
+    """A run of launches and copies, recorded by stream capture."""
 
     def __init__(self, ops: Sequence, launcher: "CudaGraphLauncher"):
-        self.ops = list(ops)
-        self.launcher = launcher
+        self.ops, self.launcher = list(ops), launcher
         self.indices = sorted({i for op in self.ops for i in
                                (op.args if isinstance(op, NativeLaunch) else (op.dst, op.src))})
+
+    def build(self, table):
+        driver, stream = self.launcher.driver, self.launcher.stream
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _check(driver, driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        try:
+            for op in self.ops:
+                if isinstance(op, NativeLaunch):
+                    sizes = dict(zip(op.size_names, op.sizes))
+                    op.kernel.launch_pointers([table[i] for i in op.args], sizes, stream=int(stream))
+                elif op.nbytes:
+                    _check(driver, driver.cuMemcpyAsync(table[op.dst], table[op.src], op.nbytes,
+                                                        stream), "cuMemcpyAsync")
+        finally:  # a failed launch must still end the capture, or the stream stays in it
+            graph = _check(driver, driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        return graph
+
+
+class _GraphPart:
+    """A graph replayed per pointer set: a run of launches and copies (`_Linear`) or a
+    whole while_loop with a conditional node (kiln/runtime/cuda_while_nodes.py)."""
+
+    def __init__(self, builder, launcher: "CudaGraphLauncher"):
+        self.builder = builder
+        self.launcher = launcher
+        self.indices = builder.indices
         self.execs: OrderedDict = OrderedDict()  # pointers -> executable graph
-        self.recorded = 0  # stream captures made (a test reads it)
+        self.recorded = 0  # graphs built (a test reads it)
         self.updated = 0  # executable graphs updated in place with new pointers
 
     def __call__(self, table) -> None:
-        key = tuple(table[i] or 0 for i in self.indices)
+        key = tuple(table[i] for i in self.indices)
         graph_exec = self.execs.get(key)
         if graph_exec is None:
             graph_exec = self._record(table, key)
@@ -96,21 +121,8 @@ class _GraphPart:
         self.launcher.launches += 1
 
     def _record(self, table, key):
-        launcher = self.launcher
-        driver, stream = launcher.driver, launcher.stream
-        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        _check(driver, driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
-        try:
-            for op in self.ops:
-                if isinstance(op, NativeLaunch):
-                    sizes = dict(zip(op.size_names, op.sizes))
-                    op.kernel.launch_pointers([table[i] or 0 for i in op.args], sizes,
-                                              stream=int(stream))
-                elif op.nbytes:
-                    _check(driver, driver.cuMemcpyAsync(table[op.dst], table[op.src], op.nbytes,
-                                                        stream), "cuMemcpyAsync")
-        finally:  # a failed launch must still end the capture, or the stream stays in it
-            graph = _check(driver, driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        driver = self.launcher.driver
+        graph = self.builder.build(table)
         self.recorded += 1
         try:
             graph_exec = None
@@ -140,8 +152,14 @@ class _GraphPart:
 class CudaGraphLauncher(Launcher):
     """Native runs of a captured plan as CUDA graphs (see the module docstring)."""
 
-    def __init__(self, driver=None, stream=None):
+    def __init__(self, driver=None, stream=None, conditional: bool | None = None):
+        """`conditional`: loops as conditional WHILE nodes (None: where the driver has
+        them and the condition-setting kernel can be built; see `loop_mode`)."""
         self.driver = driver or default_driver()
+        self._conditional = conditional
+        self.loop_mode: str | None = None  # "conditional nodes" or "host: <why>", at the first loop
+        self._setter = None
+        self._plan = None
         if stream is None:
             flags = self.driver.CUstream_flags.CU_STREAM_NON_BLOCKING
             stream = _check(self.driver, self.driver.cuStreamCreate(int(flags)), "cuStreamCreate")
@@ -172,7 +190,7 @@ class CudaGraphLauncher(Launcher):
 
         def flush():
             if run:
-                part = _GraphPart(run, self)
+                part = _GraphPart(_Linear(run, self), self)
                 self.parts.append(part)
                 steps.append(part)
                 run.clear()
@@ -204,6 +222,12 @@ class CudaGraphLauncher(Launcher):
                 for step in branches[min(max(k, 0), len(branches) - 1)]:
                     step(table)
             return switch
+        if isinstance(op, Loop) and self._loops_on_device(op):
+            from kiln.runtime.cuda_while_nodes import WhileGraph
+
+            part = _GraphPart(WhileGraph(op, self), self)
+            self.parts.append(part)
+            return part
         if isinstance(op, Loop):
             init, cond, body, back = (self._steps(p) for p in (op.init, op.cond, op.body, op.back))
 
@@ -219,6 +243,52 @@ class CudaGraphLauncher(Launcher):
                         step(table)
             return loop
         raise KilnError(f"internal: CUDA graph capture cannot run {type(op).__name__}")
+
+    def attach(self, plan) -> None:
+        """The plan whose ops this launcher runs (capture.py calls it): a loop's buffer
+        exchange inside a graph is a copy of the buffer's size."""
+        self._plan = plan
+
+    def nbytes(self, index: int) -> int:
+        return self._plan.arrays[index].nbytes
+
+    def _loops_on_device(self, op) -> bool:
+        """Whether this loop becomes a conditional WHILE node (the first loop decides,
+        for the launcher, whether the driver and toolkit allow it)."""
+        from kiln.runtime.cuda_while_nodes import loop_is_linear
+
+        if self.loop_mode is None:
+            if self._conditional is False:
+                self.loop_mode = "host: conditional nodes turned off"
+            elif not conditional_nodes_supported(self.driver):
+                self.loop_mode = "host: the driver has no conditional graph nodes (CUDA 12.4+)"
+            else:
+                try:
+                    self.setter()
+                    self.loop_mode = "conditional nodes"
+                except Exception as exc:  # no toolkit: replay the trips from the host
+                    if self._conditional:
+                        raise
+                    self.loop_mode = f"host: {exc}"
+        return self.loop_mode == "conditional nodes" and self._plan is not None and loop_is_linear(op)
+
+    def setter(self):
+        """The condition-setting kernel (CUfunction), loaded once."""
+        if self._setter is None:
+            from kiln.runtime.cuda_while_nodes import SETTER_NAME, setter_image
+
+            driver = self.driver
+            device = _check(driver, driver.cuCtxGetDevice(), "cuCtxGetDevice")
+            attr = driver.CUdevice_attribute
+            major = _check(driver, driver.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "cuDeviceGetAttribute")
+            minor = _check(driver, driver.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "cuDeviceGetAttribute")
+            module = _check(driver, driver.cuModuleLoadData(setter_image(f"sm_{major}{minor}")),
+                            "cuModuleLoadData")
+            self._setter = _check(driver, driver.cuModuleGetFunction(module, SETTER_NAME.encode()),
+                                  "cuModuleGetFunction")
+        return self._setter
 
     def close(self) -> None:
         """Destroy the executable graphs and kiln's stream."""

@@ -7,6 +7,9 @@ numerically against the normal call. A real GPU runs the same code in
 scripts/gpu_check.py."""
 
 import ctypes
+import glob
+import shutil
+import subprocess
 import types
 
 import numpy as np
@@ -44,7 +47,7 @@ class FakeDriver:
 
     def enqueue(self, stream, work):
         if stream in self.capturing:
-            self.capturing[stream].append(work)
+            self.capturing[stream].work.append(work)
         else:
             self.direct += 1
             work()
@@ -60,11 +63,11 @@ class FakeDriver:
 
     def cuStreamBeginCapture(self, stream, mode):
         assert stream not in self.capturing, "a capture began inside another"
-        self.capturing[stream] = []
+        self.capturing[stream] = types.SimpleNamespace(work=[])
         return (self._count("cuStreamBeginCapture"),)
 
     def cuStreamEndCapture(self, stream):
-        return self._count("cuStreamEndCapture"), list(self.capturing.pop(stream))
+        return self._count("cuStreamEndCapture"), self.capturing.pop(stream)
 
     def cuMemcpyAsync(self, dst, src, nbytes, stream):
         self.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes))
@@ -74,10 +77,10 @@ class FakeDriver:
         status = self._count("cuGraphInstantiate")
         if status == OK:
             self.live_execs += 1
-        return status, types.SimpleNamespace(work=list(graph))
+        return status, types.SimpleNamespace(work=list(graph.work))
 
     def cuGraphExecUpdate(self, graph_exec, graph):
-        graph_exec.work = list(graph)
+        graph_exec.work = list(graph.work)
         return self._count("cuGraphExecUpdate"), None
 
     def cuGraphLaunch(self, graph_exec, stream):
@@ -94,6 +97,84 @@ class FakeDriver:
 
     def cuStreamSynchronize(self, stream):
         return (self._count("cuStreamSynchronize"),)
+
+
+class FakeConditionalDriver(FakeDriver):
+    """The fake driver with CUDA 12.4's conditional nodes: a WHILE node runs its body
+    graph while its handle is non-zero; the handle is set by the setter kernel, which
+    the fake runs by reading the flag byte at the pointer it is given."""
+
+    CUgraphNodeType = types.SimpleNamespace(CU_GRAPH_NODE_TYPE_CONDITIONAL=13)
+    CUgraphConditionalNodeType = types.SimpleNamespace(CU_GRAPH_COND_TYPE_WHILE=1)
+    CUdevice_attribute = types.SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
+                                               CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76)
+    MAX_TRIPS = 10_000  # a runaway loop fails the test instead of hanging it
+
+    def __init__(self):
+        super().__init__()
+        self.handles: dict = {}
+        self.trips = 0
+
+    @staticmethod
+    def CUgraphNodeParams():  # noqa: N802  (the driver's name)
+        return types.SimpleNamespace(type=None, conditional=types.SimpleNamespace(
+            handle=None, type=None, size=0, ctx=None, phGraph_out=None))
+
+    def cuCtxGetCurrent(self):
+        return OK, "ctx"
+
+    def cuCtxGetDevice(self):
+        return OK, 0
+
+    def cuDeviceGetAttribute(self, attr, device):
+        return OK, 9 if attr == 75 else 0
+
+    def cuModuleLoadData(self, image):
+        assert image == b"\x7fELF fake setter"
+        return self._count("cuModuleLoadData"), "module"
+
+    def cuModuleGetFunction(self, module, name):
+        return OK, ("setter", name)
+
+    def cuGraphCreate(self, flags):
+        return self._count("cuGraphCreate"), types.SimpleNamespace(work=[])
+
+    def cuGraphConditionalHandleCreate(self, graph, ctx, default, flags):
+        handle = len(self.handles) + 1
+        self.handles[handle] = default
+        return self._count("cuGraphConditionalHandleCreate"), handle
+
+    def cuGraphAddChildGraphNode(self, graph, deps, n, child):
+        graph.work.extend(list(child.work))  # a clone
+        return OK, "child"
+
+    def cuGraphAddNode(self, graph, deps, data, n, params):
+        assert params.type == 13 and params.conditional.type == 1 and params.conditional.size == 1
+        body, handle = types.SimpleNamespace(work=[]), params.conditional.handle
+        params.conditional.phGraph_out = [body]
+
+        def run_while():
+            while self.handles[handle]:
+                self.trips += 1
+                assert self.trips < self.MAX_TRIPS
+                for work in body.work:
+                    work()
+        graph.work.append(run_while)
+        return self._count("cuGraphAddNode"), "while"
+
+    def cuStreamBeginCaptureToGraph(self, stream, graph, deps, data, n, mode):
+        assert stream not in self.capturing
+        self.capturing[stream] = graph
+        return (self._count("cuStreamBeginCaptureToGraph"),)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        assert f[0] == "setter" and (gx, bx) == (1, 1)
+        (handle, flag), _ = params
+
+        def set_condition():
+            self.handles[handle] = int(ctypes.c_uint8.from_address(flag).value != 0)
+        self.enqueue(stream, set_condition)
+        return (self._count("cuLaunchKernel"),)
 
 
 class FakeGpuKernel:
@@ -122,10 +203,10 @@ class FakeGpuKernel:
         self.cpu(arrays, sizes)
 
 
-def _plan(fn, *args):
+def _plan(fn, *args, driver=None):
     exported = export(fn, args)
     compiled = compile_graph(exported.graph, "cpu")
-    driver = FakeDriver()
+    driver = driver or FakeDriver()
     kernels = {n: FakeGpuKernel(k, driver) for n, k in compiled.executable.kernels.items()}
     arrays = [np.asarray(a) for a in args]
     launcher = CudaGraphLauncher(driver=driver)
@@ -210,6 +291,51 @@ def test_while_loop_replays_its_graphs_per_trip_reading_only_the_flag():
     assert all(p.recorded <= 2 for p in launcher.parts)
 
 
+def _newton(a):
+    def cond(i, y):
+        return ((y * y - a).abs().max() > 1e-4) & (i < 40)
+
+    def body(i, y):
+        return i + 1, 0.5 * (y + a / y)
+    return kn.while_loop(cond, body, (kn.tensor(0), a))
+
+
+def test_while_loop_as_a_conditional_node_runs_every_trip_in_one_graph(monkeypatch):
+    from kiln.runtime import cuda_while_nodes
+
+    monkeypatch.setattr(cuda_while_nodes, "setter_image", lambda arch: b"\x7fELF fake setter")
+    a = np.linspace(1.0, 9.0, 64, dtype=np.float32)
+    plan, compiled, driver, launcher = _plan(_newton, a, driver=FakeConditionalDriver())
+    assert launcher.loop_mode == "conditional nodes"
+    trips, expected = compiled.executable.run([a], {})
+    for _ in range(3):
+        with transfers.counting() as seen:
+            got_trips, got = plan.run([a])
+        assert int(got_trips) == int(trips) >= 3
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+    # one graph for the whole loop, recorded once: no flag read on the host, no Python per trip
+    assert launcher.host_reads == 0 and seen["device_to_host"] == 0 and driver.direct == 0
+    assert driver.trips == 3 * int(trips)
+    assert sum(p.recorded for p in launcher.parts) == driver.calls["cuGraphAddNode"] == 1
+    assert driver.calls["cuModuleLoadData"] == 1 and driver.calls["cuGraphInstantiate"] == 1
+    assert len(launcher.parts) == 1 and driver.calls["cuGraphLaunch"] == 3
+
+
+def test_without_a_toolkit_loops_are_replayed_from_the_host(monkeypatch):
+    from kiln.runtime import cuda_while_nodes
+
+    def missing(arch):
+        raise RuntimeError("no CUDA toolkit (nvcc) to build the conditional-node kernel")
+
+    monkeypatch.setattr(cuda_while_nodes, "setter_image", missing)
+    a = np.linspace(1.0, 9.0, 64, dtype=np.float32)
+    plan, compiled, driver, launcher = _plan(_newton, a, driver=FakeConditionalDriver())
+    assert launcher.loop_mode == "host: no CUDA toolkit (nvcc) to build the conditional-node kernel"
+    trips, expected = compiled.executable.run([a], {})
+    np.testing.assert_allclose(plan.run([a])[1], expected, rtol=1e-6)
+    assert launcher.host_reads == int(trips) + 1 and "cuGraphAddNode" not in driver.calls
+
+
 def test_cond_replays_the_branch_its_index_picks():
     def f(p, x):
         return kn.cond(p, lambda v: (v * 2).exp(), lambda v: v.sum(0, keepdim=True) - v, x)
@@ -289,3 +415,50 @@ def test_triton_launches_pass_device_memory_as_pointers_and_copy_host_arrays(mon
         if saved is not None:
             devices._KINDS["cuda"] = saved
         devices._RESOLVED.clear()
+
+
+def test_the_condition_setter_builds_with_the_cuda_toolkit(tmp_path, monkeypatch):
+    """The kernel that sets a WHILE node's condition (cudaGraphSetConditional, a device-runtime
+    call) compiles and links for sm_90 with the toolkit's nvcc and libcudadevrt."""
+    from kiln.runtime import cuda_while_nodes
+
+    if cuda_while_nodes._nvcc() is None:
+        pytest.skip("needs the CUDA toolkit's nvcc (and libcudadevrt)")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    cuda_while_nodes.setter_image.cache_clear()
+    try:
+        image = cuda_while_nodes.setter_image("sm_90")
+    finally:
+        cuda_while_nodes.setter_image.cache_clear()
+    assert image.startswith(b"\x7fELF") and b".text.kiln_set_conditional" in image
+    assert b"cudaGraphSetConditional" in image  # an extern the driver resolves when it loads
+
+
+def test_without_nvcc_the_setter_is_ptx_for_the_driver(monkeypatch, tmp_path):
+    from kiln.runtime import cuda_while_nodes
+
+    monkeypatch.setattr(cuda_while_nodes, "_nvcc", lambda: None)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    cuda_while_nodes.setter_image.cache_clear()
+    try:
+        image = cuda_while_nodes.setter_image("sm_90")
+    finally:
+        cuda_while_nodes.setter_image.cache_clear()
+    text = image.rstrip(b"\0").decode()
+    assert image.endswith(b"\0") and ".version 8.4" in text and ".target sm_90" in text
+    assert ".visible .entry kiln_set_conditional(" in text
+    assert "call.uni cudaGraphSetConditional, (param0, param1);" in text
+    nvcc = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
+    if nvcc is None:
+        return
+    # the template says what nvcc says: the same instructions as its own PTX of the source
+    source = tmp_path / "set.cu"
+    source.write_text(cuda_while_nodes.SETTER_SOURCE)
+    subprocess.run([nvcc, "-arch=sm_90", "-ptx", str(source), "-o", str(tmp_path / "set.ptx")],
+                   check=True, timeout=300, capture_output=True)
+
+    def instructions(ptx):
+        words = " ".join(line.split("//")[0] for line in ptx.splitlines()).split()
+        return [w for w in words if w[0].isalpha() and "." in w and not w.startswith(".")]
+
+    assert instructions((tmp_path / "set.ptx").read_text()) == instructions(text)
