@@ -16,16 +16,15 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import sympy
-
 from kiln.codegen.cute.compile import MAX_CTAS, _kernel_module, arch_env
 from kiln.codegen.cute.epilogue import make_epilogue
 from kiln.codegen.cute.layouts import gemm_layouts
 from kiln.codegen.kernel_ir import GemmKernel
+from kiln.ir.shapes import dim_function
 
 
 def _size(expr, sizes: Mapping[str, int]) -> int:
-    return int(sympy.sympify(expr).subs({sympy.Symbol(k, integer=True): v for k, v in sizes.items()}))
+    return int(dim_function(expr)(sizes))  # kiln's size symbols (integer, nonnegative), by name
 
 
 def bind(kernel: GemmKernel, arrays: Mapping, sizes: Mapping[str, int] | None = None) -> tuple:

@@ -122,3 +122,20 @@ def test_the_cuda_backend_runs_cute_gemms_on_the_gpu_present(monkeypatch):
     assert built[1] == ("triton", "unaligned")
     forced = TritonBackend("cuda", TritonOptions(cuda_gemm="triton")).build([aligned_gemm])
     assert forced == [("triton", "aligned")]
+
+
+@pytest.mark.parametrize("a_rows, b_rows, batch", [(True, True, 1), (False, True, 3), (True, False, 2)])
+def test_entry_layouts_are_the_buffers_numpy_layouts(a_rows, b_rows, batch):
+    """The (shape, strides) the entry lays over each address are those of the buffer's own
+    memory viewed as (M, K, L) / (N, K, L) / (M, N, L) (run.bind's torch views, no copy)."""
+    import torch
+
+    from kiln.codegen.cute.launch import compact_strides
+    from kiln.codegen.cute.run import bind
+
+    k = gemm(128, 64, 256, a_rows=a_rows, b_rows=b_rows, batch=batch)
+    launched = CuteGemmKernel(k, cute("sm_90a"), compile_now=False)
+    arrays = {b.name: torch.zeros(tuple(int(d) for d in b.shape), dtype=torch.bfloat16) for b in k.buffers}
+    views = bind(k, arrays)[:3]
+    for view, shape, order in zip(views, launched.shapes, launched.orders):
+        assert (tuple(view.shape), tuple(view.stride)) == (shape, compact_strides(shape, order))

@@ -31,6 +31,16 @@ def test_bind_views_the_buffers_in_place():
     assert (b2.shape, b2.stride) == ((64, 256, 2), (256, 1, 64 * 256))
 
 
+def test_bind_evaluates_symbolic_sizes():
+    from kiln.ir.shapes import symbol
+
+    k = gemm(symbol("M"), 512, 384)
+    t = {b.name: torch.zeros(tuple(300 if not str(d).isdigit() else int(d) for d in b.shape), dtype=torch.bfloat16)
+         for b in k.buffers}
+    a, _, c, _, sizes = bind(k, t, {"M": 300})
+    assert (a.shape, c.shape) == ((300, 384, 1), (300, 512, 1)) and [int(s) for s in sizes] == [300]
+
+
 def test_launcher_compiles_for_real_tensor_layouts():
     k = full_epilogue(256, 512, 384)
     launcher = GemmLauncher(k, "sm_100a", (128, 128), arrays_for(k))
