@@ -1,0 +1,88 @@
+"""Compiled `while_loop`s on the CPU run as native launch lists: no Python per trip.
+
+The executor runs a loop's condition and body as sub-programs, a trip through Python
+each (~20 us: the step closures, buffer hand-outs, the flag read). A loop that runs many
+short trips (a data-dependent iteration on small tensors) is dominated by that. Here
+the loop step is captured once per size binding, as `kn.capture` captures a program
+(kiln/runtime/capture.py, kiln/codegen/cpu/launch_list.py): its buffers get memory once
+and one LLVM function runs every trip, condition and branches included.
+
+When: CPU kernels only, no collective in the loop, carried bytes at most
+`MAX_CARRIED_BYTES` (a replay returns copies of the loop's results: for large tensors
+those copies would cost what the Python trips save), and from the second call of a
+size binding (a one-off call does not pay the capture's build). A loop whose capture is
+busy on another thread runs the Python way, so concurrent calls stay correct.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.runtime.program import Collective, Control, Program
+
+MAX_CARRIED_BYTES = 1 << 20
+_BUILD_AFTER = 2  # calls of one size binding before its capture is built
+
+
+def _is_cpu_kernel(kernel) -> bool:
+    return type(kernel).__module__.startswith("kiln.codegen.cpu")
+
+
+def _has_collective(program: Program) -> bool:
+    for step in program.steps:
+        if isinstance(step, Collective):
+            return True
+        if isinstance(step, Control) and any(_has_collective(b) for b in step.bodies):
+            return True
+    return False
+
+
+class NativeLoop:
+    """One `while_loop` step of a program, replayed natively per size binding."""
+
+    def __init__(self, program: Program, step: Control, kernels: dict, externs: dict):
+        slots = {*step.inputs, *step.outputs}
+        self.program = Program(f"{program.name}_while", list(step.inputs), list(step.outputs),
+                               {s: program.buffers[s] for s in slots}, [step], program.kernels,
+                               program.constants, program.shape_vars)
+        self.kernels, self.externs = kernels, externs
+        self._plans: dict[tuple, object] = {}  # sizes -> CapturedPlan, or False: not possible
+        self._calls: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def applies(step: Control, kernels: dict) -> bool:
+        return (step.op == "while_loop" and bool(kernels)
+                and all(_is_cpu_kernel(k) for k in kernels.values())
+                and not any(_has_collective(b) for b in step.bodies))
+
+    def run(self, operands: Sequence[np.ndarray], sizes: dict) -> list[np.ndarray] | None:
+        """The loop's results (arrays the caller owns), or None: run it the Python way."""
+        if sum(getattr(a, "nbytes", 0) for a in operands) > MAX_CARRIED_BYTES:
+            return None
+        key = tuple(sorted(sizes.items()))
+        plan = self._plans.get(key)
+        if plan is None:
+            with self._lock:
+                calls = self._calls[key] = self._calls.get(key, 0) + 1
+                if calls < _BUILD_AFTER or key in self._plans:
+                    return None
+                self._plans[key] = plan = self._build(operands, sizes)
+        if not plan or plan._lock.locked():  # another thread is replaying it
+            return None
+        return plan.run(list(operands))
+
+    def _build(self, operands, sizes):
+        from kiln.codegen.launchers import launcher_for
+        from kiln.runtime.capture import CapturedPlan
+
+        arrays = [np.require(a, requirements="C") for a in operands]  # 0-d stays 0-d
+        try:
+            return CapturedPlan(self.program, self.kernels, self.externs, sizes, arrays,
+                                launcher_for("cpu"))
+        except KilnError:  # a step the capture cannot take: the executor runs it
+            return False
