@@ -96,6 +96,15 @@ class Swap:
     def members(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return self.groups[self.a], self.groups[self.b]
 
+    def exchange(self, table) -> None:
+        """Point every entry of `table` on one buffer at the other (both ways)."""
+        members_a, members_b = self.members()
+        pa, pb = table[self.a], table[self.b]
+        for m in members_a:
+            table[m] = pb
+        for m in members_b:
+            table[m] = pa
+
 
 @dataclass(frozen=True)
 class PyStep:
@@ -378,12 +387,7 @@ def _python_op(op, launcher, plan):
         return copy
     if isinstance(op, Swap):
         def swap(plan):
-            members_a, members_b = op.members()
-            pa, pb = plan.table[op.a], plan.table[op.b]
-            for m in members_a:
-                plan.table[m] = pb
-            for m in members_b:
-                plan.table[m] = pa
+            op.exchange(plan.table)
             plan.swap_arrays(op)
         return swap
     if isinstance(op, Switch):

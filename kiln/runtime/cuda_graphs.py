@@ -206,14 +206,7 @@ class CudaGraphLauncher(Launcher):
 
     def _control(self, op) -> Callable:
         if isinstance(op, Swap):
-            def swap(table):
-                members_a, members_b = op.members()
-                pa, pb = table[op.a], table[op.b]
-                for m in members_a:
-                    table[m] = pb
-                for m in members_b:
-                    table[m] = pa
-            return swap
+            return op.exchange
         if isinstance(op, Switch):
             branches = [self._steps(b) for b in op.branches]
 

@@ -262,18 +262,18 @@ def test_new_pointers_record_again_and_update_the_oldest_graph_in_place():
     assert driver.live_execs == 0 and driver.calls["cuStreamDestroy"] == 1
 
 
+def _newton(a):
+    def cond(i, y):
+        return ((y * y - a).abs().max() > 1e-4) & (i < 40)
+
+    def body(i, y):
+        return i + 1, 0.5 * (y + a / y)
+    return kn.while_loop(cond, body, (kn.tensor(0), a))
+
+
 def test_while_loop_replays_its_graphs_per_trip_reading_only_the_flag():
     a = np.linspace(1.0, 9.0, 64, dtype=np.float32)
-
-    def newton(a):
-        def cond(i, y):
-            return ((y * y - a).abs().max() > 1e-4) & (i < 40)
-
-        def body(i, y):
-            return i + 1, 0.5 * (y + a / y)
-        return kn.while_loop(cond, body, (kn.tensor(0), a))
-
-    plan, compiled, driver, launcher = _plan(newton, a)
+    plan, compiled, driver, launcher = _plan(_newton, a)
     trips, expected = compiled.executable.run([a], {})
     with transfers.counting() as seen:
         got_trips, got = plan.run([a])
@@ -289,15 +289,6 @@ def test_while_loop_replays_its_graphs_per_trip_reading_only_the_flag():
     assert sum(p.recorded for p in launcher.parts) == recorded
     # the body's graph is recorded at most once per buffer parity, not per trip
     assert all(p.recorded <= 2 for p in launcher.parts)
-
-
-def _newton(a):
-    def cond(i, y):
-        return ((y * y - a).abs().max() > 1e-4) & (i < 40)
-
-    def body(i, y):
-        return i + 1, 0.5 * (y + a / y)
-    return kn.while_loop(cond, body, (kn.tensor(0), a))
 
 
 def test_while_loop_as_a_conditional_node_runs_every_trip_in_one_graph(monkeypatch):

@@ -108,14 +108,7 @@ class OpenCLLauncher(Launcher):
                     ctypes.memmove(table[op.dst], table[op.src], op.nbytes)
             return copy
         if isinstance(op, Swap):
-            def swap(table, state):
-                members_a, members_b = op.members()
-                pa, pb = table[op.a], table[op.b]
-                for m in members_a:
-                    table[m] = pb
-                for m in members_b:
-                    table[m] = pa
-            return swap
+            return lambda table, state: op.exchange(table)
         if isinstance(op, Switch):
             branches = [[self._prepare(o) for o in b] for b in op.branches]
             dtype = np.dtype(op.index_dtype)
