@@ -10,6 +10,10 @@ imported only when asked whether they are available); a test registers a fake de
 Tensors of every kind registered here hold numpy arrays over host-visible memory (CPU
 memory, CUDA/HIP managed memory, a test's fake device memory): eager ops compute on
 them with numpy and their results are charged to the device's caching allocator.
+A kind may name the compile target of programs on its tensors (`backend`); the address
+ranges of its allocator's segments are recorded (`in_memory_of`, `memory_owner`), so
+kiln can tell device memory a kernel takes as it is from host memory it must copy
+(kiln/runtime/device_programs.py).
 """
 
 from __future__ import annotations
