@@ -86,10 +86,10 @@ def large_all_reduce(rank, world, addr, args):
              ("int8", "sum", 2_500_003), ("int64", "max", 262_147),
              ("bool", "sum", 3_000_001), ("complex64", "sum", 300_007),
              ("bfloat16", "avg", 1_100_009), ("float32", "prod", 600_001),
+             # from here chunks of 2 segments or more: adds on the helper thread
              ("int32", "min", 5 * mpi_ring.SEGMENT // 4 + 3),
-             # 64 KB segments: chunks of 8 segments and more add on the helper thread
              ("float32", "sum", 1_300_001, 64 << 10), ("bfloat16", "avg", 1_100_009, 64 << 10)]
-    for name, op, n, *segment in cases:
+    for i, (name, op, n, *segment) in enumerate(cases):
         ring._scratch.clear()
         mpi_ring.SEGMENT = segment[0] if segment else 2 << 20
         dt = kd.dtype(name)
@@ -123,8 +123,8 @@ def large_all_reduce(rank, world, addr, args):
         check(x, np.asarray(want).astype(x.dtype) if dt.is_integer or dt.is_bool else want,
               dt, "%s %s of %d" % (name, op, n))
         digests.append(hashlib.sha256(x.tobytes()).hexdigest())
-        # chunks of fewer than 8 segments add inline, longer ones on the helper thread
-        assert (ring._pool is not None) == bool(segment), (name, segment)
+        # chunks of one segment add inline, longer ones on the helper thread
+        assert (ring._pool is not None) == (i >= 8), (name, segment)
     mpi_ring.SEGMENT = 2 << 20
     ring._scratch.clear()
     base = np.zeros(2_000_000, np.float32)  # a view in the middle: reduced in place
