@@ -134,15 +134,17 @@ def bind_arguments(arrays: list, device: Device, allocator) -> list:
     """The call's arrays, each in `device`'s memory: arrays there already (results of
     compiled programs, `x.to(device)`) pass as they are; others — an eager result on the
     device kind (eager ops compute on the host), a 0-d CPU tensor — are copied into a
-    block of the device (a counted host-to-device transfer)."""
+    block of the device (a counted host-to-device transfer); a strided view of device
+    memory is made dense there (a counted device-to-device copy)."""
     out = arrays
     for i, a in enumerate(arrays):
-        if not in_memory_of(device, a):
+        there = in_memory_of(device, a)
+        if not there or not a.flags.c_contiguous:  # kernels take dense device buffers
             if out is arrays:
                 out = list(arrays)
             block = allocator.empty(a.shape, a.dtype)
             kind_of(device).copy(block, np.ascontiguousarray(a))
-            record("host_to_device", a.nbytes)
+            record("device_to_device" if there else "host_to_device", a.nbytes)
             out[i] = block
     return out
 
