@@ -188,3 +188,23 @@ def test_object_code_comes_back_from_the_disk_cache():
     assert artifact_cache.STATS["hits"] >= hits + 2  # the W-lane kernel and the tail kernel
     np.testing.assert_array_equal(first[0], again[0])
     np.testing.assert_array_equal(first[1], again[1])
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 1), (1, 5)])
+def test_degenerate_shapes(shape):
+    """One row or one column: the round-robin schedule has only a dummy pair, QR one
+    reflector (or none), a wide SVD goes through the transpose."""
+    a = RNG.standard_normal((11,) + shape)
+    q, r = N.qr(a)
+    np.testing.assert_allclose(q @ r, a, atol=1e-14)
+    u, s, vh = N.svd(a)
+    np.testing.assert_allclose((u * s[:, None, :]) @ vh, a, atol=1e-14)
+    np.testing.assert_allclose(s[:, 0], np.linalg.norm(a.reshape(11, -1), axis=1), rtol=1e-14)
+    if shape == (1, 1):
+        w, v = N.eigh(a)
+        np.testing.assert_array_equal(w[:, 0], a[:, 0, 0])
+        np.testing.assert_array_equal(v, np.ones_like(a))
+        L, info = N.cholesky(a)
+        np.testing.assert_array_equal(info, (a[:, 0, 0] <= 0).astype(np.int32))
+        ok = info == 0
+        np.testing.assert_allclose(L[ok, 0, 0], np.sqrt(a[ok, 0, 0]), rtol=1e-15)
