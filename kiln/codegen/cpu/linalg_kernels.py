@@ -9,7 +9,7 @@ CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py):
               and continues on a unit pivot, so no NaN spreads into other lanes' work
     qr        Householder QR as LAPACK's geqrf + orgqr (beta = -sign(alpha) |x|; a column
               already zero below the diagonal gets tau = 0), reduced Q (m x k), R (k x n)
-    eigh      two-sided cyclic Jacobi on the lower triangle (kept as such); sweeps end when
+    eigh      two-sided Jacobi on the lower triangle (kept as such); sweeps end when
               every lane's off-diagonal mass is below (eps |A|_F)^2 or after MAX_SWEEPS;
               ascending eigenvalues, eigenvector columns with the sign convention
     svd       one-sided Jacobi (Hestenes) on the columns of an m x n (m >= n) matrix,
@@ -17,7 +17,9 @@ CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py):
               exceeds sqrt(m) eps (squared column norms computed at each sweep's start and
               updated by each rotation); U's columns normalized; descending order
 
-A pair that no lane needs to rotate is skipped with a real branch, so the last sweeps
+Both Jacobi kernels visit the pairs in round-robin order (n-1 rounds of disjoint pairs),
+so consecutive rotations are independent and their division/sqrt chains overlap. A pair
+that no lane needs to rotate is skipped with a real branch, so the last sweeps
 (quadratic convergence: most pairs already converged) cost little.
 
 Sorting and the sign convention happen in the kernels too (ranks by O(n^2) lane compares,

@@ -4,8 +4,9 @@
     >>> w, v = linalg_native.eigh(a)               # ascending, sign-normalized columns
 
 Each call compiles (once per op, shape, dtype and width; cached in the process and, as
-object code, in kiln's on-disk artifact cache) two kernels: one of W lanes, W = the host's SIMD width over the dtype (AVX-512: 16 float32 /
-8 float64; AVX2: 8 / 4), and one of a single lane for the batch's tail. The full groups
+object code, in kiln's on-disk artifact cache) two kernels: one of W lanes, W = the
+host's SIMD width over the dtype (AVX-512: 16 float32 / 8 float64; AVX2: 8 / 4), and one
+of a single lane for the batch's tail. The full groups
 are split over kiln's intra-op pool (kiln/codegen/cpu/compiled.py) when the work pays
 for the hand-off. The kernels read and write the row-major batch directly.
 
@@ -15,7 +16,7 @@ first such on ties, as the Metal kernels) and report each matrix's largest magni
 Left to numpy here, touching only the few matrices concerned: redoing a matrix whose
 squares would overflow or underflow, scaled by a power of two; NaN results for a matrix
 with a NaN or infinite entry; completing U for exactly zero singular values (a QR of
-the matrices that have one); the transposes of a wide (m < n) SVD.
+the matrices that have one); the transposes of a wide (m < n) SVD and its signs.
 """
 
 from __future__ import annotations
