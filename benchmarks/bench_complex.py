@@ -3,12 +3,13 @@ GEMM, kiln.compile against numpy, torch eager and jax.jit, side by side in one r
 
     .venv/bin/python benchmarks/bench_complex.py [--quick] [--out benchmarks/results/cpu.md]
 
-kiln's `complex` pass turns complex64 arithmetic into float32 (re, im) arithmetic that
-fuses into one loop kernel; the GEMM is 4M as one real GEMM of twice the size per side
-(see docs/complex.md), measured beside the four-GEMM 4M form it replaced and
-KILN_COMPLEX_GEMM=3m. Every implementation of a row is timed in alternating rounds
-(the median of the rounds' medians), so load drift on a shared machine hits them alike;
-ratios are from the same run. torch.compile is not run: Inductor falls back to eager for
+kiln's `complex` pass turns complex64 arithmetic into float32 (re, im) arithmetic on the
+interleaved memory: the chain is one loop kernel reading the pairs of z and w in place and
+storing the result's pairs (no split or pack step); the GEMM is 4M as ONE real GEMM of A's
+memory as (m, 2k) by a (2k, 2n) block of B, whose output is the result's memory (see
+docs/complex.md), measured beside the four-GEMM 4M form and KILN_COMPLEX_GEMM=3m. Every implementation of a row is timed in alternating rounds
+(the median of the rounds' medians, and the minimum over all repeats, less disturbed by
+other jobs), so load drift on a shared machine hits them alike; ratios are from the same run. torch.compile is not run: Inductor falls back to eager for
 complex tensors.
 """
 
@@ -17,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import subprocess
 import sys
 
 import numpy as np
@@ -27,7 +26,7 @@ import kiln as kn
 import kiln.passes.complex_decompose as complex_decompose
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import median_s, write_section  # noqa: E402
+from report import cpu_model, timings, write_section  # noqa: E402
 
 
 def chain_k(z, w):
@@ -73,6 +72,7 @@ def main() -> int:
     except ImportError:
         jax = None
     rows = []
+    load_before = os.getloadavg()[0]
     for key, label, kfn, npfn, inputs in cases:
         row = {"workload": label}
         want = npfn(*inputs)
@@ -104,39 +104,41 @@ def main() -> int:
         rounds: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(args.rounds):
             for name, fn in fns.items():
-                rounds[name].append(median_s(fn, repeat))
-        row.update({name: float(np.median(ts)) for name, ts in rounds.items()})
+                rounds[name].append(timings(fn, repeat))
+        row.update({name: float(np.median([t[0] for t in ts])) for name, ts in rounds.items()})
+        row.update({f"{name} min": min(t[1] for t in ts) for name, ts in rounds.items()})
         rows.append(row)
         print(row, flush=True)
-    table = render(rows, args)
+    table = render(rows, args, load_before)
     print(table)
     if args.out:
         write_section(args.out, "bench_complex", table)
     return 0
 
 
-def render(rows, args) -> str:
-    try:
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
-                      if line.startswith("Model name")), platform.processor())
-    except OSError:
-        model = platform.processor()
+def render(rows, args, load_before: float) -> str:
+    model = cpu_model()
     cols = ["kiln", "kiln 4 GEMMs", "kiln 3M", "numpy", "torch eager", "jax.jit"]
     lines = ["## Complex numbers as real kernels (issue 21)", "",
              f"`.venv/bin/python benchmarks/bench_complex.py{' --quick' if args.quick else ''}` on "
-             f"{model}, {datetime.date.today()}, load average {os.getloadavg()[0]:.1f} on "
-             f"{os.cpu_count()} CPUs (a shared machine: compare within a row only); medians in "
-             f"ms of {args.rounds} alternating rounds; `kiln` is the default (for the GEMM: 4M as "
-             "one real GEMM), `kiln 4 GEMMs` the four-GEMM 4M form it replaced; the last "
-             "column is numpy's time over kiln's (same run).", "",
-             "| workload | " + " | ".join(cols) + " | kiln rel err | numpy / kiln |",
-             "|---" * (len(cols) + 3) + "|"]
-    for r in rows:
-        cells = [f"{r[c] * 1e3:.2f}" if c in r else "-" for c in cols]
-        lines.append(f"| {r['workload']} | " + " | ".join(cells)
-                     + f" | {r['kiln rel err']:.1e} | {r['numpy'] / r['kiln']:.2f}x |")
-    return "\n".join(lines) + "\n"
+             f"{model}, {datetime.date.today()}, load average {load_before:.1f} before and "
+             f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs (a shared machine: compare "
+             f"within a row only); {args.rounds} alternating rounds; `kiln` is the default (complex "
+             "on the interleaved memory; for the GEMM: 4M as one real GEMM of A's memory), `kiln 4 "
+             "GEMMs` the four-GEMM 4M form; ratios are the other's time over kiln's (same run).", ""]
+    for title, suffix in (("Medians, ms", ""), ("Minimums, ms", " min")):
+        lines += [f"{title}:", "",
+                  "| workload | " + " | ".join(cols) + " | kiln rel err | numpy / kiln | jax.jit / kiln |",
+                  "|---" * (len(cols) + 4) + "|"]
+        for r in rows:
+            cells = [f"{r[c + suffix] * 1e3:.2f}" if c + suffix in r else "-" for c in cols]
+            jax_ratio = (f"{r['jax.jit' + suffix] / r['kiln' + suffix]:.2f}x"
+                         if "jax.jit" + suffix in r else "-")
+            lines.append(f"| {r['workload']} | " + " | ".join(cells)
+                         + f" | {r['kiln rel err']:.1e} | {r['numpy' + suffix] / r['kiln' + suffix]:.2f}x"
+                         + f" | {jax_ratio} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
