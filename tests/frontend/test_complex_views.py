@@ -166,3 +166,23 @@ def test_view_errors():
         kn.view_as_complex(kn.ones(3, 3))
     with pytest.raises(kn.KilnDTypeError, match="view_as_real: expects a complex tensor"):
         kn.view_as_real(kn.ones(3, 2))
+
+
+@pytest.mark.parametrize("name", ["part also returned", "parts of a reduction", "parts of two kernels"])
+def test_complex_results_that_cannot_be_stored_as_pairs_are_packed(name):
+    """A part someone else reads, or parts no single loop kernel computes, keep the
+    packing step (and the values are right)."""
+    z = _c(6, 5, seed=7)
+    fn, want, packs = {
+        "part also returned": (lambda z: (z * 2, (z * 2).real), (2 * z, 2 * z.real), 1),
+        "parts of a reduction": (lambda z: (z * 2).sum(0), ((2 * z).sum(0),), 1),
+        "parts of two kernels": (lambda z: kn.complex(kn.abs(z).sum(1), z.real.sum(1) * 2),
+                                 (np.abs(z).sum(1) + 2j * z.real.sum(1),), 1),
+    }[name]
+    f = kn.compile(fn)
+    got = f(z)
+    got = got if isinstance(got, tuple) else (got,)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=2e-5, atol=2e-5)
+    externs = [s.op for s in _steps(f).steps if isinstance(s, Extern)]
+    assert externs.count("complex") == packs, externs
