@@ -54,14 +54,7 @@ EXTRA = {64: ("cholesky", "qr")}
 
 def cpu_timings(fn, repeat: int, warmup: int = 1) -> tuple[float, float]:
     """(median, minimum) process CPU time of `fn()` over `repeat` runs after `warmup`."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return float(np.median(times)), float(np.min(times))
+    return timings(fn, repeat, warmup, clock=time.process_time)
 
 
 def run(batch: int, sizes, rounds: int, repeat: int, timings=timings) -> list[dict]:
