@@ -153,14 +153,17 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
 def _rotation(L: Lanes, d, off, rotate):
     """(t, c, s) of the Jacobi rotation that zeroes the pair whose difference of diagonal
     terms (or squared norms) is d and whose coupling is off: t = sign(zeta) / (|zeta| +
-    sqrt(1 + zeta^2)) for zeta = d / (2 off), written as 2 off sign(d) / (|d| +
-    sqrt(d^2 + 4 off^2)) to spend one division less (the divider bounds small n);
-    t = 0 (c = 1, s = 0) in lanes where `rotate` is false."""
+    sqrt(1 + zeta^2)) for zeta = d / (2 off); t = 0 (c = 1, s = 0) where `rotate` is false.
+
+    With r = sqrt(d^2 + 4 off^2) and h = |d| + r: t = 2 off sign(d) / h and
+    c = 1 / sqrt(1 + t^2) = sqrt(h / (2 r)); one reciprocal 1 / (h r) serves both, so a
+    rotation costs two roots and one division (the divider bounds small n)."""
     two_off = L.fmul(L.k(2), off)
     root = L.sqrt(L.fma(d, d, L.fmul(two_off, two_off)))
-    t = L.fdiv(L.fmul(L.copysign(L.k(1), d), two_off), L.fadd(L.fabs(d), root))
-    t = L.select(rotate, t, L.k(0))
-    c = L.fdiv(L.k(1), L.sqrt(L.fma(t, t, L.k(1))))
+    h = L.fadd(L.fabs(d), root)
+    inv = L.fdiv(L.k(1), L.fmul(h, root))
+    t = L.select(rotate, L.fmul(L.fmul(L.copysign(two_off, L.fmul(two_off, d)), root), inv), L.k(0))
+    c = L.select(rotate, L.sqrt(L.fmul(L.fmul(L.fmul(h, h), inv), L.k(0.5))), L.k(1))
     return t, c, L.fmul(t, c)
 
 
