@@ -217,9 +217,11 @@ class CompiledFunction:
         else:
             self._hits += 1
         statics = entry.static_positions
-        # a view's array may be strided (z.real): kernels read contiguous buffers
+        # a view's array, or a numpy argument, may be strided (z.real, a.T): kernels read
+        # contiguous buffers (ascontiguousarray returns a contiguous array itself)
         arrays = [(leaf._x if leaf._view is None else np.ascontiguousarray(leaf._x))
-                  if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
+                  if type(leaf) is Tensor
+                  else (np.ascontiguousarray(leaf) if type(leaf) is np.ndarray else to_array(leaf))
                   for i, leaf in enumerate(leaves) if i not in statics]
         if entry.shape_guards:  # decisions on symbolic sizes (shape_guards.py)
             entry, sizes = self._guarded(entry, args, key, arrays, hit)

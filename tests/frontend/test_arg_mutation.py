@@ -295,3 +295,12 @@ def test_matches_torch_compile(fn, arity, same, tmp_path, monkeypatch):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
         for k, t in zip(ks, ts):
             np.testing.assert_allclose(k.numpy(), t.numpy(), rtol=1e-6)
+
+
+def test_strided_numpy_arguments_are_read_and_written_back_like_contiguous_ones():
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    a = base.T  # not C-contiguous
+    np.testing.assert_array_equal(kn.compile(lambda x: x * 2)(a).numpy(), base.T * 2)
+    out = np.zeros((4, 3), np.float32).T  # strided destination of a write-back
+    kn.compile(lambda x: x.add_(1))(out)
+    np.testing.assert_array_equal(out, np.ones((3, 4), np.float32))
