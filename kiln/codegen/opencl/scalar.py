@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from kiln.codegen.cfamily.index import INDEX_HELPERS, index_c
 from kiln.codegen.cfamily.expr import COMBINE, binop, convert, scalar_table
+from kiln.codegen.cfamily.index import INDEX_HELPERS, index_c
 from kiln.errors import KilnBackendContractError
 
 CL_TYPES = {"f32": "float", "f64": "double", "i8": "char", "i16": "short", "i32": "int",
