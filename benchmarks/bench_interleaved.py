@@ -3,7 +3,9 @@ once, one after the other, so a shared machine's load falls on all of them alike
 
 Rows: sum of squares over 2^25 float32 (memory bandwidth), 20 Newton steps for sqrt over
 2^20 float32 written as a Python loop (every framework traces it into one graph) and
-as a `while_loop` (jax.lax.while_loop; numpy runs the loop), and a 4-way switch over
+as a `while_loop` (jax.lax.while_loop; numpy runs the loop), Newton to a tolerance over 256
+float32 (a data-dependent trip count: kiln's loop runs as a native launch list), and a
+4-way switch over
 2^20 float32 whose index cycles through the branches (jax.lax.switch; numpy dispatches
 in Python). torch.compile is left out: the workloads of bench_cpu.py and
 bench_control_flow.py show its compile times here (minutes for the Newton loop).
@@ -76,6 +78,27 @@ def workloads():
     def ready(fn):
         return lambda *args: fn(*args).block_until_ready()
 
+    small = rng.uniform(0.5, 100.0, 256).astype(np.float32)
+    tol = np.array(1e-3, np.float32)
+
+    def kn_tol(a, tol):  # a data-dependent trip count: stays a loop (7 trips here)
+        body = lambda i, y: (i + 1, 0.5 * (y + a / y))  # noqa: E731
+        cond = lambda i, y: (kn.max(kn.abs(y * y - a)) > tol) & (i < 100)  # noqa: E731
+        return kn.while_loop(cond, body, (kn.tensor(0, dtype=kn.int32), kn.ones_like(a)))[1]
+
+    def jax_tol(a, tol):
+        body = lambda s: (s[0] + 1, 0.5 * (s[1] + a / s[1]))  # noqa: E731
+        cond = lambda s: (jnp.max(jnp.abs(s[1] * s[1] - a)) > tol) & (s[0] < 100)  # noqa: E731
+        return jax.lax.while_loop(cond, body, (0, jnp.ones_like(a)))[1]
+
+    def np_tol(a, tol):
+        y, i = np.ones_like(a), 0
+        while np.max(np.abs(y * y - a)) > tol and i < 100:
+            y, i = 0.5 * (y + a / y), i + 1
+        return y
+
+    tol_k, tol_j = kn.compile(kn_tol), jax.jit(jax_tol)
+    jsmall, jtol = jnp.asarray(small), jnp.asarray(tol)
     ssq_k, ssq_j = kn.compile(lambda v: (v * v).sum()), jax.jit(lambda v: (v * v).sum())
     unrolled_k, unrolled_j = kn.compile(newton_unrolled), jax.jit(newton_unrolled)
     loop_k, loop_j = kn.compile(kn_loop), jax.jit(jax_loop)
@@ -87,6 +110,9 @@ def workloads():
             "numpy": lambda: newton_unrolled(a)},
         "20-step Newton, while_loop": {"kiln": lambda: loop_k(a), "jax.jit": lambda: ready(loop_j)(ja),
                                        "numpy": lambda: np_loop(a)},
+        "Newton to a tolerance, 256 floats (while_loop, 7 trips)": {
+            "kiln": lambda: tol_k(small, tol), "jax.jit": lambda: ready(tol_j)(jsmall, jtol),
+            "numpy": lambda: np_tol(small, tol)},
         "4-way switch, index cycling": {
             "kiln": lambda: kn_switch(index[next(cycle) % 4], x),
             "jax.jit": lambda: ready(jax_switch)(jindex[next(cycle) % 4], jx),
@@ -126,7 +152,8 @@ def render(rows: dict, repeat: int, load: tuple, command: str) -> str:
         k = row["kiln"]
         best_med = min(row[p][0] for p in peers)
         best_min = min(row[p][1] for p in peers)
-        lines.append(f"| {name} | " + " | ".join(f"{row[f][0] * 1e3:.2f} ({row[f][1] * 1e3:.2f})"
+        digits = 2 if k[1] >= 1e-3 else 4  # sub-millisecond rows: microsecond resolution
+        lines.append(f"| {name} | " + " | ".join(f"{row[f][0] * 1e3:.{digits}f} ({row[f][1] * 1e3:.{digits}f})"
                                                  for f in ["kiln"] + peers)
                      + f" | {best_med / k[0]:.2f}x ({best_min / k[1]:.2f}x) |")
     return "\n".join(lines) + "\n"

@@ -10,8 +10,8 @@ numpy promotion, broadcasting) become explicit `full`, `convert` and
 from __future__ import annotations
 
 import abc
-import math
 import contextlib
+import math
 from typing import Any, Iterator, Sequence
 
 import numpy as np
