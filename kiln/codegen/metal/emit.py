@@ -30,10 +30,8 @@ from dataclasses import dataclass, replace
 import sympy
 
 from kiln.codegen.cfamily import expr as cexpr
-from kiln.codegen.cfamily.index import INDEX_HELPERS, kernel_name, next_pow2, static_int  # noqa: F401
-from kiln.codegen.cfamily.index import decompose as _decompose
-from kiln.codegen.cfamily.index import names_of
-from kiln.codegen.cfamily.index import index_c as index_cl
+from kiln.codegen.cfamily.index import (INDEX_HELPERS, decompose as _decompose, index_c as index_cl,  # noqa: F401
+                                        kernel_name, names_of, next_pow2, static_int)
 from kiln.codegen.kernel_ir import GemmKernel, Kernel, Load, Op, Reduce, walk
 from kiln.codegen.legalize import reduce_identity
 from kiln.codegen.metal.scalar import SCALAR_TABLE, SIMD, combine, literal, msl_cast, msl_type

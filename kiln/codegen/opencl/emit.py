@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 import sympy
 
 from kiln.codegen.cfamily import expr as cexpr
-from kiln.codegen.cfamily.index import decompose as _decompose
-from kiln.codegen.cfamily.index import names_of
-from kiln.codegen.cfamily.index import kernel_name, next_pow2, static_int  # noqa: F401
+from kiln.codegen.cfamily.index import (decompose as _decompose, kernel_name, names_of,  # noqa: F401
+                                        next_pow2, static_int)
 from kiln.codegen.kernel_ir import GemmKernel, Kernel, Load, Reduce, walk
 from kiln.codegen.legalize import reduce_identity
 from kiln.codegen.opencl.scalar import HELPERS, SCALAR_TABLE, cl_cast, cl_type, combine, index_cl, literal
