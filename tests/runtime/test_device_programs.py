@@ -46,7 +46,7 @@ def _mlp_ref(x, w):
 def kernel_args(monkeypatch):
     """Every buffer an OpenCL kernel is launched with, and whether it is the device's
     own SVM memory (what a GPU could take without a copy)."""
-    from kiln.codegen.opencl import runtime
+    from kiln.codegen.opencl import launcher, runtime
 
     seen = []
     plain = runtime.device_arg
@@ -56,6 +56,7 @@ def kernel_args(monkeypatch):
         return plain(ctx, array)
 
     monkeypatch.setattr(runtime, "device_arg", spy)
+    monkeypatch.setattr(launcher, "device_arg", spy)  # capture's enqueue loop imported it by name
     return seen
 
 
