@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import cpu_model, write_section  # noqa: E402
+from bench_control_flow import inputs, jax_workloads, kiln_workloads, numpy_workloads  # noqa: E402
 
 STEPS = 20
 
@@ -45,31 +46,10 @@ def workloads():
 
     rng = np.random.default_rng(0)
     big = rng.standard_normal(1 << 25).astype(np.float32)
-    a = rng.uniform(0.5, 100.0, 1 << 20).astype(np.float32)
-    x = rng.standard_normal(1 << 20).astype(np.float32)
-
-    def kn_loop(a):
-        body = lambda i, y: (i + 1, 0.5 * (y + a / y))  # noqa: E731
-        return kn.while_loop(lambda i, y: i < STEPS, body, (kn.tensor(0, dtype=kn.int32), kn.ones_like(a)))[1]
-
-    def jax_loop(a):
-        body = lambda s: (s[0] + 1, 0.5 * (s[1] + a / s[1]))  # noqa: E731
-        return jax.lax.while_loop(lambda s: s[0] < STEPS, body, (0, jnp.ones_like(a)))[1]
-
-    def np_loop(a):
-        y = np.ones_like(a)
-        for _ in range(STEPS):
-            y = 0.5 * (y + a / y)
-        return y
-
-    kn_branches = [lambda v: v * 2.0 + 1.0, lambda v: kn.exp(-v * v), lambda v: kn.sqrt(kn.abs(v)),
-                   lambda v: kn.tanh(v) * 3.0]
-    jax_branches = [lambda v: v * 2.0 + 1.0, lambda v: jnp.exp(-v * v), lambda v: jnp.sqrt(jnp.abs(v)),
-                    lambda v: jnp.tanh(v) * 3.0]
-    np_branches = [lambda v: v * 2.0 + 1.0, lambda v: np.exp(-v * v), lambda v: np.sqrt(np.abs(v)),
-                   lambda v: np.tanh(v) * 3.0]
-    kn_switch = kn.compile(lambda i, v: kn.switch(i, kn_branches, v))
-    jax_switch = jax.jit(lambda i, v: jax.lax.switch(i, jax_branches, v))
+    a, x = inputs()  # bench_control_flow's while_loop Newton and 4-way switch, its inputs
+    loop_k, kn_switch, _ = kiln_workloads()
+    loop_j, jax_switch, _ = jax_workloads()
+    np_loop, np_switch, _ = numpy_workloads()
     cycle = iter(range(10 ** 9))
     index = [np.array(k, np.int32) for k in range(4)]
     jindex = [jnp.int32(k) for k in range(4)]
@@ -101,22 +81,21 @@ def workloads():
     jsmall, jtol = jnp.asarray(small), jnp.asarray(tol)
     ssq_k, ssq_j = kn.compile(lambda v: (v * v).sum()), jax.jit(lambda v: (v * v).sum())
     unrolled_k, unrolled_j = kn.compile(newton_unrolled), jax.jit(newton_unrolled)
-    loop_k, loop_j = kn.compile(kn_loop), jax.jit(jax_loop)
     return {
         "sum of squares 2^25": {"kiln": lambda: ssq_k(big), "jax.jit": lambda: ready(ssq_j)(jbig),
                                 "numpy": lambda: np.dot(big, big)},
         "20-step Newton, Python loop (traced)": {
             "kiln": lambda: unrolled_k(a), "jax.jit": lambda: ready(unrolled_j)(ja),
             "numpy": lambda: newton_unrolled(a)},
-        "20-step Newton, while_loop": {"kiln": lambda: loop_k(a), "jax.jit": lambda: ready(loop_j)(ja),
+        "20-step Newton, while_loop": {"kiln": lambda: loop_k(a), "jax.jit": lambda: loop_j(ja),
                                        "numpy": lambda: np_loop(a)},
         "Newton to a tolerance, 256 floats (while_loop, 7 trips)": {
             "kiln": lambda: tol_k(small, tol), "jax.jit": lambda: ready(tol_j)(jsmall, jtol),
             "numpy": lambda: np_tol(small, tol)},
         "4-way switch, index cycling": {
             "kiln": lambda: kn_switch(index[next(cycle) % 4], x),
-            "jax.jit": lambda: ready(jax_switch)(jindex[next(cycle) % 4], jx),
-            "numpy": lambda: np_branches[next(cycle) % 4](x)},
+            "jax.jit": lambda: jax_switch(jindex[next(cycle) % 4], jx),
+            "numpy": lambda: np_switch(next(cycle) % 4, x)},
     }
 
 
