@@ -218,10 +218,10 @@ class CompiledFunction:
             self._hits += 1
         statics = entry.static_positions
         # a view's array, or a numpy argument, may be strided (z.real, a.T): kernels read
-        # contiguous buffers (ascontiguousarray returns a contiguous array itself)
-        arrays = [(leaf._x if leaf._view is None else np.ascontiguousarray(leaf._x))
+        # contiguous buffers (np.require keeps 0-d arrays 0-d; ascontiguousarray would not)
+        arrays = [(leaf._x if leaf._view is None else np.require(leaf._x, requirements="C"))
                   if type(leaf) is Tensor
-                  else (np.ascontiguousarray(leaf) if type(leaf) is np.ndarray else to_array(leaf))
+                  else (np.require(leaf, requirements="C") if type(leaf) is np.ndarray else to_array(leaf))
                   for i, leaf in enumerate(leaves) if i not in statics]
         if entry.shape_guards:  # decisions on symbolic sizes (shape_guards.py)
             entry, sizes = self._guarded(entry, args, key, arrays, hit)

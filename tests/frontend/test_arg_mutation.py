@@ -304,3 +304,10 @@ def test_strided_numpy_arguments_are_read_and_written_back_like_contiguous_ones(
     out = np.zeros((4, 3), np.float32).T  # strided destination of a write-back
     kn.compile(lambda x: x.add_(1))(out)
     np.testing.assert_array_equal(out, np.ones((3, 4), np.float32))
+
+
+def test_zero_d_numpy_arguments_stay_zero_d():
+    pick = kn.compile(lambda k, x: kn.switch(k, [lambda v: v + 1, lambda v: v * 3], x))
+    x = kn.tensor(np.full(4, 2.0, np.float32))
+    np.testing.assert_array_equal(pick(np.array(1), x).numpy(), np.full(4, 6.0, np.float32))
+    np.testing.assert_array_equal(kn.compile(lambda s, x: x * s)(np.float32(3.0), x).numpy(), np.full(4, 6.0))
