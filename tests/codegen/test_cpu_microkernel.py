@@ -23,11 +23,13 @@ def micro(g):
     return BACKEND._compile_plans([BACKEND._plan(g, set(), "micro")])[0]
 
 
-def run(g, sizes=None, seed=0, rtol=1e-5, atol=1e-5):
+def run(g, sizes=None, seed=0, rtol=1e-5, atol=1e-5, compiled=None):
+    """Run `g` compiled (the micro-kernel unless `compiled` is given) and the Kernel IR
+    evaluator on the same inputs; compare the outputs."""
     sizes = sizes or {}
     arrays = make_arrays(g, sizes, np.random.default_rng(seed), low=-1.0, high=1.0)
     ours, ref = [a.copy() for a in arrays], [a.copy() for a in arrays]
-    micro(g)(ours, sizes)
+    (compiled or micro(g))(ours, sizes)
     run_kernel(g, ref, sizes)
     np.testing.assert_allclose(ours[-1], ref[-1], rtol=rtol, atol=atol)
     return arrays, ours
@@ -81,12 +83,7 @@ def test_cost_model_picks_each_variant():
 
 def test_max_autotune_measures_the_micro_kernel_too():
     g = gemm(4, 20, 40, 24, epilogue="bias_relu")
-    compiled = BACKEND.compile(g, measure=True)
-    arrays = make_arrays(g, {}, np.random.default_rng(1))
-    ours, ref = [a.copy() for a in arrays], [a.copy() for a in arrays]
-    compiled(ours, {})
-    run_kernel(g, ref, {})
-    np.testing.assert_allclose(ours[-1], ref[-1], rtol=1e-4, atol=1e-4)
+    run(g, seed=1, rtol=1e-4, atol=1e-4, compiled=BACKEND.compile(g, measure=True))
 
 
 def test_batched_attention_scores_compiled_match_numpy(monkeypatch):
