@@ -217,11 +217,7 @@ class CompiledFunction:
         else:
             self._hits += 1
         statics = entry.static_positions
-        # a view's array, or a numpy argument, may be strided (z.real, a.T): kernels read
-        # contiguous buffers (np.require keeps 0-d arrays 0-d; ascontiguousarray would not)
-        arrays = [(leaf._x if leaf._view is None else np.require(leaf._x, requirements="C"))
-                  if type(leaf) is Tensor
-                  else (np.require(leaf, requirements="C") if type(leaf) is np.ndarray else to_array(leaf))
+        arrays = [leaf._x if type(leaf) is Tensor else (leaf if type(leaf) is np.ndarray else to_array(leaf))
                   for i, leaf in enumerate(leaves) if i not in statics]
         if entry.shape_guards:  # decisions on symbolic sizes (shape_guards.py)
             entry, sizes = self._guarded(entry, args, key, arrays, hit)
@@ -233,6 +229,9 @@ class CompiledFunction:
             from kiln.runtime.device_programs import bind_arguments
 
             arrays = bind_arguments(arrays, device, entry.compiled.executable.allocator)
+        else:  # a view's array or a numpy argument may be strided (z.real, a.T); host kernels
+            # read contiguous buffers (np.require keeps 0-d arrays 0-d; ascontiguousarray would not)
+            arrays = [a if a.flags.c_contiguous else np.require(a, requirements="C") for a in arrays]
         if entry.shape_guards:
             outputs = entry.compiled.executable.run(arrays, sizes)
         else:
