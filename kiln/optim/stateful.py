@@ -108,7 +108,8 @@ class ParamGroups:
         `update` per parameter is traced, each group's lr is an input (so changing it
         never recompiles), and the program is kept per group options and layout. False
         (the caller then updates parameter by parameter) inside a trace, for fewer than
-        two parameters, or for a schedule given as a function."""
+        two parameters, a schedule given as a function, complex parameters or tensors on
+        a device other than the CPU (kn.compile's default backend)."""
         from kiln.frontend.dispatch import current_builder
         from kiln.frontend.functionalize import active_tracker
         from kiln.frontend.mutation import rebind
@@ -118,8 +119,9 @@ class ParamGroups:
         entries = [(i, p) for i, g in enumerate(self.param_groups) for p in g["params"]
                    if p.grad is not None]
         if len(entries) < 2 or any(callable(g["lr"]) for g in self.param_groups) or any(
-                p._builder is not None or p.grad._builder is not None for _, p in entries):
-            return False
+                p._builder is not None or p.grad._builder is not None or p.dtype.is_complex
+                or p.device.type != "cpu" or p.grad.device.type != "cpu" for _, p in entries):
+            return False  # traced, complex or on another device: parameter by parameter
         for i, p in entries:
             if p not in self.state:
                 self.state[p] = _from_functional(self._kernel(i).init([p]))
