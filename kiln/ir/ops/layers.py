@@ -242,7 +242,9 @@ class scaled_dot_product_attention:
             m = b.broadcast_to(mask[0], shape)
             scores = (b.select(m, scores, neg_inf) if b.type_of(m).dtype == dt.bool_
                       else b.add(scores, b.convert(m, qt.dtype)))
-        top = expand_reduced(b, b.reduce_max(scores, axes=(n + 1,)), shape, (n + 1,))
+        # softmax is shift-invariant: the max is only for range, so no gradient flows
+        # through it (as jax.nn.softmax); else the backward recomputes and counts its ties
+        top = expand_reduced(b, b.stop_gradient(b.reduce_max(scores, axes=(n + 1,))), shape, (n + 1,))
         e = b.exp(b.sub(scores, top))
         p = b.div(e, expand_reduced(b, b.reduce_sum(e, axes=(n + 1,)), shape, (n + 1,)))
         p = b.select(b.eq(top, neg_inf), b.full(0.0, qt.dtype, shape), p)
