@@ -132,7 +132,7 @@ class ParamGroups:
         cache = self.__dict__.setdefault("_fused", {})
         program = cache.get(key)
         if program is None:
-            import kiln as kn
+            from kiln.frontend.compile import compile as compile_program
 
             groups = [i for i, _ in entries]
             kernels = {i: self._kernel(i) for i in set(groups)}
@@ -146,7 +146,7 @@ class ParamGroups:
                     new_states.append(_from_functional(new_st))
                 return new_params, new_states
 
-            program = cache[key] = kn.compile(update)
+            program = cache[key] = compile_program(update)
         lrs = [Tensor._make(np.array(float(g["lr"]), np.float64)) for g in self.param_groups]
         params = [p for _, p in entries]
         new_params, new_states = program(lrs, params, [p.grad for p in params],
