@@ -69,7 +69,7 @@ def test_max_autotune_shows_a_bar(shown, capsys):
 
 
 def test_a_long_compile_shows_a_working_bar(shown, capsys, monkeypatch):
-    from kiln.frontend import compile as kc
+    from kiln.frontend import graph_compile as kc
 
     real = kc.compile_kernels
 

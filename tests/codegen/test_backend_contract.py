@@ -22,7 +22,8 @@ from kiln.errors import (
     KilnBackendContractError, KilnNotLegalizableError, KilnTemplateError, KilnUnknownBackendError,
     KilnUnknownStageError,
 )
-from kiln.frontend.compile import compile_graph, compile_kernels
+from kiln.frontend.graph_compile import compile_graph
+from kiln.frontend.kernel_cache import compile_kernels
 from kiln.frontend.stages import render_stage
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import GraphBuilder

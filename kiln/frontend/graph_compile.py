@@ -1,0 +1,123 @@
+"""A graph compiled for a backend: optimize with the backend's graph passes, fuse, lower,
+build, and bind input arrays to shape variables at each call.
+
+`kn.compile` (compile.py) keeps a guarded cache of these per specialization; `kn.export`
+loaders, `kiln run` and the tests compile graphs directly with `compile_graph`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+
+from kiln.errors import KilnError, KilnShapeSpecError
+from kiln.frontend.kernel_cache import compile_kernels
+from kiln.ir.graph import Graph
+
+
+@dataclass
+class CompiledGraph:
+    """A graph compiled for a backend: run it with `run(arrays)`."""
+
+    graph: Graph
+    optimized: Graph
+    program: Any
+    executable: Any
+    binder: Callable
+    stages: dict = field(default_factory=dict)
+    stage_seconds: dict = field(default_factory=dict)  # per graph pass (kiln report)
+
+    def run(self, arrays: list) -> list:
+        """Run on arrays from anywhere: dtypes, ranks and static dims are checked."""
+        from kiln.ir.interpret import bind_shapes
+
+        return self.executable.run(arrays, bind_shapes(self.graph, arrays))
+
+    def run_trusted(self, arrays: list) -> list:
+        """Run on arrays a guard already matched (kn.compile's cache key): only the
+        symbolic dims are bound and checked against their constraints."""
+        return self.executable.run(arrays, self.binder(arrays))
+
+
+def make_binder(graph: Graph) -> Callable[[list], dict]:
+    """A fast function from input arrays to shape-variable values (checks constraints)."""
+    plain, derived = [], []
+    for i, value in enumerate(graph.inputs):
+        for axis, d in enumerate(value.type.shape):
+            if isinstance(d, sympy.Symbol):
+                plain.append((i, axis, d.name, graph.shape_vars[d.name]))
+            elif not isinstance(d, int):
+                derived.append((i, axis, d))
+    if not plain and not derived:
+        return lambda arrays: {}
+
+    def bind(arrays):
+        sizes: dict[str, int] = {}
+        for i, axis, name, var in plain:
+            n = arrays[i].shape[axis]
+            if n < var.min or (var.max is not None and n > var.max) or n % var.multiple_of:
+                raise KilnShapeSpecError(
+                    f"@{graph.name} input {i} (%{graph.inputs[i].name}): dim {axis} ({name}) is {n}, "
+                    f"which breaks {var.describe()}", hint=f"the spec requires {var.check(n)}")
+            if sizes.setdefault(name, n) != n:
+                raise KilnShapeSpecError(f"@{graph.name} input {i}: dim {axis} is {n} but {name} "
+                                         f"is {sizes[name]} elsewhere")
+        for i, axis, d in derived:
+            from kiln.ir.shapes import evaluate
+
+            if evaluate(d, sizes) != arrays[i].shape[axis]:
+                raise KilnShapeSpecError(f"@{graph.name} input {i}: dim {axis} must be {d} = "
+                                         f"{evaluate(d, sizes)}, got {arrays[i].shape[axis]}")
+        return sizes
+
+    return bind
+
+
+def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
+                  build: bool = True, device=None) -> CompiledGraph:
+    """Optimize (with the backend's own graph passes), fuse, lower and build `graph` for
+    `backend`; `build=False` stops at the program (no machine code, executable None).
+    `device` (not the CPU): every buffer of the program is in that device's memory
+    (kiln/runtime/device_programs.py)."""
+    from kiln.codegen.backends import get_backend
+    from kiln.codegen.build_program import build_program
+    from kiln.codegen.lower import template_externs
+    from kiln.passes.fusion import fuse
+    from kiln.passes.manager import Pipeline
+    from kiln.passes.schedule_collectives import schedule_collectives
+    from kiln.runtime.executor import Executable
+
+    if mode not in ("default", "max-autotune"):
+        raise KilnError(f"compile: mode must be 'default' or 'max-autotune', got {mode!r}")
+    target = get_backend(backend)
+    pipeline = Pipeline(list(target.graph_passes(target.options))).extend(
+        [("fuse", fuse), ("schedule_collectives", schedule_collectives)])
+    if target.batches_kernels:  # small independent kernels share launches
+        from kiln.passes.batch_updates import batch_updates
+        from kiln.passes.batching import batch_kernels
+
+        pipeline.append("batch", batch_kernels)
+        pipeline.append("batch_updates", batch_updates)  # the optimizer's updates: one launch
+    stages: dict = {}
+    optimized = pipeline.run(graph, dump=stages)
+    seconds = {r.name: r.seconds for r in pipeline.records}
+    program = build_program(optimized)  # regions were optimized and fused with the graph
+    if not build:
+        return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
+    names = list(program.kernels)
+    from kiln.progress import working  # a bar on a terminal when the build takes a while
+
+    with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
+        compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
+    # a backend whose kernels run on a device of their own hands out that device's buffers
+    # (the opencl backend: SVM), so intermediates stay there between kernels
+    allocator = getattr(target, "runtime_allocator", lambda: None)()
+    if device is not None:
+        from kiln.runtime.device_programs import runtime_allocator
+
+        allocator = runtime_allocator(device)
+    executable = Executable(program, dict(zip(names, compiled)), allocator=allocator,
+                            externs=template_externs(target), device=device)
+    return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
