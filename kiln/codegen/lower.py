@@ -25,7 +25,7 @@ from kiln.ir.graph import Node, Region, Value
 from kiln.ir.ops.rules import LOW_PRECISION
 from kiln.ir.registry import ELEMENTWISE
 from kiln.ir.shapes import dims_equal, free_symbol_names, numel
-from kiln.passes.fusion import REDUCTIONS, fused_cone, is_unit_reshape
+from kiln.passes.fusion_analysis import REDUCTIONS, fused_cone, is_unit_reshape
 
 
 class LoweringError(KilnError):
