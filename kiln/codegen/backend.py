@@ -187,6 +187,17 @@ class Backend:
     def load_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list:
         return self.load_built_object_code([self.legalize(k) for k in kernels], blob)
 
+    def kernel_note(self, kernel: AnyKernel) -> str | None:
+        """One line on how this backend implements `kernel`, shown by `kiln dump --stage
+        kernels` (cuda: CuTeDSL or Triton GEMM, and why); None when there is nothing to say."""
+        return None
+
+    def runtime_allocator(self):
+        """The allocator a compiled program's buffers come from: None for host memory; a
+        backend whose kernels run on a device of their own (opencl: SVM) returns that
+        device's, so intermediates stay there between kernels."""
+        return None
+
     def cache_key(self) -> tuple[str, str]:
         """What of this backend goes into an artifact-cache key: its name and options."""
         return self.name, self.options.cache_text()

@@ -111,9 +111,7 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
 
     with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
         compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
-    # a backend whose kernels run on a device of their own hands out that device's buffers
-    # (the opencl backend: SVM), so intermediates stay there between kernels
-    allocator = getattr(target, "runtime_allocator", lambda: None)()
+    allocator = target.runtime_allocator()  # None: host memory; opencl: the device's SVM
     if device is not None:
         from kiln.runtime.device_programs import runtime_allocator
 

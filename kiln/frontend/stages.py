@@ -92,8 +92,8 @@ def render_stage(graph: Graph, stage: str, target: str = "cpu") -> str:
 
         prepare = backend.legalize if stage == "legalized" else (lambda k: k)
         # a backend may say how it implements a kernel (cuda: CuTeDSL or Triton GEMM, and why)
-        note = getattr(backend, "kernel_note", lambda k: None)
-        texts = [format_kernel(prepare(k)) + (f"\n  # {n}" if (n := note(k)) else "") for k in kernels.values()]
+        texts = [format_kernel(prepare(k)) + (f"\n  # {n}" if (n := backend.kernel_note(k)) else "")
+                 for k in kernels.values()]
         return "\n\n".join(texts) + "\n"
     mapping = backend.dump_stages
     backend_stage = stage if stage in own and stage not in mapping else mapping.get(stage)
