@@ -33,6 +33,7 @@ from kiln.codegen.cpu.index_emit import emit_index
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
 from kiln.codegen.cpu.scalar_ops import convert, emit_op
 from kiln.codegen.cpu.column_reduce import column_friendly, emit_columns, scratch_arrays
+from kiln.codegen.cpu import minmax_keys
 
 
 SUM_BLOCK = 1024  # float32 elements summed in float32 lanes before a float64 add
@@ -256,6 +257,14 @@ class KernelEmitter:
             def blocked(outer_env, carried):
                 return self._blocked_sum(fn, r, outer_env, carried, refs)
             (acc,) = self._nest(fn, r.loops[:-1], env, [_reduce_init(r, ty)], blocked)
+        elif minmax_keys.applies(r):
+            # float max/min: ordered integer keys, a reduction LLVM vectorizes
+            def keyed(inner_env, carried):
+                x = convert(fn, ExprEmitter(fn, self.buffers, inner_env, refs)(r.value),
+                            r.value.dtype, r.dtype)
+                return [minmax_keys.combine(fn, r, carried[0], minmax_keys.to_key(fn, r, x))]
+            (key,) = self._nest(fn, r.loops, env, [minmax_keys.key_init(r)], keyed)
+            acc = minmax_keys.from_key(fn, r, key)
         else:
             # NaN-propagating float max/min reductions over a select (a masked softmax)
             # are not always recognized as reductions: let LLVM decide quietly there
