@@ -144,6 +144,7 @@ class MpiBackend(Backend):
         self._watcher = threading.Thread(target=self._watch, daemon=True,
                                          name="kiln-mpi-watch-%s" % prefix)
         self._watcher.start()
+        mpi_world._BACKENDS.append(self)  # closed, its communicators freed, at exit
 
     @classmethod
     def rendezvous(cls, store, prefix: str, rank: int, world_size: int, token: str,
@@ -427,9 +428,13 @@ class MpiBackend(Backend):
         except StoreError:
             pass  # the peers fall back to MPI's own view of the failure
 
+    def communicators(self) -> list:
+        """The communicators of this group (freed at exit: mpi_world.free_communicators)."""
+        return [self.comm] + self._comms
+
     def close(self) -> None:
-        """Leave the group: stop the watcher, free the communicators (collective on a
-        healthy group; a revoked one is only dropped)."""
+        """Leave the group: stop the watcher and the ring's helper thread (the
+        communicators are freed at exit, by mpi_world.free_communicators)."""
         with self._lock:
             if self._error is None:
                 self._error = GroupAborted("group '%s' was closed" % self.group)

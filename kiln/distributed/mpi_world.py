@@ -49,6 +49,8 @@ _RELEASE_TAG = 7102  # ... and the parent's goodbye: the job ended, stop waiting
 _JOINED = [False]  # this replacement made it into the group
 _SPAWNING: list[threading.Thread] = []  # the threads that spawned replacements
 _CONFIG_BYTES = 1024
+_BACKENDS: list = []  # every MpiBackend of this process (closed at exit)
+_DYNAMIC: list = []  # the other communicators kiln made to admit joiners (freed at exit)
 
 
 def load_mpi():
@@ -68,7 +70,44 @@ def load_mpi():
         MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
         MPI.COMM_SELF.Set_errhandler(MPI.ERRORS_RETURN)
         _MPI = MPI
+        atexit.register(free_communicators)  # runs before mpi4py's MPI_Finalize
     return _MPI
+
+
+def free_communicators() -> None:
+    """Close every kiln group's backend and free the communicators kiln made (at exit,
+    before MPI_Finalize). Open MPI's MPI_Finalize disconnects every communicator that
+    spans two MPI jobs (a replacement's spawn or port connection, and every group with
+    a joiner in it): it exchanges a message with each remote process and waits for all
+    of them, for good when one of them is dead or gone (seen: rank 0 of a job whose
+    replacements were killed or had left stayed in ompi_dpm_dyn_finalize). Freed
+    communicators are not in that list; freeing is local in Open MPI. A process that
+    never shared a communicator with another job leaves them all to MPI_Finalize."""
+    MPI = _MPI
+    if MPI is None or MPI.Is_finalized():
+        return
+    parent = MPI.Comm.Get_parent()
+    if not (_DYNAMIC or _SPAWNED or parent != MPI.COMM_NULL):
+        return
+    comms = []
+    while _BACKENDS:
+        backend = _BACKENDS.pop()
+        backend.close()
+        comms += backend.communicators()
+    comms += [inter for inter, _ in _SPAWNED] + _DYNAMIC
+    _SPAWNED.clear()
+    _DYNAMIC.clear()
+    if parent != MPI.COMM_NULL:
+        comms.append(parent)
+    seen = set()
+    for comm in comms:
+        if id(comm) in seen or comm == MPI.COMM_NULL or comm in (MPI.COMM_WORLD, MPI.COMM_SELF):
+            continue
+        seen.add(id(comm))
+        try:
+            comm.Free()
+        except MPI.Exception:
+            pass  # freed already, or MPI refuses: Finalize copes with what is left
 
 
 def _skip_finalize_fence() -> None:
@@ -249,6 +288,7 @@ def _admit(store, prefix: str, view: View, me: int, deadline: float) -> None:
         comm = bounded(lambda: MPI.Intracomm.Create_from_group(_group_of(survivors),
                                                                 prefix + "/survivors"),
                         deadline, "group '%s' (survivors)" % prefix)
+        _DYNAMIC.append(comm)
         port = MPI.Open_port() if comm.Get_rank() == 0 else None
         if port is not None:
             store.set(port_key, port)
@@ -259,6 +299,7 @@ def _admit(store, prefix: str, view: View, me: int, deadline: float) -> None:
         store.wait([turn % k], timeout=left())
         inter = bounded(lambda: MPI.COMM_SELF.Connect(port, root=0), deadline,
                          "joiner %d connecting to group '%s'" % (me, prefix))
+        _DYNAMIC.append(inter)
         comm = _merge(inter, True, deadline)
         first = k + 1
     for k in range(first, len(joined)):
@@ -266,6 +307,7 @@ def _admit(store, prefix: str, view: View, me: int, deadline: float) -> None:
             store.set(turn % k, "1")
         inter = bounded(lambda: comm.Accept(port, root=0), deadline,
                          "group '%s' admitting joiner %d" % (prefix, joined[k]))
+        _DYNAMIC.append(inter)
         comm = _merge(inter, False, deadline)
     if port is not None and me in survivors:
         MPI.Close_port(port)
@@ -275,6 +317,7 @@ def _merge(inter, high: bool, deadline: float):
     """Merge an intercommunicator; every process learns the uids of the merged ones."""
     MPI = load_mpi()
     comm = bounded(lambda: inter.Merge(high=high), deadline, "merging a joiner")
+    _DYNAMIC.append(comm)
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     uids = np.zeros(comm.Get_size(), np.int64)
     bounded(lambda: comm.Allgather(np.array([_ME[0]], np.int64), uids), deadline,
@@ -362,5 +405,6 @@ def _await_release(parent) -> None:
     print("kiln: the job ended before this replacement was admitted; leaving",
           file=sys.stderr, flush=True)
     sys.stdout.flush()
+    free_communicators()
     MPI.Finalize()
     os._exit(0)
