@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import sympy
 
 from kiln.passes.gemm_layout import gemm_layout, row_major_strides
+from kiln.codegen.pad_lower import lower_pad
 from kiln.codegen.kernel_ir import (
     IN, OUT, Acc, BufferParam, Const, GemmKernel, IndexValue, Kernel, Load, Loop, Op, Reduce,
     ReduceRef, Store, loop_var,
@@ -117,6 +118,8 @@ class _Gen:
         if op == "slice":
             stride = a["stride"] or (1,) * len(index)
             return self(node.operands[0], tuple(s + st * i for s, st, i in zip(a["start"], stride, index)))
+        if op == "pad":
+            return lower_pad(self, node, index)
         if op == "reverse":
             mapped = tuple(operand_shape[d] - 1 - i if d in a["dims"] else i for d, i in enumerate(index))
             return self(node.operands[0], mapped)

@@ -18,7 +18,7 @@ from kiln.ir.regions import captured_values
 from kiln.ir.shapes import shapes_equal
 
 
-STRUCTURAL = {"full", "iota", "broadcast_in_dim", "transpose", "slice", "reverse"}
+STRUCTURAL = {"full", "iota", "broadcast_in_dim", "transpose", "slice", "reverse", "pad"}
 CHEAP = STRUCTURAL | {"convert", "reshape"}
 REDUCTIONS = {"reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "reduce_and", "reduce_or"}
 GEMMS = {"matmul", "dot_general"}

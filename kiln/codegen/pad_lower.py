@@ -1,0 +1,61 @@
+"""`pad` inside a fused kernel: an index remap with a constant fill.
+
+Output position `i` of a padded dim (low `lo`, interior `it`, operand size `d`) holds
+`x[(i - lo) / (it + 1)]` when `0 <= i - lo <= (d - 1) * (it + 1)` and `(i - lo)` is a
+multiple of `it + 1`; elsewhere it holds the padding value (the op's rank-0 operand).
+The kernel computes `select(in_bounds, load x[clamped], value)`: the load's index is
+clamped into the operand (Min/Max in the index), so the load a select does not pick
+still reads inside the buffer. Before this, every `pad` ran as a numpy extern outside
+the compiled kernels (the gradient of attention's q/k/v split: six per GPT step).
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.codegen.kernel_ir import Const, IndexValue, Op
+from kiln.ir import dtypes as dt
+from kiln.ir.graph import Node
+
+
+def _static_zero(d) -> bool:
+    return isinstance(d, int) and d == 0
+
+
+def _cmp(name: str, a, b) -> Op:
+    return Op(name, (IndexValue(sympy.sympify(a), dt.int64), IndexValue(sympy.sympify(b), dt.int64)),
+              dt.bool_)
+
+
+def lower_pad(gen, node: Node, index: tuple):
+    """The Kernel IR expression of `pad`'s result at `index`; `gen(value, index)` lowers
+    an operand (codegen/lower.py's generator)."""
+    x, value = node.operands
+    a = node.attrs
+    interior = a.get("interior") or (0,) * len(index)
+    fill = gen(value, ())
+    if any(_static_zero(d) for d in x.shape):
+        return fill  # nothing of x lands anywhere
+    mapped, conds = [], []
+    for i, d, lo, hi, it in zip(index, x.shape, a["low"], a["high"], interior):
+        i = sympy.sympify(i)
+        if lo == 0 and hi == 0 and it == 0:
+            mapped.append(i)
+            continue
+        step = it + 1
+        p = i - lo
+        conds.append(_cmp("ge", p, 0))
+        conds.append(_cmp("le", p, (d - 1) * step))
+        if step > 1:
+            conds.append(_cmp("eq", sympy.Mod(p, step), 0))
+            q = sympy.floor(p / step)
+        else:
+            q = p
+        mapped.append(sympy.Max(sympy.Min(q, d - 1), 0))
+    inner = gen(x, tuple(mapped))
+    if not conds:
+        return inner
+    keep = conds[0]
+    for c in conds[1:]:
+        keep = Op("and", (keep, c), dt.bool_)
+    return Op("select", (keep, inner, fill), x.type.dtype)
