@@ -4,9 +4,10 @@ Output position `i` of a padded dim (low `lo`, interior `it`, operand size `d`) 
 `x[(i - lo) / (it + 1)]` when `0 <= i - lo <= (d - 1) * (it + 1)` and `(i - lo)` is a
 multiple of `it + 1`; elsewhere it holds the padding value (the op's rank-0 operand).
 The kernel computes `select(in_bounds, load x[clamped], value)`: the load's index is
-clamped into the operand (Min/Max in the index), so the load a select does not pick
-still reads inside the buffer. Before this, every `pad` ran as a numpy extern outside
-the compiled kernels (the gradient of attention's q/k/v split: six per GPT step).
+clamped into the operand (Min/Max in the index; all zero when a symbolic dim of the
+operand is 0 at run time), so the load a select does not pick stays inside the buffer.
+Before this, every `pad` ran as a numpy extern outside the compiled kernels (the
+gradient of attention's q/k/v split: six per GPT step).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def lower_pad(gen, node: Node, index: tuple):
         else:
             q = p
         mapped.append(sympy.Max(sympy.Min(q, d - 1), 0))
+    symbolic = [sympy.sympify(d) for d in x.shape if not isinstance(d, int)]
+    if symbolic:  # x empty at run time: every index 0, so the unpicked load stays in bounds
+        nonempty = sympy.Min(1, sympy.Mul(*symbolic))
+        mapped = [m * nonempty for m in mapped]
     inner = gen(x, tuple(mapped))
     if not conds:
         return inner
