@@ -146,6 +146,8 @@ def case(name: str, rng):
         "fft": ([(f(6, 5) + 1j * f(6, 5)).astype(np.complex64)], {"axis": 1, "inverse": True}),
         "rfft": ([f(6, 5)], {"axis": 1, "norm": "ortho"}),
         "irfft": ([(f(6, 3) + 1j * f(6, 3)).astype(np.complex64)], {"axis": 1, "n": 5}),
+        "view_as_real": ([(f(6, 5) + 1j * f(6, 5)).astype(np.complex64)], {}),
+        "view_as_complex": ([f(6, 5, 2)], {}),
     }
     for base in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
         table[base + "_start"] = table[base]

@@ -20,7 +20,7 @@ import numpy as np
 from kiln.errors import KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.registry import PRIMITIVE, defop
-from kiln.ir.sharding import Shard, Strategy, moved_partials, sharding_rule
+from kiln.ir.sharding import Shard, Strategy, partial_through, sharding_rule
 
 
 @defop("view_as_real", family="shape", kind=PRIMITIVE, num_operands=1)
@@ -68,7 +68,7 @@ def _view_as_real_sharding(spec):
     """Shard(d) stays Shard(d) (the pair dim is new and whole)."""
     (x,) = spec.in_shapes
     return [Strategy((Shard(d),), (Shard(d),)) for d in range(len(x)) if spec.even(x[d])] \
-        + moved_partials(spec)
+        + _linear_partials(spec)
 
 
 @sharding_rule("view_as_complex")
@@ -76,4 +76,11 @@ def _view_as_complex_sharding(spec):
     """Shard(d) stays Shard(d) for every dim but the pair dim."""
     (x,) = spec.in_shapes
     return [Strategy((Shard(d),), (Shard(d),)) for d in range(len(x) - 1) if spec.even(x[d])] \
-        + moved_partials(spec)
+        + _linear_partials(spec)
+
+
+def _linear_partials(spec):
+    """Partial sums (and averages) pass between a complex value and its pairs, part by
+    part; max/min/prod of pairs are no complex reduction (complex has no order, and a
+    product of complex values is not the product of their parts)."""
+    return [partial_through(spec, op) for op in ("sum", "avg")]
