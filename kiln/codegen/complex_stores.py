@@ -20,7 +20,7 @@ from collections import Counter
 
 from kiln.codegen.kernel_ir import BufferParam, Kernel, OUT, Store
 from kiln.ir import dtypes as dt
-from kiln.ir.graph import Graph, Node
+from kiln.ir.graph import Graph
 
 
 def interleaved_pairs(graph: Graph) -> dict[int, tuple[int, int, int]]:

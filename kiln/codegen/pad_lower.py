@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.codegen.kernel_ir import Const, IndexValue, Op
+from kiln.codegen.kernel_ir import IndexValue, Op
 from kiln.ir import dtypes as dt
 from kiln.ir.graph import Node
 
