@@ -93,8 +93,18 @@ class DTensor:
         return _tensor(self._local)
 
     def local_array(self) -> np.ndarray:
-        """This rank's block as a numpy array (shares memory; do not write)."""
-        return self._local
+        """This rank's block as a numpy array (shares memory; do not write). While an
+        async checkpoint save holds the block (copy-on-write) the DTensor first takes a
+        copy of its own, so a write through it never changes the checkpoint."""
+        local = self._local
+        if not local.flags.writeable:
+            import sys
+
+            staging = sys.modules.get("kiln.distributed.checkpoint.staging")
+            own = staging.cow_copy(local) if staging is not None else None
+            if own is not None:
+                self._local = local = own
+        return local
 
     def local_bounds(self) -> tuple[tuple[int, int], ...]:
         """[start, stop) per dim of this rank's block in the global tensor."""

@@ -252,10 +252,27 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The data as a numpy array (shared, not copied)."""
-        return self._concrete("Tensor.numpy()")
+        return self._shared(self._concrete("Tensor.numpy()"))
+
+    def _shared(self, array: np.ndarray) -> np.ndarray:
+        """`array` (this tensor's memory) as it leaves kiln, where it may be written in
+        place: while an async checkpoint save holds it (read-only, copy-on-write) the
+        tensor first takes a copy of its own, so the save keeps the values of its call."""
+        if array.flags.writeable:
+            return array
+        import sys
+
+        staging = sys.modules.get("kiln.distributed.checkpoint.staging")
+        own = staging.cow_copy(array) if staging is not None else None
+        if own is None:
+            return array
+        self._x = own
+        return own
 
     def __array__(self, dtype=None, copy=None):
         array = self._concrete("converting a tensor to a numpy array")
+        if dtype is None and not copy:
+            return self._shared(array)
         if dtype is not None:
             array = array.astype(dtype)
         return array.copy() if copy else array

@@ -15,7 +15,8 @@ import workers  # noqa: E402
 from workers import join, scenario  # noqa: E402
 
 import kiln.distributed as dist  # noqa: E402
-from kiln.distributed import DeviceMesh, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
+from kiln.distributed import (DeviceMesh, DTensor, Partial, Replicate, Shard,  # noqa: E402
+                              distribute_tensor)
 
 
 def values(version: int = 0) -> dict:
@@ -113,6 +114,107 @@ def killed_mid_save(rank, world, addr, args):
         except dist.CheckpointError as err:
             return {"error": str(err)}
         raise AssertionError("the save with a dead rank committed")
+
+
+def _cow_state(world, rng):
+    """Every kind of state an async save holds copy-on-write: parameters and AdamW state
+    (kn.Tensors), plain kn.Tensors and a DTensor; plus a numpy array (copied)."""
+    import kiln as kn
+    from kiln import nn, optim
+
+    w = nn.Parameter(kn.tensor(rng.standard_normal((6, 4)).astype(np.float32)))
+    b = nn.Parameter(kn.tensor(rng.standard_normal(4).astype(np.float32)))
+    opt = optim.AdamW([w, b], lr=0.1)
+    state = {"w": w, "b": b,
+             "buf": kn.tensor(np.arange(8, dtype=np.float32)),   # eager in-place ops
+             "arg": kn.tensor(np.ones((3, 3), np.float32)),       # compiled write-back
+             "raw": kn.tensor(np.zeros(5, np.float32)),           # written through .numpy()
+             "coll": kn.tensor(np.full(4, 2.0, np.float32)),      # an in-place all_reduce
+             "d": DTensor.from_local(rng.standard_normal((3, 5)).astype(np.float32),
+                                     DeviceMesh((world,), ("x",)), [Shard(0)]),
+             "steps": np.arange(4, dtype=np.int64)}
+    return state, opt
+
+
+def cow_while_training(pg, world, path, sync_path):
+    """The default async_save (copy-on-write: no copy of the tensors' blocks) while the
+    loop writes every kind of tensor through every write path; the checkpoint equals a
+    synchronous save taken at the call, and the loop sees its own writes."""
+    import concurrent.futures
+
+    import kiln as kn
+    from kiln.distributed.checkpoint import io, staging
+
+    rng = np.random.default_rng(11)
+    state, opt = _cow_state(world, rng)
+    w, b = state["w"], state["b"]
+
+    def step():  # two parameters with grads: the fused AdamW step (one compiled program)
+        ((w * w).sum() + (b * 3.0).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # the optimizer state exists: save it too
+    for i, p in enumerate((w, b)):
+        for k, v in opt.state[p].items():
+            if isinstance(v, kn.Tensor):
+                state["opt%d.%s" % (i, k)] = v
+
+    @kn.compile
+    def bump(x):
+        x.add_(1.0)
+        return x.sum()
+
+    dist.checkpoint.save(state, sync_path)  # the oracle: the values at the call
+    before = {k: (v.local_array() if isinstance(v, DTensor) else np.asarray(v)).copy()
+              for k, v in state.items()}
+    blocker: concurrent.futures.Future = concurrent.futures.Future()
+    io._IN_FLIGHT[os.path.realpath(path)] = blocker  # the save stays in flight meanwhile
+    fut = dist.checkpoint.async_save(state, path)
+    held = [state["d"]._local]  # the kn.Tensors are saved by rank 0
+    held += [state[k]._x for k in state if isinstance(state[k], kn.Tensor) and pg.rank == 0]
+    cow = all(id(a) in staging._HELD and staging._HELD[id(a)][3] > 0 for a in held)
+    # training goes on, through every path that writes a tensor
+    state["buf"].add_(1.0)
+    state["buf"][2] = 100.0
+    state["buf"].copy_(state["buf"] * 2.0)
+    bump(state["arg"])
+    state["raw"].numpy()[:] = 7.0
+    np.asarray(state["raw"])[0] = 9.0
+    pg.all_reduce(state["coll"], op="sum").wait()
+    np.add(state["d"].local_array(), 1.0, out=state["d"].local_array())
+    state["steps"] += 1  # a numpy array of the state: copied at the call
+    step()
+    step()
+    in_flight = not fut.done()
+    blocker.set_result(None)
+    fut.result(timeout=60)
+    got, want = {}, {}
+    for folder, out in ((path, got), (sync_path, want)):
+        target = {k: np.zeros_like(v) if not isinstance(state[k], DTensor)
+                  else np.zeros((3 * world, 5), np.float32) for k, v in before.items()}
+        target["d"] = DTensor.from_local(np.zeros((3, 5), np.float32), state["d"].device_mesh,
+                                         [Shard(0)])
+        dist.checkpoint.load(target, folder)
+        out.update({k: (v.local_array() if isinstance(v, DTensor) else v).tolist()
+                    for k, v in target.items()})
+    buf = np.arange(8, dtype=np.float32) + 1.0
+    buf[2] = 100.0
+    seen = {"buf": np.asarray(state["buf"]).tolist() == (buf * 2.0).tolist(),
+            "arg": np.asarray(state["arg"]).tolist() == [[2.0] * 3] * 3,
+            "raw": np.asarray(state["raw"]).tolist() == [9.0] + [7.0] * 4,
+            "coll": np.asarray(state["coll"]).tolist() == [2.0 * world] * 4,
+            "d": np.array_equal(state["d"].local_array(), before["d"] + 1.0),
+            "w": not np.array_equal(np.asarray(w), before["w"])}
+    released = all(a.flags.writeable for a in held) and not staging._HELD
+    return {"same": got == want, "at_call": got == {k: v.tolist() for k, v in before.items()},
+            "cow": cow, "in_flight": in_flight, "seen": seen, "released": released}
+
+
+@scenario
+def cow_world(rank, world, addr, args):
+    pg = join(rank, world, addr)
+    return cow_while_training(pg, world, args["path"], args["path"] + "-sync")
 
 
 if __name__ == "__main__":

@@ -271,3 +271,18 @@ def test_async_save_without_copy_writes_in_place_and_guards_the_arrays(tmp_path)
     frozen.flags.writeable = False
     staging.unhold(staging.hold([frozen]))
     assert not frozen.flags.writeable  # read-only before: read-only after
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_default_async_save_is_copy_on_write_while_every_write_path_runs(tmp_path, world):
+    """No copy of the tensors' blocks at the call; eager in-place ops, compiled
+    write-back, the fused optimizer step, writes through .numpy()/np.asarray, an
+    in-place all_reduce and writes into a DTensor's local block all run while the save
+    is in flight: the checkpoint equals a synchronous save at the call, the loop sees
+    its writes, and the holds end with the save."""
+    results = check_all_ok(run_scenario("cow_world", world, tmp_path, workers=WORKERS,
+                                        args={"path": str(tmp_path / "ck")}, timeout=90.0))
+    for data in results:
+        assert data["cow"] and data["in_flight"] and data["released"], data
+        assert all(data["seen"].values()), data["seen"]
+        assert data["same"] and data["at_call"], data

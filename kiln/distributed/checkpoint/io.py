@@ -35,9 +35,12 @@ def _group(state: dict):
 
 def _snapshot(state: dict, rank: int, held: list | None = None) -> list:
     """[(key, dtype, shape, placements text, [(offsets, block)])] for this rank (the
-    blocks are the tensors' own memory; `_stage` copies them for an async save). The
-    blocks that are the memory of a DTensor or of a numpy array of the state are also
-    listed in `held` (what `copy=False` writes in place, read-only meanwhile)."""
+    blocks are the tensors' own memory; `_stage` copies them for an async save). When
+    `held` is a list, it gets (block, kind) for each block that is a state value's own
+    memory: kind "tensor" (a kn.Tensor's array), "dtensor" (a DTensor's local block) or
+    "numpy" (an array of the state); the async save holds or copies them by kind."""
+    from kiln.frontend.tensor import Tensor  # lazy: distributed sits below the frontend
+
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError("save: the state must be a dict with string keys")
     items = []
@@ -51,18 +54,24 @@ def _snapshot(state: dict, rank: int, held: list | None = None) -> list:
             coord = mesh.get_coordinate()
             owner = all(coord[i] == 0 for i, p in enumerate(value.placements) if not p.is_shard())
             offsets = tuple(lo for lo, _ in value.local_bounds())
-            local = value.local_array()
+            local = value._local  # not local_array(): that unshares a held block
             blocks = [(offsets, local)] if owner else []
             if held is not None and owner and value is own:
-                held.append(local)
+                held.append((local, "dtensor"))
             items.append((key, value.dtype, value.shape, [str(p) for p in value.placements],
                           blocks))
         else:
-            arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            if isinstance(value, Tensor):  # its memory, without unsharing a held array
+                raw = value._concrete("checkpoint save")
+                arr = np.asarray(raw)
+                kind = "tensor" if arr is raw else None
+            else:
+                arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+                kind = "numpy" if isinstance(value, np.ndarray) and arr is value else None
             dtype = kd.from_numpy(arr.dtype)
             blocks = [((0,) * arr.ndim, arr)] if rank == 0 else []
-            if held is not None and blocks and isinstance(value, np.ndarray) and arr is value:
-                held.append(arr)
+            if held is not None and blocks and kind is not None:
+                held.append((arr, kind))
             items.append((key, dtype, arr.shape, [], blocks))
     return items
 
@@ -287,26 +296,52 @@ def save(state: dict, path: str, *, timeout: float | None = None) -> None:
     _finish(path, save_id, rank, world, items, store, timeout)
 
 
-def async_save(state: dict, path: str, *, timeout: float | None = None,
-               copy: bool = True) -> concurrent.futures.Future:
-    """Like `save`, but returns at once with a Future: this rank's blocks are copied at
-    the call into a reused staging buffer (the only stall; `staging.py`) and a
-    background thread writes and commits the copy (training may change the tensors).
-    Saves into one folder commit in call order.
+def _holds(found: list, copy: bool | None) -> tuple[list, list]:
+    """(copy-on-write holds, read-only holds) of the blocks `_snapshot` found for an
+    async save with `copy`; the other blocks are copied at the call. A block held
+    copy-on-write is held with the numpy arrays it is a view of, so that a write through
+    one of them is redirected (or, through a user's numpy array, raises) as well."""
+    cow, frozen = [], []
+    if copy:
+        return cow, frozen
+    for block, kind in found:
+        if kind == "tensor" or kind == "dtensor" and copy is None:
+            if block.flags.c_contiguous:  # with the arrays it views (bases last): a
+                base = block              # write through one of them is redirected too
+                while isinstance(base, np.ndarray):
+                    cow.append(base)
+                    base = base.base
+        elif copy is False:  # the explicit old behaviour: held as they are, writes raise
+            frozen.append(block)
+    return cow, frozen
 
-    `copy=False` skips the copy of the DTensors' and numpy arrays' blocks: they are
-    written from their own memory, which is made read-only until the future completes
-    (an in-place write raises instead of changing the checkpoint). A functional
-    training loop, whose steps return new DTensors (a `kn.compile`d SPMD step does),
-    never writes them, and pays no stall for them. kn.Tensors are copied either way.
+
+def async_save(state: dict, path: str, *, timeout: float | None = None,
+               copy: bool | None = None) -> concurrent.futures.Future:
+    """Like `save`, but returns at once with a Future: a background thread writes and
+    commits the values of the call while training goes on. Saves into one folder commit
+    in call order.
+
+    By default (`copy=None`) the blocks of kn.Tensors and DTensors are not copied but
+    held copy-on-write until the future completes: read-only, and every kiln path that
+    would write into one (`Tensor.numpy()`, `np.asarray(tensor)`, collectives on a
+    tensor, `DTensor.local_array()`) first gives its tensor a fresh copy, so the loop
+    sees its writes and the checkpoint the values of the call (kiln's in-place ops,
+    optimizer steps and compiled write-back rebind the tensor to a new array and never
+    write into a held one). numpy arrays of the state, which kiln cannot guard, are
+    copied at the call into a reused staging buffer (`staging.py`). `copy=True` copies
+    every block (the stall grows with the state); `copy=False` also writes the numpy
+    arrays and DTensor blocks from their own memory, read-only until the future
+    completes (an in-place write into them raises instead of changing the checkpoint).
 
         >>> fut = dist.checkpoint.async_save(state, "ckpt"); ...; fut.result()
     """
-    held: list | None = None if copy else []
-    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, held)
-    hold = staging.hold(held or [])
+    found: list = []
+    rank, world, items, save_id, store, timeout = _prepare(state, path, timeout, found)
+    cow, frozen = _holds(found, copy)
+    hold = staging.hold(cow, cow=True) + staging.hold(frozen)
     try:
-        items, lease = _stage(items, tuple(held or ()))
+        items, lease = _stage(items, tuple(cow + frozen))
     except BaseException:
         staging.unhold(hold)
         raise

@@ -119,38 +119,57 @@ def release(lease: np.ndarray | None) -> None:
         _POOL.give(lease)
 
 
-_HELD: dict = {}  # id(array) -> [array, holds, was it writeable]
+_HELD: dict = {}  # id(array) -> [array, holds, was it writeable, copy-on-write holds]
 _HELD_LOCK = threading.Lock()
 
 
-def hold(arrays: list) -> list:
-    """Make `arrays` read-only while a save writes them from their own memory (an
-    async save with copy=False); returns the token for `unhold`. Holds nest: an array
-    becomes writeable again when its last hold ends, if it was before the first."""
+def hold(arrays: list, *, cow: bool = False) -> list:
+    """Make `arrays` read-only while a save writes them from their own memory; returns
+    the token for `unhold`. Holds nest: an array becomes writeable again when its last
+    hold ends, if it was before the first. `cow`: copy-on-write — the kiln paths that
+    hand the array out for writing (`Tensor.numpy()`, `np.asarray(tensor)`,
+    `DTensor.local_array()`, collectives on a tensor) first give its owner a fresh copy
+    (`cow_copy`), so the owner sees its writes and the save keeps the values of the call;
+    without it an in-place write raises (`async_save(copy=False)`)."""
     token = []
     with _HELD_LOCK:
         for a in arrays:
             entry = _HELD.get(id(a))
             if entry is None or entry[0] is not a:
-                entry = _HELD[id(a)] = [a, 0, bool(a.flags.writeable)]
+                entry = _HELD[id(a)] = [a, 0, bool(a.flags.writeable), 0]
                 a.flags.writeable = False
             entry[1] += 1
-            token.append(a)
+            entry[3] += bool(cow)
+            token.append((a, bool(cow)))
     return token
 
 
 def unhold(token: list) -> None:
     """End the holds `hold` returned `token` for."""
     with _HELD_LOCK:
-        for a in token:
+        for a, cow in reversed(token):  # the bases of a view first
             entry = _HELD.get(id(a))
             if entry is None or entry[0] is not a:
                 continue
             entry[1] -= 1
+            entry[3] -= cow
             if entry[1] == 0:
                 del _HELD[id(a)]
                 if entry[2]:
-                    a.flags.writeable = True
+                    try:
+                        a.flags.writeable = True
+                    except ValueError:  # its base is still held by another save
+                        pass
+
+
+def cow_copy(array: np.ndarray) -> np.ndarray | None:
+    """A fresh, writeable copy of `array` when a copy-on-write hold is on it (its owner
+    then takes the copy in its place, and the save keeps writing the original); None
+    when the array is not held copy-on-write."""
+    with _HELD_LOCK:
+        entry = _HELD.get(id(array))
+        held = entry is not None and entry[0] is array and entry[3] > 0
+    return np.array(array, copy=True, order="K") if held else None
 
 
 def clear() -> None:
@@ -159,4 +178,4 @@ def clear() -> None:
         _POOL.idle.clear()
 
 
-__all__ = ["clear", "hold", "release", "stage", "unhold"]
+__all__ = ["clear", "cow_copy", "hold", "release", "stage", "unhold"]
