@@ -258,7 +258,8 @@ class Tensor:
         """`array` (this tensor's memory) as it leaves kiln, where it may be written in
         place: while an async checkpoint save holds it (read-only, copy-on-write) the
         tensor first takes a copy of its own, so the save keeps the values of its call."""
-        if array.flags.writeable:
+        flags = getattr(array, "flags", None)  # a device tensor's memory may be no ndarray
+        if flags is None or flags.writeable:
             return array
         import sys
 
