@@ -77,7 +77,8 @@ def call_spmd(cf, args: tuple, out_placements=None):
         cf._compiles += 1
     else:
         cf._hits += 1
-    arrays = [a.local_array() if isinstance(a, DTensor) else a for a in args]
+    # the blocks, read only (local_array() would unshare one an async checkpoint holds)
+    arrays = [a._local if isinstance(a, DTensor) else a for a in args]
     coord = mesh.get_coordinate()
     arrays += [np.array(coord[i], np.int64) for i in entry.rank_dims]
     outs = entry.compiled.run(arrays)

@@ -88,9 +88,10 @@ def run_op(op: str, operands: list, attrs: dict, mesh=None) -> list:
     local_attrs = attrs
     if op in LOCAL_ATTRS:
         local_attrs = LOCAL_ATTRS[op](attrs, [x.shape for x in moved],
-                                      [x.local_array().shape for x in moved], out_global,
+                                      [x._local.shape for x in moved], out_global,
                                       out_local)
-    result = opdef.reference(*[x.local_array() for x in moved], **local_attrs)
+    # the blocks, read only (local_array() would unshare one an async checkpoint holds)
+    result = opdef.reference(*[x._local for x in moved], **local_attrs)
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     return [DTensor(r, mesh, pl, s) for r, pl, s in zip(results, p.outputs, out_global)]
 
