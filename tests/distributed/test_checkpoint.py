@@ -286,3 +286,36 @@ def test_default_async_save_is_copy_on_write_while_every_write_path_runs(tmp_pat
         assert data["cow"] and data["in_flight"] and data["released"], data
         assert all(data["seen"].values()), data["seen"]
         assert data["same"] and data["at_call"], data
+
+
+def test_async_save_copy_true_copies_and_an_array_taken_before_the_call_is_guarded(tmp_path):
+    """copy=True: nothing held (the old staging copy); the default: an array taken out of
+    a tensor before the call is read-only until the save ends (a write raises rather
+    than change the checkpoint), and the tensor hands out a fresh copy meanwhile."""
+    import concurrent.futures
+
+    from kiln.distributed.checkpoint import io
+
+    path = str(tmp_path / "ck")
+    t = kn.tensor(np.arange(6, dtype=np.float32))
+    early = t.numpy()
+    for copy in (True, None):
+        blocker: concurrent.futures.Future = concurrent.futures.Future()
+        io._IN_FLIGHT[os.path.realpath(path)] = blocker
+        fut = checkpoint.async_save({"t": t}, path, copy=copy)
+        if copy:
+            assert early.flags.writeable  # copied at the call: not held
+            early[0] = 10.0  # the checkpoint keeps the value of the call
+        else:
+            with pytest.raises(ValueError, match="read-only"):
+                early[1] = 20.0
+            fresh = t.numpy()
+            assert fresh is not early and fresh.flags.writeable
+            fresh[1] = 30.0
+        blocker.set_result(None)
+        fut.result(timeout=120)
+        state = {"t": np.zeros(6, np.float32)}
+        checkpoint.load(state, path)
+        want = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] if copy else [10.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        assert state["t"].tolist() == want
+    assert early.flags.writeable and t.numpy().tolist()[:2] == [10.0, 30.0]
