@@ -316,9 +316,17 @@ def hang(rank, world, addr, args):
     try:
         work.wait(timeout=20)
     except dist.CollectiveTimeout as err:
-        return {"error": "CollectiveTimeout", "elapsed": time.monotonic() - start,
-                "message": str(err)}
-    raise AssertionError("no timeout")
+        result = {"error": "CollectiveTimeout", "elapsed": time.monotonic() - start,
+                  "message": str(err)}
+    else:
+        raise AssertionError("no timeout")
+    # stay (bounded) until rank 1 has dumped: rank 0 hosts the store that carries the dump
+    # request, and leaving at once can take it away before rank 1's watcher reads it
+    path = os.path.join(os.environ["KILN_FR_DIR"], "kiln_fr_rank1.json")
+    deadline = time.monotonic() + 15
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return result
 
 
 @scenario
