@@ -147,8 +147,6 @@ def raw(em: Emitter, value) -> Any:
 
 
 def wrap(em: Emitter, result):
-    from kiln.frontend.tensor import Tensor
-
     builder = builder_of(em)
     if isinstance(result, tuple):
         return tuple(_tensor_of(r, builder) for r in result)

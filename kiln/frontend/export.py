@@ -16,7 +16,7 @@ from kiln.ir.graph import Graph
 from kiln.ir.interpret import run_graph
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import to_array
-from kiln.frontend.tracing import _leaf, is_tensor_like, trace_function
+from kiln.frontend.tracing import _leaf, is_tensor_like
 
 
 class ExportedProgram:

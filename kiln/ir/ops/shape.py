@@ -24,7 +24,6 @@ from kiln.ir.sharding import (
     Partial, R, Shard, Strategy, moved_partials, partial_through, result_shape_attr, shard_dims,
     sharding_rule,
 )
-from kiln.ir.types import TensorType
 
 
 # -- pieces the vjp rules of every family share ----------------------------------------
