@@ -29,6 +29,15 @@ _WORLD: ProcessGroup | None = None
 _SERVER: StoreServer | None = None
 _WATCHER: "DumpWatcher | None" = None
 _HEARTBEAT: Heartbeat | None = None
+_DESTROY_HOOKS: list = []  # backends' release hooks (nccl: the communicators it keeps)
+
+
+def on_destroy(hook) -> None:
+    """Have `destroy_process_group` call `hook()` once the world group is gone: a backend
+    module registers how to free what it keeps past its groups (nccl: the communicators
+    held as parents of a next epoch), so that this module never imports it."""
+    if hook not in _DESTROY_HOOKS:
+        _DESTROY_HOOKS.append(hook)
 
 
 def _env_int(name: str) -> int | None:
@@ -206,6 +215,8 @@ def destroy_process_group() -> None:
         if _WORLD._ft is not None:
             _WORLD._ft.membership.close()
         _WORLD = None
+    for hook in list(_DESTROY_HOOKS):
+        hook()
     if _SERVER is not None:
         _SERVER.close()
         _SERVER = None
