@@ -24,6 +24,9 @@ the next epoch is derived from its communicator instead of re-initialized:
 A failed derive frees the old communicator and raises `RendezvousError`, so that
 connect_next forms the next epoch and the next attempt initializes afresh.
 
+`destroy_process_group` frees every communicator kept this way (a hook this module
+registers with `kiln.distributed.rendezvous.on_destroy`).
+
 `ProcessGroup.split` on nccl calls `NcclBackend.split_backend`: `ncclCommSplit` on every
 rank of the parent, eagerly (color: the smallest parent rank of the sub-group, key:
 the rank in it).
@@ -42,6 +45,7 @@ from kiln.distributed import nccl_api as api
 from kiln.distributed.errors import DistributedError, NcclError, RendezvousError
 from kiln.distributed.nccl_backend import NcclBackend
 from kiln.distributed.nccl_comm import NcclComm
+from kiln.distributed.rendezvous import on_destroy
 
 _DEFAULT: "NcclGroups | None" = None
 _DEFAULT_LOCK = threading.Lock()
@@ -239,3 +243,15 @@ def _survivors(plans: list[dict]) -> list[int]:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.05)
+
+
+def _release_default() -> None:
+    """destroy_process_group's hook: free the communicators this process's groups keep
+    as parents of a next epoch (the world's and its sub-groups')."""
+    with _DEFAULT_LOCK:
+        groups = _DEFAULT
+    if groups is not None:
+        groups.release()
+
+
+on_destroy(_release_default)

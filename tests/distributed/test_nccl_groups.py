@@ -170,3 +170,30 @@ def test_process_group_split_is_one_nccl_comm_split(server):
             pg.backend.abort(RuntimeError("test over"))
         for g in groups:
             g.release()
+
+
+def test_destroy_process_group_frees_every_kept_communicator(server, monkeypatch):
+    """The world's and a sub-group's communicators outlive their groups' close (kept as
+    parents of a next epoch); destroy_process_group's hook frees them all."""
+    import kiln.distributed as dist
+    from kiln.distributed import nccl_groups
+
+    srv, token = server
+    world = FakeWorld()
+    monkeypatch.setattr(nccl_groups, "_DEFAULT", None)
+    nccl_groups.set_nccl_api(FakeNccl(world))
+    pg = dist.init_process_group("nccl", rank=0, world_size=1, store=srv.address, token=token,
+                                 timeout=10.0, host_store=False, fault_tolerant=True)
+    try:
+        sub = pg.split([0])
+        buf = np.array([3.0])
+        sub.all_reduce(buf).wait()
+        assert buf[0] == 3.0 and len(world.comms) == 2  # the world's, the split's
+        pg.destroy()  # closing the groups keeps both: a next epoch may shrink them
+        assert not any(c.aborted for c in world.comms.values())
+    finally:
+        dist.destroy_process_group()
+    assert len(world.comms) == 2 and all(c.aborted for c in world.comms.values())
+    log = nccl_groups.default_groups().api.log
+    assert log.count("ncclCommDestroy") + log.count("ncclCommAbort") == 2
+    assert nccl_groups.default_groups()._live == {}
