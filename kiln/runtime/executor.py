@@ -23,6 +23,7 @@ from kiln.runtime import profiler as _profiler
 from kiln.runtime.allocator import Allocator, default_allocator
 from kiln.runtime.program import Collective, Constant, Control, Extern, Launch, Program, View
 from kiln.runtime.native_loops import NativeLoop
+from kiln.runtime.native_switch import NativeSwitch
 
 KernelFn = Callable[[list, dict], None]
 
@@ -171,16 +172,20 @@ class Executable:
             bodies = [Executable(b, self.kernels, self.allocator, self.externs, side=self.side)
                       for b in step.bodies]
             inputs, outputs, op, side = step.inputs, step.outputs, step.op, self.side
-            # a CPU while_loop may run as a native launch list, no Python per trip
-            native = NativeLoop(self.program, step, self.kernels, self.externs) \
-                if side is None and NativeLoop.applies(step, self.kernels) else None
+            # a CPU while_loop may run as a native launch list, no Python per trip, and a
+            # CPU cond/switch dispatches natively, writing the step's outputs in place
+            native = None
+            if side is None and NativeLoop.applies(step, self.kernels):
+                native = NativeLoop(self.program, step, self.kernels, self.externs)
+            elif side is None and NativeSwitch.applies(step, self.kernels):
+                native = NativeSwitch(self.program, step, self.kernels, self.externs, self.allocator)
 
             def control(env, sizes, arena):
                 operands = [env[s] for s in inputs]
                 results = native.run(operands, sizes) if native is not None else None
                 if results is None:
                     results = _run_control(op, bodies, operands, sizes, env[-1], side)
-                else:  # copies the replay made: the caller's own
+                else:  # arrays made for this call (copies, or outputs): the caller's own
                     env[-1].update((id(r), r) for r in results)
                 for s, r in zip(outputs, results):
                     env[s] = r
