@@ -342,3 +342,12 @@ class SymmetricMemoryError(DistributedError, ValueError):
 
     code = "K252"
     title = "symmetric memory error"
+
+
+class CudaSymmetricMemoryError(SymmetricMemoryError):
+    """CUDA symmetric memory failed in the driver: allocating the rank's buffer,
+    exporting or opening a peer's IPC handle (ranks on different hosts, a GPU without
+    IPC), a copy into or out of a view, or a view used after `close`."""
+
+    code = "K254"
+    title = "CUDA symmetric memory error"
