@@ -16,7 +16,8 @@ from kiln.distributed.errors import (
     CollectiveArgumentError, CollectiveMismatch, CollectiveTimeout, DistributedError,
     FaultInjectionError, FlightRecorderError, GroupAborted, InvalidTimeout, LaunchError,
     MalformedFrame, MpiError, MpiLaunchError, MpiUnavailable, NcclError, NcclUnavailable,
-    NcclWindowUnsupported, PeerFailure, SymmetricMemoryError, RendezvousError, StoreAuthError, StoreBadRequest,
+    NcclWindowUnsupported, PeerFailure, SymmetricMemoryError, CudaSymmetricMemoryError,
+    RendezvousError, StoreAuthError, StoreBadRequest,
     StoreError, StoreLost, StoreTimeout, WindowInvalidated,
 )
 from kiln.distributed import checkpoint
@@ -47,4 +48,5 @@ __all__ = [
     "CheckpointManifestError", "MeshError", "PlacementError", "ShardingRuleError",
     "SymmetricMemory", "symmetric_memory", "SymmetricMemoryError", "MpiError", "MpiLaunchError",
     "MpiUnavailable", "NcclError", "NcclUnavailable", "NcclWindowUnsupported",
+    "CudaSymmetricMemoryError",
 ]
