@@ -165,9 +165,28 @@ class SymmetricMemory:
         self.close()
 
 
-def symmetric_memory(shape, dtype, group, *, timeout: float | None = None) -> SymmetricMemory:
+def _device(device):
+    """`device=` as a kiln Device: "cpu" (the /dev/shm segment) or "cuda:N"."""
+    from kiln.errors import KilnError
+    from kiln.runtime.device import Device
+
+    try:
+        dev = Device(device)
+    except KilnError as exc:
+        raise SymmetricMemoryError("symmetric_memory(device=%r): %s" % (device, exc)) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise SymmetricMemoryError("symmetric_memory(device=%r): symmetric memory is on the "
+                                   "host ('cpu') or on CUDA ('cuda:N'), not %s"
+                                   % (device, dev.type))
+    return dev
+
+
+def symmetric_memory(shape, dtype, group, *, timeout: float | None = None, device=None,
+                     driver=None):
     """Allocate a symmetric buffer of `shape`/`dtype` on every rank of `group` (a
-    collective call; all ranks on one host). Zero-filled."""
+    collective call; all ranks on one host). Zero-filled. `device="cuda:N"`: in GPU
+    memory mapped through CUDA IPC (kiln/distributed/symmetric_cuda.py; `driver` is
+    cuda.bindings.driver unless a test gives a fake)."""
     try:
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         dt = np.dtype(dtype)
@@ -177,6 +196,12 @@ def symmetric_memory(shape, dtype, group, *, timeout: float | None = None) -> Sy
         raise SymmetricMemoryError("symmetric_memory: shape %r with dtype %s is not a "
                                    "plain buffer" % (shape, dt))
     timeout = group.timeout if timeout is None else timeout
+    if device is not None:
+        dev = _device(device)
+        if dev.type == "cuda":
+            from kiln.distributed.symmetric_cuda import cuda_symmetric_memory
+
+            return cuda_symmetric_memory(shape, dt, group, dev, timeout, driver)
     n = group.world_size
     size = _PAGE + _round_up(n * n * 8) + n * _round_up(int(np.prod(shape)) * dt.itemsize)
     msg = np.zeros(256, np.uint8)

@@ -107,36 +107,55 @@ def export_capsule(array: np.ndarray, device: Device, *args, stream=None, max_ve
 
 def _capsule(array: np.ndarray, kind: int, index: int):
     """A "dltensor" capsule over `array`'s memory, built with ctypes."""
-    name = array.dtype.name
+    return pointer_capsule(array.ctypes.data, array.shape,
+                           tuple(s // array.itemsize for s in array.strides), array.dtype,
+                           kind, index, array)
+
+
+def pointer_capsule(address: int, shape: tuple, strides: tuple | None, dtype: np.dtype,
+                    kind: int, index: int, owner, on_release=None):
+    """A "dltensor" capsule over `address` (device memory included): `strides` in
+    elements (None: row-major), `owner` kept alive until the consumer calls the deleter
+    (or the capsule dies unconsumed), `on_release()` called then, exactly once."""
+    dtype = np.dtype(dtype)
+    name = dtype.name
     if name in _SPECIAL:
         code, bits = _SPECIAL[name]
     else:
-        code = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}.get(array.dtype.kind)
-        bits = array.dtype.itemsize * 8
+        code = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}.get(dtype.kind)
+        bits = dtype.itemsize * 8
         if code is None:
             raise KilnDLPackError(f"__dlpack__: dtype {name} has no DLPack type")
-    ndim = array.ndim
-    shape = (ctypes.c_int64 * max(ndim, 1))(*array.shape)
-    strides = (ctypes.c_int64 * max(ndim, 1))(*(s // array.itemsize for s in array.strides))
+    ndim = len(shape)
+    if strides is None:
+        strides = tuple(s // dtype.itemsize for s in _contiguous_strides(shape, dtype.itemsize))
+    c_shape = (ctypes.c_int64 * max(ndim, 1))(*shape)
+    c_strides = (ctypes.c_int64 * max(ndim, 1))(*strides)
     managed = DLManagedTensor()
-    managed.dl_tensor = DLTensor(array.ctypes.data, DLDevice(kind, index), ndim,
-                                 DLDataType(code, bits, 1), shape, strides, 0)
+    managed.dl_tensor = DLTensor(address, DLDevice(kind, index), ndim,
+                                 DLDataType(code, bits, 1), c_shape, c_strides, 0)
     managed.deleter = _DELETE
-    address = ctypes.addressof(managed)
-    _exported[address] = (managed, shape, strides, array)
-    return _capsule_new(address, _NAME, ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p))
+    key = ctypes.addressof(managed)
+    _exported[key] = (managed, c_shape, c_strides, owner, on_release)
+    return _capsule_new(key, _NAME, ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p))
+
+
+def _release(key: int) -> None:
+    held = _exported.pop(key, None)
+    if held is not None and held[4] is not None:
+        held[4]()
 
 
 @_DELETER
 def _DELETE(managed):  # noqa: N802  (a C callback)
-    _exported.pop(ctypes.addressof(managed.contents), None)
+    _release(ctypes.addressof(managed.contents))
 
 
 @ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
 def _CAPSULE_DESTRUCTOR(capsule):  # noqa: N802  (a C callback)
     # a capsule nobody consumed keeps its name: then nobody will call the deleter
     if _capsule_is_valid(capsule, _NAME):
-        _exported.pop(_capsule_raw_pointer(capsule, _NAME), None)
+        _release(_capsule_raw_pointer(capsule, _NAME))
 
 
 def _name(kind) -> str:

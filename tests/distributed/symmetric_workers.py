@@ -75,5 +75,77 @@ def sym_kill(rank, world, addr, args):
     return {"left": leftovers()}
 
 
+def _fake_cuda(args):
+    """The fake CUDA driver (tests/runtime/fake_cuda_memory.py): "device memory" is
+    files under args["root"], shared by the ranks' processes."""
+    from tests.runtime.fake_cuda_memory import FakeMemoryDriver
+
+    return FakeMemoryDriver(args["root"])
+
+
+@scenario
+def sym_cuda_basic(rank, world, addr, args):
+    """CUDA symmetric memory over the fake driver: handles through the store, peers'
+    blocks mapped, reads and writes of peers' buffers, signal pads, a DLPack view that
+    keeps its mapping past close(), nothing held after."""
+    import gc
+
+    pg = join(rank, world, addr)
+    drv = _fake_cuda(args)
+    sym = dist.symmetric_memory((3, 5), "float32", pg, device="cuda:0", driver=drv)
+    assert sym.buffer.shape == (3, 5) and str(sym.buffer.device) == "cuda:0"
+    assert not sym.buffer.numpy().any()  # zero-filled
+    assert drv.live() == {"allocs": 1, "opened": world - 1, "retained": 1}, drv.live()
+    sym.buffer.copy_from(np.arange(15, dtype=np.float32).reshape(3, 5) * (rank + 1))
+    sym.barrier()
+    for r in range(world):  # every peer's buffer, read through its mapping here
+        np.testing.assert_array_equal(sym.peer(r).numpy(), np.arange(15).reshape(3, 5) * (r + 1))
+    sym.barrier()  # nobody reads any more: now write into the next rank's buffer
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    theirs = sym.peer(nxt).numpy()
+    theirs[0, 0] = 100 + rank
+    sym.peer(nxt).copy_from(theirs)
+    sym.signal(nxt)
+    sym.wait_signal(prv)
+    assert sym.buffer.numpy()[0, 0] == 100 + prv, sym.buffer.numpy()
+    view = sym.peer(nxt)
+    assert view.__cuda_array_interface__["data"] == (view.address, False)
+    assert view.__dlpack_device__() == (2, 0)
+    capsule = view.__dlpack__(stream=None)
+    sym.barrier()
+    sym.close()
+    held = drv.live()  # the consumer of the capsule still reads the mapping
+    try:
+        view.numpy()
+        raise AssertionError("a view read after close")
+    except dist.errors.CudaSymmetricMemoryError as exc:
+        assert exc.code == "K254" and "after close()" in str(exc)
+    del capsule
+    gc.collect()
+    pg.barrier().wait()
+    return {"held": held, "live": drv.live(), "opens": drv.calls.get("cuIpcOpenMemHandle", 0),
+            "keys_left": pg.store.delete_prefix("sym-cuda/")}
+
+
+@scenario
+def sym_cuda_kill(rank, world, addr, args):
+    """The last rank is SIGKILLed after setup: the others' wait for its signal fails
+    naming it; their close() unmaps its block and frees their own."""
+    pg = join(rank, world, addr)
+    drv = _fake_cuda(args)
+    sym = dist.symmetric_memory(1 << 12, "float32", pg, device="cuda:0", driver=drv)
+    sym.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        sym.wait_signal(world - 1, timeout=1.0)
+        raise AssertionError("a dead rank signalled")
+    except (dist.CollectiveTimeout, dist.PeerFailure) as exc:
+        assert exc.rank == world - 1 and "rank %d" % (world - 1) in str(exc), exc
+    held = drv.live()
+    sym.close()
+    return {"held": held, "live": drv.live()}
+
+
 if __name__ == "__main__":
     main()
