@@ -94,7 +94,7 @@ def test_qr(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(8, 8), (13, 7), (7, 13)])
+@pytest.mark.parametrize("shape", [(8, 8), (13, 7), (7, 13), (32, 32)])
 def test_svd(dtype, shape):
     b = _batch(dtype)
     m, n = shape
@@ -133,7 +133,7 @@ def _symmetric_kinds(b, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [8, 13])
+@pytest.mark.parametrize("n", [8, 13, 32])  # 32: the vectors' rotations replayed in several column blocks
 def test_eigh(dtype, n):
     b = _batch(dtype)
     for kind, a in _symmetric_kinds(b, n, dtype).items():

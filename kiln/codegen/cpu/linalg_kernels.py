@@ -176,13 +176,69 @@ def _rotate_rows(L: Lanes, X, stride: int, p, q, length: int, c, s) -> None:
         L.st(X, iq, L.fma(s, xp, L.fmul(c, xq)))
 
 
-def _dot(L: Lanes, X, length: int, p, q):
-    """Rows p and q of X (`length` apart) dotted with K independent partial sums (K = 4,
+class _RotationLog:
+    """The rotations of one Jacobi sweep, recorded and applied to the eigenvector (or
+    right singular vector) rows only after the sweep, a block of columns at a time.
+
+    Rotating those rows inline puts them in the working set of every rotation: at n = 32,
+    16 float32 lanes, A's triangle (34 KB) and the vectors (64 KB) do not fit a 48 KB L1
+    together, and each rotation streamed its four rows from L2. Replayed per block of
+    BLOCK_BYTES, a block stays in L1 while the whole sweep's rotations pass over it."""
+
+    BLOCK_BYTES = 32768
+    MAX_COLS = 16
+
+    def __init__(self, L: Lanes, pairs: int):
+        self.L = L
+        self.cs, self.pq, self.count = L.array(2 * pairs), L.scalars("i32", 2 * pairs), L.scalars("i64", 1)
+
+    def reset(self) -> None:
+        self.L.f.store(self.L.i(0), self.count, 8)
+
+    def record(self, p, q, c, s) -> None:
+        L, f = self.L, self.L.f
+        j = f.load("i64", self.count, 8)
+        L.st(self.cs, L.mul(j, 2), c)
+        L.st(self.cs, L.add(L.mul(j, 2), 1), s)
+        for k, x in enumerate((p, q)):
+            f.store(f.cast("trunc", x, "i32"), f.gep("i32", self.pq, L.add(L.mul(j, 2), k)), 4)
+        f.store(L.add(j, 1), self.count, 8)
+
+    def size(self) -> V:
+        """How many rotations are logged so far (i64)."""
+        return self.L.f.load("i64", self.count, 8)
+
+    def entry(self, j) -> tuple:
+        """(p, q, c, s) of logged rotation j."""
+        L, f = self.L, self.L.f
+        two = L.mul(j, 2)
+        p, q = (f.cast("sext", f.load("i32", f.gep("i32", self.pq, L.add(two, k)), 4), "i64") for k in (0, 1))
+        return p, q, L.ld(self.cs, two), L.ld(self.cs, L.add(two, 1))
+
+    def apply(self, X, rows: int, length: int, stride: int) -> None:
+        """(X[p, :], X[q, :]) <- (c x_p - s x_q, s x_p + c x_q) for every logged rotation
+        in order (X: rows x length, rows `stride` apart); a block's columns unrolled."""
+        L, f = self.L, self.L.f
+        block = max(1, min(self.MAX_COLS, length, self.BLOCK_BYTES // (rows * L.W * L.bytes)))
+        count = self.size()
+        for c0 in range(0, length, block):
+            with L.loop(0, count) as jl:
+                p, q, c, s = self.entry(jl.i)
+                bp, bq = L.mul(p, stride), L.mul(q, stride)
+                for col in range(c0, min(length, c0 + block)):
+                    ip, iq = L.add(bp, col), L.add(bq, col)
+                    xp, xq = L.ld(X, ip), L.ld(X, iq)
+                    L.st(X, ip, L.fsub(L.fmul(c, xp), L.fmul(s, xq)))
+                    L.st(X, iq, L.fma(s, xp, L.fmul(c, xq)))
+
+
+def _dot(L: Lanes, X, stride: int, p, q, length: int):
+    """Rows p and q of X (`stride` apart, `length` long) dotted with K independent partial sums (K = 4,
     2 or 1 as `length` allows): one sum's chain of FMA latencies would bound the pair."""
     k = 4 if length % 4 == 0 else 2 if length % 2 == 0 else 1
     with L.loop(0, length // k, [L.k(0)] * k) as rl:
         base = L.mul(rl.i, k)
-        rl.next = [L.fma(L.ld(X, L.add(L.idx(p, length, base), j)), L.ld(X, L.add(L.idx(q, length, base), j)),
+        rl.next = [L.fma(L.ld(X, L.add(L.idx(p, stride, base), j)), L.ld(X, L.add(L.idx(q, stride, base), j)),
                          rl.vals[j]) for j in range(k)]
     total = rl.vals[0]
     for extra in rl.vals[1:]:
@@ -190,27 +246,28 @@ def _dot(L: Lanes, X, length: int, p, q):
     return total
 
 
-def _sign_rows(L: Lanes, X, rows: int, cols: int, also=None) -> None:
-    """Flip each row of X (and the same row of `also` = (Y, its cols)) whose entry of
-    largest magnitude (the first such on ties) is negative: the sign convention."""
+def _sign_rows(L: Lanes, X, rows: int, cols: int, stride: int, also=None) -> None:
+    """Flip each row of X (rows `stride` apart; and the same row of `also` = (Y, its
+    cols, its stride)) whose entry of largest magnitude (the first such on ties) is
+    negative: the sign convention."""
     with L.loop(0, rows) as rl:
         with L.loop(0, cols, [L.k(-1), L.k(1)]) as cl:
-            x = L.ld(X, L.idx(rl.i, cols, cl.i))
+            x = L.ld(X, L.idx(rl.i, stride, cl.i))
             best, value = cl.vals
             better = L.fcmp("ogt", L.fabs(x), best)
             cl.next = [L.select(better, L.fabs(x), best), L.select(better, x, value)]
         sign = L.copysign(L.k(1), cl.vals[1])
-        for Y, ycols in [(X, cols)] + ([also] if also else []):
+        for Y, ycols, ystride in [(X, cols, stride)] + ([also] if also else []):
             with L.loop(0, ycols) as yl:
-                e = L.idx(rl.i, ycols, yl.i)
+                e = L.idx(rl.i, ystride, yl.i)
                 L.st(Y, e, L.f.fmul(L.ld(Y, e), sign))
 
 
-def _identity(L: Lanes, X, n: int) -> None:
-    with L.loop(0, n * n) as el:
+def _identity(L: Lanes, X, n: int, stride: int) -> None:
+    with L.loop(0, n * stride) as el:
         L.st(X, el.i, L.k(0))
     for d in range(n):
-        L.st(X, d * n + d, L.k(1))
+        L.st(X, d * stride + d, L.k(1))
 
 
 def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
@@ -221,7 +278,7 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
     the cache lines of the full matrix."""
     L = Lanes(f"kiln_la_eigh_{scalar}_{n}_w{width}", scalar, width)
     ld = n + 1  # A's padded row stride
-    A, Vt, D = L.array(n * ld), L.array(n * n), L.array(n)
+    A, Vt, D = L.array(n * ld), L.array(n * ld), L.array(n)  # Vt's rows padded alike
     tol2 = L.eps * L.eps
     at = lambda i, j: L.idx(i, ld, j)  # noqa: E731  (row i >= column j)
     with L.loop(L.lo, L.hi) as gl:
@@ -233,9 +290,15 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
         limit = L.fmul(L.fma(L.k(2), strict, diag), L.k(tol2))  # (eps |A|_F)^2, the off mass bound
         pair_limit = L.fmul(limit, L.k(1.0 / (n * n)))
         table, rounds, half = L.round_robin(n)
-        _identity(L, Vt, n)
+        _identity(L, Vt, n, ld)
+        log = _RotationLog(L, rounds * half)
         _count, end = L.sweep_loop(MAX_SWEEPS)
+        log.reset()
         with L.loop(0, rounds) as rl_:
+            # a round's pairs are disjoint, so each 2x2 block (p, q) changes only by its own
+            # rotation: first every rotation of the round (independent division/root
+            # chains, side by side), then the rest of rows and columns p and q
+            first = log.size()
             with L.loop(0, half) as kl_:
                 p, q = L.pair(table, rl_.i, kl_.i, half)
                 valid = L.icmp("sge", p, 0)
@@ -245,30 +308,33 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
                 rotate = L.fcmp("ogt", L.fmul(apq, apq), pair_limit)
                 with L.when(L.f.bin("and", valid, L.any(rotate))):
                     t, c, s = _rotation(L, L.fsub(aqq, app), apq, rotate)
-                    # entries (k, p) and (k, q) outside the 2x2 block, where the triangle
-                    # keeps them: rows p and q for k < p, column p and row q between,
-                    # columns p and q below q
-                    for lo, hi, kp_at, kq_at in ((0, p, lambda k: at(p, k), lambda k: at(q, k)),
-                                                 (L.add(p, 1), q, lambda k: at(k, p), lambda k: at(q, k)),
-                                                 (L.add(q, 1), n, lambda k: at(k, p), lambda k: at(k, q))):
-                        with L.loop(lo, hi) as kl:
-                            kp, kq = kp_at(kl.i), kq_at(kl.i)
-                            akp, akq = L.ld(A, kp), L.ld(A, kq)
-                            L.st(A, kp, L.fsub(L.fmul(c, akp), L.fmul(s, akq)))
-                            L.st(A, kq, L.fma(s, akp, L.fmul(c, akq)))
                     tapq = L.fmul(t, apq)
                     L.st(A, pp, L.fsub(app, tapq))
                     L.st(A, qq, L.fadd(aqq, tapq))
                     L.st(A, qp, L.select(rotate, L.k(0), apq))
-                    _rotate_rows(L, Vt, n, p, q, n, c, s)
+                    log.record(p, q, c, s)
+            with L.loop(first, log.size()) as jl:
+                p, q, c, s = log.entry(jl.i)
+                # entries (k, p) and (k, q) outside the 2x2 block, where the triangle keeps
+                # them: rows p and q for k < p, column p and row q between, columns p and
+                # q below q
+                for lo, hi, kp_at, kq_at in ((0, p, lambda k: at(p, k), lambda k: at(q, k)),
+                                             (L.add(p, 1), q, lambda k: at(k, p), lambda k: at(q, k)),
+                                             (L.add(q, 1), n, lambda k: at(k, p), lambda k: at(k, q))):
+                    with L.loop(lo, hi) as kl:
+                        kp, kq = kp_at(kl.i), kq_at(kl.i)
+                        akp, akq = L.ld(A, kp), L.ld(A, kq)
+                        L.st(A, kp, L.fsub(L.fmul(c, akp), L.fmul(s, akq)))
+                        L.st(A, kq, L.fma(s, akp, L.fmul(c, akq)))
+        log.apply(Vt, n, n, ld)
         excess = L.hmax(L.fsub(_lower_mass(L, A, n, ld), limit))
         end(L.f.emit(f"fcmp ole {L.t} {excess.ref}, 0.0", "i1"))
         with L.loop(0, n) as dl:
             L.st(D, dl.i, L.ld(A, at(dl.i, dl.i)))
-        _sign_rows(L, Vt, n, n)
+        _sign_rows(L, Vt, n, n, ld)
         rank = L.rank(D, n)
         L.write_elements(L.args["o0"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(D, i)))
-        _store(L, "o1", g, n, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Vt, L.idx(i, n, r))))
+        _store(L, "o1", g, n, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Vt, L.idx(i, ld, r))))
     return L.name, L.text()
 
 
@@ -282,48 +348,52 @@ def _lower_mass(L: Lanes, A, n: int, ld: int):
 def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     """m >= n. o0 <- U (m x n), o1 <- s (n, descending), o2 <- V^T (n x n)."""
     L = Lanes(f"kiln_la_svd_{scalar}_{m}x{n}_w{width}", scalar, width)
-    Ut, Vt, N, M = L.array(n * m), L.array(n * n), L.array(n), L.array(1)
+    lu, lv = m + 1, n + 1  # padded row strides (see Lanes.load_matrix)
+    Ut, Vt, N, M = L.array(n * lu), L.array(n * lv), L.array(n), L.array(1)
     table, rounds, half = L.round_robin(n)
     tol = (m ** 0.5) * L.eps
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
-        L.load_matrix(Ut, g, m, n, transpose=True)
-        L.magnitude(Ut, n, m, g)
-        _identity(L, Vt, n)
+        L.load_matrix(Ut, g, m, n, transpose=True, stride=lu)
+        L.magnitude(Ut, n, m, g, stride=lu)
+        _identity(L, Vt, n, lv)
+        log = _RotationLog(L, rounds * half)
         _count, end = L.sweep_loop(MAX_SWEEPS)
+        log.reset()
         with L.loop(0, n) as cl:  # exact squared column norms at each sweep's start
-            L.st(N, cl.i, _sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(cl.i, m, r)), x)))
+            L.st(N, cl.i, _sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(cl.i, lu, r)), x)))
         L.st(M, 0, L.k(0))
         with L.loop(0, rounds) as rl_:
             with L.loop(0, half) as kl_:
                 p, q = L.pair(table, rl_.i, kl_.i, half)
                 valid = L.icmp("sge", p, 0)
                 p, q = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))
-                gamma = _dot(L, Ut, m, p, q)
+                gamma = _dot(L, Ut, lu, p, q, m)
                 alpha, beta = L.ld(N, p), L.ld(N, q)
                 # cosine > tol, without a division or a root: gamma^2 > tol^2 alpha beta
                 rotate = L.fcmp("ogt", L.fmul(gamma, gamma), L.fmul(L.k(tol * tol), L.fmul(alpha, beta)))
                 with L.when(L.f.bin("and", valid, L.any(rotate))):
                     t, c, s = _rotation(L, L.fsub(beta, alpha), gamma, rotate)
-                    _rotate_rows(L, Ut, m, p, q, m, c, s)
-                    _rotate_rows(L, Vt, n, p, q, n, c, s)
+                    _rotate_rows(L, Ut, lu, p, q, m, c, s)
+                    log.record(p, q, c, s)
                     tg = L.fmul(t, gamma)  # the rotated columns' squared norms
                     L.st(N, p, L.fsub(alpha, tg))
                     L.st(N, q, L.fadd(beta, tg))
                     L.st(M, 0, L.k(1))  # some lane rotated in this sweep
+        log.apply(Vt, n, n, lv)
         end(L.f.emit(f"fcmp oeq {L.t} {L.hmax(L.ld(M, 0)).ref}, 0.0", "i1"))
         with L.loop(0, n) as cl:
             c = cl.i
-            norm = L.sqrt(_sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(c, m, r)), x)))
+            norm = L.sqrt(_sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(c, lu, r)), x)))
             inv = L.select(L.fcmp("ogt", norm, L.k(0)), L.fdiv(L.k(1), norm), L.k(0))
             with L.loop(0, m) as rl:
-                e = L.idx(c, m, rl.i)
+                e = L.idx(c, lu, rl.i)
                 L.st(Ut, e, L.fmul(L.ld(Ut, e), inv))
             L.st(N, c, norm)
-        _sign_rows(L, Vt, n, n, also=(Ut, m))
+        _sign_rows(L, Vt, n, n, lv, also=(Ut, m, lu))
         rank = L.rank(N, n, descending=True)
         L.write_elements(L.args["o1"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(N, i)))
-        _store(L, "o0", g, m, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Ut, L.idx(i, m, r))))
-        _store(L, "o2", g, n, n, lambda r, c, e: L.permuted(rank, n, r, lambda i: L.ld(Vt, L.idx(i, n, c))))
+        _store(L, "o0", g, m, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Ut, L.idx(i, lu, r))))
+        _store(L, "o2", g, n, n, lambda r, c, e: L.permuted(rank, n, r, lambda i: L.ld(Vt, L.idx(i, lv, c))))
     return L.name, L.text()
 

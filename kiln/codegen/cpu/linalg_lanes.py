@@ -77,6 +77,12 @@ class Lanes:
         self.allocas.append(f"  {name} = alloca {self.vt}, i64 {count}, align 64")
         return V(name, "ptr")
 
+    def scalars(self, ty: str, count: int) -> V:
+        """A stack array of `count` plain scalars of type `ty` (indices, a counter)."""
+        name = f"%arr{len(self.allocas)}"
+        self.allocas.append(f"  {name} = alloca {ty}, i64 {count}, align 8")
+        return V(name, "ptr")
+
     def at(self, arr: V, index) -> V:
         index = index if isinstance(index, V) else self.i(index)
         return self.f.gep(self.vt, arr, index)
@@ -354,12 +360,12 @@ class Lanes:
     def load_matrix(self, arr: V, group: V, rows: int, cols: int, transpose: bool = False,
                     stride: int | None = None) -> None:
         """arr <- the group's rows x cols input matrices (arr[c*rows + r] if transpose;
-        rows `stride` apart if given: padding a power-of-two row length keeps column
-        walks from thrashing one L1 set)."""
+        the stored rows `stride` apart if given: padding a power-of-two row length keeps
+        column walks from thrashing one L1 set)."""
         def put(e, vec):
             if transpose or stride:
                 r, c = self.rc(e, cols)
-                e = self.idx(c, rows, r) if transpose else self.idx(r, stride, c)
+                e = self.idx(c, stride or rows, r) if transpose else self.idx(r, stride, c)
             self.st(arr, e, vec)
 
         self.read_elements(self.args["a"], group, rows * cols, put)
