@@ -44,6 +44,12 @@ MICRO_CALL_S = 0.3e-6
 MICRO_FLOPS_512 = 100e9  # float32, 512-bit vectors, one thread (measured 100-150 on small
 # and batched shapes); scales with the width, float64 half
 MICRO_PACK_PER_S = 2e9  # elements packed (strided read, convert, contiguous write)
+# a single product of at least this many multiply-adds (~0.1 ms on one core) is split
+# into row panels over kiln's pool, one BLAS thread each; panels of at least
+# MIN_SPLIT_ROWS rows (B is re-packed per call: ~60/rows overhead, see panel_rows_for)
+SPLIT_MACS = 1 << 23
+MIN_SPLIT_ROWS = 64
+CHUNKS_PER_THREAD = 2
 
 
 @dataclass(frozen=True)
@@ -68,22 +74,31 @@ def _static(d, assumed: int) -> int:
     return evaluate(d, {s.name: assumed for s in d.free_symbols})
 
 
-def panel_rows_for(m: int, n: int, k: int) -> int:
+def panel_rows_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1) -> int:
     """Rows per BLAS call. Each call re-packs all of B (k*n), so a panel must be tall
     enough to amortize that: packing ~8 bytes/element at ~10 GB/s vs 2*rows*k*n flops at
     ~150 GFLOP/s is 60/rows overhead, i.e. ~6% at 1024 rows. Then the epilogue reads a
-    panel that sits in L2/L3 rather than DRAM. Clamped to [16, 1024], multiple of 16."""
-    del n, k  # the ratio above is independent of n and k
+    panel that sits in L2/L3 rather than DRAM. Clamped to [16, 1024], multiple of 16.
+
+    A single product of at least SPLIT_MACS multiply-adds is cut into
+    `threads * CHUNKS_PER_THREAD` row panels, which kiln's pool threads claim one at a
+    time, each a one-thread BLAS call (compiled.py): OpenBLAS's own threads meet at a
+    barrier per block and stall when one of them is descheduled; kiln's do not."""
     rows = min(1024, max(16, m))
+    if threads > 1 and batch == 1 and m * n * k >= SPLIT_MACS:
+        rows = min(rows, max(MIN_SPLIT_ROWS, -(-m // (threads * CHUNKS_PER_THREAD))))
     return -(-rows // 16) * 16
 
 
-def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | None = None) -> GemmChoice:
+def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | None = None,
+                threads: int = 1) -> GemmChoice:
     """Rank BLAS panels, kiln's micro-kernel and the generated loop nest with the
-    analytical model (`blas_available`: None asks whether OpenBLAS loaded)."""
+    analytical model (`blas_available`: None asks whether OpenBLAS loaded; `threads`:
+    the kernel's thread count, which sets how a large product is cut into panels)."""
     batch, m, n, k = (_static(d, assumed_dim) for d in (g.batch, g.m, g.n, g.k))
     esize = 8 if any(b.dtype.bits == 64 for b in g.buffers if b.name == g.a) else 4
-    rows = panel_rows_for(m, n, k)
+    static_batch = sympy.sympify(g.batch).is_Integer
+    rows = panel_rows_for(m, n, k, threads, batch if static_batch else 2)
     flops = 2.0 * batch * m * n * k
     panels = batch * max(1, -(-m // rows))
     peak = BLAS_FLOPS / (2 if esize == 8 else 1)

@@ -136,7 +136,7 @@ class CpuBackend(Backend):
         if not isinstance(k, GemmKernel):
             raise KilnArgumentError(f"cpu backend: cannot compile {type(k).__name__}")
         check_strides(k)
-        choice = choose_gemm(k)
+        choice = choose_gemm(k, threads=self.options.threads)
         if isinstance(variant, bool):
             variant = "blas" if variant else "loop"
         kind = variant or choice.variant
@@ -198,7 +198,7 @@ class CpuBackend(Backend):
             if key in self._cache:
                 return self._cache[key]
         if measure and isinstance(kernel, GemmKernel):
-            choice = measure_gemm(kernel, choose_gemm(kernel),
+            choice = measure_gemm(kernel, choose_gemm(kernel, threads=self.options.threads),
                                   lambda kind: self._compile_plans([self._plan(kernel, set(), kind)])[0])
             compiled = self._compile_plans([self._plan(kernel, set(), choice.variant)])[0]
         else:

@@ -28,6 +28,7 @@ from kiln.ir.shapes import dim_function, format_shape
 from kiln.codegen.cpu.mathlib import F32_FUNCS
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
 from kiln.runtime.threads import blas_single_thread, get_num_threads
+from kiln.codegen.cpu.autotune import SPLIT_MACS
 
 # below this many multiply-adds (~128^3) one BLAS call runs single-threaded
 SMALL_GEMM_FLOPS = 1 << 21
@@ -92,6 +93,61 @@ class WorkerPool:
         for err in errors:
             if err is not None:
                 raise err
+
+
+    def run_claimed(self, fn, bufs, sizes, ranges: list[tuple[int, int]], threads: int) -> None:
+        """Call fn(bufs, sizes, lo, hi) for every range, claimed one at a time by the
+        caller and up to `threads - 1` workers, with BLAS at one thread. Returns once every
+        range ran, without waiting for a worker that never got a core: on a busy machine
+        the caller takes the ranges a late worker has not claimed, so a large GEMM split
+        this way degrades to one thread instead of stalling (OpenBLAS's own threads wait
+        for each other at every block)."""
+        helpers = min(threads - 1, self.size, len(ranges) - 1)
+        if helpers < 1 or not self._lock.acquire(blocking=False):
+            with blas_single_thread():
+                for lo, hi in ranges:
+                    fn(bufs, sizes, lo, hi)
+            return
+        claim = iter(range(len(ranges))).__next__  # next() of a range iterator is atomic
+        left = [len(ranges)]
+        errors: list = []
+        finished = threading.Event()
+        count_lock = threading.Lock()
+
+        def work():
+            while True:
+                try:
+                    i = claim()
+                except StopIteration:
+                    return
+                try:
+                    fn(bufs, sizes, *ranges[i])
+                except BaseException as exc:  # surfaced on the calling thread
+                    errors.append(exc)
+                with count_lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        finished.set()
+
+        try:
+            with blas_single_thread():
+                for _ in range(helpers):
+                    self._tasks.put((work, (), _Discard))
+                work()
+                # every range is claimed; wait only for those still running on a worker
+                finished.wait()
+        finally:
+            self._lock.release()
+        if errors:
+            raise errors[0]
+
+
+class _Discard:
+    """The `done` queue of a claimed task: the caller waits on its own event instead."""
+
+    @staticmethod
+    def put(_item) -> None:
+        return None
 
 
 _POOL: WorkerPool | None = None
@@ -248,6 +304,10 @@ class CompiledKernel:
                 # instead a large batch is split over kiln's pool, whole batch items per
                 # thread (B is packed once per item), one BLAS thread each
                 batch_align = total // batch
+            elif batch == 1 and total > 1 and m * n * k >= SPLIT_MACS:
+                # one large product cut into row panels (autotune.panel_rows_for): kiln's
+                # threads claim them, one BLAS thread each (WorkerPool.run_claimed)
+                batch_align = -1
         entry = (shapes, total, parallel, one_blas, batch_align)
         if len(self._resolved) > 64:
             self._resolved.clear()
@@ -289,10 +349,13 @@ class CompiledKernel:
             threads = self._threads if parallel else 1
             if threads > 1:
                 self._pool.run(self._fn, bufs, csizes, split(total, threads, 64 if total >= 1024 else 1))
-            elif batch_align and get_num_threads() > 1:
+            elif batch_align < 0 and get_num_threads() > 1:
+                n = get_num_threads()
+                pool(n).run_claimed(self._fn, bufs, csizes, [(i, i + 1) for i in range(total)], n)
+            elif batch_align > 0 and get_num_threads() > 1:
                 n = get_num_threads()
                 pool(n).run(self._fn, bufs, csizes, split(total, n, batch_align))
-            elif one_blas:
+            elif one_blas or batch_align < 0:
                 with blas_single_thread():
                     self._fn(bufs, csizes, 0, total)
             else:
