@@ -26,6 +26,8 @@ triton.testing.do_bench (median of warm runs, L2 flushed between runs).
     python scripts/gpu_check.py --quick               # smaller shapes, no tuning
     python scripts/gpu_check.py --cute                # only kiln's CuTeDSL GEMMs (scripts/gpu_check_cute.py)
     python scripts/gpu_check.py --nccl                # only kiln's NCCL layer (scripts/gpu_check_nccl.py)
+                                                      # and CUDA symmetric memory between two
+                                                      # processes (scripts/gpu_check_symmetric.py)
     python scripts/gpu_check.py --device --out benchmarks/results/gpu.md   # only the device runtime
 
 Needs: an NVIDIA GPU, a CUDA build of torch, triton. Exits with status 2 and says what
@@ -383,7 +385,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nccl", action="store_true", help="only kiln's NCCL layer on one GPU: "
                         "single-rank communicator, split/revoke/shrink, window put/signal, the "
                         "ProcessGroup (scripts/gpu_check_nccl.py; libnccl >= 2.29 via "
-                        "KILN_NCCL_LIBRARY or KILN_NCCL_WHEELS)")
+                        "KILN_NCCL_LIBRARY or KILN_NCCL_WHEELS), then CUDA symmetric memory "
+                        "between two processes (scripts/gpu_check_symmetric.py)")
     parser.add_argument("--device", action="store_true", help="only the device runtime: device-resident "
                         "programs with host copies counted, CUDA-graph replay, a captured while_loop, "
                         "allocator vs cuMemGetInfo, DLPack with torch (scripts/gpu_check_device.py)")
@@ -423,7 +426,11 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import gpu_check_nccl
 
-        parts = [("nccl", "NCCL", lambda: gpu_check_nccl.run(torch, report, table, args.quick))]
+        import gpu_check_symmetric
+
+        parts = [("nccl", "NCCL", lambda: gpu_check_nccl.run(torch, report, table, args.quick)),
+                 ("symmetric", "CUDA symmetric memory",  # two processes, no NCCL needed
+                  lambda: gpu_check_symmetric.run(report, table))]
     for key, title, run in parts:
         if key in skip or (args.quick and key == "tuning"):
             continue

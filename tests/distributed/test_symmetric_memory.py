@@ -142,3 +142,21 @@ def test_cuda_views_copy_and_export_by_dlpack(tmp_path, one_rank):
     assert drv.live()["allocs"] == 1  # closed, but the capsule still holds the memory
     del capsule, tensor
     assert drv.live() == {"allocs": 0, "opened": 0, "retained": 0}
+
+
+def test_the_gpu_check_section_runs_over_the_fake_driver(tmp_path):
+    """scripts/gpu_check_symmetric.py's two-process path and its table, on this CPU
+    machine (the numbers it prints here are the fake's; the GPU run is the real one)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_symmetric.py"
+    done = subprocess.run([sys.executable, str(script), "--fake", str(tmp_path), "--elements",
+                           "1024"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("| rank | setup ms | peer read") and len(lines) == 3
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2] == "ok" and cells[5] == "ok" and cells[6] == "not run", line
+    assert os.listdir(tmp_path) == []  # both ranks freed their blocks
