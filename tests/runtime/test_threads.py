@@ -240,3 +240,31 @@ def test_the_pool_and_blas_follow_a_quota_below_the_affinity(tmp_path, monkeypat
     assert kn.get_num_threads() == 1
     assert cc.default_threads() == 1 and CpuOptions().threads == 1
     assert getter() == 1  # OpenBLAS counted the affinity mask, not the quota
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 32, 32), (512, 64, 192), (1024, 128, 128)])
+def test_every_blas_gemm_kiln_calls_runs_on_one_blas_thread(m, k, n, monkeypatch, restore_threads):
+    """Small, mid-size (2^21..2^23 multiply-adds: the GPT step's products, which stalled
+    at 256-404 ms a step on a loaded machine with OpenBLAS's own 2 threads) and large
+    single products: BLAS sees one thread while kiln calls it, its count is restored after."""
+    getter = _blas_getter()
+    kn.set_num_threads(2)
+    threads.set_blas_num_threads(2)
+    seen = []
+    original = cc.blas_single_thread
+
+    @contextlib.contextmanager
+    def recording():
+        with original():
+            seen.append(getter())
+            yield
+
+    monkeypatch.setattr(cc, "blas_single_thread", recording)
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    f = kn.compile(lambda a, b: kn.relu(a @ b))
+    out = f(kn.tensor(a), kn.tensor(b)).numpy()
+    np.testing.assert_allclose(out, np.maximum(a.astype(np.float64) @ b, 0), rtol=1e-4, atol=1e-4)
+    assert seen and set(seen) == {1}
+    assert getter() == 2

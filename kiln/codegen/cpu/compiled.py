@@ -30,8 +30,6 @@ from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
 from kiln.runtime.threads import blas_single_thread, get_num_threads
 from kiln.codegen.cpu.autotune import SPLIT_MACS
 
-# below this many multiply-adds (~128^3) one BLAS call runs single-threaded
-SMALL_GEMM_FLOPS = 1 << 21
 # a batched GEMM of at least this many multiply-adds (~0.3 ms on one core) is split over
 # kiln's pool; below it the hand-off (20-50 us on a loaded machine) would not pay:
 # bench_eager.py's (16,32,256)x(16,256,64) measured no faster split on 2 busy cores
@@ -297,9 +295,12 @@ class CompiledKernel:
         one_blas, batch_align = False, 0
         if self._gemm_dims is not None:
             batch, m, n, k = (int(f(env)) for f in self._gemm_dims)
-            # BLAS threads pay off only on one large product: a batch of small ones calls
-            # BLAS per item, and each call would wake (and spin) every BLAS thread
-            one_blas = batch > 1 or m * n * k < SMALL_GEMM_FLOPS
+            # every BLAS call kiln makes runs on one BLAS thread: kiln's pool is the
+            # parallelism (large products below). OpenBLAS's own threads busy-wait for each
+            # other per block: at load ~12 on 2 CPUs the GPT step's mid-size products
+            # (2^21..2^23 multiply-adds) with 2 BLAS threads took 256-404 ms a step
+            # against 14 ms with one (benchmarks/bench_stress.py)
+            one_blas = True
             if batch > 1 and total >= batch and batch * m * n * k >= BATCH_SPLIT_FLOPS:
                 # instead a large batch is split over kiln's pool, whole batch items per
                 # thread (B is packed once per item), one BLAS thread each
