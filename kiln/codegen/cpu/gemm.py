@@ -213,7 +213,8 @@ class GemmEmitter:
         zl.end()
         fn.br(done)
         fn.start_block(done)
-        self._epilogue(fn, c_ptr, n, bi, i0, rows, const("i64", 0), n, m, n)
+        if not (direct_c and isinstance(g.epilogue, Acc)):  # BLAS wrote the result in place
+            self._epilogue(fn, c_ptr, n, bi, i0, rows, const("i64", 0), n, m, n)
         loop.end([bi])
         for t in (tmp_a, tmp_b, tmp_c):
             if t is not None:
