@@ -22,13 +22,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
 import kiln as kn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import timings, write_section  # noqa: E402
+from report import write_section  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu.md")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,31 +63,71 @@ def rows(quick: bool):
            (r(64, 32, 16), r(64, 32, 16)), 2 * 64 * 32 * 32 * 16)
 
 
+def round_robin(fns: dict, repeat: int, warmup: int = 2) -> dict:
+    """{name: (median, minimum) seconds}: each repetition calls every fn once, one after
+    the other, so a shared machine's load falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (float(np.median(t)), float(np.min(t))) for name, t in times.items()}
+
+
+def with_threads(fn, kiln_threads: int | None = None, blas_threads: int | None = None, torch_threads=None):
+    """fn run with kiln's, numpy's OpenBLAS's or torch's thread count set for the call."""
+    from kiln.runtime.threads import blas_num_threads, set_blas_num_threads
+
+    def run():
+        saved_kiln, saved_blas = kn.get_num_threads(), blas_num_threads()
+        if kiln_threads is not None:
+            kn.set_num_threads(kiln_threads)
+        if blas_threads is not None:
+            set_blas_num_threads(blas_threads)
+        if torch_threads is not None:
+            torch_threads[0].set_num_threads(torch_threads[1])
+        try:
+            return fn()
+        finally:
+            if kiln_threads is not None:
+                kn.set_num_threads(saved_kiln)
+            if blas_threads is not None and saved_blas is not None:
+                set_blas_num_threads(saved_blas)
+    return run
+
+
 def measure_rows(quick: bool, peers: bool) -> list[dict]:
-    repeat = 5 if quick else 11
+    """Every implementation of a row round-robin in one process: kiln with its default
+    threads and with one, numpy's OpenBLAS with its default threads and with one, torch
+    with 1 and all threads, torch.compile, jax.jit."""
+    repeat = 5 if quick else 15
+    cores = os.cpu_count() or 1
     out = []
     for label, kfn, npfn, tfn, args, flops in rows(quick):
         small = flops < 1e8
-        rep = repeat * (20 if small else 1)
-        row = {"workload": label, "flops": flops}
         f = kn.compile(kfn)
         targs = [kn.tensor(a) for a in args]
-        row["kiln"] = timings(lambda: f(*targs), rep, warmup=2)
-        row["bare BLAS"] = timings(lambda: npfn(*args), rep, warmup=2)
+        fns = {"kiln": lambda: f(*targs), "kiln 1t": with_threads(lambda: f(*targs), kiln_threads=1),
+               "bare BLAS": lambda: npfn(*args), "bare BLAS 1t": with_threads(lambda: npfn(*args), blas_threads=1)}
         if peers:
             try:
                 import torch
 
                 tt = [torch.tensor(a) for a in args]
-                for threads in sorted({1, os.cpu_count() or 1}):
-                    torch.set_num_threads(threads)
+
+                def tcall(fn=tfn, xs=tt):
                     with torch.no_grad():
-                        row[f"torch {threads}t"] = timings(lambda: tfn(torch, *tt), rep, warmup=2)
-                torch.set_num_threads(os.cpu_count() or 1)
+                        return fn(torch, *xs)
+                for threads in sorted({1, cores}):
+                    fns[f"torch {threads}t"] = with_threads(tcall, torch_threads=(torch, threads))
                 if not small:
                     tc = torch.compile(lambda *xs: tfn(torch, *xs))
-                    with torch.no_grad():
-                        row["torch.compile"] = timings(lambda: tc(*tt), rep, warmup=2)
+                    fns["torch.compile"] = with_threads(lambda: tcall(lambda _t, *xs: tc(*xs)),
+                                                        torch_threads=(torch, cores))
             except ImportError:
                 pass
             try:
@@ -95,11 +136,14 @@ def measure_rows(quick: bool, peers: bool) -> list[dict]:
 
                 jf = jax.jit(lambda *xs: kfn_jax(label, jnp, *xs))
                 ja = [jnp.asarray(a) for a in args]
-                row["jax.jit"] = timings(lambda: jax.block_until_ready(jf(*ja)), rep, warmup=2)
+                fns["jax.jit"] = lambda: jax.block_until_ready(jf(*ja))
             except ImportError:
                 pass
+        load = os.getloadavg()[0]
+        row = {"workload": label, "flops": flops, "load": load}
+        row.update(round_robin(fns, repeat * (20 if small else 1)))
         out.append(row)
-        print(json.dumps({k: v for k, v in row.items()}), flush=True)
+        print(json.dumps(row), flush=True)
     return out
 
 
@@ -138,51 +182,98 @@ def micro_rows() -> list[tuple]:
                        (m * k, k, 1), (k * n, n, 1), Acc(dt.float32))
         arrays = [rng.standard_normal((b, m, k)).astype(np.float32),
                   rng.standard_normal((b, k, n)).astype(np.float32), np.zeros((b, m, n), np.float32)]
-        res = {}
-        for kind in ("blas", "micro"):
-            ck = be._compile_plans([be._plan(g, set(), kind)])[0]
-            res[kind] = timings(lambda: ck(arrays, {}), 200, warmup=5)
+        fns = {kind: (lambda ck=be._compile_plans([be._plan(g, set(), kind)])[0]: ck(arrays, {}))
+               for kind in ("blas", "micro")}
+        fns["np.matmul"] = lambda: np.matmul(arrays[0], arrays[1])
         with blas_single_thread():
-            res["np.matmul"] = timings(lambda: np.matmul(arrays[0], arrays[1]), 200, warmup=5)
+            res = round_robin(fns, 200, warmup=5)
         out.append(((b, m, n, k), 2 * b * m * n * k, res))
     return out
 
 
-def blas_libraries() -> list[tuple]:
-    """sgemm of each loadable CBLAS (numpy's OpenBLAS, scipy-openblas64 if installed)."""
+LIB_SHAPES = [(2048, 2048, 2048, False), (512, 1024, 1024, False), (1024, 1024, 512, True),
+              (128, 128, 128, False), (32, 64, 256, False)]
+
+
+def _openblas_sgemm(path: str):
+    """(sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc), version,
+    set_num_threads) of a scipy-openblas build (64-bit ints, `scipy_` symbol prefix)."""
     import ctypes
 
+    lib = ctypes.CDLL(path)
+    cfg = lib.scipy_openblas_get_config64_
+    cfg.restype = ctypes.c_char_p
+    f = lib.scipy_cblas_sgemm64_
+    f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_int64] * 3 + [
+        ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+        ctypes.c_void_p, ctypes.c_int64]
+    return f, cfg().decode().split()[1], lib.scipy_openblas_set_num_threads64_
+
+
+def _mkl_sgemm(path: str):
+    """The same for Intel MKL's single dynamic library, sequential threading layer."""
+    import ctypes
+
+    lib = ctypes.CDLL(path)
+    lib.MKL_Set_Threading_Layer(1)  # MKL_THREADING_SEQUENTIAL
+    lib.MKL_Set_Interface_Layer(0)  # LP64
+    f = lib.cblas_sgemm
+    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    buf = ctypes.create_string_buffer(256)
+    lib.mkl_get_version_string(buf, 256)
+    version = buf.value.decode().split("Version ")[-1].split("-")[0].strip()
+    return f, version, None
+
+
+def blas_libraries() -> list[tuple]:
+    """One-thread sgemm of each CBLAS this machine can load, round-robin per shape:
+    numpy's bundled OpenBLAS, scipy-openblas64 and Intel MKL (the `mkl` wheel's
+    libmkl_rt, found in this environment or named by KILN_BENCH_MKL) where installed,
+    and torch (1 thread, its bundled MKL/oneDNN) for reference. kiln calls BLAS with one
+    thread per pool thread, so this is the figure that decides."""
     from kiln.codegen.cpu.jit import find_openblas
 
-    found = {"numpy's bundled OpenBLAS": find_openblas()}
+    libs = {"numpy's bundled OpenBLAS": _openblas_sgemm(find_openblas())}
     try:
         import scipy_openblas64
 
-        found["scipy-openblas64 (PyPI)"] = glob.glob(os.path.join(scipy_openblas64.get_lib_dir(),
-                                                                "libscipy_openblas64_*.so"))[0]
+        libs["scipy-openblas64 (PyPI)"] = _openblas_sgemm(glob.glob(os.path.join(
+            scipy_openblas64.get_lib_dir(), "libscipy_openblas64_*.so"))[0])
     except (ImportError, IndexError):
         pass
-    out = []
+    mkl = os.environ.get("KILN_BENCH_MKL") or next(iter(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*"))),
+                                                    None)
+    if mkl:
+        libs["Intel MKL (PyPI `mkl`)"] = _mkl_sgemm(mkl)
+    for _, _, set_threads in libs.values():
+        if set_threads is not None:
+            set_threads(1)
     rng = np.random.default_rng(2)
-    for name, path in found.items():
-        lib = ctypes.CDLL(path)
-        cfg = lib.scipy_openblas_get_config64_
-        cfg.restype = ctypes.c_char_p
-        f = lib.scipy_cblas_sgemm64_
-        f.argtypes = [ctypes.c_int] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_void_p,
-                                                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                                                  ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
-        setn = lib.scipy_openblas_set_num_threads64_
-        res = {}
-        for m, n, k, th in [(2048, 2048, 2048, os.cpu_count() or 1), (512, 4096, 1024, os.cpu_count() or 1),
-                            (128, 128, 128, 1)]:
-            setn(th)
-            a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
-            c = np.zeros((m, n), np.float32)
-            res[(m, n, k, th)] = timings(lambda: f(101, 111, 111, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data,
-                                                   n, 0.0, c.ctypes.data, n), 7 if m > 1000 else 200, warmup=1)
-        out.append((name, cfg().decode().split()[1], res))
-    return out
+    res: dict = {name: {} for name in libs}
+    versions = {name: v for name, (_, v, _) in libs.items()}
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        res["torch 1t (reference)"] = {}
+        versions["torch 1t (reference)"] = torch.__version__
+    except ImportError:
+        torch = None
+    for m, n, k, trans_a in LIB_SHAPES:
+        a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        c = np.zeros((m, n), np.float32)
+        ta, lda = (112, m) if trans_a else (111, k)
+        fns = {name: (lambda f=f: f(101, ta, 111, m, n, k, 1.0, a.ctypes.data, lda, b.ctypes.data, n, 0.0,
+                                    c.ctypes.data, n)) for name, (f, _, _) in libs.items()}
+        if torch is not None:
+            tta, tb, tc = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c.copy())
+            fns["torch 1t (reference)"] = lambda: torch.mm(tta.T if trans_a else tta, tb, out=tc)
+        got = round_robin(fns, 5 if m * n * k > 1e9 else (15 if m * n * k > 1e7 else 300), warmup=1)
+        for name, t in got.items():
+            res[name][(m, n, k, trans_a)] = t
+    return [(name, versions[name], res[name]) for name in res]
 
 
 COMPILE_SNIPPET = """
@@ -240,17 +331,30 @@ def render(args, table, micro, libs, compile_t, load0) -> str:
              f"- machine: {os.cpu_count()} cores, {cpu} (lscpu model name); load average "
              f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (a shared machine)",
              f"- date: {datetime.date.today().isoformat()}; numpy {np.__version__}", "",
-             "Milliseconds, median (minimum) over the same repeats, one process, kiln first. "
-             "`bare BLAS` is numpy's OpenBLAS doing the products alone (no bias, no activation); "
-             "the ratios use minimums (what a shared machine disturbs least).", "",
-             "| workload | kiln | bare BLAS | " + " | ".join(peers) + " | BLAS / kiln | best peer / kiln |",
-             "|---" * (len(peers) + 5) + "|"]
+             "Milliseconds, median (minimum) over the same repeats, one process, every "
+             "implementation called once per round (round-robin), so the machine's load falls on "
+             "all alike. `kiln` and `bare BLAS` run with their default threads (kiln: its pool of "
+             f"{kn.get_num_threads()}, large products split in row panels, one BLAS thread each; numpy: "
+             "OpenBLAS's own threads), `1t` with one. `bare BLAS` is numpy's OpenBLAS doing the "
+             "products alone (no bias, no activation). Ratios: minimum (median); above 1 kiln is "
+             "faster. `best peer` is the fastest torch/jax variant against kiln's faster variant.", "",
+             "| workload | load | kiln | kiln 1t | bare BLAS | bare BLAS 1t | " + " | ".join(peers)
+             + " | BLAS / kiln | BLAS 1t / kiln 1t | best peer / kiln |",
+             "|---" * (len(peers) + 9) + "|"]
+
+    def ratio(num, den, i):
+        return num[i] / den[i]
+
     for r in table:
-        best = min((r[p][1] for p in peers if p in r), default=None)
-        lines.append(f"| {r['workload']} | {fmt(r['kiln'])} | {fmt(r['bare BLAS'])} | "
-                     + " | ".join(fmt(r[p]) if p in r else "—" for p in peers)
-                     + f" | {r['bare BLAS'][1] / r['kiln'][1]:.2f}x | "
-                     + (f"{best / r['kiln'][1]:.2f}x" if best else "—") + " |")
+        kbest = min((r["kiln"], r["kiln 1t"]), key=lambda t: t[1])
+        have = [r[p] for p in peers if p in r]
+        best = (min(t[0] for t in have), min(t[1] for t in have)) if have else None
+        cells = [f"{ratio(r['bare BLAS'], r['kiln'], 1):.2f}x ({ratio(r['bare BLAS'], r['kiln'], 0):.2f}x)",
+                 f"{ratio(r['bare BLAS 1t'], r['kiln 1t'], 1):.2f}x ({ratio(r['bare BLAS 1t'], r['kiln 1t'], 0):.2f}x)",
+                 f"{ratio(best, kbest, 1):.2f}x ({ratio(best, kbest, 0):.2f}x)" if best else "—"]
+        lines.append(f"| {r['workload']} | {r['load']:.1f} | " + " | ".join(
+            fmt(r[c]) for c in ("kiln", "kiln 1t", "bare BLAS", "bare BLAS 1t"))
+            + " | " + " | ".join(fmt(r[p]) if p in r else "—" for p in peers) + " | " + " | ".join(cells) + " |")
     lines += ["", "Small and batched products, one thread: kiln's BLAS path, kiln's micro-kernel "
               "(forced) and np.matmul; microseconds, median (minimum), GFLOP/s at the minimum.", "",
               "| batch x m x n x k | kiln BLAS path | kiln micro-kernel | np.matmul | micro / BLAS path |",
@@ -260,12 +364,15 @@ def render(args, table, micro, libs, compile_t, load0) -> str:
                  for k in ("blas", "micro", "np.matmul")]
         lines.append(f"| {' x '.join(map(str, shape))} | " + " | ".join(cells)
                      + f" | {res['blas'][1] / res['micro'][1]:.2f}x |")
-    lines += ["", "BLAS libraries (cblas_sgemm through ctypes, row-major NoTrans), milliseconds, "
-              "median (minimum):", "", "| library | version | " + " | ".join(
-                  f"{m}x{n}x{k}, {t} thr." for m, n, k, t in libs[0][2]) + " |",
-              "|---" * (2 + len(libs[0][2])) + "|"]
+    lines += ["", "BLAS libraries, one thread (cblas_sgemm through ctypes, row-major; `T` = A "
+              "transposed), round-robin per shape; milliseconds, median (minimum):", "",
+              "| library | version | " + " | ".join(
+                  f"{m}x{n}x{k}{' T' if t else ''}" for m, n, k, t in LIB_SHAPES) + " |",
+              "|---" * (2 + len(LIB_SHAPES)) + "|"]
     for name, version, res in libs:
         lines.append(f"| {name} | {version} | " + " | ".join(fmt(v) for v in res.values()) + " |")
+    if not compile_t:
+        return "\n".join(lines) + "\n"
     lines += ["", "Small GPT training step (bench_train.py's GPT row): first call (trace + passes "
               "+ LLVM + first step) in a fresh process, seconds; cold = empty caches, warm = the "
               "cold run's disk cache.", "",
@@ -286,12 +393,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results file ('' to only print)")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="skip the GPT compile-time rows")
     args = parser.parse_args()
     load0 = os.getloadavg()[0]
     table = measure_rows(args.quick, not args.no_peers)
     micro = micro_rows()
     libs = blas_libraries()
-    compile_t = compile_times()
+    compile_t = {} if args.no_compile else compile_times()
     text = render(args, table, micro, libs, compile_t, load0)
     print(text)
     if args.out:

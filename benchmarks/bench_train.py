@@ -13,8 +13,10 @@ torch.compile compiles the model (forward and, through AOTAutograd, backward) an
 the optimizer eager, the usual recipe. The GPT is examples/nanogpt/model.py, run by torch from the same text
 with its three import lines changed back (as tests/test_examples_nanogpt.py does).
 Peers are optional (`pip install torch==2.13.0`).
-Every number is a median over repeated steps after warm-up, each implementation in its
-own process; first-call times include tracing and compiling with empty caches.
+Each implementation runs in its own process (their thread pools would fight in one); after
+set-up they are timed round-robin, a few steps of each in turn for 10 rounds, so the
+machine's load falls on all alike; medians and minimums over the same rounds. First-call
+times include tracing and compiling with empty caches.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from kiln import nn, optim
 from kiln.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import timings, write_section  # noqa: E402
+from report import write_section  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu.md")
 
@@ -124,9 +126,9 @@ def kiln_step_fn(model, opt):
     return step
 
 
-def measure_kiln(model, x, y, repeat, eager_repeat):
-    """(compiled (median, min) s/step, first call s, eager (median, min) s/step, max rel.
-    diff of the parameters compiled vs eager)."""
+def setup_kiln(model, x, y):
+    """(compiled step, eager step, first call s, max rel. diff of the parameters compiled
+    vs eager after three steps from the same start)."""
     opt = optim.AdamW(lr=1e-3, weight_decay=0.1 if not isinstance(model, MLP) else 1e-2)
     step = kiln_step_fn(model, opt)
     compiled = kn.compile(step)
@@ -151,12 +153,11 @@ def measure_kiln(model, x, y, repeat, eager_repeat):
     def run_eager():
         carry[0], carry[1], _ = step(carry[0], carry[1], x, y, keys[0])
 
-    return (timings(run_compiled, repeat, warmup=3), first,
-            timings(run_eager, eager_repeat, warmup=1), diff)
+    return run_compiled, run_eager, first, diff
 
 
-def measure_torch(model, x, y, repeat, use_compile):
-    """((median, min) s/step, first call s) of torch eager, or of torch.compile(model)."""
+def setup_torch(model, x, y, use_compile):
+    """(one torch step, first call s) of torch eager, or of torch.compile(model)."""
     import torch
 
     gpt = not isinstance(model, MLP)
@@ -182,7 +183,7 @@ def measure_torch(model, x, y, repeat, use_compile):
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
-    return timings(step, repeat, warmup=3), first
+    return step, first
 
 
 def _dims(model):
@@ -196,8 +197,12 @@ def fresh_caches() -> None:
         os.environ[var] = os.path.join(root, var.lower())
 
 
-def run_worker(impl: str, index: int, quick: bool) -> dict:
-    """One implementation on one workload, in this process (see `measure`)."""
+def serve(impl: str, index: int, quick: bool) -> None:
+    """A worker process holding one implementation of one workload: it sets up (first
+    call timed), then answers `run N` on stdin with N step times (JSON, one line) and
+    `eager N` with N kiln eager step times, until `quit`."""
+    import json
+
     label, batch, d_in, hidden, d_out = list(workloads(quick))[index]
     if d_in is None:  # the GPT: token ids in, next-token ids as targets
         kn.manual_seed(0)
@@ -210,34 +215,101 @@ def run_worker(impl: str, index: int, quick: bool) -> dict:
         model = MLP(d_in, hidden, d_out, p=0.1)
         x = kn.randn(batch, d_in, seed=1)
         y = kn.randn(batch, d_out, seed=2)
-    repeat, eager_repeat = (10, 2) if quick else (30, 5)
+    info: dict = {}
+    eager = None
     if impl == "kiln":
-        compiled, first, eager, diff = measure_kiln(model, x, y, repeat, eager_repeat)
-        return {"kiln compiled": compiled[0], "kiln compiled min": compiled[1],
-                "kiln first call": first, "kiln eager": eager[0], "kiln eager min": eager[1],
-                "rel diff": diff}
-    import torch
+        step, eager, info["first call"], info["rel diff"] = setup_kiln(model, x, y)
+    else:
+        import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    if impl == "torch":
-        (med, low), _ = measure_torch(model, x, y, repeat, use_compile=False)
-        return {"torch eager": med, "torch eager min": low}
-    (med, low), first = measure_torch(model, x, y, repeat, use_compile=True)
-    return {"torch.compile": med, "torch.compile min": low, "torch.compile first call": first}
+        torch.set_num_threads(os.cpu_count() or 1)
+        step, info["first call"] = setup_torch(model, x, y, use_compile=impl == "torch.compile")
+    for _ in range(3):
+        step()
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        cmd, _, count = line.strip().partition(" ")
+        if cmd == "quit":
+            return
+        fn = eager if cmd == "eager" else step
+        times = []
+        for _ in range(int(count or 1)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        print(json.dumps(times), flush=True)
 
 
-def measure(impl: str, index: int, quick: bool) -> dict:
-    """Run one implementation in a fresh process: kiln's and torch's thread pools spin
-    after their work, and on a small machine one would slow the other down."""
-    import json
-    import subprocess
+class Worker:
+    """One `serve` process; `ask(line)` sends a command and reads its JSON answer."""
 
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--index", str(index)]
-    done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
-        return {f"{impl} error": last[:80]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    def __init__(self, impl: str, index: int, quick: bool):
+        import subprocess
+
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--index", str(index)]
+        self.impl = impl
+        self.proc = subprocess.Popen(cmd + (["--quick"] if quick else []), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.info = self._read()
+
+    def _read(self):
+        import json
+
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read().strip().splitlines() or ["failed"]
+            raise RuntimeError(f"{self.impl}: {err[-1][:80]}")
+        return json.loads(line)
+
+    def ask(self, line: str):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except (OSError, ValueError, Exception):
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
+
+PAUSE_S = 0.2  # between implementations: OpenBLAS's and OpenMP's threads spin a while after work
+
+
+def measure(impls: list[str], index: int, quick: bool) -> dict:
+    """Every implementation in its own process (their thread pools would fight in one),
+    set up one after the other, then timed round-robin: each round runs a few steps of
+    each in turn, so the machine's load falls on all of them alike."""
+    row: dict = {}
+    workers = []
+    try:
+        for impl in impls:
+            try:
+                workers.append(Worker(impl, index, quick))
+            except RuntimeError as exc:
+                row[f"{impl} error"] = str(exc)
+        rounds, per_round = (4, 3) if quick else (10, 3)
+        times: dict = {w.impl: [] for w in workers}
+        for _ in range(rounds):
+            for w in workers:
+                time.sleep(PAUSE_S)
+                times[w.impl] += w.ask(f"run {per_round}")
+        for w in workers:
+            for key, value in w.info.items():
+                row[f"{w.impl} {key}" if key != "rel diff" else key] = value
+            name = {"kiln": "kiln compiled", "torch": "torch eager"}.get(w.impl, w.impl)
+            row[name] = float(np.median(times[w.impl]))
+            row[f"{name} min"] = float(np.min(times[w.impl]))
+            if w.impl == "kiln":
+                eager = w.ask(f"eager {2 if quick else 5}")
+                row["kiln eager"], row["kiln eager min"] = float(np.median(eager)), float(np.min(eager))
+    finally:
+        for w in workers:
+            w.close()
+    return row
 
 
 def main() -> int:
@@ -252,9 +324,7 @@ def main() -> int:
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        import json
-
-        print(json.dumps(run_worker(args.worker, args.index, args.quick)))
+        serve(args.worker, args.index, args.quick)
         return 0
     impls = ["kiln"]
     if not args.no_peers:
@@ -271,8 +341,8 @@ def main() -> int:
         row = {"workload": label,
                "flops": gpt_flops(batch) if d_in is None else
                3 * 2 * batch * (d_in * hidden + hidden * hidden + hidden * d_out)}
-        for impl in impls:
-            row.update(measure(impl, index, args.quick))
+        row["load"] = os.getloadavg()[0]
+        row.update(measure(impls, index, args.quick))
         rows.append(row)
         print(render_row(row), flush=True)
     table = render(rows, args)
@@ -294,13 +364,15 @@ def render(rows, args) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
     load = os.getloadavg()
+    row_loads = ", ".join(f"{r['load']:.1f}" for r in rows if "load" in r)
     versions = f"numpy {np.__version__}" + "".join(
         f", {m} {sys.modules[m].__version__}" for m in ("torch",) if m in sys.modules)
     lines = [
         "## Training step: kiln.compile vs kiln eager, torch eager and torch.compile (bench_train.py)",
         "",
         f"- command: `.venv/bin/python benchmarks/bench_train.py{' --quick' if args.quick else ''}`",
-        f"- machine: {os.cpu_count()} cores, {cpu}; load average at the end {load[0]:.2f}",
+        f"- machine: {os.cpu_count()} cores, {cpu}; load average before each row {row_loads}, "
+        f"at the end {load[0]:.2f}",
         f"- date: {datetime.date.today().isoformat()}; {versions}",
         "- step: forward (Linear, GELU, LayerNorm, Dropout 0.1, Linear, GELU, LayerNorm, Linear) "
         "+ MSE + backward + AdamW; kiln: `kn.compile` of `value_and_grad` + `AdamW.update` "
@@ -309,7 +381,7 @@ def render(rows, args) -> str:
         f"- GPT: examples/nanogpt/model.py with {GPT}, batch {GPT_BATCH}, cross-entropy, "
         "AdamW(lr=1e-3, weight_decay=0.1) on every parameter; the same steps otherwise",
         "",
-        "Median milliseconds per step (lower is better).",
+        "Median milliseconds per step (lower is better), implementations timed round-robin.",
         "",
         "| workload | " + " | ".join(COLS) + " | kiln compiled GFLOP/s | eager / compiled "
         "| best torch / kiln | compiled vs eager (params after 3 steps) |",
