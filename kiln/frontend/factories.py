@@ -72,12 +72,12 @@ def from_numpy(array: np.ndarray):
     return asarray(array)
 
 
-def from_dlpack(obj):
-    """Import a DLPack producer (numpy, torch, jax, cupy on host memory) without copying;
-    kiln/runtime/dlpack.py says what is shared."""
+def from_dlpack(obj, *, device=None, copy=None):
+    """Import a DLPack producer (numpy, torch, jax, cupy; host or CUDA memory) without
+    copying where kiln can share it; kiln/runtime/dlpack.py says what is shared."""
     from kiln.runtime.dlpack import from_dlpack as _from_dlpack
 
-    return _from_dlpack(obj)
+    return _from_dlpack(obj, device=device, copy=copy)
 
 
 def _shape(op: str, size) -> tuple:
