@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -228,9 +229,11 @@ class CompiledFunction:
                     hint="declare the changing dims dynamic with ShapeVar (dynamic_shapes=) or "
                          "raise recompile_limit")
             return None
-        from kiln.report.trace import recorder_for
+        recorder = None  # unless tracing for `kiln report` (kiln.report imports networkx:
+        if self.trace_dir or os.environ.get("KILN_TRACE_DIR"):  # ~0.2 s, only when asked)
+            from kiln.report.trace import recorder_for
 
-        recorder = recorder_for(self)  # None unless tracing for `kiln report`
+            recorder = recorder_for(self)
         self._newly_dynamic: list = []
         shapes, auto = self._shapes_for(args, key)
         try:

@@ -29,6 +29,16 @@ class CompiledGraph:
     stages: dict = field(default_factory=dict)
     stage_seconds: dict = field(default_factory=dict)  # per graph pass (kiln report)
 
+    def __getattr__(self, name: str):
+        # a program from the whole-program cache skipped the graph passes: its optimized
+        # graph and stage dumps are made when first asked for (kiln dump, kiln report)
+        redo = self.__dict__.get("_redo")
+        if name in ("optimized", "stages") and redo is not None:
+            self.optimized, self.stages = redo()
+            del self.__dict__["_redo"]
+            return self.__dict__[name]
+        raise AttributeError(name)
+
     def run(self, arrays: list) -> list:
         """Run on arrays from anywhere: dtypes, ranks and static dims are checked."""
         from kiln.ir.interpret import bind_shapes
@@ -100,17 +110,37 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
 
         pipeline.append("batch", batch_kernels)
         pipeline.append("batch_updates", batch_updates)  # the optimizer's updates: one launch
-    stages: dict = {}
-    optimized = pipeline.run(graph, dump=stages)
-    seconds = {r.name: r.seconds for r in pipeline.records}
-    program = build_program(optimized)  # regions were optimized and fused with the graph
-    if not build:
-        return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
-    names = list(program.kernels)
-    from kiln.progress import working  # a bar on a terminal when the build takes a while
+    from kiln.frontend import program_cache
 
-    with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
-        compiled = compile_kernels(target, [program.kernels[n] for n in names], mode)
+    key = program_cache.program_key(graph, target, mode) \
+        if build and program_cache.enabled(target, mode, device) else None
+    cached = program_cache.load(key) if key is not None else None
+    compiled = None
+    if cached is not None:  # a hit: no graph passes, no lowering, no per-kernel keys
+        program, names, blob = cached
+        compiled = program_cache.load_kernels(target, program, names, blob)
+    if compiled is not None:
+        optimized = stages = None
+        seconds: dict = {}
+    else:
+        stages = {}
+        optimized = pipeline.run(graph, dump=stages)
+        seconds = {r.name: r.seconds for r in pipeline.records}
+        program = build_program(optimized)  # regions were optimized and fused with the graph
+        if not build:
+            return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
+        names = list(program.kernels)
+        from kiln.progress import working  # a bar on a terminal when the build takes a while
+
+        kernels = [program.kernels[n] for n in names]
+        text = program_cache.encode(program) if key is not None else None
+        with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
+            if text is None:  # per-kernel-set object cache (fingerprints of every kernel)
+                compiled = compile_kernels(target, kernels, mode)
+            else:  # the program's entry holds its machine code: one entry, no fingerprints
+                blob = target.object_code(kernels)
+                compiled = target.load_object_code(kernels, blob)
+                program_cache.store(key, text, names, blob)
     allocator = target.runtime_allocator()  # None: host memory; opencl: the device's SVM
     if device is not None:
         from kiln.runtime.device_programs import runtime_allocator
@@ -118,4 +148,12 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
         allocator = runtime_allocator(device)
     executable = Executable(program, dict(zip(names, compiled)), allocator=allocator,
                             externs=template_externs(target), device=device)
-    return CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
+    result = CompiledGraph(graph, optimized, program, executable, make_binder(graph), stages, seconds)
+    if optimized is None:
+        def redo():
+            done: dict = {}
+            return pipeline.run(graph, dump=done), done
+
+        result._redo = redo
+        del result.optimized, result.stages
+    return result

@@ -1,0 +1,159 @@
+"""The whole-program compile cache: a traced graph's lowered program and machine code in
+ONE on-disk entry, so a new process compiling the same function skips the graph passes,
+fusion, lowering, per-kernel cache keys and LLVM.
+
+Key: kiln's version, a hash of the source of every stage that turns a traced graph into
+code (kiln/ir, kiln/passes, kiln/codegen, the Program and memory plan, this file and
+graph_compile.py), the
+backend and its options (`cache_key()`), the host CPU, the compile mode, and the traced
+graph itself: its canonical text (`print_graph`: values named by position, attributes
+sorted, regions and shape-variable constraints included) and every constant's dtype,
+shape and bytes. The traced graph determines the program (kn.compile's guards decide
+which graph a call traces to), so an equal key means an equal program.
+
+Entry (kind "programs" of kiln/codegen/artifact_cache.py, sealed with the cache's HMAC
+key like every entry): `u64 length | JSON | object code`. The JSON is the program in the
+data-only format of kiln/codegen/program_codec.py (no pickle, no eval) and the kernel
+names in build order; the object code is the backend's relocatable ELF, checked by
+cache_elf before the loader sees it. Any entry that fails its tag, its structure, its
+decoding or its loading is removed and rebuilt: it fails closed.
+
+`STATS` counts what this process's cache did (tests read it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pathlib
+
+from kiln.errors import KilnError
+
+KIND = "programs"
+STATS = {"hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "uncacheable": 0}
+# the code that decides what a traced graph compiles to (the executor is rebuilt from the
+# program at every load, so the rest of kiln/runtime is not part of the key)
+_SOURCE_DIRS = ("ir", "passes", "codegen")
+_SOURCE_FILES = ("runtime/program.py", "runtime/memory_plan.py", "frontend/graph_compile.py",
+                 "frontend/kernel_cache.py", "frontend/program_cache.py")
+
+
+def enabled(target, mode: str, device) -> bool:
+    """Whether a compile may use the whole-program cache: host programs of a backend
+    that caches object code, default mode (max-autotune measures on this machine), and
+    not turned off with KILN_PROGRAM_CACHE=0."""
+    return (device is None and mode == "default" and getattr(target, "caches_object_code", False)
+            and os.environ.get("KILN_PROGRAM_CACHE", "1") != "0")
+
+
+def program_key(graph, target, mode: str) -> str | None:
+    """The cache key of compiling `graph` for `target`; None when the graph has no
+    canonical text (an attribute the printer cannot write)."""
+    from kiln._version import __version__
+    from kiln.codegen import artifact_cache
+    from kiln.frontend.kernel_cache import _host_cpu
+    from kiln.ir.printer import print_graph
+
+    try:
+        text = print_graph(graph)
+    except (TypeError, ValueError, KeyError):
+        return None
+    consts = hashlib.sha256()
+    for name in sorted(graph.constants):
+        array = graph.constants[name]
+        consts.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        consts.update(array.tobytes())
+    return artifact_cache.content_key(__version__, source_hash(), *target.cache_key(), _host_cpu(),
+                                      mode, text, consts.hexdigest())
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 of the source of every stage between a traced graph and machine code: a
+    change to a pass or a lowering rule must invalidate cached programs."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    paths = sorted(p for d in _SOURCE_DIRS for p in (root / d).rglob("*.py"))
+    h = hashlib.sha256()
+    for path in paths + [root / f for f in _SOURCE_FILES]:
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def load(key: str):
+    """(program, kernel names, compiled kernels) from the entry under `key`, or None
+    (absent, refused, or not loadable: a refused entry is removed, the caller rebuilds)."""
+    from kiln.codegen import artifact_cache
+    from kiln.codegen.program_codec import CodecError, decode_program
+
+    decoded: dict = {}
+
+    def validate(payload: bytes) -> None:  # raises ValueError: the entry is refused
+        if len(payload) < 8:
+            raise ValueError("short entry")
+        n = int.from_bytes(payload[:8], "little")
+        if n > len(payload) - 8:
+            raise ValueError("bad length")
+        try:
+            head = json.loads(payload[8:8 + n])
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError("bad header") from None
+        if not isinstance(head, dict) or not isinstance(head.get("names"), list) \
+                or not isinstance(head.get("program"), str):
+            raise ValueError("bad header")
+        program = decode_program(head["program"])  # CodecError is a ValueError
+        names = head["names"]
+        if not all(isinstance(n, str) and n in program.kernels for n in names) \
+                or set(names) != set(program.kernels):
+            raise CodecError("kernel names do not match the program")
+        objects = payload[8 + n:]
+        artifact_cache.VALIDATORS["objects"](objects)
+        decoded.update(program=program, names=names, objects=objects)
+
+    before = artifact_cache.STATS["corrupt"]
+    payload = artifact_cache.load(key, KIND, validate=validate)
+    if payload is None:
+        STATS["misses"] += 1
+        if artifact_cache.STATS["corrupt"] > before:
+            STATS["corrupt"] += 1
+        return None
+    STATS["hits"] += 1
+    return decoded["program"], decoded["names"], decoded["objects"]
+
+
+def encode(program) -> str | None:
+    """The program in the cache's format, or None when it holds a value the format
+    cannot hold or that does not come back equal (it is then simply not cached)."""
+    from kiln.codegen.program_codec import CodecError, decode_program, encode_program, same_program
+
+    try:
+        text = encode_program(program)
+        # the format must give back exactly this program: check before anyone relies on it
+        if not same_program(decode_program(text), program):
+            raise CodecError("program codec: the program does not round-trip")
+    except (CodecError, RecursionError, ValueError, TypeError):
+        STATS["uncacheable"] += 1
+        return None
+    return text
+
+
+def store(key: str, text: str, names: list, objects: bytes) -> bool:
+    """Write the entry (`text` from `encode`); False when the cache is disabled."""
+    from kiln.codegen import artifact_cache
+
+    head = json.dumps({"program": text, "names": list(names)}).encode()
+    ok = artifact_cache.store(key, len(head).to_bytes(8, "little") + head + objects, KIND)
+    STATS["stores"] += ok
+    return ok
+
+
+def load_kernels(target, program, names: list, objects: bytes):
+    """The compiled kernels of a cached program, or None when the object code does not
+    load (an entry from an incompatible build: the caller rebuilds and overwrites it)."""
+    try:
+        return target.load_object_code([program.kernels[n] for n in names], objects)
+    except (KilnError, OSError, RuntimeError, ValueError, KeyError):
+        STATS["corrupt"] += 1
+        return None

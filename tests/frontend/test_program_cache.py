@@ -1,0 +1,254 @@
+"""The whole-program compile cache (kiln/frontend/program_cache.py): a compile whose traced
+graph was compiled before loads the lowered program and its machine code from ONE entry
+and runs no graph pass, no lowering and no LLVM; any change to the graph, the options or
+kiln's version is a new entry; a damaged or planted entry is refused and rebuilt."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.codegen import artifact_cache, cache_trust
+from kiln.codegen.backends import get_backend
+from kiln.frontend import program_cache
+
+RNG = np.random.default_rng(7)
+X = RNG.standard_normal((6, 8)).astype(np.float32)
+W = RNG.standard_normal((8, 5)).astype(np.float32)
+
+
+def model(x, w):
+    """A GEMM with an epilogue, reductions, a softmax and a cond: Launch, Control and
+    sub-program steps, GEMM and loop kernels in one program."""
+    h = kn.gelu(x @ w + 1.5, approximate="tanh")
+    s = h.sum(dim=-1)
+    y = kn.cond(s.sum() > 0, lambda a: a * 2.0, lambda a: a - 1.0, s)
+    return kn.softmax(h, dim=-1), y
+
+
+def oracle(x, w, bias=1.5):
+    z = x @ w + bias
+    h = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    s = h.sum(-1)
+    e = np.exp(h - h.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True), (s * 2 if s.sum() > 0 else s - 1)
+
+
+def check(outputs, bias=1.5):
+    want = oracle(X, W, bias)
+    for got, ref in zip(outputs, want):
+        np.testing.assert_allclose(got.numpy(), ref, rtol=2e-5, atol=2e-5)
+
+
+class Counts:
+    """How often the work a cache hit must skip ran: graph pipelines, lowering, LLVM."""
+
+    def __init__(self, monkeypatch):
+        from kiln.codegen import build_program as bp
+        from kiln.codegen.cpu import jit
+        from kiln.passes import manager
+
+        self.n = {"pipeline": 0, "lower": 0, "llvm": 0}
+        for owner, name, label in ((manager.Pipeline, "run", "pipeline"), (bp, "build_program", "lower"),
+                                   (jit, "optimize", "llvm")):
+            monkeypatch.setattr(owner, name, self._counting(getattr(owner, name), label))
+
+    def _counting(self, fn, label):
+        def counted(*args, **kwargs):
+            self.n[label] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+@pytest.fixture
+def stats(monkeypatch):
+    for k in program_cache.STATS:
+        monkeypatch.setitem(program_cache.STATS, k, 0)
+    return program_cache.STATS
+
+
+def entry_path(tmp_cache=None):
+    root = artifact_cache.cache_dir()
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "programs"))
+               for f in fs if f.endswith(".bin")]
+    return path
+
+
+def test_hit_skips_passes_lowering_and_llvm(stats, monkeypatch):
+    check(kn.compile(model)(X, W))
+    assert stats["stores"] == 1 and stats["hits"] == 0
+    counts = Counts(monkeypatch)
+    again = kn.compile(model)  # a new compiled function: nothing in memory to reuse
+    check(again(X, W))
+    assert stats["hits"] == 1 and stats["stores"] == 1
+    assert counts.n == {"pipeline": 0, "lower": 0, "llvm": 0}
+    check(again(X, W))  # and it keeps running
+    # the optimized graph and stage dumps are made on demand, equal to a fresh compile's
+    cg = again.compiled_graphs()[0]
+    assert counts.n["pipeline"] == 0
+    text = str(cg.optimized)
+    assert counts.n["pipeline"] == 1 and "fused" in text and "decompose" in cg.stages
+
+
+def test_changed_graph_or_constant_is_a_new_entry(stats):
+    check(kn.compile(model)(X, W))
+
+    def other(x, w):  # the same text but for one constant
+        h = kn.gelu(x @ w + 2.5, approximate="tanh")
+        s = h.sum(dim=-1)
+        return kn.softmax(h, dim=-1), kn.cond(s.sum() > 0, lambda a: a * 2.0, lambda a: a - 1.0, s)
+
+    check(kn.compile(other)(X, W), bias=2.5)
+    assert stats["hits"] == 0 and stats["stores"] == 2
+
+
+def test_key_covers_graph_constants_options_version_and_source(monkeypatch):
+    graph = kn.trace(model, X, W)
+    cpu = get_backend("cpu")
+    key = program_cache.program_key(graph, cpu, "default")
+    assert key == program_cache.program_key(kn.trace(model, X, W), cpu, "default")
+    assert key != program_cache.program_key(graph, cpu, "max-autotune")
+    other = type(cpu)(type(cpu.options)(opt_level=2))
+    assert key != program_cache.program_key(graph, other, "default")
+    with_const = kn.trace(lambda x: x + kn.asarray(np.arange(3, dtype=np.float32)), X[0, :3])
+    if with_const.constants:  # constant data is hashed bit for bit, not only its name
+        name = next(iter(with_const.constants))
+        k1 = program_cache.program_key(with_const, cpu, "default")
+        with_const.constants[name] = with_const.constants[name] + 1
+        assert program_cache.program_key(with_const, cpu, "default") != k1
+    import kiln._version
+
+    monkeypatch.setattr(kiln._version, "__version__", "0.0.0-test")
+    assert key != program_cache.program_key(graph, cpu, "default")
+    monkeypatch.undo()
+    monkeypatch.setattr(program_cache, "source_hash", lambda: "another build")
+    assert key != program_cache.program_key(graph, cpu, "default")
+
+
+def test_new_version_recompiles(stats, monkeypatch):
+    check(kn.compile(model)(X, W))
+    import kiln._version
+
+    monkeypatch.setattr(kiln._version, "__version__", "0.0.0-test")
+    check(kn.compile(model)(X, W))
+    assert stats["hits"] == 0 and stats["stores"] == 2
+
+
+def seal_entry(path, payload: bytes) -> None:
+    """Write `payload` as kiln would (a valid tag): what a bug in kiln could leave."""
+    root = artifact_cache.cache_dir()
+    key = os.path.basename(path)[:-4]
+    with open(path, "wb") as f:
+        f.write(cache_trust.seal(cache_trust.secret_key(root), program_cache.KIND, key, payload))
+
+
+def read_entry(path):
+    root = artifact_cache.cache_dir()
+    key = os.path.basename(path)[:-4]
+    payload = cache_trust.unseal(cache_trust.secret_key(root), program_cache.KIND, key,
+                                 open(path, "rb").read())
+    n = int.from_bytes(payload[:8], "little")
+    return json.loads(payload[8:8 + n]), payload[8 + n:]
+
+
+def with_head(head: dict, objects: bytes) -> bytes:
+    data = json.dumps(head).encode()
+    return len(data).to_bytes(8, "little") + data + objects
+
+
+def spoil_truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 2])
+
+
+def spoil_planted(path):  # written by someone without the cache's key
+    open(path, "wb").write(cache_trust.MAGIC + os.urandom(32) + b"\x10" + b"\0" * 64)
+
+
+def spoil_not_json(path):
+    seal_entry(path, (12).to_bytes(8, "little") + b"not json at all" + b"\0" * 16)
+
+
+def spoil_foreign_class(path):  # a class name the format does not allow
+    head, objects = read_entry(path)
+    doc = json.loads(head["program"])
+    doc["nodes"][0] = ["c", "Popen", [["l", ["sh", "-c", "echo owned"]]]]
+    head["program"] = json.dumps(doc)
+    seal_entry(path, with_head(head, objects))
+
+
+def spoil_forward_reference(path):
+    head, objects = read_entry(path)
+    doc = json.loads(head["program"])
+    doc["nodes"][0] = ["f", "Add", [["n", len(doc["nodes"]) - 1], ["n", 0]]]
+    head["program"] = json.dumps(doc)
+    seal_entry(path, with_head(head, objects))
+
+
+def spoil_objects(path):  # valid program, machine code that is not an object file
+    head, objects = read_entry(path)
+    seal_entry(path, with_head(head, b"\x7fELF" + b"\xff" * (len(objects) - 4)))
+
+
+def spoil_names(path):  # kernel names that are not the program's
+    head, objects = read_entry(path)
+    head["names"] = head["names"][:-1] + ["kiln_nothing"]
+    seal_entry(path, with_head(head, objects))
+
+
+@pytest.mark.parametrize("spoil", [spoil_truncate, spoil_planted, spoil_not_json, spoil_foreign_class,
+                                   spoil_forward_reference, spoil_objects, spoil_names],
+                         ids=lambda f: f.__name__[6:])
+def test_bad_entry_is_refused_and_rebuilt(stats, monkeypatch, spoil):
+    check(kn.compile(model)(X, W))
+    path = entry_path()
+    spoil(path)
+    counts = Counts(monkeypatch)
+    check(kn.compile(model)(X, W))  # refused: compiled again from the graph, right answers
+    assert stats["hits"] == 0 and stats["corrupt"] == 1 and stats["stores"] == 2
+    assert counts.n["pipeline"] == 1 and counts.n["llvm"] == 1
+    check(kn.compile(model)(X, W))  # and the rebuilt entry is used
+    assert stats["hits"] == 1
+
+
+def test_disabled_by_environment(stats, monkeypatch):
+    monkeypatch.setenv("KILN_PROGRAM_CACHE", "0")
+    check(kn.compile(model)(X, W))
+    check(kn.compile(model)(X, W))
+    assert stats == {"hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "uncacheable": 0}
+
+
+WORKER = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import kiln as kn
+from kiln.frontend import program_cache
+from kiln.passes import manager
+from test_program_cache import X, W, model, oracle
+runs = []
+real = manager.Pipeline.run
+manager.Pipeline.run = lambda self, *a, **k: runs.append(1) or real(self, *a, **k)
+out = kn.compile(model)(X, W)
+ok = all(np.allclose(o.numpy(), r, rtol=2e-5, atol=2e-5) for o, r in zip(out, oracle(X, W)))
+print(json.dumps({{"ok": ok, "stats": program_cache.STATS, "pipelines": len(runs)}}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_new_process_loads_the_program(tmp_path):
+    env = dict(os.environ, KILN_CACHE_DIR=str(tmp_path / "cache"))
+    code = WORKER.format(tests=os.path.dirname(__file__))
+    results = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=150)
+        assert done.returncode == 0, done.stderr
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = results
+    assert first["ok"] and first["stats"]["stores"] == 1 and first["pipelines"] == 1
+    assert second["ok"] and second["stats"]["hits"] == 1 and second["pipelines"] == 0
