@@ -13,7 +13,9 @@ On the `cuda:0` device (CUDA managed memory through cuda-bindings, Triton kernel
 4. the caching allocator's statistics against `cuMemGetInfo` (reserved segments seen by
    the driver; `empty_cache` giving them back);
 5. DLPack with torch CUDA tensors: a kiln tensor read by torch without a copy (same
-   address), and what a torch CUDA tensor does in `kn.from_dlpack`.
+   address); a torch CUDA tensor in `kn.from_dlpack` (device memory: one device copy,
+   values checked; copy=False refused, K382); a cupy array in managed memory shared
+   (same address, a cupy write seen by kiln).
 
 Every row is guarded: a failure prints its error in the table and the rest still runs.
 Times are medians of wall-clock per call (each call ends with the device idle, as kiln's
@@ -206,13 +208,35 @@ def dlpack(torch, kn, np, table) -> str:
                      "yes" if same else "**no (copied)**", f"{'ok' if seen == 6.0 else '**FAIL**'} ({seen})"])
     except Exception as exc:
         rows.append(["kiln -> torch", f"not run: {_error(exc)}", "", ""])
-    try:
+    try:  # cudaMalloc memory: not host-visible, so copied once on the device
         t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
         k = kn.from_dlpack(t)
+        ok = np.array_equal(k.numpy(), t.cpu().numpy())
         rows.append(["torch cuda tensor -> kn.from_dlpack", str(k.device),
-                     "yes" if k.numpy().ctypes.data == t.data_ptr() else "no", ""])
-    except Exception as exc:  # K382: cudaMalloc memory is not host-visible
-        rows.append(["torch cuda tensor -> kn.from_dlpack", "refused", "", _error(exc)])
+                     "yes" if k.numpy().ctypes.data == t.data_ptr() else "no: one device copy "
+                     "(expected)", "values ok" if ok else "**WRONG values**"])
+        try:
+            kn.from_dlpack(t, copy=False)
+            rows.append(["torch cuda tensor -> kn.from_dlpack(copy=False)", "**not refused**", "", ""])
+        except Exception as exc:  # K382 expected
+            rows.append(["torch cuda tensor -> kn.from_dlpack(copy=False)", "refused", "",
+                         _error(exc)])
+    except Exception as exc:
+        rows.append(["torch cuda tensor -> kn.from_dlpack", "**FAILED**", "", _error(exc)])
+    try:  # managed memory (cupy's managed allocator): shared, no copy
+        import cupy as cp
+
+        with cp.cuda.using_allocator(cp.cuda.malloc_managed):
+            a = cp.arange(1 << 20, dtype=cp.float32)
+        k = kn.from_dlpack(a)
+        a *= 3  # written by cupy on the GPU, seen by kiln
+        cp.cuda.Device().synchronize()
+        seen = float(k.numpy()[2])
+        rows.append(["cupy managed array -> kn.from_dlpack", str(k.device),
+                     "yes" if k.numpy().ctypes.data == a.data.ptr else "**no (copied)**",
+                     f"{'ok' if seen == 6.0 else '**FAIL**'} ({seen})"])
+    except Exception as exc:
+        rows.append(["cupy managed array -> kn.from_dlpack", f"not run: {_error(exc)}", "", ""])
     return table(["direction", "device", "zero-copy (same address)", "write-through / error"], rows)
 
 

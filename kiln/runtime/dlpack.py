@@ -20,7 +20,7 @@ import numpy as np
 
 from kiln.errors import KilnDTypeError
 from kiln.ir import dtypes as dt
-from kiln.runtime.device import CPU, Device, kind_of
+from kiln.runtime.device import CPU, Device, copy_to, kind_of
 
 K_DLCPU, K_DLCUDA, K_DLCUDA_HOST, K_DLROCM, K_DLCUDA_MANAGED = 1, 2, 3, 10, 13
 _HOST_TYPES = (K_DLCPU, K_DLCUDA_HOST, K_DLCUDA_MANAGED)
@@ -94,12 +94,19 @@ def export_capsule(array: np.ndarray, device: Device, *args, stream=None, max_ve
                    dl_device=None, copy=None):
     """The capsule behind `Tensor.__dlpack__` (the array API's signature)."""
     kind, index = dlpack_device(device)
+    host = device is CPU or device == "cpu"
+    if not host and stream != -1:  # the consumer may use it on its stream at once
+        sync = kind_of(device).synchronize
+        if sync is not None:
+            sync(device.index or 0)
     if dl_device is not None and tuple(dl_device) != (kind, index):
-        raise KilnDLPackError(f"__dlpack__: the tensor is on {device} ({_name(kind)}:{index}); "
-                              f"a copy to {_name(dl_device[0])}:{dl_device[1]} was asked",
-                              hint="move it first with x.to(device)")
+        if tuple(dl_device) != (K_DLCPU, 0) or host:
+            raise KilnDLPackError(f"__dlpack__: the tensor is on {device} ({_name(kind)}:{index}); "
+                                  f"a copy to {_name(dl_device[0])}:{dl_device[1]} was asked",
+                                  hint="move it first with x.to(device)")
+        kind, index, stream = K_DLCPU, 0, None  # kiln's device memory is host-visible
     if copy:
-        array = array.copy()
+        array = array.copy() if kind == K_DLCPU else copy_to(np.ascontiguousarray(array), device)
     if kind == K_DLCPU and array.dtype.name not in _SPECIAL:
         return array.__dlpack__(stream=stream)
     return _capsule(array, kind, index)
@@ -164,9 +171,11 @@ def _name(kind) -> str:
 
 # -- in ---------------------------------------------------------------------------------
 
-def from_dlpack(obj):
+def from_dlpack(obj, *, device=None, copy: bool | None = None):
     """A kiln tensor over a DLPack producer's memory (numpy, torch, jax, cupy, ...):
-    zero-copy for host memory; device memory that is not host-visible is K382.
+    zero-copy for host memory and for CUDA memory the host can read (managed); plain
+    CUDA device memory is copied once on the device unless `copy=False` (then K382;
+    kiln/runtime/dlpack_cuda.py). `device`: None, or the producer's own device.
 
     >>> import numpy as np
     >>> a = np.arange(4.0)
@@ -184,12 +193,31 @@ def from_dlpack(obj):
                               "__dlpack__)", hint="pass a numpy/torch/jax/cupy array")
     kind, index = (int(v) for v in obj.__dlpack_device__()) \
         if hasattr(obj, "__dlpack_device__") else (K_DLCPU, 0)
+    if device is not None:
+        from kiln.runtime.device import Device
+
+        want = Device(device)
+        here = "cpu" if kind in _HOST_TYPES else f"{_name(kind)}:{index}"
+        if str(want) != here and not (want.index is None and here.startswith(want.type + ":")):
+            raise KilnDLPackError(f"from_dlpack(device={str(want)!r}): the {what} is on {here}; "
+                                  "from_dlpack shares memory where it is",
+                                  hint="kn.from_dlpack(x).to(device) to move it")
+    if kind in (K_DLCUDA, K_DLCUDA_MANAGED):
+        from kiln.runtime.dlpack_cuda import import_cuda
+
+        return import_cuda(obj, what, kind, index, copy)
+    if kind == K_DLROCM:
+        raise KilnDLPackError(
+            f"from_dlpack: the {what} lives in rocm:{index} device memory; kiln imports CUDA "
+            "device memory, and importing ROCm (HIP) memory is not built",
+            hint="move it to the host first (t.cpu()); kiln's rocm tensors go out to other "
+                 "libraries with __dlpack__")
     if kind not in _HOST_TYPES:
         raise KilnDLPackError(
-            f"from_dlpack: the {what} lives in {_name(kind)}:{index} memory, which the host "
-            "cannot read; kiln's device tensors are host-visible (CPU, or managed memory)",
-            hint="move it to the host first (torch: t.cpu(); cupy: cp.asnumpy(a)), or let the "
-                 "other library read a kiln tensor instead")
+            f"from_dlpack: the {what} lives in {_name(kind)}:{index} memory, and kiln has no "
+            f"device for that kind of memory",
+            hint="move it to the host first (e.g. t.cpu()), or let the other library read a "
+                 "kiln tensor instead")
     try:
         array = np.from_dlpack(obj)
     except (BufferError, RuntimeError, TypeError, ValueError) as exc:
@@ -197,31 +225,56 @@ def from_dlpack(obj):
             raise KilnDLPackError(f"from_dlpack: cannot import the {what}: {exc}") from None
         array = _import_special(obj, what)
     dt.from_numpy(array.dtype)  # a dtype kiln lacks (uint16, ...) is K102 naming the dtypes
+    if copy:
+        array = array.copy()
     return Tensor._make(array)
+
+
+def take_capsule(capsule, what: str) -> tuple[DLManagedTensor, int]:
+    """The DLManagedTensor of an unconsumed "dltensor" capsule, which kiln now owns
+    (renamed "used_dltensor": kiln calls the deleter, through `Imported`)."""
+    try:
+        address = _capsule_pointer(capsule, _NAME)
+    except ValueError:
+        raise KilnDLPackError(f"from_dlpack: the {what}'s __dlpack__ gave no unconsumed "
+                              "\"dltensor\" capsule") from None
+    _capsule_set_name(capsule, _USED)
+    return DLManagedTensor.from_address(address), address
+
+
+def layout(tensor: DLTensor, what: str) -> tuple[np.dtype, tuple, tuple]:
+    """(numpy dtype, shape, byte strides) of a DLTensor."""
+    code, bits, lanes = tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes
+    name = _SPECIAL_BY_CODE.get(code) if bits in (8, 16) else None
+    if name is not None and _SPECIAL[name][1] == bits:
+        dtype = np.dtype(dt.dtype(name).np_dtype)
+    else:
+        kinds = {0: "i", 1: "u", 2: "f", 5: "c", 6: "b"}
+        try:
+            dtype = np.dtype("%s%d" % (kinds[code], bits // 8)) if code != 6 else np.dtype(bool)
+        except (KeyError, TypeError):
+            dtype = None
+        if lanes != 1 or dtype is None or dtype.itemsize * 8 != bits:
+            raise KilnDLPackError(f"from_dlpack: the {what}'s DLPack dtype (code {code}, {bits} "
+                                  f"bits, {lanes} lanes) has no kiln dtype")
+    dt.from_numpy(dtype)  # a dtype kiln lacks (uint16, ...) is K102 naming the dtypes
+    shape = tuple(int(tensor.shape[i]) for i in range(tensor.ndim))
+    if tensor.strides:
+        strides = tuple(int(tensor.strides[i]) * dtype.itemsize for i in range(tensor.ndim))
+    else:  # NULL strides: compact row-major
+        strides = _contiguous_strides(shape, dtype.itemsize)
+    return dtype, shape, strides
 
 
 def _import_special(obj, what: str) -> np.ndarray:
     """bfloat16 / float8 host tensors numpy's DLPack refuses: read the struct ourselves."""
-    capsule = obj.__dlpack__()
-    address = _capsule_pointer(capsule, _NAME)
-    managed = DLManagedTensor.from_address(address)
+    managed, address = take_capsule(obj.__dlpack__(), what)
+    holder = Imported(address, managed)
     tensor = managed.dl_tensor
-    name = _SPECIAL_BY_CODE.get(tensor.dtype.code)
-    if name is None or tensor.dtype.lanes != 1:
-        raise KilnDLPackError(f"from_dlpack: the {what}'s DLPack dtype (code {tensor.dtype.code}, "
-                              f"{tensor.dtype.bits} bits, {tensor.dtype.lanes} lanes) has no kiln "
-                              "dtype")
-    dtype = np.dtype(dt.dtype(name).np_dtype)
-    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
-    if tensor.strides:
-        strides = tuple(tensor.strides[i] * dtype.itemsize for i in range(tensor.ndim))
-    else:  # NULL strides: compact row-major
-        strides = _contiguous_strides(shape, dtype.itemsize)
-    _capsule_set_name(capsule, _USED)  # we own it now: we call its deleter
-    holder = _Imported(address, managed, {
-        "data": (tensor.data + tensor.byte_offset, False), "shape": shape,
-        "strides": strides, "typestr": "|V%d" % dtype.itemsize, "version": 3})
-    return np.asarray(holder).view(dtype)
+    dtype, shape, strides = layout(tensor, what)
+    if dtype.name not in _SPECIAL:
+        raise KilnDLPackError(f"from_dlpack: cannot import the {what} ({dtype})")
+    return holder.array(tensor.data + tensor.byte_offset, shape, strides, dtype)
 
 
 def _contiguous_strides(shape: tuple, itemsize: int) -> tuple:
@@ -232,13 +285,22 @@ def _contiguous_strides(shape: tuple, itemsize: int) -> tuple:
     return tuple(reversed(strides))
 
 
-class _Imported:
-    """numpy's base for an imported tensor: calls the producer's deleter when it dies."""
+class Imported:
+    """numpy's base for an imported tensor: calls the producer's deleter, exactly once,
+    when it dies (with the last numpy view of the memory, or at once if none was made)."""
 
-    def __init__(self, address: int, managed: DLManagedTensor, interface: dict):
-        self.address, self.managed, self.__array_interface__ = address, managed, interface
+    def __init__(self, address: int, managed: DLManagedTensor):
+        self.address, self.managed = address, managed
+
+    def array(self, pointer: int, shape: tuple, strides: tuple, dtype: np.dtype) -> np.ndarray:
+        """A numpy view of the producer's memory (its base: this holder)."""
+        self.__array_interface__ = {"data": (pointer or 0, False), "shape": shape,
+                                    "strides": strides, "typestr": "|V%d" % dtype.itemsize,
+                                    "version": 3}
+        return np.asarray(self).view(dtype)
 
     def __del__(self):
-        deleter = self.managed.deleter
+        deleter, self.managed = (self.managed.deleter if self.managed is not None else None,
+                                 None)
         if deleter:
             deleter(ctypes.cast(self.address, ctypes.POINTER(DLManagedTensor)))

@@ -195,7 +195,9 @@ def _hip_synchronize(index: int) -> None:
 register_device_kind("cuda", hardware="an NVIDIA GPU and its driver",
                      raw_memory=CudaManagedMemory, total_memory=_cuda_total,
                      available=_cuda_available, count=_cuda_count, copy=_cuda_copy,
-                     dlpack_type=13, synchronize=_cuda_synchronize,  # kDLCUDAManaged
+                     # kDLCUDA, not kDLCUDAManaged (13), which torch refuses: managed memory
+                     # is CUDA device memory too (kiln/runtime/dlpack_cuda.py)
+                     dlpack_type=2, synchronize=_cuda_synchronize,
                      backend="cuda")
 register_device_kind("rocm", hardware="an AMD GPU and the HIP runtime",
                      raw_memory=HipManagedMemory, total_memory=_hip_total,

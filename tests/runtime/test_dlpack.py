@@ -80,8 +80,17 @@ def test_refusals_are_K382():
         def __dlpack_device__(self):
             return (2, 0)  # kDLCUDA
 
-    with pytest.raises(KilnDLPackError, match="K382.*cuda:0 memory.*cannot read"):
-        kn.from_dlpack(OnGpu())
+    with pytest.raises(KilnDLPackError, match="K382.*cuda:0 memory.*no cuda:0 device here"):
+        kn.from_dlpack(OnGpu())  # this machine has no GPU
+
+    class OnVulkan(OnGpu):
+        def __dlpack_device__(self):
+            return (7, 0)  # kDLVulkan: no kiln device kind
+
+    with pytest.raises(KilnDLPackError, match="K382.*vulkan:0 memory.*no device"):
+        kn.from_dlpack(OnVulkan())
+    with pytest.raises(KilnDLPackError, match="K382.*device='cuda:0'.*is on cpu"):
+        kn.from_dlpack(np.ones(2), device="cuda:0")
     with pytest.raises(KilnDLPackError, match="K382.*a copy to cuda:0 was asked"):
         kn.ones(2).__dlpack__(dl_device=(2, 0))
     with pytest.raises(kn.KilnError, match="K382.*require"):
