@@ -1,0 +1,219 @@
+"""Issue 22 item 1 under load: the small GPT's training step and the batched attention
+GEMM measured idle and beside a competing busy process (a `stress`-like loop pinned to
+one core), kiln against torch under the same load.
+
+    .venv/bin/python benchmarks/bench_stress.py [--quick] [--out benchmarks/results/cpu.md]
+
+The issue's rule: a step's time may degrade in proportion to the cores lost, never by
+10x. On a 2-CPU machine a busy core is half the machine, so a workload that used both
+cores may take up to ~2x; one that ran on one core should barely move.
+
+Each implementation runs in its own process (thread pools spin after their work; one
+framework's would slow the next one down), and inside it idle and busy blocks
+alternate (`--rounds` of each), so a drift of the machine's other load falls on both
+alike. The busy process is a pure-Python loop pinned to the last CPU and bounded by a
+deadline; it is killed when the block ends. Rows:
+
+- GPT: benchmarks/bench_train.py's step of examples/nanogpt (2 layers, 64 wide, batch
+  16 x 32 tokens, forward + backward + AdamW): kiln compiled, torch eager at its default
+  threads and at one thread.
+- batched GEMM (16,32,256) x (16,256,64) (attention-sized): kiln compiled, np.matmul at
+  OpenBLAS's default threads, torch.bmm at its default threads and at one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import cpu_model, write_section  # noqa: E402
+
+SPIN = ("import os, time\n"
+        "try:\n    os.sched_setaffinity(0, {{{cpu}}})\nexcept (AttributeError, OSError):\n    pass\n"
+        "end = time.monotonic() + {seconds}\n"
+        "while time.monotonic() < end:\n    pass\n")
+SPIN_LIMIT_S = 300  # a spinner outlives no run: it ends by itself after this
+
+
+class Spinner:
+    """A busy process on one core (the last CPU) while the block runs."""
+
+    def __enter__(self):
+        cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+        self.proc = subprocess.Popen([sys.executable, "-c", SPIN.format(cpu=cpu, seconds=SPIN_LIMIT_S)])
+        time.sleep(0.2)  # let it reach its loop
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        return False
+
+
+def _times(fn, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _setup(impl: str):
+    """name -> step function, for one implementation (`kiln`, `torch`, `torch1`, `numpy`)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 32, 256), dtype=np.float32)
+    b = rng.standard_normal((16, 256, 64), dtype=np.float32)
+    import bench_train as bt
+
+    if impl == "numpy":
+        return {"batched GEMM": lambda: np.matmul(a, b)}
+    if impl == "kiln":
+        import kiln as kn
+        from kiln import nn, optim
+
+        gemm = kn.compile(lambda a, b: a @ b)
+        kn.manual_seed(0)
+        module = bt.gpt_module("kiln")
+        model = module.GPT(module.GPTConfig(**bt.GPT))
+        tokens = np.random.default_rng(0)
+        x, y = (kn.tensor(tokens.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
+                for _ in range(2))
+        opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
+        step = kn.compile(bt.kiln_step_fn(model, opt))
+        params = dict(model.named_parameters())
+        carry = [params, opt.init(params)]
+        key = nn.random.key(0)
+
+        def gpt():
+            carry[0], carry[1], _ = step(carry[0], carry[1], x, y, key)
+
+        return {"GPT step": gpt, "batched GEMM": lambda: gemm(a, b)}
+    import torch
+
+    torch.set_num_threads(1 if impl == "torch1" else (os.cpu_count() or 1))
+    module = bt.gpt_module("torch")
+    torch.manual_seed(0)
+    model = module.GPT(module.GPTConfig(**bt.GPT))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    tokens = np.random.default_rng(0)
+    tx, ty = (torch.tensor(tokens.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
+              for _ in range(2))
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+
+    def gpt():
+        opt.zero_grad(set_to_none=True)
+        model(tx, ty)[1].backward()
+        opt.step()
+
+    return {"GPT step": gpt, "batched GEMM": lambda: torch.bmm(ta, tb)}
+
+
+REPEAT = {"GPT step": 20, "batched GEMM": 200}
+
+
+def run_worker(impl: str, rounds: int, quick: bool) -> dict:
+    """{workload: {"idle": [s...], "busy": [s...]}} for one implementation, idle and busy
+    blocks alternating."""
+    steps = _setup(impl)
+    result = {name: {"idle": [], "busy": []} for name in steps}
+    for fn in steps.values():  # compile and warm up
+        for _ in range(3):
+            fn()
+    for _ in range(rounds):
+        for state in ("idle", "busy"):
+            if state == "busy":
+                with Spinner():
+                    for name, fn in steps.items():
+                        result[name][state] += _times(fn, REPEAT[name] // (4 if quick else 1))
+            else:
+                for name, fn in steps.items():
+                    result[name][state] += _times(fn, REPEAT[name] // (4 if quick else 1))
+    return result
+
+
+LABELS = {"kiln": "kiln compiled", "torch": "torch eager ({n} threads)", "torch1": "torch eager, 1 thread",
+          "numpy": "np.matmul, OpenBLAS default threads"}
+
+
+def render(rows: dict, args, load: tuple) -> str:
+    lines = ["## Under a competing busy process (bench_stress.py, issue 22 item 1)", "",
+             f"- command: `.venv/bin/python benchmarks/bench_stress.py"
+             f"{' --quick' if args.quick else ''}{f' --rounds {args.rounds}' if args.rounds != 3 else ''}`",
+             f"- machine: {os.cpu_count()} CPUs, {cpu_model()}; date {datetime.date.today().isoformat()}",
+             f"- load average {load[0]:.1f} at the start, {load[1]:.1f} at the end; the machine is "
+             "shared with other agents, so compare within a row (same process, idle and busy "
+             f"blocks alternating, {args.rounds} of each) and between rows of one run",
+             "- busy: a Python loop pinned to the last CPU (`os.sched_setaffinity`), i.e. one of "
+             f"{os.cpu_count()} cores lost; the rule: busy / idle at most in proportion to the "
+             "cores lost, never 10x",
+             "", "Milliseconds, median (minimum).", "",
+             "| workload | implementation | idle | busy | busy / idle, medians (minimums) |",
+             "|---|---|---|---|---|"]
+    for (name, impl), r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | {LABELS[impl].format(n=os.cpu_count())} | {r['error']} | | |")
+            continue
+        idle, busy = np.array(r["idle"]) * 1e3, np.array(r["busy"]) * 1e3
+        digits = 2 if np.median(idle) >= 1 else 3
+        lines.append(f"| {name} | {LABELS[impl].format(n=os.cpu_count())} "
+                     f"| {np.median(idle):.{digits}f} ({idle.min():.{digits}f}) "
+                     f"| {np.median(busy):.{digits}f} ({busy.min():.{digits}f}) "
+                     f"| {np.median(busy) / np.median(idle):.2f}x ({busy.min() / idle.min():.2f}x) |")
+    return "\n".join(lines) + "\n"
+
+
+def measure(impl: str, rounds: int, quick: bool) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--rounds", str(rounds)]
+    done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"error": last[:80]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a quarter of the repeats")
+    parser.add_argument("--rounds", type=int, default=3, help="idle and busy blocks, alternating")
+    parser.add_argument("--out", help="replace or append this benchmark's section in this file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, args.rounds, args.quick)))
+        return 0
+    impls = ["kiln", "numpy"]
+    try:
+        import torch  # noqa: F401
+
+        impls += ["torch", "torch1"]
+    except ImportError:
+        pass
+    start = os.getloadavg()[0]
+    rows: dict = {}
+    for impl in impls:
+        result = measure(impl, args.rounds, args.quick)
+        if "error" in result:
+            rows[("GPT step" if impl != "numpy" else "batched GEMM", impl)] = result
+            continue
+        for name, r in result.items():
+            rows[(name, impl)] = r
+    order = sorted(rows, key=lambda k: (k[0] != "GPT step", impls.index(k[1])))
+    section = render({k: rows[k] for k in order}, args, (start, os.getloadavg()[0]))
+    print(section)
+    if args.out:
+        write_section(args.out, "bench_stress", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
