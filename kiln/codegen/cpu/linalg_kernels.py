@@ -32,6 +32,7 @@ Every kernel: void f(ptr a, ptr o0, ptr o1, ptr o2, ptr o3, i64 lo, i64 hi) over
 
 from __future__ import annotations
 
+from kiln.codegen.cpu.ir_builder import V
 from kiln.codegen.cpu.linalg_lanes import Lanes
 
 MAX_SWEEPS = 30
@@ -264,10 +265,10 @@ def _sign_rows(L: Lanes, X, rows: int, cols: int, stride: int, also=None) -> Non
 
 
 def _identity(L: Lanes, X, n: int, stride: int) -> None:
-    with L.loop(0, n * stride) as el:
-        L.st(X, el.i, L.k(0))
-    for d in range(n):
-        L.st(X, d * stride + d, L.k(1))
+    """X <- the n x n identity, rows `stride` apart (the entries between left alone)."""
+    with L.loop(0, n) as rl:
+        with L.loop(0, n) as cl:
+            L.st(X, L.idx(rl.i, stride, cl.i), L.select(L.icmp("eq", rl.i, cl.i), L.k(1), L.k(0)))
 
 
 def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
@@ -345,55 +346,115 @@ def _lower_mass(L: Lanes, A, n: int, ld: int):
     return rl.vals[0]
 
 
+def _block_rounds(n: int, block: int) -> list[list[tuple[int, int]]]:
+    """Every pair (p < q) of n indices once, in rounds of disjoint pairs, in a
+    block-cyclic order: the indices cut into blocks of `block`, the blocks paired in
+    round-robin order, each block's own pairs (round robin) at its first appearance, then
+    all pairs across the two blocks in rounds (i, (i + r) mod size). Work on two blocks'
+    rows stays in L1; with a single block this is the plain round robin."""
+    def rr(idx):
+        big = len(idx) + len(idx) % 2
+        pos = lambda k, r: 0 if k == 0 else 1 + (k - 1 + r) % (big - 1)  # noqa: E731
+        rounds = []
+        for r in range(big - 1):
+            pairs = [sorted((pos(k, r), pos(big - 1 - k, r))) for k in range(big // 2)]
+            rounds.append([(idx[a], idx[b]) for a, b in pairs if b < len(idx)])
+        return rounds
+
+    blocks = [list(range(lo, min(n, lo + block))) for lo in range(0, n, block)]
+    if len(blocks) == 1:
+        return rr(blocks[0])
+    out, seen = [], set()
+    for b1, b2 in [pq for rnd in rr(list(range(len(blocks)))) for pq in rnd]:
+        for b in (b1, b2):
+            if b not in seen:
+                seen.add(b)
+                out += rr(blocks[b])
+        small, big = sorted((blocks[b1], blocks[b2]), key=len)
+        for r in range(len(big)):
+            out.append([tuple(sorted((small[i], big[(i + r) % len(big)]))) for i in range(len(small))])
+    return [rnd for rnd in out if rnd]
+
+
+# the rows two blocks of one-sided Jacobi hold at once: most of a 48 KB L1
+SVD_BLOCK_BYTES = 36864
+
+
 def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
-    """m >= n. o0 <- U (m x n), o1 <- s (n, descending), o2 <- V^T (n x n)."""
+    """m >= n. o0 <- U (m x n), o1 <- s (n, descending), o2 <- V^T (n x n).
+
+    Row i of X holds column i of the working matrix (m entries, U's column at the end)
+    followed by column i of V (n entries, from the identity): one rotation turns both.
+    Pairs go in block-cyclic order (_block_pairs) with blocks of rows that fit in L1 by
+    two: at 32 x 32, 16 float32 lanes, X is 130 KB, and a round-robin sweep streamed
+    every pair's rows from L2."""
     L = Lanes(f"kiln_la_svd_{scalar}_{m}x{n}_w{width}", scalar, width)
-    lu, lv = m + 1, n + 1  # padded row strides (see Lanes.load_matrix)
-    Ut, Vt, N, M = L.array(n * lu), L.array(n * lv), L.array(n), L.array(1)
-    table, rounds, half = L.round_robin(n)
+    lx = m + n + 1  # X's padded row stride (see Lanes.load_matrix)
+    X, N, M = L.array(n * lx), L.array(n), L.array(1)
+    Vt = L.at(X, m)  # the V part: row i at Vt + i * lx
+    block = max(2, SVD_BLOCK_BYTES // (2 * lx * L.W * L.bytes))
+    rounds = _block_rounds(n, block)
+    starts = [0]
+    for rnd in rounds:
+        starts.append(starts[-1] + len(rnd))
+    table = L.table(f"kiln_svd_pairs_{n}_{block}", [i for rnd in rounds for pq in rnd for i in pq] or [0])
+    bounds = L.table(f"kiln_svd_rounds_{n}_{block}", starts)
+    widest = max([len(rnd) for rnd in rounds] + [1])
+    C, S, F = L.array(widest), L.array(widest), L.scalars("i8", widest)
+
+    def entry(tab, i) -> V:
+        return L.f.cast("sext", L.f.load("i32", L.f.gep("i32", tab, L.iv(i)), 4), "i64")
+
     tol = (m ** 0.5) * L.eps
     with L.loop(L.lo, L.hi) as gl:
         g = gl.i
-        L.load_matrix(Ut, g, m, n, transpose=True, stride=lu)
-        L.magnitude(Ut, n, m, g, stride=lu)
-        _identity(L, Vt, n, lv)
-        log = _RotationLog(L, rounds * half)
+        L.load_matrix(X, g, m, n, transpose=True, stride=lx)
+        L.magnitude(X, n, m, g, stride=lx)
+        _identity(L, Vt, n, lx)
         _count, end = L.sweep_loop(MAX_SWEEPS)
-        log.reset()
         with L.loop(0, n) as cl:  # exact squared column norms at each sweep's start
-            L.st(N, cl.i, _sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(cl.i, lu, r)), x)))
+            L.st(N, cl.i, _sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(X, L.idx(cl.i, lx, r)), x)))
         L.st(M, 0, L.k(0))
-        with L.loop(0, rounds) as rl_:
-            with L.loop(0, half) as kl_:
-                p, q = L.pair(table, rl_.i, kl_.i, half)
-                valid = L.icmp("sge", p, 0)
-                p, q = L.select(valid, p, L.i(0)), L.select(valid, q, L.i(1))
-                gamma = _dot(L, Ut, lu, p, q, m)
+        with L.loop(0, len(rounds)) as rl:
+            # a round's pairs are disjoint: first all their dot products and rotations
+            # (independent latency chains, side by side), then the rows they turn
+            lo, hi = entry(bounds, rl.i), entry(bounds, L.add(rl.i, 1))
+            with L.loop(lo, hi) as pl:
+                slot, (p, q) = L.f.bin("sub", pl.i, lo, "nsw"), (entry(table, L.add(L.mul(pl.i, 2), j))
+                                                                 for j in (0, 1))
+                gamma = _dot(L, X, lx, p, q, m)
                 alpha, beta = L.ld(N, p), L.ld(N, q)
                 # cosine > tol, without a division or a root: gamma^2 > tol^2 alpha beta
                 rotate = L.fcmp("ogt", L.fmul(gamma, gamma), L.fmul(L.k(tol * tol), L.fmul(alpha, beta)))
-                with L.when(L.f.bin("and", valid, L.any(rotate))):
+                flag = L.f.gep("i8", F, slot)
+                L.f.store(V("0", "i8"), flag, 1)
+                with L.when(L.any(rotate)):
                     t, c, s = _rotation(L, L.fsub(beta, alpha), gamma, rotate)
-                    _rotate_rows(L, Ut, lu, p, q, m, c, s)
-                    log.record(p, q, c, s)
+                    L.st(C, slot, c)
+                    L.st(S, slot, s)
+                    L.f.store(V("1", "i8"), flag, 1)
                     tg = L.fmul(t, gamma)  # the rotated columns' squared norms
                     L.st(N, p, L.fsub(alpha, tg))
                     L.st(N, q, L.fadd(beta, tg))
                     L.st(M, 0, L.k(1))  # some lane rotated in this sweep
-        log.apply(Vt, n, n, lv)
+            with L.loop(lo, hi) as pl:
+                slot, (p, q) = L.f.bin("sub", pl.i, lo, "nsw"), (entry(table, L.add(L.mul(pl.i, 2), j))
+                                                                 for j in (0, 1))
+                turn = L.f.load("i8", L.f.gep("i8", F, slot), 1)
+                with L.when(L.f.icmp("ne", turn, V("0", "i8"))):
+                    _rotate_rows(L, X, lx, p, q, m + n, L.ld(C, slot), L.ld(S, slot))
         end(L.f.emit(f"fcmp oeq {L.t} {L.hmax(L.ld(M, 0)).ref}, 0.0", "i1"))
         with L.loop(0, n) as cl:
             c = cl.i
-            norm = L.sqrt(_sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(Ut, L.idx(c, lu, r)), x)))
+            norm = L.sqrt(_sum(L, 0, m, L.k(0), lambda r: L.fmul(x := L.ld(X, L.idx(c, lx, r)), x)))
             inv = L.select(L.fcmp("ogt", norm, L.k(0)), L.fdiv(L.k(1), norm), L.k(0))
             with L.loop(0, m) as rl:
-                e = L.idx(c, lu, rl.i)
-                L.st(Ut, e, L.fmul(L.ld(Ut, e), inv))
+                e = L.idx(c, lx, rl.i)
+                L.st(X, e, L.fmul(L.ld(X, e), inv))
             L.st(N, c, norm)
-        _sign_rows(L, Vt, n, n, lv, also=(Ut, m, lu))
+        _sign_rows(L, Vt, n, n, lx, also=(X, m, lx))
         rank = L.rank(N, n, descending=True)
         L.write_elements(L.args["o1"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(N, i)))
-        _store(L, "o0", g, m, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Ut, L.idx(i, lu, r))))
-        _store(L, "o2", g, n, n, lambda r, c, e: L.permuted(rank, n, r, lambda i: L.ld(Vt, L.idx(i, lv, c))))
+        _store(L, "o0", g, m, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(X, L.idx(i, lx, r))))
+        _store(L, "o2", g, n, n, lambda r, c, e: L.permuted(rank, n, r, lambda i: L.ld(Vt, L.idx(i, lx, c))))
     return L.name, L.text()
-

@@ -218,12 +218,16 @@ class Lanes:
             for k in range(half):
                 p, q = sorted((pos(k, r), pos(big - 1 - k, r)))
                 flat += [p, q] if q < n else [-1, -1]
-        name = f"@kiln_rr_{n}"
-        if name not in self.module.helpers:
-            self.module.helpers.add(name)
-            body = ", ".join(f"i32 {v}" for v in flat)
-            self.module.functions.insert(0, f"{name} = internal unnamed_addr constant [{len(flat)} x i32] [{body}]\n")
-        return V(name, "ptr"), rounds, half
+        return self.table(f"kiln_rr_{n}", flat), rounds, half
+
+    def table(self, name: str, values: list[int]) -> V:
+        """A module constant [len x i32] named @name (emitted once)."""
+        ref = f"@{name}"
+        if ref not in self.module.helpers:
+            self.module.helpers.add(ref)
+            body = ", ".join(f"i32 {v}" for v in values)
+            self.module.functions.insert(0, f"{ref} = internal unnamed_addr constant [{len(values)} x i32] [{body}]\n")
+        return V(ref, "ptr")
 
     def pair(self, table: V, r, k, half: int) -> tuple[V, V]:
         """(p, q) of pair k of round r, as i64."""
