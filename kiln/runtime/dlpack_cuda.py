@@ -4,7 +4,8 @@
 In: a producer whose `__dlpack_device__()` is kDLCUDA or kDLCUDAManaged is asked for its
 capsule with `stream=1` (DLPack's legacy default stream: the producer makes the work
 that writes the tensor, on its own stream, ordered before anything later on that
-stream, which is where kiln's synchronous copies and host reads are ordered). kiln reads
+stream; kiln then waits for that stream, `cuStreamSynchronize`, before the host or its
+device copy reads the memory). kiln reads
 the DLManagedTensor with ctypes, renames the capsule "used_dltensor" and calls the
 producer's deleter exactly once, when nothing of kiln refers to the memory any more.
 
@@ -40,7 +41,6 @@ from kiln.runtime.transfers import record
 K_DLCUDA, K_DLCUDA_MANAGED = 2, 13
 CUDA_TYPES = (K_DLCUDA, K_DLCUDA_MANAGED)
 LEGACY_DEFAULT_STREAM = 1  # DLPack's stream number for CUDA's legacy default stream
-_IS_MANAGED = 8  # CU_POINTER_ATTRIBUTE_IS_MANAGED
 
 
 def cuda_driver():
@@ -91,10 +91,14 @@ def import_cuda(obj, what: str, kind: int, index: int, copy: bool | None):
     if not synchronized:
         _check(driver, driver.cuCtxSynchronize(), "cuCtxSynchronize")
     host_visible = kind == K_DLCUDA_MANAGED or (pointer and int(_check(
-        driver, driver.cuPointerGetAttribute(_IS_MANAGED, pointer),
+        driver, driver.cuPointerGetAttribute(
+            driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, pointer),
         "cuPointerGetAttribute(IS_MANAGED)")) == 1)
     lo, hi = _extent(shape, strides, dtype.itemsize)
     if host_visible and not copy:
+        # the producer's writes were ordered before the legacy default stream: kiln's eager
+        # ops read on the host, so wait for that stream once, here
+        _check(driver, driver.cuStreamSynchronize(0), "cuStreamSynchronize")
         array = holder.array(pointer, shape, strides, dtype)
         _record_range(dev, pointer + lo, hi - lo, array)
         return Tensor._make(array, None, dev)

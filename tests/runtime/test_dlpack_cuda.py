@@ -96,7 +96,9 @@ def test_managed_memory_is_shared_and_the_deleter_runs_once(cuda):
     values = np.arange(12, dtype=np.float32).reshape(3, 4)
     for kind in (2, 13):  # kDLCUDA reported managed by the driver; kDLCUDAManaged
         p = Producer(cuda, values, managed=True, kind=kind)
+        waits = cuda.calls.get("cuStreamSynchronize", 0)
         t = kn.from_dlpack(p)
+        assert cuda.calls["cuStreamSynchronize"] == waits + 1  # the producer's work is done
         assert t.device == "cuda:0" and t.shape == (3, 4) and t.dtype == kn.float32
         assert t.numpy().ctypes.data == p.address  # the same memory
         assert p.streams == [1]  # DLPack's legacy default stream
