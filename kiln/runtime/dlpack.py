@@ -197,7 +197,8 @@ def from_dlpack(obj, *, device=None, copy: bool | None = None):
         from kiln.runtime.device import Device
 
         want = Device(device)
-        here = "cpu" if kind in _HOST_TYPES else f"{_name(kind)}:{index}"
+        here = f"cuda:{index}" if kind in (K_DLCUDA, K_DLCUDA_MANAGED) else \
+            "cpu" if kind in _HOST_TYPES else f"{_name(kind)}:{index}"
         if str(want) != here and not (want.index is None and here.startswith(want.type + ":")):
             raise KilnDLPackError(f"from_dlpack(device={str(want)!r}): the {what} is on {here}; "
                                   "from_dlpack shares memory where it is",

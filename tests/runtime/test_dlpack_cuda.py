@@ -118,6 +118,17 @@ def test_managed_memory_is_shared_and_the_deleter_runs_once(cuda):
         assert p.deleted == 1
 
 
+def test_device_keyword_names_the_producers_device(cuda):
+    values = np.ones((2, 2), np.float32)
+    for device in ("cuda:0", "cuda", kn.device("cuda", 0)):
+        p = Producer(cuda, values, managed=True, kind=13)
+        assert kn.from_dlpack(p, device=device).numpy().ctypes.data == p.address
+    p = Producer(cuda, values, managed=True)
+    with pytest.raises(KilnDLPackError, match="K382.*device='cpu'.*is on cuda:0"):
+        kn.from_dlpack(p, device="cpu")
+    assert p.streams == []  # refused before the producer was asked for anything
+
+
 def test_device_only_memory_is_copied_once_on_the_device(cuda):
     values = np.arange(12, dtype=np.float32).reshape(3, 4)
     p = Producer(cuda, values)
