@@ -210,8 +210,10 @@ def _one_thread(ops) -> list:
 
 def _reclaim(kept: list, shape: tuple, dtype: np.dtype):
     """An output handed out before that the caller has dropped (only `kept` and this
-    frame hold it), or None. The caller holds the plan's lock."""
-    for k, array in enumerate(kept):
+    frame hold it), or None. The caller holds the plan's lock. The newest first: the
+    output of the last call is the likeliest still in cache."""
+    for k in range(len(kept) - 1, -1, -1):
+        array = kept[k]
         # referenced by the list, the loop variable and getrefcount's argument
         if sys.getrefcount(array) == 3 and array.shape == shape and array.dtype == dtype:
             del kept[k]
