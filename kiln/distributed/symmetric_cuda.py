@@ -50,10 +50,8 @@ import time
 
 import numpy as np
 
-from kiln.distributed.errors import (
-    CollectiveTimeout, CudaSymmetricMemoryError, GroupAborted, PeerFailure,
-    SymmetricMemoryError,
-)
+from kiln.distributed.errors import CudaSymmetricMemoryError, SymmetricMemoryError
+from kiln.distributed.symmetric_memory import SignalPads
 
 _HANDLE = 64  # CU_IPC_HANDLE_SIZE
 _ALIGN = 512  # the data starts this far into the block (after the signal pad)
@@ -136,8 +134,10 @@ class CudaView:
 
 
 
-class CudaSymmetricMemory:
+class CudaSymmetricMemory(SignalPads):
     """A group's CUDA symmetric allocation on this rank; see the module docstring."""
+
+    _what = "CUDA symmetric memory"
 
     def __init__(self, group, shape: tuple, dtype: np.dtype, device, driver, context,
                  addresses: list[int], timeout: float):
@@ -148,7 +148,8 @@ class CudaSymmetricMemory:
         self._views = [CudaView(self, r, a + _ALIGN) for r, a in enumerate(addresses)]
         self._sent = [0] * self.world_size
         self._seen = [0] * self.world_size
-        self._word = np.zeros(1, np.uint64)  # the host side of a pad copy
+        self._word = np.zeros(1, np.uint64)  # the host side of a pad write
+        self._read = np.zeros(1, np.uint64)  # and of a pad read
         self._closed = False
         self._exports = 0  # DLPack views a consumer still holds
 
@@ -164,7 +165,7 @@ class CudaSymmetricMemory:
                                        % (rank, self.world_size))
         return self._views[rank]
 
-    def _pad(self, owner: int, src: int) -> int:
+    def _pad_address(self, owner: int, src: int) -> int:
         return self._blocks[owner] + 8 * src
 
     def signal(self, dst: int) -> None:
@@ -174,46 +175,16 @@ class CudaSymmetricMemory:
         _check(driver, driver.cuCtxSynchronize(), "cuCtxSynchronize")
         self._sent[dst] += 1
         self._word[0] = self._sent[dst]
-        _check(driver, driver.cuMemcpyHtoD(self._pad(dst, self.rank), self._word.ctypes.data, 8),
+        _check(driver, driver.cuMemcpyHtoD(self._pad_address(dst, self.rank),
+                                           self._word.ctypes.data, 8),
                "cuMemcpyHtoD (signal pad)")
 
-    def wait_signal(self, src: int, timeout: float | None = None) -> None:
-        """Wait for rank `src`'s next signal to this rank (bounded by `timeout`)."""
-        self.peer(src)
+    def _pad(self, src: int) -> int:
+        """The counter rank `src` stored in this rank's pad (one 8-byte device read)."""
         driver = self._views[src]._live("wait_signal")
-        self._seen[src] += 1
-        want = self._seen[src]
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        step, word = 2e-5, np.zeros(1, np.uint64)
-        while True:
-            _check(driver, driver.cuMemcpyDtoH(word.ctypes.data, self._pad(self.rank, src), 8),
-                   "cuMemcpyDtoH (signal pad)")
-            if int(word[0]) >= want:
-                return
-            if self.group.is_aborted:
-                cause = self.group._error
-                if isinstance(cause, PeerFailure):
-                    raise PeerFailure(cause.rank, "CUDA symmetric memory wait_signal(%d) on "
-                                      "rank %d: rank %d of group %s failed" % (
-                                          src, self.rank, cause.rank, self.group.name),
-                                      group=self.group.name) from cause
-                raise GroupAborted("CUDA symmetric memory wait_signal(%d): the group %s was "
-                                   "aborted" % (src, self.group.name)) from cause
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout("CUDA symmetric memory: rank %d waited for signal %d "
-                                        "from rank %d past its timeout" % (self.rank, want, src),
-                                        rank=src)
-            time.sleep(step)
-            step = min(step * 2, 1e-3)
-
-    def barrier(self, timeout: float | None = None) -> None:
-        """Every rank's writes before the barrier are visible to every rank after it."""
-        for r in range(self.world_size):
-            if r != self.rank:
-                self.signal(r)
-        for r in range(self.world_size):
-            if r != self.rank:
-                self.wait_signal(r, timeout)
+        _check(driver, driver.cuMemcpyDtoH(self._read.ctypes.data, self._pad_address(self.rank, src),
+                                           8), "cuMemcpyDtoH (signal pad)")
+        return int(self._read[0])
 
     def close(self) -> None:
         """Unmap the peers' blocks and free this rank's (deferred while a DLPack

@@ -45,7 +45,55 @@ def _round_up(n: int) -> int:
     return (n + _PAGE - 1) // _PAGE * _PAGE
 
 
-class SymmetricMemory:
+class SignalPads:
+    """`wait_signal` and `barrier` over a subclass's signal pads (host and CUDA symmetric
+    memory): the subclass reads the counter rank `src` stored for this rank (`_pad`),
+    writes its own into a peer's (`signal`) and checks ranks (`peer`)."""
+
+    _what = "symmetric memory"
+
+    def _pad(self, src: int) -> int:
+        raise NotImplementedError
+
+    def wait_signal(self, src: int, timeout: float | None = None) -> None:
+        """Wait for rank `src`'s next signal to this rank (bounded by `timeout`)."""
+        self.peer(src)
+        self._seen[src] += 1
+        want = self._seen[src]
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        step, yields = 2e-5, _YIELDS
+        while self._pad(src) < want:
+            if yields:  # the peer is usually microseconds away: give up the core first
+                yields -= 1
+                os.sched_yield()
+                continue
+            if self.group.is_aborted:
+                cause = self.group._error
+                if isinstance(cause, PeerFailure):
+                    raise PeerFailure(cause.rank, "%s wait_signal(%d) on rank %d: rank %d of "
+                                      "group %s failed" % (self._what, src, self.rank,
+                                                           cause.rank, self.group.name),
+                                      group=self.group.name) from cause
+                raise GroupAborted("%s wait_signal(%d): the group %s was aborted"
+                                   % (self._what, src, self.group.name)) from cause
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout("%s: rank %d waited for signal %d from rank %d past "
+                                        "its timeout" % (self._what, self.rank, want, src),
+                                        rank=src)
+            time.sleep(step)
+            step = min(step * 2, 1e-3)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Every rank's writes before the barrier are visible to every rank after it."""
+        for r in range(self.world_size):
+            if r != self.rank:
+                self.signal(r)
+        for r in range(self.world_size):
+            if r != self.rank:
+                self.wait_signal(r, timeout)
+
+
+class SymmetricMemory(SignalPads):
     """A group's mapped segment; see the module docstring. Close it (or use `with`)."""
 
     def __init__(self, group, shape: tuple[int, ...], dtype: np.dtype, mm: mmap.mmap,
@@ -77,44 +125,12 @@ class SymmetricMemory:
 
     def signal(self, dst: int) -> None:
         """Tell rank `dst` that this rank's writes so far are visible."""
+        self.peer(dst)
         self._sent[dst] += 1
         self._pads[dst, self.rank] = self._sent[dst]
 
-    def wait_signal(self, src: int, timeout: float | None = None) -> None:
-        """Wait for rank `src`'s next signal to this rank (bounded by `timeout`)."""
-        self._seen[src] += 1
-        want = self._seen[src]
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        step, yields = 2e-5, _YIELDS
-        while int(self._pads[self.rank, src]) < want:
-            if yields:  # the peer is usually microseconds away: give up the core first
-                yields -= 1
-                os.sched_yield()
-                continue
-            if self.group.is_aborted:
-                cause = self.group._error
-                if isinstance(cause, PeerFailure):
-                    raise PeerFailure(cause.rank, "symmetric memory wait_signal(%d) on rank "
-                                      "%d: rank %d of group %s failed" % (
-                                          src, self.rank, cause.rank, self.group.name),
-                                      group=self.group.name) from cause
-                raise GroupAborted("symmetric memory wait_signal(%d): the group %s was "
-                                   "aborted" % (src, self.group.name)) from cause
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout("symmetric memory: rank %d waited for signal %d "
-                                        "from rank %d past its timeout" % (self.rank, want, src),
-                                        rank=src)
-            time.sleep(step)
-            step = min(step * 2, 1e-3)
-
-    def barrier(self, timeout: float | None = None) -> None:
-        """Every rank's writes before the barrier are visible to every rank after it."""
-        for r in range(self.world_size):
-            if r != self.rank:
-                self.signal(r)
-        for r in range(self.world_size):
-            if r != self.rank:
-                self.wait_signal(r, timeout)
+    def _pad(self, src: int) -> int:
+        return int(self._pads[self.rank, src])
 
     def all_reduce(self, op: str = "sum", timeout: float | None = None) -> np.ndarray:
         """Reduce every rank's buffer elementwise into all of them, in place; returns

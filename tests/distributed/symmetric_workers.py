@@ -21,6 +21,19 @@ def leftovers() -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix + "-sym-"))
 
 
+def last_rank_dies(sym, rank: int, world: int) -> None:
+    """After a barrier the last rank SIGKILLs itself; the others' wait for its signal
+    fails naming it (PeerFailure once the group saw it die, else the wait's timeout)."""
+    sym.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        sym.wait_signal(world - 1, timeout=1.0)
+        raise AssertionError("a dead rank signalled")
+    except (dist.CollectiveTimeout, dist.PeerFailure) as exc:
+        assert exc.rank == world - 1 and "rank %d" % (world - 1) in str(exc), exc
+
+
 @scenario
 def sym_basic(rank, world, addr, args):
     """Direct reads and writes of peers' buffers, signal pads, all_reduce vs numpy."""
@@ -63,14 +76,7 @@ def sym_kill(rank, world, addr, args):
     segment is left in /dev/shm."""
     pg = join(rank, world, addr)
     sym = dist.symmetric_memory(1 << 16, "float32", pg)
-    sym.barrier()
-    if rank == world - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        sym.wait_signal(world - 1, timeout=1.0)
-        raise AssertionError("a dead rank signalled")
-    except (dist.CollectiveTimeout, dist.PeerFailure) as exc:
-        assert exc.rank == world - 1 and "rank %d" % (world - 1) in str(exc), exc
+    last_rank_dies(sym, rank, world)
     sym.close()
     return {"left": leftovers()}
 
@@ -134,14 +140,7 @@ def sym_cuda_kill(rank, world, addr, args):
     pg = join(rank, world, addr)
     drv = _fake_cuda(args)
     sym = dist.symmetric_memory(1 << 12, "float32", pg, device="cuda:0", driver=drv)
-    sym.barrier()
-    if rank == world - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        sym.wait_signal(world - 1, timeout=1.0)
-        raise AssertionError("a dead rank signalled")
-    except (dist.CollectiveTimeout, dist.PeerFailure) as exc:
-        assert exc.rank == world - 1 and "rank %d" % (world - 1) in str(exc), exc
+    last_rank_dies(sym, rank, world)
     held = drv.live()
     sym.close()
     return {"held": held, "live": drv.live()}
