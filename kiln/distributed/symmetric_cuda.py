@@ -133,7 +133,6 @@ class CudaView:
             self.rank, self.shape, self.dtype, self.device)
 
 
-
 class CudaSymmetricMemory(SignalPads):
     """A group's CUDA symmetric allocation on this rank; see the module docstring."""
 
@@ -182,8 +181,9 @@ class CudaSymmetricMemory(SignalPads):
     def _pad(self, src: int) -> int:
         """The counter rank `src` stored in this rank's pad (one 8-byte device read)."""
         driver = self._views[src]._live("wait_signal")
-        _check(driver, driver.cuMemcpyDtoH(self._read.ctypes.data, self._pad_address(self.rank, src),
-                                           8), "cuMemcpyDtoH (signal pad)")
+        _check(driver, driver.cuMemcpyDtoH(self._read.ctypes.data,
+                                           self._pad_address(self.rank, src), 8),
+               "cuMemcpyDtoH (signal pad)")
         return int(self._read[0])
 
     def close(self) -> None:

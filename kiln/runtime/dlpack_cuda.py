@@ -167,14 +167,3 @@ def _record_range(dev, start: int, nbytes: int, array: np.ndarray) -> None:
             devices._RANGE_ENDS.pop((dev, start), None)
 
     weakref.finalize(array, forget)
-
-
-def export_ready(device, stream) -> None:
-    """Before a kiln `cuda` tensor leaves by DLPack: kiln's device work is done (for any
-    consumer stream but -1, which asks for no synchronization)."""
-    if stream == -1:
-        return
-    kind = devices.kind_of(device)
-    if kind.synchronize is not None:
-        kind.synchronize(device.index or 0)
-
