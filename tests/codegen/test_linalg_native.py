@@ -153,6 +153,26 @@ def test_eigh(dtype, n):
         assert np.all(big > 0), kind
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eigh_lanes_that_split_or_are_done(dtype):
+    """n >= 11 runs tridiagonal QL, whose lanes diverge: in one group, block-diagonal
+    matrices (an exactly zero off-diagonal mid-way: QL splits there), diagonal ones
+    (nothing to do from the start), a zero matrix and random ones, against numpy."""
+    n, b = 16, _batch(dtype)
+    a = RNG.standard_normal((b, n, n))
+    a = a + a.transpose(0, 2, 1)
+    a[0::4, :7, 7:] = a[0::4, 7:, :7] = 0                      # two blocks
+    a[1::4] = np.eye(n) * RNG.standard_normal((len(a[1::4]), 1, n))  # diagonal
+    a[2] = 0
+    a[3::4, :, :] = np.diag(np.r_[np.ones(8), np.full(8, 2.0)])  # repeated, already diagonal
+    a = a.astype(dtype)
+    w, v = N.eigh(a)
+    tol, scale = _tol(dtype, n), np.abs(a).max()
+    np.testing.assert_allclose((v * w[:, None, :]) @ v.transpose(0, 2, 1), a, rtol=0, atol=tol * scale)
+    np.testing.assert_allclose(v.transpose(0, 2, 1) @ v, np.broadcast_to(np.eye(n), (b, n, n)), rtol=0, atol=tol)
+    np.testing.assert_allclose(w, np.linalg.eigvalsh(a.astype(np.float64)), rtol=0, atol=tol * scale)
+
+
 def test_extreme_scales_are_rescaled():
     """Entries whose squares overflow (or underflow) float64 still decompose."""
     base = RNG.standard_normal((10, 8, 8))
@@ -163,6 +183,8 @@ def test_extreme_scales_are_rescaled():
         u, s, vh = N.svd(a)
         np.testing.assert_allclose(s, np.linalg.svd(base, compute_uv=False) * factor, rtol=1e-12)
         spd = base @ base.transpose(0, 2, 1) + 8 * np.eye(8)
+        w, v = N.eigh(np.stack([np.kron(np.eye(2), x) for x in spd]) * factor)  # 16 x 16: QL
+        np.testing.assert_allclose(w, np.repeat(np.linalg.eigvalsh(spd), 2, axis=-1) * factor, rtol=1e-12)
         L, info = N.cholesky(spd * factor)
         assert not info.any()
         np.testing.assert_allclose(L, np.linalg.cholesky(spd) * np.sqrt(factor), rtol=1e-12)

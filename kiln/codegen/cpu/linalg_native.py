@@ -3,7 +3,9 @@
     >>> L, info = linalg_native.cholesky(a)        # a: [..., n, n] float32/float64
     >>> w, v = linalg_native.eigh(a)               # ascending, sign-normalized columns
 
-Each call compiles (once per op, shape, dtype and width; cached in the process and, as
+eigh takes two-sided Jacobi below n = 11 and Householder tridiagonalization + implicit QL
+from there (linalg_tridiag.py; fewer loads and stores once n^3 dominates). Each call
+compiles (once per op, shape, dtype and width; cached in the process and, as
 object code, in kiln's on-disk artifact cache) two kernels: one of W lanes, W = the
 host's SIMD width over the dtype (AVX-512: 16 float32 / 8 float64; AVX2: 8 / 4), and one
 of a single lane for the batch's tail. The full groups
@@ -28,6 +30,7 @@ from functools import lru_cache
 import numpy as np
 
 from kiln.codegen.cpu import linalg_kernels as kernels
+from kiln.codegen.cpu import linalg_tridiag as tridiag
 
 _ABI = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_int64)
 _SCALAR = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -84,10 +87,18 @@ class _Kernel:
         self.fn = _ABI(self.jitted.address(name))
 
 
+def builder(op: str, dims: tuple):
+    """The kernel builder for `op` on matrices of `dims`: eigh from QL_FROM on is the
+    tridiagonal QL kernel (linalg_tridiag.py), below it two-sided Jacobi."""
+    if op == "eigh" and dims[0] >= tridiag.QL_FROM:
+        return tridiag.eigh
+    return getattr(kernels, op)
+
+
 @lru_cache(maxsize=None)
 def _compiled(op: str, dims: tuple, scalar: str, width: int) -> _Kernel:
     with _lock:
-        return _Kernel(getattr(kernels, op), *dims, scalar, width)
+        return _Kernel(builder(op, dims), *dims, scalar, width)
 
 
 def _ptr(x) -> int | None:
