@@ -41,7 +41,6 @@ calls fail at their turn, and a parked call nobody runs is failed there and then
 from __future__ import annotations
 
 import collections
-import json
 import threading
 import time
 from typing import Callable
@@ -50,6 +49,7 @@ import numpy as np
 
 from kiln.distributed.backend import OP_CODES, CallContext
 from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, dtype_of
+from kiln.distributed.dump_requests import post_request_async
 from kiln.distributed.errors import CollectiveTimeout, DistributedError, GroupAborted
 from kiln.distributed.flight_recorder import FlightRecorder, call_site_frames, recorder
 from kiln.distributed.protocol import check_timeout
@@ -408,28 +408,5 @@ def _dump_everywhere(pg, reason: str) -> None:
         rec.dump(reason=reason)
     except OSError:
         pass
-    if rec.dump_dir is None or pg.store is None:
-        return
-
-    def request() -> None:
-        try:
-            gen = pg.store.add("fr/dump_gen", 1)
-            pg.store.set("fr/dump/%d" % gen, json.dumps({"reason": reason, "rank": rec.rank}))
-        except DistributedError:
-            pass  # the store may be gone with the failed rank; local dumps still exist
-
-    thread = threading.Thread(target=request, name="kiln-fr-request", daemon=True)
-    _PENDING_DUMP_REQUESTS.append(thread)
-    thread.start()
-
-
-# posted from a thread so a failing call returns at once; a process that exits right after
-# must still deliver them, or its peers never learn to dump (see `flush_dump_requests`)
-_PENDING_DUMP_REQUESTS: list[threading.Thread] = []
-
-
-def flush_dump_requests(timeout: float = 5.0) -> None:
-    """Wait (bounded) until this process's dump requests have reached the store."""
-    deadline = time.monotonic() + timeout
-    while _PENDING_DUMP_REQUESTS:
-        _PENDING_DUMP_REQUESTS.pop().join(max(0.0, deadline - time.monotonic()))
+    if rec.dump_dir is not None and pg.store is not None:
+        post_request_async(pg.store, reason, rec.rank)

@@ -41,6 +41,7 @@ import time
 from kiln.distributed.errors import DistributedError, PeerFailure, StoreLost
 
 LEFT = -1  # the counter value of a process that left the group cleanly
+_GOODBYE_TIMEOUT = 2.0  # the most the goodbye (`LEFT`) may take at exit
 
 
 def intervals(timeout: float) -> tuple[float, float]:
@@ -137,6 +138,11 @@ class Heartbeat:
         """Stop beating and say goodbye, so peers never take this exit for a hang."""
         self._stop.set()
         self._thread.join(timeout=2 * self.interval + 1.0)
+        if self._thread.is_alive():
+            return  # stuck on an unreachable store (holding its connection): it ends itself
+        # a goodbye to a store that went away (its host left) must not hold the exit for
+        # a whole store timeout: it is only a courtesy
+        self._store.timeout = min(self._store.timeout, _GOODBYE_TIMEOUT)
         try:
             self._store.set("hb/%d" % self._me, str(LEFT))
         except DistributedError:

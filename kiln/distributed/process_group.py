@@ -27,7 +27,7 @@ from kiln.distributed import collective_args as args
 from kiln.distributed.backend import OP_CODES, Backend, CallContext
 from kiln.distributed.buffers import DTYPE_CODES, Reducer, dtype_of
 from kiln.distributed.call_engine import _RECORDER, CallEngine, _completed, _started, _Then
-from kiln.distributed.call_engine import flush_dump_requests  # noqa: F401  (its old home)
+from kiln.distributed.dump_requests import flush_dump_requests  # noqa: F401  (its old home)
 from kiln.distributed.errors import CollectiveArgumentError, GroupAborted, RendezvousError
 from kiln.distributed.flight_recorder import call_site_frames, recorder
 from kiln.distributed.protocol import check_timeout

@@ -9,17 +9,18 @@ in-process on a thread, at the address given.
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import threading
 import time
 
+from kiln.distributed.dump_requests import (
+    DumpWatcher, flush_dump_requests, linger, linger_seconds,
+)
 from kiln.distributed.errors import DistributedError, RendezvousError
 from kiln.distributed.flight_recorder import install_signal_handler, recorder
 from kiln.distributed.fault_tolerance import FaultTolerance, connect_next
 from kiln.distributed.heartbeat import Heartbeat, intervals
 from kiln.distributed.membership import Membership, View
-from kiln.distributed.process_group import ProcessGroup, flush_dump_requests
+from kiln.distributed.process_group import ProcessGroup
 from kiln.distributed.protocol import check_timeout, parse_address
 from kiln.distributed.store import Store, StoreServer
 from kiln.distributed.tcp_backend import TcpBackend
@@ -28,6 +29,7 @@ BACKENDS = {"tcp": TcpBackend}
 _WORLD: ProcessGroup | None = None
 _SERVER: StoreServer | None = None
 _WATCHER: "DumpWatcher | None" = None
+_LINGER = 5.0  # KILN_FR_LINGER: how long a store host waits for dump requests to be read
 _HEARTBEAT: Heartbeat | None = None
 _DESTROY_HOOKS: list = []  # backends' release hooks (nccl: the communicators it keeps)
 
@@ -74,7 +76,7 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
     replace` starts replacements) skips the initial rendezvous and waits to be
     admitted into the running group's next epoch; its rank comes from that epoch.
     """
-    global _WORLD, _SERVER, _WATCHER, _HEARTBEAT
+    global _WORLD, _SERVER, _WATCHER, _HEARTBEAT, _LINGER
     if _WORLD is not None and not _WORLD.is_aborted:
         raise RendezvousError("init_process_group was already called in this process",
                               hint="use the group it returned, or destroy_process_group() first")
@@ -118,6 +120,7 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
     if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not (
             0 <= rank < world_size):
         raise RendezvousError("rank=%r must be in [0, world_size=%r)" % (rank, world_size))
+    _LINGER = linger_seconds()
     rec = recorder()
     rec.rank, rec.world_size = rank, world_size
     if fr_dir:
@@ -200,6 +203,9 @@ def destroy_process_group() -> None:
     """Leave the world group and its sub-groups cleanly; stop the hosted store."""
     global _WORLD, _SERVER, _WATCHER, _HEARTBEAT
     flush_dump_requests()
+    if _SERVER is not None:
+        # this process hosts the store: peers must read the posted dump requests first
+        linger(_SERVER, _LINGER, dead=_HEARTBEAT.dead if _HEARTBEAT is not None else ())
     if _HEARTBEAT is not None:
         _HEARTBEAT.stop()
         _HEARTBEAT = None
@@ -220,39 +226,6 @@ def destroy_process_group() -> None:
     if _SERVER is not None:
         _SERVER.close()
         _SERVER = None
-
-
-class DumpWatcher:
-    """Waits on the store for dump requests (`fr/dump/<n>`) posted by a failing rank."""
-
-    def __init__(self, store: Store):
-        self._store = store.clone()
-        self._stop = threading.Event()
-        self._next = 1
-        self._thread = threading.Thread(target=self._loop, name="kiln-fr-watch", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            key = "fr/dump/%d" % self._next
-            try:
-                self._store.wait([key], timeout=1.0)
-                info = json.loads(self._store.get(key, timeout=1.0))
-            except DistributedError:
-                if self._stop.wait(0.2):
-                    return
-                continue
-            except ValueError:
-                info = {}
-            self._next += 1
-            if info.get("rank") != recorder().rank:
-                recorder().dump(reason="requested by rank %s: %s" % (info.get("rank"),
-                                                                    info.get("reason")))
-
-    def stop(self) -> None:
-        # no close here: the thread may hold the connection in a wait for up to 1 s,
-        # and it is a daemon; the flag ends it at its next turn
-        self._stop.set()
 
 
 def _at_exit() -> None:

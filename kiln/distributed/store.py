@@ -74,6 +74,26 @@ class StoreServer:
             _shutdown(conn)
         self._acceptor.close()
 
+    def contents(self) -> dict[str, bytes]:
+        """A copy of every key and value (for the process hosting the store)."""
+        with self._cond:
+            return dict(self._data)
+
+    def wait_for(self, predicate, timeout: float) -> bool:
+        """Block until `predicate(data)` holds, at most `timeout` s; whether it held.
+
+        `predicate` gets the live key -> value dict, with the store's lock held: it must
+        only read it, and quickly. It is tried again at every change, and at least every
+        0.1 s (it may depend on more than the data); a closed store ends the wait."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self._data):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+        return True
+
     def serve_forever(self) -> None:
         """Block the calling thread until close() (used by `kiln store`)."""
         while self._acceptor.is_alive():
@@ -323,6 +343,14 @@ class Store:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+
+    def interrupt(self) -> None:
+        """Shut this connection down from any thread, without waiting for a call in
+        progress: that call fails at once (the connection is lost), and the server drops
+        the ephemeral keys it held. The next call connects afresh."""
+        sock = self._sock
+        if sock is not None:
+            _shutdown(sock)
 
     def set(self, key: str, value: bytes | str, *, ephemeral: bool = False) -> None:
         """Set `key` to `value` (str is UTF-8 encoded). An `ephemeral` key lives as long

@@ -7,9 +7,11 @@ the deadline, so a broken scenario fails instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +21,21 @@ from kiln.distributed.store import StoreServer
 
 WORKERS = Path(__file__).with_name("workers.py")
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def reserved_port():
+    """A free 127.0.0.1 port, held for the block: bound with SO_REUSEADDR but never
+    listening, so no other socket can take it (picking a port and closing the probe left
+    a window where one could), while a server bound with SO_REUSEADDR, as every kiln
+    store is, still binds it. Until one does, connecting to it is refused."""
+    probe = socket.socket()
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", 0))
+        yield probe.getsockname()[1]
+    finally:
+        probe.close()
 
 
 def worker_env(tmp_path: Path, token: str, extra: dict | None = None) -> dict:

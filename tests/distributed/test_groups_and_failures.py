@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
+import json
 
 import pytest
 
-from harness import check_all_ok, run_scenario
+from harness import check_all_ok, reserved_port, run_scenario
 
 
 @pytest.mark.timeout(60)
@@ -37,16 +37,34 @@ def test_bad_input_splits_and_sigusr1_dump(tmp_path, world):
 
 
 @pytest.mark.timeout(60)
-def test_silent_peer_times_out_and_everyone_dumps(tmp_path):
-    results = run_scenario("hang", 3, tmp_path, args={"timeout": 1.5})
+@pytest.mark.parametrize("own_store", [False, True], ids=["harness_store", "rank0_store"])
+def test_silent_peer_times_out_and_everyone_dumps(tmp_path, own_store):
+    """The ranks that time out leave at once. With rank 0 hosting the store, it lingers
+    at exit until rank 1 has read the dump request (without that, rank 1's late watcher
+    lost the store with the request in it and never dumped: KILN_FR_LINGER=0 fails)."""
+    args = {"timeout": 1.5}
+    with reserved_port() as port:
+        if own_store:  # and rank 1's watcher reads the request 2 s late
+            args.update(own_store=True, address="127.0.0.1:%d" % port, slow_watcher=2.0)
+        # the linger is bounded (KILN_FR_LINGER, 5 s); 30 s here: a loaded machine may
+        # delay rank 1 past 5 s, while rank 0 leaves as soon as rank 1 acknowledged
+        results = run_scenario("hang", 3, tmp_path, args=args, env={"KILN_FR_LINGER": "30"})
     data = check_all_ok(results)
     assert data[1]["dumped"], "the stuck rank did not dump on the store's request"
     for rank in (0, 2):
         assert data[rank]["error"] == "CollectiveTimeout"
-        assert data[rank]["elapsed"] < 1.5 + 1.5, data[rank]
+        # the call's own 1.5 s deadline fired, not the 20 s wait around it (a loose bound:
+        # a loaded 2-core machine can deschedule a rank for seconds)
+        assert data[rank]["elapsed"] < 10, data[rank]
         assert "K203" in data[rank]["message"]
     for rank in range(3):
-        assert (tmp_path / "fr" / ("kiln_fr_rank%d.json" % rank)).exists()
+        dump = json.loads((tmp_path / "fr" / ("kiln_fr_rank%d.json" % rank)).read_text())
+        assert dump["rank"] == rank
+    assert dump_reason(tmp_path, 1).startswith("requested by rank ")
+
+
+def dump_reason(tmp_path, rank: int) -> str:
+    return json.loads((tmp_path / "fr" / ("kiln_fr_rank%d.json" % rank)).read_text())["reason"]
 
 
 @pytest.mark.timeout(60)
@@ -67,8 +85,6 @@ def test_dead_peer_fails_work_with_peer_failure_naming_it(tmp_path, size):
 
 @pytest.mark.timeout(60)
 def test_rank0_hosts_the_store(tmp_path):
-    probe = socket.create_server(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    check_all_ok(run_scenario("rank0_store", 2, tmp_path,
-                              args={"address": "127.0.0.1:%d" % port}))
+    with reserved_port() as port:
+        check_all_ok(run_scenario("rank0_store", 2, tmp_path,
+                                  args={"address": "127.0.0.1:%d" % port}))

@@ -62,8 +62,14 @@ def test_mismatched_calls_fail_everywhere_with_collective_mismatch(tmp_path, cap
     assert by_group["world.s2.c0"]["call"].startswith("broadcast")
 
 
-def test_silent_peer_times_out_and_everyone_dumps(tmp_path):
-    data = check_all_ok(run_mpi("hang", 3, tmp_path, args={"timeout": 1.5}))
+@pytest.mark.parametrize("own_store", [False, True], ids=["harness_store", "rank0_store"])
+def test_silent_peer_times_out_and_everyone_dumps(tmp_path, own_store):
+    """The ranks that time out leave at once; with `own_store`, a bare mpirun job's rank 0
+    hosts the store, and lingers at exit until rank 1 (whose watcher is 2 s late) read
+    the dump request from it."""
+    args = {"timeout": 1.5, "own_store": True, "slow_watcher": 2.0} if own_store else \
+        {"timeout": 1.5}
+    data = check_all_ok(run_mpi("hang", 3, tmp_path, args=args, env={"KILN_FR_LINGER": "30"}))
     assert data[1]["dumped"]
     for rank in (0, 2):
         assert data[rank]["error"] == "CollectiveTimeout" and "K203" in data[rank]["message"]

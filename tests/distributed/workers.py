@@ -298,10 +298,37 @@ def basic(rank, world, addr, args):
             "ops": [r["op"] for r in dump["records"]]}
 
 
+def _slow_watcher(delay: float) -> None:
+    """This process's dump watcher notices a request only `delay` s after it was posted
+    (as a CPU-starved one would): reading it then needs the store still up."""
+    from kiln.distributed import dump_requests
+
+    read = dump_requests.DumpWatcher._next_request
+
+    def late(self):
+        if not self._store.check([dump_requests.REQUEST_KEY % self._next]):
+            time.sleep(0.05)
+            return None
+        time.sleep(delay)
+        return read(self)
+
+    dump_requests.DumpWatcher._next_request = late
+
+
 @scenario
 def hang(rank, world, addr, args):
-    """Rank 1 never calls the third all_reduce: the others time out, all ranks dump."""
-    pg = join(rank, world, addr, timeout=args.get("timeout", 1.5))
+    """Rank 1 never calls the third all_reduce: the others time out, all ranks dump.
+    The ranks that time out leave at once. With `own_store`, rank 0 hosts the store
+    (at args["address"]; under MPI, shared over MPI): it must stay until rank 1 has read
+    the dump request from it (the store host's linger, kiln/distributed/dump_requests.py)."""
+    own = args.get("own_store", False)
+    if rank == 1 and args.get("slow_watcher"):
+        _slow_watcher(args["slow_watcher"])
+    # the group's timeout is also the rendezvous deadline: a short one fails the start when
+    # the ranks' processes start seconds apart (a loaded machine); the short deadline is
+    # the third call's own
+    pg = join(rank, world, args.get("address") if own else addr, host_store=None if own else False,
+              timeout=20.0)
     x = np.ones(4, np.float32)
     for _ in range(2):  # these must succeed even on a loaded machine
         pg.all_reduce(x, timeout=20).wait(timeout=30)
@@ -312,7 +339,7 @@ def hang(rank, world, addr, args):
             time.sleep(0.05)  # stuck in "user code"; the dump comes from the watcher
         return {"dumped": os.path.exists(path)}
     start = time.monotonic()
-    work = pg.all_reduce(x)
+    work = pg.all_reduce(x, timeout=args.get("timeout", 1.5))
     try:
         work.wait(timeout=20)
     except dist.CollectiveTimeout as err:
@@ -320,12 +347,6 @@ def hang(rank, world, addr, args):
                   "message": str(err)}
     else:
         raise AssertionError("no timeout")
-    # stay (bounded) until rank 1 has dumped: rank 0 hosts the store that carries the dump
-    # request, and leaving at once can take it away before rank 1's watcher reads it
-    path = os.path.join(os.environ["KILN_FR_DIR"], "kiln_fr_rank1.json")
-    deadline = time.monotonic() + 15
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
     return result
 
 
