@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import REPO, worker_env
+from harness import REPO, reserved_port, worker_env
 from kiln.distributed import launch_output
 
 EXAMPLE = REPO / "examples" / "distributed_allreduce.py"
@@ -76,16 +75,14 @@ def test_worker_killed_by_signal(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_two_nodes_on_one_machine(tmp_path):
-    probe = socket.create_server(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
     env = worker_env(tmp_path, "shared-secret")
-    cmd = [sys.executable, "-m", "kiln.distributed", "launch", "--nnodes", "2", "--nproc", "1",
-           "--rdzv", "127.0.0.1:%d" % port]
-    nodes = [subprocess.Popen(cmd[:4] + cmd[4:] + ["--node-rank", str(i), str(EXAMPLE)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = [n.communicate(timeout=50) for n in nodes]
+    with reserved_port() as port:
+        cmd = [sys.executable, "-m", "kiln.distributed", "launch", "--nnodes", "2", "--nproc",
+               "1", "--rdzv", "127.0.0.1:%d" % port]
+        nodes = [subprocess.Popen(cmd + ["--node-rank", str(i), str(EXAMPLE)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        outs = [n.communicate(timeout=50) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
     assert "rank 0: all_reduce -> [1.0, 1.0, 1.0, 1.0]" in outs[0][0]
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from harness import reserved_port
 from kiln.distributed import Store, StoreAuthError, StoreError, StoreServer, StoreTimeout
 from kiln.distributed.protocol import recv_frame, send_frame
 
@@ -77,9 +78,12 @@ def test_ephemeral_keys_die_with_their_connection(server):
     owner.set("live/1", "again", ephemeral=True)  # reconnects by itself
     assert owner.generation == generation + 1 and store.get("live/1") == b"again"
     store.set("live/2", "plain")  # a plain set makes the key outlive its writer
+    store.set("live/3", "1", ephemeral=True)  # shows when the server has seen the close
     store.close()
-    time.sleep(0.2)
-    assert owner.get("live/2") == b"plain"
+    deadline = time.monotonic() + 5
+    while owner.check(["live/3"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not owner.check(["live/3"]) and owner.get("live/2") == b"plain"
 
 
 def test_wait_blocks_until_set_and_times_out(server):
@@ -129,10 +133,7 @@ def test_client_refuses_a_server_without_the_token():
 
 
 def test_connect_deadline():
-    probe = socket.create_server(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
     start = time.monotonic()
-    with pytest.raises(StoreTimeout, match="cannot connect"):
+    with reserved_port() as port, pytest.raises(StoreTimeout, match="cannot connect"):
         Store("127.0.0.1:%d" % port, "t", timeout=0.5)
     assert time.monotonic() - start < 2
