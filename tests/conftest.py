@@ -14,6 +14,10 @@ from hypothesis import HealthCheck, settings
 _CACHE_ROOT = tempfile.mkdtemp(prefix="kiln-test-cache-")
 for _var in ("KILN_CACHE_DIR", "TRITON_CACHE_DIR", "POCL_CACHE_DIR", "KILN_FR_DIR", "KILN_MEM_DIR"):
     os.environ[_var] = os.path.join(_CACHE_ROOT, _var.lower())
+# parallel regions keep their thread count whatever the machine's other load (tests that
+# count a launch's ranges stay deterministic); tests/runtime/test_threads.py turns the
+# load-dependent count on where it tests it
+os.environ.setdefault("KILN_DYNAMIC_THREADS", "0")
 
 settings.register_profile("kiln", deadline=None, max_examples=40, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

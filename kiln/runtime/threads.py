@@ -21,6 +21,7 @@ import ctypes
 import math
 import os
 import threading
+import time
 from functools import lru_cache
 from typing import Iterator
 
@@ -201,3 +202,95 @@ def limit_blas_to_quota() -> None:
         current = blas_num_threads()
         if current is not None and current > get_num_threads():
             set_blas_num_threads(get_num_threads())
+
+
+# -- sharing the machine: threads for the next parallel region ------------------------
+# A region split over n threads waits at its end for all of them. When other processes
+# keep cores busy, a thread of kiln's waits for a core for a scheduler time slice (ms)
+# while the region's work is a fraction of that: a 0.3 ms kernel split over 2 threads
+# took 6-8 ms (median) at load 9 on 2 CPUs. So, as GNU OpenMP's dynamic mode
+# (OMP_DYNAMIC, which subtracts the load average), a region uses the CPUs that other
+# processes left idle: measured from /proc/stat (all CPUs' busy time) minus this
+# process's own CPU time (os.times), over the last quarter second.
+
+REFRESH_S = 0.25  # how often the busy time of other processes is sampled
+STALE_S = 1.0  # a sample older than this is a new baseline, not a window
+_dynamic = os.environ.get("KILN_DYNAMIC_THREADS", "1") != "0"
+_load_lock = threading.Lock()
+_sample: tuple[float, float, float] | None = None  # (monotonic s, busy s of all CPUs, own s)
+_others = 0.0  # CPUs other processes kept busy over the last window
+
+
+def _busy_seconds() -> float | None:
+    """Busy time of all CPUs since boot, in seconds (/proc/stat), or None (not Linux)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != b"cpu":
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / _clock_ticks()
+
+
+@lru_cache(maxsize=None)
+def _clock_ticks() -> int:
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):
+        return 100
+
+
+def others_busy_cpus() -> float:
+    """CPUs that other processes kept busy over the last sampled window (about
+    REFRESH_S); 0.0 where it cannot be measured. Cheap: samples at most every REFRESH_S."""
+    global _sample, _others
+    now = time.monotonic()
+    last = _sample
+    if last is not None and now - last[0] < REFRESH_S:
+        return _others
+    if not _load_lock.acquire(blocking=False):  # another thread is sampling
+        return _others
+    try:
+        busy = _busy_seconds()
+        if busy is None:
+            return 0.0
+        times = os.times()
+        own = times.user + times.system
+        if last is not None and now - last[0] < STALE_S:
+            window = now - last[0]
+            _others = max(0.0, ((busy - last[1]) - (own - last[2])) / window)
+        _sample = (now, busy, own)
+        return _others
+    finally:
+        _load_lock.release()
+
+
+def threads_beside(others: float, threads: int, cpus: int) -> int:
+    """Threads for a region: at most `threads`, no more than the `cpus` that `others`
+    (CPUs busy with other processes) leave, rounded to the nearest, at least 1.
+
+    >>> threads_beside(1.0, 2, 2)   # a busy process on one of two CPUs: 1
+    """
+    return max(1, min(threads, math.floor(cpus - others + 0.5)))
+
+
+def parallel_threads() -> int:
+    """Threads kiln's next parallel region uses: `get_num_threads()`, fewer while other
+    processes keep CPUs busy (see above; `set_dynamic_threads(False)` turns that off)."""
+    n = get_num_threads()
+    if n <= 1 or not _dynamic:
+        return n
+    return threads_beside(others_busy_cpus(), n, os.cpu_count() or n)
+
+
+def set_dynamic_threads(enabled: bool) -> None:
+    """Whether parallel regions give up threads while other processes keep CPUs busy
+    (on by default; the environment variable KILN_DYNAMIC_THREADS=0 turns it off)."""
+    global _dynamic
+    _dynamic = bool(enabled)
+
+
+def dynamic_threads() -> bool:
+    return _dynamic

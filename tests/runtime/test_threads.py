@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -268,3 +269,87 @@ def test_every_blas_gemm_kiln_calls_runs_on_one_blas_thread(m, k, n, monkeypatch
     np.testing.assert_allclose(out, np.maximum(a.astype(np.float64) @ b, 0), rtol=1e-4, atol=1e-4)
     assert seen and set(seen) == {1}
     assert getter() == 2
+
+
+@pytest.fixture
+def dynamic(monkeypatch):
+    """Dynamic thread counts on, with the other processes' busy CPUs set by the test."""
+    others = {"cpus": 0.0}
+    monkeypatch.setattr(threads, "_dynamic", True)
+    monkeypatch.setattr(threads, "others_busy_cpus", lambda: others["cpus"])
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    return others
+
+
+def test_threads_beside_other_load():
+    assert threads.threads_beside(0.0, 2, 2) == 2
+    assert threads.threads_beside(0.4, 2, 2) == 2  # mostly idle: keep both
+    assert threads.threads_beside(0.6, 2, 2) == 1
+    assert threads.threads_beside(1.0, 2, 2) == 1  # one of two CPUs taken: one thread
+    assert threads.threads_beside(7.5, 2, 2) == 1  # never fewer than one
+    assert threads.threads_beside(1.2, 8, 4) == 3
+    assert threads.threads_beside(0.0, 2, 16) == 2  # never more than asked
+
+
+def test_a_launch_gives_up_a_thread_to_a_busy_process(dynamic, pool_runs, restore_threads):
+    kn.set_num_threads(2)
+    kernel = CpuBackend(CpuOptions(threads=2, parallel_threshold=1)).compile(_tanh_kernel())
+    x = np.random.default_rng(5).standard_normal((512, 64)).astype(np.float32)
+    want = np.tanh(x.astype(np.float64)).astype(np.float32)
+    for busy, splits in ((0.0, 1), (1.0, 0), (0.2, 1), (1.8, 0)):
+        dynamic["cpus"] = busy
+        pool_runs.clear()
+        y = np.empty_like(x)
+        kernel([x, y], {"B": 512})
+        np.testing.assert_allclose(y, want, rtol=2e-6, atol=2e-6)
+        assert len(pool_runs) == splits
+    threads.set_dynamic_threads(False)  # off: the count ignores the load
+    pool_runs.clear()
+    kernel([x, np.empty_like(x)], {"B": 512})
+    assert len(pool_runs) == 1
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not os.path.exists("/proc/stat"),
+                    reason="needs 2 CPUs and Linux's /proc/stat")
+def test_a_busy_process_is_counted_and_this_process_is_not(monkeypatch):
+    """A process spinning on one CPU makes others_busy_cpus() at least ~1 (more if the
+    machine has other load), while this process's own spinning thread is not counted
+    as someone else's (it is subtracted: it alone would read ~1)."""
+    monkeypatch.setattr(threads, "_sample", None)
+    spin = "import time\nend = time.monotonic() + 20\nwhile time.monotonic() < end: pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        threads.others_busy_cpus()  # baseline
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:  # sleeps: this process is idle meanwhile
+            time.sleep(0.05)
+        seen = threads.others_busy_cpus()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert seen >= 0.5
+
+
+def test_this_process_cpu_time_is_not_counted_as_others(monkeypatch):
+    """others = (all CPUs' busy seconds - this process's CPU seconds) / window, sampled at
+    most every REFRESH_S; a sample older than STALE_S only starts a new window."""
+    clock = {"now": 100.0, "busy": 1000.0, "own": 10.0}
+    monkeypatch.setattr(threads, "_sample", None)
+    monkeypatch.setattr(threads, "_others", 0.0)
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(threads, "_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(threads.os, "times", lambda: os.times_result((clock["own"], 0.0, 0.0, 0.0, 0.0)))
+
+    def advance(dt, busy, own):
+        clock["now"] += dt
+        clock["busy"] += busy
+        clock["own"] += own
+        return threads.others_busy_cpus()
+
+    assert threads.others_busy_cpus() == 0.0  # the first sample is a baseline
+    assert advance(0.5, 1.0, 0.5) == pytest.approx(1.0)  # 2 CPUs busy, one of them ours
+    assert advance(0.5, 0.5, 0.5) == pytest.approx(0.0)  # all of it ours
+    assert advance(0.1, 0.2, 0.0) == pytest.approx(0.0)  # within REFRESH_S: the last value
+    assert advance(0.4, 0.8, 0.0) == pytest.approx(2.0)  # the 0.5 s since the last sample: 1.0 busy s
+    assert advance(5.0, 1.0, 0.0) == pytest.approx(2.0)  # stale: a new baseline, value kept
+    assert advance(0.5, 0.25, 0.0) == pytest.approx(0.5)

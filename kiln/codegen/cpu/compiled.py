@@ -27,7 +27,7 @@ from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir.shapes import dim_function, format_shape
 from kiln.codegen.cpu.mathlib import F32_FUNCS
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
-from kiln.runtime.threads import blas_single_thread, get_num_threads
+from kiln.runtime.threads import blas_single_thread, get_num_threads, parallel_threads
 from kiln.codegen.cpu.autotune import SPLIT_MACS
 
 # a batched GEMM of at least this many multiply-adds (~0.3 ms on one core) is split over
@@ -262,8 +262,9 @@ class CompiledKernel:
 
     @property
     def _threads(self) -> int:
-        """Threads a launch splits over now: the compiled count capped by kn.set_num_threads."""
-        return min(self._max_threads, get_num_threads())
+        """Threads a launch splits over now: the compiled count capped by kn.set_num_threads
+        and by the CPUs other processes leave idle (threads.parallel_threads)."""
+        return min(self._max_threads, parallel_threads())
 
     def _check(self, i: int, a, env) -> None:
         b = self.kernel.buffers[i]
@@ -350,11 +351,11 @@ class CompiledKernel:
             threads = self._threads if parallel else 1
             if threads > 1:
                 self._pool.run(self._fn, bufs, csizes, split(total, threads, 64 if total >= 1024 else 1))
-            elif batch_align < 0 and get_num_threads() > 1:
-                n = get_num_threads()
+            elif batch_align < 0 and parallel_threads() > 1:
+                n = parallel_threads()
                 pool(n).run_claimed(self._fn, bufs, csizes, [(i, i + 1) for i in range(total)], n)
-            elif batch_align > 0 and get_num_threads() > 1:
-                n = get_num_threads()
+            elif batch_align > 0 and parallel_threads() > 1:
+                n = parallel_threads()
                 pool(n).run(self._fn, bufs, csizes, split(total, n, batch_align))
             elif one_blas or batch_align < 0:
                 with blas_single_thread():
