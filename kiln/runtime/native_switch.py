@@ -36,6 +36,7 @@ from kiln.errors import KilnError
 from kiln.ir.shapes import dim_function
 from kiln.runtime.native_loops import _has_collective, _is_cpu_kernel
 from kiln.runtime.program import Control, Launch, Program
+from kiln.runtime.threads import parallel_threads
 
 _BUILD_AFTER = 2  # calls of one size binding before its capture is built
 _KEEP = 2  # outputs remembered per output position, for reuse once the caller drops them
@@ -80,7 +81,7 @@ class _SwitchPlan:
                 if slot not in direct.values() and _written_by_launch(body, slot):
                     env[slot] = outputs[k]
                     direct[k] = slot
-            ops = _one_thread(flat.flatten(body, env))
+            ops = flat.flatten(body, env)
             for k, slot in enumerate(body.outputs):
                 if k not in direct:
                     shape, dtype = self.out_specs[k]
@@ -90,6 +91,7 @@ class _SwitchPlan:
         op = Switch(index, np.dtype(program.buffers[step.inputs[0]].dtype.np_dtype), tuple(branches))
         if not is_native(op):
             raise KilnError("internal: a branch has a step native code cannot run")
+        serial = _one_thread([op])[0]
         self.arrays = flat.arrays  # captured buffers stay alive with the plan
         self.table = (ctypes.c_void_p * len(flat.arrays))()
         for i, array in enumerate(flat.arrays):
@@ -97,7 +99,11 @@ class _SwitchPlan:
                 self.table[i] = array.ctypes.data
         self.table_address = ctypes.addressof(self.table)
         self.launcher = launcher  # owns the native code
-        self.run_native = launcher.compile([op])
+        # two versions when a launch is large enough to split: the split one runs only
+        # while other processes leave a CPU idle (threads.parallel_threads), since a split
+        # launch waits at its end for every thread
+        self.run_serial = launcher.compile([serial])
+        self.run_split = launcher.compile([op]) if serial != op else None
         bound = [index, *operands, *outputs]
         self.aliases = [(t, s) for t, s, _ in flat.aliases]
         self.bind = launcher.bind(bound, self.aliases)
@@ -166,7 +172,10 @@ class NativeSwitch:
                     table[i] = a.ctypes.data
                 for target, source in plan.aliases:
                     table[target] = table[source]
-            plan.run_native(plan.table_address)
+            if plan.run_split is not None and parallel_threads() > 1:
+                plan.run_split(plan.table_address)
+            else:
+                plan.run_serial(plan.table_address)
         finally:
             if fresh:
                 self.allocator.end_call(fresh)
@@ -192,7 +201,8 @@ def _one_thread(ops) -> list:
     its end for every thread to have run its share: on a machine whose other cores are
     busy (other processes) that wait is a scheduler time slice, milliseconds, for a
     kernel of a few hundred microseconds (the 4-way switch over 2^20 floats measured
-    0.2 ms split and 6-8 ms median split at load 9 on 2 CPUs; 0.34 ms on one thread)."""
+    0.2 ms split on an idle machine, 6-8 ms median split at load 9 on 2 CPUs, 0.34 ms
+    on one thread)."""
     from kiln.runtime.capture import Loop, NativeLaunch, Switch
 
     out = []

@@ -167,3 +167,24 @@ def test_concurrent_calls_stay_correct():
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and not errors
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_branch_runs_split_only_while_cpus_are_idle(threads, monkeypatch):
+    """A branch large enough to split has a split and a one-thread version; the split one
+    runs only while threads.parallel_threads() (the CPUs other processes leave idle)
+    allows more than one thread."""
+    from kiln.codegen.cpu.launch_list import openmp_runtime
+
+    calls = []
+    monkeypatch.setattr(native_switch, "parallel_threads", lambda: calls.append(threads) or threads)
+    g = kn.compile(four_way)
+    x = np.random.default_rng(6).standard_normal(1 << 20).astype(np.float32)
+    for k in (0, 1, 2, 3, 3, 2, 1, 0):
+        np.testing.assert_allclose(g(np.array(k, np.int32), x).numpy(), reference(k, x),
+                                   rtol=1e-5, atol=1e-6)
+    (plan,) = [p for step in g.compiled_graphs()[0].executable._steps
+               for c in step.__closure__ or () if isinstance(c.cell_contents, native_switch.NativeSwitch)
+               for p in c.cell_contents._plans.values()]
+    assert (plan.run_split is not None) == (openmp_runtime() is not None)
+    assert calls or plan.run_split is None  # asked on every native call that could split
