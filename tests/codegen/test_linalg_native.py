@@ -94,7 +94,7 @@ def test_qr(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(8, 8), (13, 7), (7, 13), (32, 32)])
+@pytest.mark.parametrize("shape", [(8, 8), (13, 7), (7, 13), (20, 14), (32, 32)])  # >= 14: bidiagonal QR
 def test_svd(dtype, shape):
     b = _batch(dtype)
     m, n = shape
@@ -114,11 +114,12 @@ def test_svd(dtype, shape):
         assert np.all(big > 0), kind  # the sign convention
 
 
-def test_svd_zero_matrix_and_zero_column():
-    a = np.zeros((9, 6, 6))
-    a[1:, :, 0] = RNG.standard_normal((8, 6))  # rank one: five exactly-zero singular values
+@pytest.mark.parametrize("n", [6, 16])  # Jacobi, bidiagonal QR
+def test_svd_zero_matrix_and_zero_column(n):
+    a = np.zeros((9, n, n))
+    a[1:, :, 0] = RNG.standard_normal((8, n))  # rank one: n - 1 exactly-zero singular values
     u, s, vh = N.svd(a)
-    np.testing.assert_allclose(u.transpose(0, 2, 1) @ u, np.broadcast_to(np.eye(6), (9, 6, 6)), atol=1e-12)
+    np.testing.assert_allclose(u.transpose(0, 2, 1) @ u, np.broadcast_to(np.eye(n), (9, n, n)), atol=1e-12)
     np.testing.assert_allclose((u * s[:, None, :]) @ vh, a, atol=1e-12)
 
 

@@ -90,6 +90,17 @@ def cholesky(n: int, scalar: str, width: int) -> tuple[str, str]:
     return L.name, L.text()
 
 
+def _householder(L: Lanes, alpha, xn2):
+    """LAPACK's larfg for x = [alpha, tail], |tail|^2 = xn2: (beta, tau, scale) with
+    H x = beta e_1 for H = I - tau v v^T, v = [1, tail * scale], beta = -sign(alpha) |x|;
+    a zero tail gives tau = 0 and beta = alpha (H = I)."""
+    beta = L.f.fneg(L.copysign(L.sqrt(L.fma(alpha, alpha, xn2)), alpha))
+    zero = L.fcmp("oeq", xn2, L.k(0))
+    tau = L.select(zero, L.k(0), L.fdiv(L.fsub(beta, alpha), beta))
+    scale = L.select(zero, L.k(0), L.fdiv(L.k(1), L.fsub(alpha, beta)))
+    return L.select(zero, alpha, beta), tau, scale
+
+
 def _reflect(L: Lanes, X, cols: int, j, c_lo, c_hi, rows: int, A, n: int, tau, Wk) -> None:
     """Apply H_j = I - tau v v^T (v = [1, A[j+1:, j]]) to columns [c_lo, c_hi) of X
     (rows x cols), as LAPACK's larf: w = v^T X (Wk, a row of lanes), then X -= tau v w.
@@ -128,11 +139,8 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
             jj = L.idx(j, na, j)
             alpha = L.ld(A, jj)
             xn2 = _sum(L, L.add(j, 1), m, L.k(0), lambda i: L.fmul(x := L.ld(A, L.idx(i, na, j)), x))
-            beta = L.f.fneg(L.copysign(L.sqrt(L.fma(alpha, alpha, xn2)), alpha))
-            zero = L.fcmp("oeq", xn2, L.k(0))
-            tau = L.select(zero, L.k(0), L.fdiv(L.fsub(beta, alpha), beta))
-            scale = L.select(zero, L.k(0), L.fdiv(L.k(1), L.fsub(alpha, beta)))
-            L.st(A, jj, L.select(zero, alpha, beta))
+            beta, tau, scale = _householder(L, alpha, xn2)
+            L.st(A, jj, beta)
             L.st(T, j, tau)
             with L.loop(L.add(j, 1), m) as il:
                 e = L.idx(il.i, na, j)

@@ -4,8 +4,9 @@
     >>> w, v = linalg_native.eigh(a)               # ascending, sign-normalized columns
 
 eigh takes two-sided Jacobi below n = 11 and Householder tridiagonalization + implicit QL
-from there (linalg_tridiag.py; fewer loads and stores once n^3 dominates). Each call
-compiles (once per op, shape, dtype and width; cached in the process and, as
+from there (linalg_tridiag.py), svd one-sided Jacobi below min(m, n) = 14 and Householder
+bidiagonalization + implicit-shift QR from there (linalg_bidiag.py): LAPACK's routes do
+~3x fewer loads and stores once n^3 dominates (builder()). Each call compiles (once per op, shape, dtype and width; cached in the process and, as
 object code, in kiln's on-disk artifact cache) two kernels: one of W lanes, W = the
 host's SIMD width over the dtype (AVX-512: 16 float32 / 8 float64; AVX2: 8 / 4), and one
 of a single lane for the batch's tail. The full groups
@@ -29,6 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from kiln.codegen.cpu import linalg_bidiag as bidiag
 from kiln.codegen.cpu import linalg_kernels as kernels
 from kiln.codegen.cpu import linalg_tridiag as tridiag
 
@@ -88,10 +90,14 @@ class _Kernel:
 
 
 def builder(op: str, dims: tuple):
-    """The kernel builder for `op` on matrices of `dims`: eigh from QL_FROM on is the
-    tridiagonal QL kernel (linalg_tridiag.py), below it two-sided Jacobi."""
+    """The kernel builder for `op` on matrices of `dims`: eigh from n = tridiag.QL_FROM
+    on is tridiagonalization + QL (linalg_tridiag.py), svd from min(m, n) =
+    bidiag.GKR_FROM on bidiagonalization + QR sweeps (linalg_bidiag.py); below them
+    Jacobi (linalg_kernels.py), which wins where the reductions' fixed costs dominate."""
     if op == "eigh" and dims[0] >= tridiag.QL_FROM:
         return tridiag.eigh
+    if op == "svd" and min(dims) >= bidiag.GKR_FROM:
+        return bidiag.svd
     return getattr(kernels, op)
 
 

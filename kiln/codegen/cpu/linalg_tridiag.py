@@ -24,7 +24,7 @@ iterations on l repeat until no lane has work left (at most MAX_ITERATIONS times
 from __future__ import annotations
 
 from kiln.codegen.cpu.ir_builder import V
-from kiln.codegen.cpu.linalg_kernels import _sign_rows, _store
+from kiln.codegen.cpu.linalg_kernels import _householder, _sign_rows, _store
 from kiln.codegen.cpu.linalg_lanes import Lanes
 
 MAX_ITERATIONS = 40  # QL iterations on one eigenvalue (LAPACK allows 30 per eigenvalue)
@@ -47,12 +47,9 @@ def _tridiagonalize(L: Lanes, A, n: int, ld: int, D, E, T, Vv, P) -> None:
             x = L.ld(A, at(il.i, j))
             il.next = [L.fma(x, x, il.vals[0])]
         xn2 = il.vals[0]
-        beta = L.f.fneg(L.copysign(L.sqrt(L.fma(alpha, alpha, xn2)), alpha))
-        zero = L.fcmp("oeq", xn2, L.k(0))
-        tau = L.select(zero, L.k(0), L.fdiv(L.fsub(beta, alpha), beta))
-        scale = L.select(zero, L.k(0), L.fdiv(L.k(1), L.fsub(alpha, beta)))
+        beta, tau, scale = _householder(L, alpha, xn2)
         L.st(D, j, L.ld(A, at(j, j)))
-        L.st(E, j, L.select(zero, alpha, beta))
+        L.st(E, j, beta)
         L.st(T, j, tau)
         L.st(Vv, j1, L.k(1))
         with L.loop(L.add(j, 2), n) as il:
