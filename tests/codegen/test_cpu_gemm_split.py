@@ -142,3 +142,27 @@ def test_claimed_does_not_wait_for_a_worker_without_a_core(pool):
     finally:
         release.set()
     assert done.get(timeout=30) is None
+
+
+@skip_if_no_blas
+@pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 1), (1, 3), (3, 4)], [(3, 4), (0, 3)]])
+def test_any_cut_of_the_panels_computes_the_product(monkeypatch, ranges):
+    """Consecutive panels of one range go to BLAS as one call: every cut of [0, panels)
+    into ranges (as threads claim them, in any order) gives the same result."""
+    import ctypes
+
+    monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
+    monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
+    g = big_gemm(300, 192, 160, ta=True)
+    be = CpuBackend(CpuOptions(threads=2))
+    ck = be._compile_plans([be._plan(g, set())])[0]
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((160, 300)).astype(np.float32), rng.standard_normal((160, 192)).astype(np.float32)
+    bias = rng.standard_normal(192).astype(np.float32)
+    out = np.full((300, 192), np.nan, np.float32)
+    arrays = [a, b, bias, out]
+    bufs = (ctypes.c_void_p * 4)(*[id(x) if ck._by_object else x.ctypes.data for x in arrays])
+    sizes = (ctypes.c_int64 * 1)()
+    for lo, hi in ranges:
+        ck._fn(bufs, sizes, lo, hi)
+    np.testing.assert_allclose(out, np.maximum(a.T @ b + bias, 0), rtol=1e-4, atol=1e-4)

@@ -31,6 +31,8 @@ from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
 from kiln.codegen.cpu.llvm_emit import ExprEmitter, abi_wrapper
 from kiln.codegen.cpu.scalar_ops import convert
 
+MERGED_ROWS = 1024  # at most this many output rows per BLAS call (the epilogue's panel)
+
 
 def acc_dtype(g: GemmKernel) -> DType:
     """The accumulator dtype: float64 for float64 operands, else float32 (or the int)."""
@@ -145,6 +147,12 @@ class GemmEmitter:
         m, n, k = (self._ix(fn, d) for d in (g.m, g.n, g.k))
         mp = const("i64", self.mp)
         npan = fn.bin("sdiv", fn.bin("add", m, const("i64", self.mp - 1)), mp)
+        # one product split into panels for kiln's threads (autotune.panel_rows_for):
+        # consecutive panels of one call's range go to BLAS as one call of up to
+        # MERGED_ROWS rows, so a thread that runs several (or all) of them packs B once
+        single = sympy.sympify(g.batch) == 1
+        group = max(1, MERGED_ROWS // self.mp) if single else 1
+        cap = const("i64", self.mp * group)
         params = {b.name: b for b in g.buffers}
         a_dt, b_dt, out_dt = params[g.a].dtype, params[g.b].dtype, params[g.out].dtype
         a_lay = _layout(g.a_strides, 1, 2) if a_dt == self.acc else None
@@ -152,18 +160,33 @@ class GemmEmitter:
         reads_out = any(isinstance(x, Load) and x.buffer == g.out for x in walk(g.epilogue))
         direct_c = out_dt == self.acc and not reads_out
         esz = const("i64", self.esize)
-        tmp_a = fn.call("malloc", "ptr", [fn.bin("mul", fn.bin("mul", mp, fn.bin("add", k, const("i64", 1))), esz)]) \
+        tmp_a = fn.call("malloc", "ptr", [fn.bin("mul", fn.bin("mul", cap, fn.bin("add", k, const("i64", 1))), esz)]) \
             if a_lay is None else None
         tmp_b = fn.call("malloc", "ptr", [fn.bin("mul", fn.bin("add", fn.bin("mul", k, n), const("i64", 1)), esz)]) \
             if b_lay is None else None
         tmp_c = None if direct_c else fn.call(
-            "malloc", "ptr", [fn.bin("mul", fn.bin("add", fn.bin("mul", mp, n), const("i64", 1)), esz)])
-        loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), carried=[const("i64", -1)], vectorize=False)
-        p, (last_b,) = loop.begin()
-        bi = fn.bin("sdiv", p, npan)
-        i0 = fn.bin("mul", fn.bin("srem", p, npan), mp)
-        left = fn.bin("sub", m, i0)
-        rows = fn.select(fn.icmp("slt", left, mp), left, mp)
+            "malloc", "ptr", [fn.bin("mul", fn.bin("add", fn.bin("mul", cap, n), const("i64", 1)), esz)])
+        begin, end = V("%begin", "i64"), V("%end", "i64")
+        if group == 1:  # one BLAS call per panel
+            loop = CountedLoop(fn, begin, end, carried=[const("i64", -1)], vectorize=False)
+            p, (last_b,) = loop.begin()
+            bi = fn.bin("sdiv", p, npan)
+            i0 = fn.bin("mul", fn.bin("srem", p, npan), mp)
+            left = fn.bin("sub", m, i0)
+            rows = fn.select(fn.icmp("slt", left, mp), left, mp)
+        else:  # batch 1: panels [p, min(p + group, end)) in one call
+            gsz = const("i64", group)
+            ngroups = fn.bin("sdiv", fn.bin("add", fn.bin("sub", end, begin), const("i64", group - 1)), gsz)
+            loop = CountedLoop(fn, const("i64", 0), ngroups, carried=[const("i64", -1)], vectorize=False)
+            t, (last_b,) = loop.begin()
+            p = fn.bin("add", begin, fn.bin("mul", t, gsz))
+            p_end = fn.bin("add", p, gsz)
+            p_end = fn.select(fn.icmp("slt", p_end, end), p_end, end)
+            bi = const("i64", 0)
+            i0 = fn.bin("mul", p, mp)
+            stop = fn.bin("mul", p_end, mp)
+            stop = fn.select(fn.icmp("slt", stop, m), stop, m)
+            rows = fn.bin("sub", stop, i0)
         # operand A: the panel's rows
         if a_lay is None:
             self._pack(fn, tmp_a, g.a, g.a_strides, bi, i0, rows, k)
