@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from kiln.codegen.cpu.linalg_kernels import _householder, _reflect, _store
 from kiln.codegen.cpu.linalg_lanes import Lanes
-from kiln.codegen.cpu.linalg_tridiag import _fl, _ones
 
 MAX_ITERATIONS = 40  # QR sweeps on one singular value (LAPACK: 6 per value on average)
 # the smallest min(m, n) taken by this kernel rather than one-sided Jacobi's
@@ -37,10 +36,6 @@ GKR_FROM = 14
 
 def _hypot(L: Lanes, a, b):
     return L.sqrt(L.fma(a, a, L.fmul(b, b)))
-
-
-def _not(L: Lanes, mask):
-    return L.f.emit(f"xor {L.mt} {mask.ref}, {_ones(L)}", L.mt)
 
 
 def _and(L: Lanes, *masks):
@@ -146,18 +141,12 @@ def _form_v(L: Lanes, A, n: int, na: int, TR, V, nv: int, Wk) -> None:
                 L.st(V, e, L.fsub(L.ld(V, e), L.fmul(vr, L.ld(Wk, cl.i))))
 
 
-def _select_at(L: Lanes, arr, lo, hi, where, value=None):
-    """Per lane, arr[where] for the float index lanes `where` in [lo, hi) (a sum of
-    selects); with `value`, arr[where] <- value instead (lanes whose `where` is outside
-    keep theirs)."""
-    with L.loop(lo, hi, [L.k(0)]) as kl:
-        hit = L.fcmp("oeq", where, _fl(L, kl.i))
-        if value is None:
-            kl.next = [L.select(hit, L.ld(arr, kl.i), kl.vals[0])]
-        else:
-            L.st(arr, kl.i, L.select(hit, value, L.ld(arr, kl.i)))
-            kl.next = kl.vals
-    return kl.vals[0]
+def _put_at(L: Lanes, arr, lo, hi, where, value) -> None:
+    """Per lane, arr[where] <- value for the float index lanes `where` in [lo, hi) (lanes
+    whose `where` is outside keep theirs): a select at each candidate."""
+    with L.loop(lo, hi) as kl:
+        hit = L.fcmp("oeq", where, L.findex(kl.i))
+        L.st(arr, kl.i, L.select(hit, value, L.ld(arr, kl.i)))
 
 
 def _cancel(L: Lanes, m: int, nu: int, U, Wd, Ws, Col, k, lval, canc, tol) -> None:
@@ -165,18 +154,18 @@ def _cancel(L: Lanes, m: int, nu: int, U, Wd, Ws, Col, k, lval, canc, tol) -> No
     row l - 1 by rotations of columns (l - 1, i), i = l..k, of B and of U (NR's
     cancellation); U's column l - 1 differs per lane: gathered into Col, scattered back."""
     nm = L.fsub(lval, L.k(1))
-    with L.loop(0, m) as rl:  # Col <- U[:, l - 1]
-        L.st(Col, rl.i, _select_at(L, U, L.mul(rl.i, nu), L.add(L.mul(rl.i, nu), k),
-                                   L.fadd(nm, _fl(L, L.mul(rl.i, nu)))))
+    where = L.select(canc, nm, L.k(0))
+    with L.loop(0, m) as rl:  # Col <- U[:, l - 1] (column 0 for the other lanes)
+        L.st(Col, rl.i, L.pick(U, L.fadd(where, L.findex(L.mul(rl.i, nu)))))
     with L.loop(1, L.add(k, 1), [L.k(0), L.k(1), L.k(0)]) as il:
         i = il.i
         c, s, stop = il.vals
-        started = _and(L, canc, L.fcmp("oge", _fl(L, i), lval), L.fcmp("oeq", stop, L.k(0)))
+        started = _and(L, canc, L.fcmp("oge", L.findex(i), lval), L.fcmp("oeq", stop, L.k(0)))
         si = L.ld(Ws, i)
         ff = L.fmul(s, si)
         L.st(Ws, i, L.select(started, L.fmul(c, si), si))
         small = L.fcmp("ole", L.fabs(ff), tol)
-        go = _and(L, started, _not(L, small))
+        go = _and(L, started, L.mask_not(small))
         g = L.ld(Wd, i)
         h = _hypot(L, ff, g)
         L.st(Wd, i, L.select(go, h, g))
@@ -191,14 +180,14 @@ def _cancel(L: Lanes, m: int, nu: int, U, Wd, Ws, Col, k, lval, canc, tol) -> No
                    L.select(_and(L, started, small), L.k(1), stop)]
     with L.loop(0, m) as rl:  # U[:, l - 1] <- Col
         base = L.mul(rl.i, nu)
-        _select_at(L, U, base, L.add(base, k), L.fadd(nm, _fl(L, base)), value=L.ld(Col, rl.i))
+        _put_at(L, U, base, L.add(base, k), L.fadd(where, L.findex(base)), L.ld(Col, rl.i))
 
 
 def _qr_sweep(L: Lanes, m: int, n: int, nu: int, nv: int, U, V, Wd, Ws, k, lval, active) -> None:
     """One implicit-shift QR sweep on B[l..k, l..k] for the lanes `active` (NR's svdcmp
     inner loop), the rotations applied to U's and V's columns."""
     one = L.k(1)
-    x = L.select(active, _select_at(L, Wd, 0, k, lval), one)
+    x = L.select(active, L.pick(Wd, lval), one)
     km1 = L.add(k, -1)
     y = L.select(active, L.ld(Wd, km1), one)
     z = L.ld(Wd, k)
@@ -213,7 +202,7 @@ def _qr_sweep(L: Lanes, m: int, n: int, nu: int, nv: int, U, V, Wd, Ws, k, lval,
         j = jl.i
         i = L.add(j, 1)
         c, s, ff, x = jl.vals
-        started = _and(L, active, L.fcmp("oge", _fl(L, j), lval))
+        started = _and(L, active, L.fcmp("oge", L.findex(j), lval))
         g, y = L.ld(Ws, i), L.ld(Wd, i)
         h, g = L.fmul(s, g), L.fmul(c, g)
         z = _hypot(L, ff, h)
@@ -238,7 +227,7 @@ def _qr_sweep(L: Lanes, m: int, n: int, nu: int, nv: int, U, V, Wd, Ws, k, lval,
         jl.next = [L.select(started, c2, c), L.select(started, s2, s), L.select(started, ff3, ff),
                    L.select(started, x3, x)]
     _c, _s, ff, x = jl.vals
-    _select_at(L, Ws, 0, k, L.select(active, lval, L.k(-1)), value=L.k(0))  # B[l-1, l] <- 0
+    _put_at(L, Ws, 0, k, L.select(active, lval, L.k(-1)), L.k(0))  # B[l-1, l] <- 0
     L.st(Ws, k, L.select(active, ff, L.ld(Ws, k)))
     L.st(Wd, k, L.select(active, x, L.ld(Wd, k)))
 
@@ -251,12 +240,12 @@ def _diagonalize(L: Lanes, m: int, n: int, nu: int, nv: int, U, V, Wd, Ws, Col) 
     tol = L.fmul(L.k(L.eps), il.vals[0])
     with L.loop(0, n) as kl:
         k = L.f.bin("sub", L.i(n - 1), kl.i, "nsw")
-        kf = _fl(L, k)
+        kf = L.findex(k)
         _count, end = L.sweep_loop(MAX_ITERATIONS + 1)
         # per lane l: the largest l <= k with e_l negligible (flag 0) or d_{l-1}
         # negligible (flag 1, l >= 1); e_0 = 0, so l = 0 at the latest
         with L.loop(1, L.add(k, 1), [L.k(0), L.k(0)]) as ll:
-            lf = _fl(L, ll.i)
+            lf = L.findex(ll.i)
             hit_e = L.fcmp("ole", L.fabs(L.ld(Ws, ll.i)), tol)
             hit_d = L.fcmp("ole", L.fabs(L.ld(Wd, L.add(ll.i, -1))), tol)
             hit = L.f.bin("or", hit_e, hit_d)
@@ -312,8 +301,8 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
         _form_v(L, A, n, na, TR, V, nv, Wk)
         _diagonalize(L, m, n, nu, nv, U, V, Wd, Ws, Col)
         _sign_columns(L, V, n, n, nv, U, m, nu)
-        rank = L.rank(Wd, n, descending=True)
-        L.write_elements(L.args["o1"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(Wd, i)))
-        _store(L, "o0", g, m, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(U, L.idx(r, nu, i))))
-        _store(L, "o2", g, n, n, lambda r, c, e: L.permuted(rank, n, r, lambda i: L.ld(V, L.idx(c, nv, i))))
+        order = L.order(Wd, n, descending=True)
+        L.write_elements(L.args["o1"], g, n, lambda e: L.pick(Wd, L.ld(order, e)))
+        _store(L, "o0", g, m, n, lambda r, c, e: L.pick(U, L.fadd(L.findex(L.mul(r, nu)), L.ld(order, c))))
+        _store(L, "o2", g, n, n, lambda r, c, e: L.pick(V, L.fadd(L.findex(L.mul(c, nv)), L.ld(order, r))))
     return L.name, L.text()

@@ -227,7 +227,7 @@ class _RotationLog:
     def apply(self, X, rows: int, length: int, stride: int) -> None:
         """(X[p, :], X[q, :]) <- (c x_p - s x_q, s x_p + c x_q) for every logged rotation
         in order (X: rows x length, rows `stride` apart); a block's columns unrolled."""
-        L, f = self.L, self.L.f
+        L = self.L
         block = max(1, min(self.MAX_COLS, length, self.BLOCK_BYTES // (rows * L.W * L.bytes)))
         count = self.size()
         for c0 in range(0, length, block):
@@ -341,9 +341,9 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
         with L.loop(0, n) as dl:
             L.st(D, dl.i, L.ld(A, at(dl.i, dl.i)))
         _sign_rows(L, Vt, n, n, ld)
-        rank = L.rank(D, n)
-        L.write_elements(L.args["o0"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(D, i)))
-        _store(L, "o1", g, n, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Vt, L.idx(i, ld, r))))
+        order = L.order(D, n)
+        L.write_elements(L.args["o0"], g, n, lambda e: L.pick(D, L.ld(order, e)))
+        _store(L, "o1", g, n, n, lambda r, c, e: L.pick(Vt, L.fma(L.ld(order, c), L.k(ld), L.findex(r))))
     return L.name, L.text()
 
 
@@ -461,8 +461,8 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
                 L.st(X, e, L.fmul(L.ld(X, e), inv))
             L.st(N, c, norm)
         _sign_rows(L, Vt, n, n, lx, also=(X, m, lx))
-        rank = L.rank(N, n, descending=True)
-        L.write_elements(L.args["o1"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(N, i)))
-        _store(L, "o0", g, m, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(X, L.idx(i, lx, r))))
-        _store(L, "o2", g, n, n, lambda r, c, e: L.permuted(rank, n, r, lambda i: L.ld(Vt, L.idx(i, lx, c))))
+        order = L.order(N, n, descending=True)
+        L.write_elements(L.args["o1"], g, n, lambda e: L.pick(N, L.ld(order, e)))
+        _store(L, "o0", g, m, n, lambda r, c, e: L.pick(X, L.fma(L.ld(order, c), L.k(lx), L.findex(r))))
+        _store(L, "o2", g, n, n, lambda r, c, e: L.pick(Vt, L.fma(L.ld(order, r), L.k(lx), L.findex(c))))
     return L.name, L.text()

@@ -153,6 +153,11 @@ class Lanes:
         self.module.declare(name, f"declare {self.t} @{name}({self.vt})")
         return self.f.call(name, self.t, [a])
 
+    def mask_not(self, mask: V) -> V:
+        """The lane-wise negation of a <W x i1> mask."""
+        ones = "<" + ", ".join(["i1 true"] * self.W) + ">"
+        return self.f.emit(f"xor {self.mt} {mask.ref}, {ones}", self.mt)
+
     def any(self, mask: V) -> V:
         """i1: some lane of the <W x i1> mask is set."""
         name = f"llvm.vector.reduce.or.v{self.W}i1"
@@ -331,10 +336,19 @@ class Lanes:
         biggest = self.f.fadd(rl.vals[0], rl.vals[1])
         self.write_elements(self.args["o3"], group, 1, lambda e: biggest)
 
-    def rank(self, values: V, n: int, descending: bool = False) -> V:
-        """A new array of n lanes: rank[i] = the position of values[i] in the stable
-        ascending (or descending) order of values[0..n), per lane, as a float."""
-        out = self.array(n)
+    def findex(self, i) -> V:
+        """The i64 i as a splat float lane value (lane-varying indices are kept as floats,
+        exact up to 2^24)."""
+        x = self.f.cast("sitofp", self.iv(i), self.t)
+        x = self.f.emit(f"insertelement {self.vt} poison, {self.t} {x.ref}, i32 0", self.vt)
+        return self.f.emit(f"shufflevector {self.vt} {x.ref}, {self.vt} poison, <{self.W} x i32> zeroinitializer",
+                           self.vt)
+
+    def order(self, values: V, n: int, descending: bool = False) -> V:
+        """A new array of n lanes: order[c] = the index i of the value at position c of the
+        stable ascending (or descending) order of values[0..n), per lane, as a float.
+        Ranks by O(n^2) lane compares, then their inverse by O(n^2) selects."""
+        rank = self.array(n)
         strict, loose = ("ogt", "oge") if descending else ("olt", "ole")
         with self.loop(0, n) as il:
             vi = self.ld(values, il.i)
@@ -342,20 +356,36 @@ class Lanes:
                 vj = self.ld(values, jl.i)
                 before = self.select(self.icmp("slt", jl.i, il.i), self.fcmp(loose, vj, vi), self.fcmp(strict, vj, vi))
                 jl.next = [self.f.fadd(jl.vals[0], self.select(before, self.k(1), self.k(0)))]
-            self.st(out, il.i, jl.vals[0])
+            self.st(rank, il.i, jl.vals[0])
+        out = self.array(n)
+        with self.loop(0, n) as cl:
+            want = self.findex(cl.i)
+            with self.loop(0, n, [self.k(0)]) as il:
+                hit = self.fcmp("oeq", self.ld(rank, il.i), want)
+                il.next = [self.select(hit, self.findex(il.i), il.vals[0])]
+            self.st(out, cl.i, il.vals[0])
         return out
 
-    def permuted(self, rank: V, n: int, position, value_of) -> V:
-        """The lanes of value_of(i) for the i whose rank is `position` (i64), per lane:
-        a sum of selects over the n candidates (no lane-varying addresses needed)."""
-        target = self.f.cast("sitofp", position, self.t)
-        want = self.f.emit(f"insertelement {self.vt} poison, {self.t} {target.ref}, i32 0", self.vt)
-        want = self.f.emit(f"shufflevector {self.vt} {want.ref}, {self.vt} poison, <{self.W} x i32> "
-                           "zeroinitializer", self.vt)
-        with self.loop(0, n, [self.k(0)]) as il:
-            hit = self.fcmp("oeq", self.ld(rank, il.i), want)
-            il.next = [self.select(hit, value_of(il.i), il.vals[0])]
-        return il.vals[0]
+    def pick(self, arr: V, index: V) -> V:
+        """Per lane w, lane w of arr[index_w] for the float lanes `index`: one gather
+        (a lane-varying address), where selecting among n candidates costs O(n)."""
+        f = self.f
+        if self.W == 1:
+            i = f.cast("fptosi", f.emit(f"extractelement {self.vt} {index.ref}, i32 0", self.t), "i64")
+            return self.ld(arr, i)
+        iv = f"<{self.W} x i64>"
+        lanes = "<" + ", ".join(f"i64 {w}" for w in range(self.W)) + ">"
+        width = "<" + ", ".join([f"i64 {self.W}"] * self.W) + ">"
+        e = f.emit(f"fptosi {self.vt} {index.ref} to {iv}", iv)
+        e = f.emit(f"mul nsw {iv} {e.ref}, {width}", iv)
+        e = f.emit(f"add nsw {iv} {e.ref}, {lanes}", iv)
+        pt = f"<{self.W} x ptr>"
+        ptrs = f.emit(f"getelementptr inbounds {self.t}, ptr {arr.ref}, {iv} {e.ref}", pt)
+        name = f"llvm.masked.gather.{self._sfx()}.v{self.W}p0"
+        self.module.declare(name, f"declare {self.vt} @{name}({pt}, i32 immarg, {self.mt}, {self.vt})")
+        ones = "<" + ", ".join(["i1 true"] * self.W) + ">"
+        return f.emit(f"call {self.vt} @{name}({pt} {ptrs.ref}, i32 {self.bytes}, {self.mt} {ones}, "
+                      f"{self.vt} poison)", self.vt)
 
     def rc(self, e: V, cols: int) -> tuple[V, V]:
         """(row, col) of flat index e in a row-major matrix of `cols` columns."""

@@ -23,7 +23,6 @@ iterations on l repeat until no lane has work left (at most MAX_ITERATIONS times
 
 from __future__ import annotations
 
-from kiln.codegen.cpu.ir_builder import V
 from kiln.codegen.cpu.linalg_kernels import _householder, _sign_rows, _store
 from kiln.codegen.cpu.linalg_lanes import Lanes
 
@@ -108,13 +107,6 @@ def _form_q(L: Lanes, A, n: int, ld: int, T, Z, Wk) -> None:
                 L.st(Z, e, L.fsub(L.ld(Z, e), L.fmul(vi, L.ld(Wk, cl.i))))
 
 
-def _fl(L: Lanes, i) -> V:
-    """The i64 i as a splat float lane value."""
-    x = L.f.cast("sitofp", L.iv(i), L.t)
-    x = L.f.emit(f"insertelement {L.vt} poison, {L.t} {x.ref}, i32 0", L.vt)
-    return L.f.emit(f"shufflevector {L.vt} {x.ref}, {L.vt} poison, <{L.W} x i32> zeroinitializer", L.vt)
-
-
 def _ql(L: Lanes, n: int, ld: int, D, E, Z) -> None:
     """Implicit QL on the tridiagonal (D, E) with the rotations applied to Z's columns:
     D <- the eigenvalues (unsorted), Z <- Z times the eigenvectors of the tridiagonal."""
@@ -122,16 +114,16 @@ def _ql(L: Lanes, n: int, ld: int, D, E, Z) -> None:
     eps = L.k(L.eps)
     with L.loop(0, n - 1) as ll:
         l = ll.i
-        fl = _fl(L, l)
+        fl = L.findex(l)
         _count, end = L.sweep_loop(MAX_ITERATIONS + 1)
         # per lane m: the first k >= l with |e_k| <= eps (|d_k| + |d_k+1|), else n - 1
-        with L.loop(l, n - 1, [_fl(L, n - 1), L.k(0)]) as kl:
+        with L.loop(l, n - 1, [L.findex(n - 1), L.k(0)]) as kl:
             k = kl.i
             mval, found = kl.vals
             dd = L.fadd(L.fabs(L.ld(D, k)), L.fabs(L.ld(D, L.add(k, 1))))
             small = L.fcmp("ole", L.fabs(L.ld(E, k)), L.fmul(eps, dd))
             first = f.bin("and", small, L.fcmp("oeq", found, L.k(0)))
-            kl.next = [L.select(first, _fl(L, k), mval), L.select(small, L.k(1), found)]
+            kl.next = [L.select(first, L.findex(k), mval), L.select(small, L.k(1), found)]
         mval = kl.vals[0]
         active = L.fcmp("ogt", mval, fl)
         with L.when(L.any(active)):
@@ -139,23 +131,21 @@ def _ql(L: Lanes, n: int, ld: int, D, E, Z) -> None:
             dl = L.ld(D, l)
             g0 = L.fdiv(L.fsub(L.ld(D, L.add(l, 1)), dl), L.fmul(L.k(2), el))
             r0 = L.sqrt(L.fma(g0, g0, L.k(1)))
-            with L.loop(L.add(l, 1), n, [L.k(0)]) as kl:  # d_m, per lane
-                kl.next = [L.select(L.fcmp("oeq", mval, _fl(L, kl.i)), L.ld(D, kl.i), kl.vals[0])]
-            g = L.fadd(L.fsub(kl.vals[0], dl), L.fdiv(el, L.fadd(g0, L.copysign(r0, g0))))
+            g = L.fadd(L.fsub(L.pick(D, mval), dl), L.fdiv(el, L.fadd(g0, L.copysign(r0, g0))))
             g = L.select(active, g, L.k(0))
             top = f.cast("fptosi", L.hmax(mval), "i64")  # the largest m of any lane
             with L.loop(0, f.bin("sub", top, l, "nsw"), [L.k(1), L.k(1), L.k(0), g, L.k(0)]) as il:
                 i = f.bin("sub", L.add(top, -1), il.i, "nsw")
                 i1 = L.add(i, 1)
                 s, c, p, g, broken = il.vals
-                started = f.bin("and", f.bin("and", L.fcmp("olt", _fl(L, i), mval), active),
+                started = f.bin("and", f.bin("and", L.fcmp("olt", L.findex(i), mval), active),
                                 L.fcmp("oeq", broken, L.k(0)))
                 ei = L.ld(E, i)
                 ff, b = L.fmul(s, ei), L.fmul(c, ei)
                 r = L.sqrt(L.fma(ff, ff, L.fmul(g, g)))
                 vanish = L.fcmp("oeq", r, L.k(0))
                 brk = f.bin("and", started, vanish)  # r underflowed: the lane stops here
-                go = f.bin("and", started, f.emit(f"xor {L.mt} {vanish.ref}, {_ones(L)}", L.mt))
+                go = f.bin("and", started, L.mask_not(vanish))
                 rr = L.select(go, r, L.k(1))
                 sn, cs = L.select(go, L.fdiv(ff, rr), L.k(0)), L.select(go, L.fdiv(g, rr), L.k(1))
                 L.st(E, i1, L.select(go, r, L.ld(E, i1)))
@@ -177,13 +167,9 @@ def _ql(L: Lanes, n: int, ld: int, D, E, Z) -> None:
             L.st(D, l, L.select(ok, L.fsub(L.ld(D, l), p), L.ld(D, l)))
             L.st(E, l, L.select(ok, g, L.ld(E, l)))
             with L.loop(L.add(l, 1), n) as kl:  # e_m <- 0
-                hit = f.bin("and", active, L.fcmp("oeq", mval, _fl(L, kl.i)))
+                hit = f.bin("and", active, L.fcmp("oeq", mval, L.findex(kl.i)))
                 L.st(E, kl.i, L.select(hit, L.k(0), L.ld(E, kl.i)))
         end(f.emit(f"xor i1 {L.any(active).ref}, true", "i1"))
-
-
-def _ones(L: Lanes) -> str:
-    return "<" + ", ".join(["i1 true"] * L.W) + ">"
 
 
 def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
@@ -207,7 +193,7 @@ def eigh(n: int, scalar: str, width: int) -> tuple[str, str]:
             with L.loop(0, n) as jl:
                 L.st(Vt, L.idx(il.i, ld, jl.i), L.ld(Z, L.idx(jl.i, ld, il.i)))
         _sign_rows(L, Vt, n, n, ld)
-        rank = L.rank(D, n)
-        L.write_elements(L.args["o0"], g, n, lambda e: L.permuted(rank, n, e, lambda i: L.ld(D, i)))
-        _store(L, "o1", g, n, n, lambda r, c, e: L.permuted(rank, n, c, lambda i: L.ld(Vt, L.idx(i, ld, r))))
+        order = L.order(D, n)
+        L.write_elements(L.args["o0"], g, n, lambda e: L.pick(D, L.ld(order, e)))
+        _store(L, "o1", g, n, n, lambda r, c, e: L.pick(Vt, L.fma(L.ld(order, c), L.k(ld), L.findex(r))))
     return L.name, L.text()
