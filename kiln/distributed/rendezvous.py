@@ -31,6 +31,8 @@ _SERVER: StoreServer | None = None
 _WATCHER: "DumpWatcher | None" = None
 _LINGER = 5.0  # KILN_FR_LINGER: how long a store host waits for dump requests to be read
 _HEARTBEAT: Heartbeat | None = None
+# the least the first rendezvous waits for every rank to arrive (see init_process_group)
+START_TIMEOUT = 60.0
 _DESTROY_HOOKS: list = []  # backends' release hooks (nccl: the communicators it keeps)
 
 
@@ -57,7 +59,8 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
                        token: str | None = None, timeout: float = 10.0,
                        fault_tolerant: bool = False, host_store: bool | None = None,
                        fr_dir: str | None = None, min_size: int | None = None,
-                       join: bool | None = None) -> ProcessGroup:
+                       join: bool | None = None,
+                       start_timeout: float | None = None) -> ProcessGroup:
     """Join the world group; every rank calls it once. Returns the group.
 
         >>> pg = init_process_group()                       # under `kiln launch`
@@ -66,8 +69,11 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
 
     `store` is "host:port" or a connected `Store`; `host_store` overrides who hosts it
     (default: rank 0, unless launched by `kiln launch`). `timeout` is the default
-    deadline of every collective and of the rendezvous. Flight Recorder dumps go to
-    `fr_dir` or KILN_FR_DIR.
+    deadline of every collective and of later rendezvous (splits, new epochs).
+    `start_timeout` bounds this first rendezvous, the wait for every rank to arrive
+    (default: `timeout`, at least 60 s): the processes of one job start seconds apart
+    on a busy machine, which says nothing about how long a collective may take.
+    Flight Recorder dumps go to `fr_dir` or KILN_FR_DIR.
 
     `fault_tolerant=True`: a failure does not end the job. The survivors go on in
     place at the next epoch (see `ProcessGroup.should_commit`, `shrink`, `grow` and
@@ -81,6 +87,8 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
         raise RendezvousError("init_process_group was already called in this process",
                               hint="use the group it returned, or destroy_process_group() first")
     timeout = check_timeout(timeout, "init_process_group timeout")
+    start = max(timeout, START_TIMEOUT) if start_timeout is None else check_timeout(
+        start_timeout, "init_process_group start_timeout")
     if _HEARTBEAT is not None:  # a new world after an aborted one: the old beat ends
         _HEARTBEAT.stop()
         _HEARTBEAT = None
@@ -136,13 +144,14 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
                 raise RendezvousError("rank %d cannot host the store at %s: %s"
                                       % (rank, store, err)) from None
             store = _SERVER.address if port == 0 else store
-        store = Store(store, token, timeout=max(timeout, 1.0))
+        store = Store(store, token, timeout=start)  # its host may start later
+        store.timeout = max(timeout, 1.0)
     backend_cls = BACKENDS[backend]
     if fault_tolerant:
         _WORLD = _fault_tolerant_world(backend_cls, store, rank, world_size, token, timeout,
-                                       min_size, joiner)
+                                       min_size, joiner, start)
     else:
-        be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, timeout, 0)
+        be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, start, 0)
         _WORLD = ProcessGroup(be, name="world", rank=rank, world_size=world_size,
                               global_ranks=range(world_size), store=store, token=token,
                               timeout=timeout, backend_factory=backend_cls)
@@ -155,7 +164,8 @@ def init_process_group(backend: str = "tcp", *, rank: int | None = None,
 
 
 def _fault_tolerant_world(backend_cls, store: Store, rank: int, world_size: int, token: str,
-                          timeout: float, min_size: int, joiner: bool) -> ProcessGroup:
+                          timeout: float, min_size: int, joiner: bool,
+                          start: float) -> ProcessGroup:
     """The world group with its FaultTolerance: the first epoch's members rendezvous
     as usual (uid = rank); a joiner is admitted into a later epoch."""
     global _HEARTBEAT
@@ -175,7 +185,7 @@ def _fault_tolerant_world(backend_cls, store: Store, rank: int, world_size: int,
     else:
         view = View(0, tuple(range(world_size)))
         membership.announce()
-        be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, timeout, 0)
+        be = backend_cls.rendezvous(store, "pg/world/e0", rank, world_size, token, start, 0)
         if rank == 0:
             membership.publish_first(view)
     me = membership.me

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
+import kiln.distributed as dist
 from harness import check_all_ok, reserved_port, run_scenario
 
 
@@ -88,3 +90,27 @@ def test_rank0_hosts_the_store(tmp_path):
     with reserved_port() as port:
         check_all_ok(run_scenario("rank0_store", 2, tmp_path,
                                   args={"address": "127.0.0.1:%d" % port}))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_starting_later_than_the_timeout_still_joins(tmp_path):
+    """The group's 1 s timeout bounds its collectives, not how far apart its processes
+    start (a loaded machine starts them seconds apart): the first rendezvous waits
+    `start_timeout`, 60 s by default (a K210 at epoch 0 once failed a CI-like run)."""
+    data = check_all_ok(run_scenario("late_rank", 3, tmp_path,
+                                     args={"delay": 3.0, "timeout": 1.0}))
+    assert all(d["timeout"] == 1.0 for d in data)
+
+
+def test_the_first_rendezvous_gives_up_at_start_timeout():
+    start = time.monotonic()
+    with pytest.raises(dist.RendezvousError, match="could not join") as info:
+        dist.init_process_group(rank=0, world_size=2, store="127.0.0.1:0", token="t",
+                                timeout=0.2, start_timeout=1.5)
+    elapsed = time.monotonic() - start
+    dist.destroy_process_group()  # the store this rank hosted
+    assert info.value.code == "K210"
+    assert elapsed >= 1.5  # its own deadline, not the collective timeout of 0.2 s
+    with pytest.raises(dist.InvalidTimeout, match="start_timeout"):
+        dist.init_process_group(rank=0, world_size=2, store="127.0.0.1:0", token="t",
+                                start_timeout=-1)

@@ -351,6 +351,19 @@ def hang(rank, world, addr, args):
 
 
 @scenario
+def late_rank(rank, world, addr, args):
+    """The last rank starts `delay` s after the others, longer than the group's timeout:
+    the first rendezvous waits for it (its own deadline, 60 s at least)."""
+    if rank == world - 1:
+        time.sleep(args["delay"])
+    pg = join(rank, world, addr, timeout=args["timeout"])
+    x = np.full(3, rank + 1, np.int64)
+    pg.all_reduce(x).wait(timeout=30)
+    assert np.all(x == world * (world + 1) // 2), x
+    return {"timeout": pg.timeout}
+
+
+@scenario
 def death(rank, world, addr, args):
     """Rank `victim` dies mid-job; the others' Works fail with PeerFailure naming it."""
     victim = args.get("victim", world - 1)
