@@ -324,9 +324,8 @@ def hang(rank, world, addr, args):
     own = args.get("own_store", False)
     if rank == 1 and args.get("slow_watcher"):
         _slow_watcher(args["slow_watcher"])
-    # the group's timeout is also the rendezvous deadline: a short one fails the start when
-    # the ranks' processes start seconds apart (a loaded machine); the short deadline is
-    # the third call's own
+    # the short deadline is the third call's own: the first two calls (and the heartbeat,
+    # paced by the group's timeout) must not trip on a loaded machine
     pg = join(rank, world, args.get("address") if own else addr, host_store=None if own else False,
               timeout=20.0)
     x = np.ones(4, np.float32)
