@@ -82,7 +82,7 @@ def _check_qr(a, q, r):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(8, 8), (13, 7), (7, 13)])
+@pytest.mark.parametrize("shape", [(8, 8), (13, 7), (7, 13), (40, 33), (33, 40)])  # >= 32: blocked
 def test_qr(dtype, shape):
     b = _batch(dtype)
     for kind, a in _kinds(b, *shape, dtype).items():

@@ -6,7 +6,8 @@
 eigh takes two-sided Jacobi below n = 11 and Householder tridiagonalization + implicit QL
 from there (linalg_tridiag.py), svd one-sided Jacobi below min(m, n) = 14 and Householder
 bidiagonalization + implicit-shift QR from there (linalg_bidiag.py): LAPACK's routes do
-~3x fewer loads and stores once n^3 dominates (builder()). Each call compiles (once per op, shape, dtype and width; cached in the process and, as
+~3x fewer loads and stores once n^3 dominates; qr from max(m, n) = 32 applies its
+reflectors a panel of 8 at a time (linalg_qr.py) (builder()). Each call compiles (once per op, shape, dtype and width; cached in the process and, as
 object code, in kiln's on-disk artifact cache) two kernels: one of W lanes, W = the
 host's SIMD width over the dtype (AVX-512: 16 float32 / 8 float64; AVX2: 8 / 4), and one
 of a single lane for the batch's tail. The full groups
@@ -32,6 +33,7 @@ import numpy as np
 
 from kiln.codegen.cpu import linalg_bidiag as bidiag
 from kiln.codegen.cpu import linalg_kernels as kernels
+from kiln.codegen.cpu import linalg_qr as blocked
 from kiln.codegen.cpu import linalg_tridiag as tridiag
 
 _ABI = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_int64)
@@ -93,11 +95,14 @@ def builder(op: str, dims: tuple):
     """The kernel builder for `op` on matrices of `dims`: eigh from n = tridiag.QL_FROM
     on is tridiagonalization + QL (linalg_tridiag.py), svd from min(m, n) =
     bidiag.GKR_FROM on bidiagonalization + QR sweeps (linalg_bidiag.py); below them
-    Jacobi (linalg_kernels.py), which wins where the reductions' fixed costs dominate."""
+    Jacobi (linalg_kernels.py), which wins where the reductions' fixed costs dominate.
+    qr from max(m, n) = blocked.BLOCKED_FROM on is blocked Householder (linalg_qr.py)."""
     if op == "eigh" and dims[0] >= tridiag.QL_FROM:
         return tridiag.eigh
     if op == "svd" and min(dims) >= bidiag.GKR_FROM:
         return bidiag.svd
+    if op == "qr" and max(dims) >= blocked.BLOCKED_FROM:
+        return blocked.qr
     return getattr(kernels, op)
 
 
