@@ -18,7 +18,8 @@ import sympy
 from kiln.errors import KilnDTypeError, KilnTraceError, user_location
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
-from kiln.frontend.eager_path import _state as eager_path_state, eager_apply, eager_binary
+from kiln.frontend.eager_path import (_state as eager_path_state, eager_apply, eager_binary,
+                                      lean_binary)
 from kiln.frontend.tape import Dual, TapeEmitter, builder_of, taping
 from kiln.runtime.device import CPU, KilnDeviceMismatchError
 from kiln.runtime.placement import charge
@@ -179,9 +180,11 @@ def apply(op: str, *args, **attrs):
 def binary(op: str, x, y, dtype: dt.DType | None = None):
     """A binary primitive with numpy promotion, weak scalars and explicit broadcasting."""
     if dtype is None:
-        result = eager_binary(op, x, y)  # plain eager CPU tensors (eager_path.py)
-        if result is not None:
-            return result
+        result = eager_binary(op, x, y, False)  # plain eager CPU tensors (eager_path.py)
+    else:
+        result = lean_binary(op, x, y, dtype)
+    if result is not None:
+        return result
     em = op_emitter(x, y)
     return wrap(em, em.binary(op, raw(em, x), raw(em, y), dtype=dtype))
 

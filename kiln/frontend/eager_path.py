@@ -4,13 +4,24 @@
 numpy promotion, Python scalars); on small tensors that generality cost ~40 us an op,
 70x torch eager (issue 22). Most eager ops in a loop are the simple case, so it is
 recognized first, in a few attribute reads, and run straight through the eager
-emitter's plan cache (kiln/ir/emitter.py), whose checks are the general path's. Any
-other case returns None and takes the general path; so does every first call of a
-signature, where the checks run and raise their numbered errors on bad input.
+emitter's plan cache (kiln/ir/emitter.py), whose checks are the general path's.
 
-What counts as plain: exactly a `Tensor` (not a subclass), eager (no builder), on the
-CPU, not a view, neither requiring grad nor on a tape; and no trace active on this
-thread (an eager tensor used inside a trace becomes a graph constant).
+Three tiers, cheapest first:
+- elementwise ops whose operands share one floating dtype and shape (a Python float or
+  int beside a floating tensor counts: its 0-d fill is typed as the full-shape `full`
+  the general path makes) replay a plan keyed by (op, dtype, shape, arity): once numpy's
+  result has been checked, a call is the quiet error state, the ufunc, the allocator's
+  count and the Tensor;
+- any other binary op (promotion, broadcasting, a 0-d tensor, ints, bools, an explicit
+  result dtype) replays a `_Binary`: the promotion, broadcast shape and conversions the
+  general path decides, made once per signature from the same functions, with numpy
+  broadcasting the operands as the op runs instead of materializing them;
+- everything else on plain tensors runs `EAGER.apply` (its own per-signature plans).
+
+A check that fails is never planned: the general path runs and raises its numbered
+error, on every call. What counts as plain: exactly a `Tensor` (not a subclass), eager
+(no builder), on the CPU, not a view, neither requiring grad nor on a tape; and no trace
+active on this thread (an eager tensor used inside a trace becomes a graph constant).
 """
 
 from __future__ import annotations
@@ -20,11 +31,15 @@ import threading
 
 import numpy as np
 
+from kiln import memory_limits
+from kiln.errors import KilnError
 from kiln.ir import dtypes as dt
-from kiln.ir.emitter import EAGER
+from kiln.ir.emitter import EAGER, is_python_scalar
+from kiln.ir.quiet_numpy import _QUIET, _extobj_contextvar as _ERRSTATE, quiet_state
+from kiln.ir.shapes import broadcast_shapes
+from kiln.ir.types import TensorType
+from kiln.frontend.tensor import Tensor
 from kiln.runtime import placement
-
-_Tensor = None  # kiln.frontend.tensor.Tensor, bound on first use (it imports dispatch)
 
 # numpy dtypes of the real floating kiln dtypes: a Python scalar keeps their dtype
 # (weak typing) and its fill converts exactly as `full` does
@@ -34,19 +49,10 @@ _INEXACT = _FLOATING | frozenset(np.dtype(d.np_dtype) for d in dt.ALL_DTYPES if 
 # binary primitives whose numpy references broadcast a 0-d operand like a full-shape one
 _SCALAR_OK = frozenset({"add", "sub", "mul", "div", "pow", "max", "min", "rem", "atan2",
                         "eq", "ne", "lt", "le", "gt", "ge"})
+_SCALARS = (bool, int, float)  # the Python scalars the lean path takes (exact types)
 
-
-_FILLS: dict = {}  # (type, value, sign, dtype) -> the 0-d fill of a Python scalar
-
-
-def _tensor_class():
-    global _Tensor
-    if _Tensor is None:
-        from kiln.frontend.tensor import Tensor
-
-        _Tensor = Tensor
-    return _Tensor
-
+_new = object.__new__
+_alike = EAGER._alike  # (op, dtype, shape, arity) -> plan; EAGER clears it in place
 
 # dispatch's thread-local state (defined here, where the hot path reads it): `stack` holds
 # the active traces, `device` the device of the results dispatch.wrap makes
@@ -59,48 +65,84 @@ def _tracing() -> bool:
     return bool(_state.__dict__.get("stack"))
 
 
-def _plain(x, Tensor) -> bool:
+def _plain(x) -> bool:
     return (type(x) is Tensor and x._builder is None and x._device is None and x._view is None
             and x._node is None and not x._requires_grad)
 
 
-_track = _track_new = None  # the CPU caching allocator's (placement.charge's), bound once
+# -- results -------------------------------------------------------------------------------
 
 
-def _result(array) -> object:
-    """An eager CPU result, counted by the CPU allocator as `placement.charge` counts it."""
+def _bind_allocator(array) -> None:
+    """The first count binds the CPU caching allocator's (placement.charge's) methods."""
     global _track, _track_new
+    cpu = placement._cpu()
+    _track, _track_new = cpu.track, cpu.track_new
+    _track(array)
+
+
+_track = _track_new = _bind_allocator
+
+
+def _tensor(array) -> Tensor:
+    """`Tensor._make(array)`, inlined: one call less on every eager result."""
+    t = _new(Tensor)
+    t._x = array
+    t._builder = t._device = t._node = t._grad = t._view = None
+    t._requires_grad = False
+    t._version = 0
+    return t
+
+
+def _result(array) -> Tensor:
+    """An eager CPU result, counted by the CPU allocator as `placement.charge` counts it."""
     if type(array) is np.ndarray and array.base is None:  # a view is counted with its base
-        if _track is None:
-            _track, _track_new = placement._cpu().track, placement._cpu().track_new
         _track(array)
-    return _Tensor._make(array)
+    return _tensor(array)
 
 
-def _new_result(array, a, b=None) -> object:
+def _new_result(array, a, b=None) -> Tensor:
     """`_result` of an elementwise op's output, which is a new array (never counted
     before) unless a reference handed back its operand `a` or `b`."""
-    global _track, _track_new
     if array is a or array is b:
         return _result(array)
     if type(array) is np.ndarray and array.base is None:
-        if _track_new is None:
-            _track, _track_new = placement._cpu().track, placement._cpu().track_new
         _track_new(array)
-    return _Tensor._make(array)
+    return _tensor(array)
 
 
-def eager_apply(op: str, args: tuple, attrs: dict):
-    """`op` on plain tensors, or None when any operand is not one (or a trace is on)."""
-    Tensor = _Tensor or _tensor_class()
+def _quick(plan, operands) -> Tensor:
+    """A trusted plan's ufunc on `operands`, quietly: a fresh array, counted and wrapped."""
+    token = _ERRSTATE.set(_QUIET.get(_ERRSTATE.get()) or quiet_state())
+    try:
+        r = plan.direct(*operands)
+    finally:
+        _ERRSTATE.reset(token)
+    _track_new(r)
+    return _tensor(r)
+
+
+# -- the lean paths ----------------------------------------------------------------------------
+
+
+def eager_apply(op: str, args: tuple, attrs: dict, same_dtype: bool = False):
+    """`op` on plain tensors, or None when any operand is not one (or a trace is on); with
+    `same_dtype`, also None unless every operand has the first one's dtype (the callers
+    that promote first: their promotion is then nothing)."""
     arrays = []
     for a in args:
-        if not _plain(a, Tensor):
-            return None
+        if type(a) is not Tensor or a._builder is not None or a._device is not None \
+                or a._view is not None or a._node is not None or a._requires_grad:
+            return None  # `_plain`, inlined
         arrays.append(a._x)
-    if _tracing():
+    if _state.__dict__.get("stack"):
         return None
-    results = EAGER.apply(op, arrays, attrs)
+    if same_dtype:
+        first = arrays[0].dtype
+        for a in arrays:
+            if a.dtype != first:
+                return None
+    results = EAGER.run(op, arrays, attrs, arrays)
     if len(results) == 1:
         return _result(results[0])
     return tuple(_result(r) for r in results)
@@ -109,53 +151,190 @@ def eager_apply(op: str, args: tuple, attrs: dict):
 def eager_unary_float(op: str, x):
     """A float op on one plain floating or complex tensor (ints take the general path,
     which computes them in float32), else None."""
-    Tensor = _Tensor or _tensor_class()
     if type(x) is not Tensor or x._builder is not None or x._device is not None \
             or x._view is not None or x._node is not None or x._requires_grad \
-            or x._x.dtype not in _INEXACT or _tracing():  # `_plain`, inlined
+            or _state.__dict__.get("stack"):  # `_plain` and `_tracing()`, inlined
         return None
-    return _new_result(EAGER.run1(op, (x._x,), x._x, 1), x._x)
+    a = x._x
+    if a.dtype not in _INEXACT:
+        return None
+    plan = _alike.get((op, a.dtype, a.shape, 1))
+    if plan is not None and plan.trusted and plan.nbytes <= memory_limits._limit:
+        return _quick(plan, (a,))
+    return _new_result(EAGER.run1(op, (a,), a, 1), a)
 
 
-def eager_binary(op: str, x, y):
-    """A binary primitive on two plain floating tensors of one dtype and shape, or on one
-    and a Python float or int (weakly typed: the tensor's dtype wins, as in torch);
-    None for anything else (promotion, broadcasting, ints, bools, complex), which the
-    general path handles."""
-    Tensor = _Tensor or _tensor_class()
-    tx, ty = type(x), type(y)
-    if tx is Tensor and ty is Tensor:
+def eager_binary(op: str, x, y, from_eager: bool = True):
+    """`dispatch.binary(op, x, y)` on plain tensors or a plain tensor and a Python scalar,
+    as the general path computes it, or None. `from_eager` (`functional`'s add, sub, mul
+    and div, which try this first): None too where they do something else than the op
+    (bool operands, whose add and mul are `or` and `and`; integer division, which is true
+    division in float32)."""
+    if type(x) is Tensor and type(y) is Tensor:
         if x._builder is not None or x._device is not None or x._view is not None \
                 or x._node is not None or x._requires_grad or y._builder is not None \
                 or y._device is not None or y._view is not None or y._node is not None \
                 or y._requires_grad:  # `_plain`, inlined for the commonest case
             return None
         a, b = x._x, y._x
-        if a.dtype not in _FLOATING or a.dtype != b.dtype or a.shape != b.shape \
-                or _state.__dict__.get("stack"):  # `_tracing()`, inlined
+        dtype = a.dtype
+        if dtype != b.dtype or a.shape != b.shape or dtype not in _FLOATING:
+            return lean_binary(op, x, y, None, from_eager)
+        if _state.__dict__.get("stack"):  # `_tracing()`, inlined
             return None
+        plan = _alike.get((op, dtype, a.shape, 2))
+        if plan is not None and plan.trusted and plan.nbytes <= memory_limits._limit:
+            return _quick(plan, (a, b))
         return _new_result(EAGER.run1(op, (a, b), a, 2), a, b)
-    if tx is Tensor:
+    return _with_scalar(op, x, y, from_eager)
+
+
+def _with_scalar(op: str, x, y, from_eager: bool):
+    """`eager_binary` with a Python scalar operand: a floating tensor and a float or int
+    take its 0-d fill (weakly typed: the tensor's dtype wins, as in torch)."""
+    if type(x) is Tensor:
         tensor, scalar, first = x, y, True
-    elif ty is Tensor:
+    elif type(y) is Tensor:
         tensor, scalar, first = y, x, False
     else:
         return None
-    if (type(scalar) is not float and type(scalar) is not int) or op not in _SCALAR_OK:
-        return None
-    if tensor._builder is not None or tensor._device is not None or tensor._view is not None \
-            or tensor._node is not None or tensor._requires_grad:  # `_plain`, inlined
-        return None
+    kind = type(scalar)
+    if (kind is not float and kind is not int) or op not in _SCALAR_OK \
+            or tensor._builder is not None or tensor._device is not None \
+            or tensor._view is not None or tensor._node is not None or tensor._requires_grad:
+        return lean_binary(op, x, y, None, from_eager)
     a = tensor._x
-    if a.dtype not in _FLOATING or (type(scalar) is int and not -2**63 <= scalar < 2**64) \
-            or _tracing():
-        return None  # `full` refuses an int beyond 64 bits: the general path says so
-    key = (type(scalar), scalar, math.copysign(1.0, scalar), a.dtype)  # -0.0 is not 0.0
+    if a.dtype not in _FLOATING or _state.__dict__.get("stack"):
+        return lean_binary(op, x, y, None, from_eager)
+    fill = _fill(scalar, a.dtype)
+    if fill is None:
+        return None  # `full` refuses this value: the general path says so
+    operands = (a, fill) if first else (fill, a)
+    plan = _alike.get((op, a.dtype, a.shape, 2))
+    if plan is not None and plan.trusted and plan.nbytes <= memory_limits._limit:
+        return _quick(plan, operands)
+    return _new_result(EAGER.run1(op, operands, a, 2), a)
+
+
+_FILLS: dict = {}  # (type, value, sign, numpy dtype) -> the 0-d fill of a Python scalar
+
+
+def _fill(scalar, np_dtype):
+    """The 0-d `full` of a Python scalar in `np_dtype` (read only, shared), made by the
+    `full` op; None when `full` refuses the value (the general path raises its error)."""
+    kind = type(scalar)
+    key = (kind, scalar, math.copysign(1.0, scalar) if kind is float else 0, np_dtype)  # -0.0
     fill = _FILLS.get(key)
-    if fill is None:  # the 0-d `full` the general path would broadcast (read only)
+    if fill is None:
+        try:
+            fill = np.asarray(EAGER.full(scalar, dt.from_numpy(np_dtype), ()))
+        except KilnError:
+            return None
+        if fill.dtype != np_dtype:
+            return None
         if len(_FILLS) >= 256:
             _FILLS.clear()
-        fill = _FILLS[key] = np.array(scalar, a.dtype)
         fill.flags.writeable = False
-    operands = (a, fill) if first else (fill, a)
-    return _new_result(EAGER.run1(op, operands, a, 2), a)
+        _FILLS[key] = fill
+    return fill
+
+
+# -- binary ops with promotion and broadcasting -----------------------------------------------
+
+
+class _Binary:
+    """What the general path (`Emitter.promote`, then the op) decides for one signature:
+    the dtype both operands convert to (`dtype`, a numpy dtype, and `kind`, kiln's), the
+    broadcast result shape, each tensor operand's `convert` plan (or None), and the op's
+    plan at the result type. `eager_ok`: `eager_binary`'s callers may use it (see there)."""
+
+    __slots__ = ("op", "dtype", "kind", "shape", "convert", "plan", "composite", "nbytes",
+                 "eager_ok")
+
+    def __init__(self, op, kind, shape, convert, plan):
+        self.op, self.kind, self.shape, self.convert, self.plan = op, kind, shape, convert, plan
+        self.dtype = kind.np_dtype
+        self.composite = plan.reference is None  # a decomposition sees full-shape operands
+        self.nbytes = max([plan.nbytes] + [c.nbytes for c in convert if c is not None])
+        result = plan.types[0].dtype
+        self.eager_ok = not kind.is_bool and (op != "div" or result.is_inexact)
+
+
+_BINARY: dict = {}  # signature -> _Binary
+
+
+def lean_binary(op: str, x, y, dtype: dt.DType | None = None, from_eager: bool = False):
+    """`dispatch.binary(op, x, y, dtype)` on plain tensors (one of them may be a Python
+    bool, int or float), or None. `from_eager`: for `eager_binary`'s callers, None too
+    where they do something else than the op (see `_Binary.eager_ok`). A signature whose
+    checks fail is not planned: None, and the general path raises its error."""
+    tx, ty = type(x), type(y)
+    if tx is Tensor:
+        if not _plain(x):
+            return None
+        a = x._x
+        if ty is Tensor:
+            if not _plain(y):
+                return None
+            b = y._x
+            key = (op, dtype and dtype.name, a.dtype, a.shape, b.dtype, b.shape)
+        elif ty in _SCALARS:
+            b = y
+            key = (op, dtype and dtype.name, a.dtype, a.shape, ty, True)
+        else:
+            return None
+    elif ty is Tensor and tx in _SCALARS:
+        if not _plain(y):
+            return None
+        a, b = x, y._x
+        key = (op, dtype and dtype.name, b.dtype, b.shape, tx, False)
+    else:
+        return None
+    if _state.__dict__.get("stack"):
+        return None
+    plan = _BINARY.get(key)
+    if plan is None:
+        plan = _plan_binary(op, a, b, dtype)
+        if plan is None:
+            return None
+        if len(_BINARY) >= 4096:
+            _BINARY.clear()
+        _BINARY[key] = plan
+    if (from_eager and not plan.eager_ok) or plan.nbytes > memory_limits._limit:
+        return None
+    operands = []
+    for v, convert in zip((a, b), plan.convert):
+        if type(v) in _SCALARS:
+            v = _fill(v, plan.dtype)
+            if v is None:
+                return None
+        elif convert is not None:
+            v = EAGER.call_plan("convert", convert, (v,))
+        operands.append(v)
+    if plan.composite:
+        shape = plan.shape
+        full = [v if v.shape == shape else np.broadcast_to(v, shape) for v in operands]
+        return _result(EAGER.run(op, full, {}, full)[0])
+    return _new_result(EAGER.call1(op, plan.plan, operands), *operands)
+
+
+def _plan_binary(op, a, b, dtype):
+    """The `_Binary` of `op` on arrays or Python scalars `a`, `b`, made by the general
+    path's own functions; None when one of its checks fails."""
+    try:
+        operands = (a, b)
+        if dtype is None:
+            dtype = EAGER.result_dtype(*operands)
+        types = [EAGER.type_of(v) for v in operands if not is_python_scalar(v)]
+        shape = broadcast_shapes(op, *(t.shape for t in types),
+                                 describe=lambda: " with ".join(str(t) for t in types))
+        convert = []
+        for v in operands:
+            if is_python_scalar(v) or EAGER.type_of(v).dtype == dtype:
+                convert.append(None)
+            else:
+                convert.append(EAGER.plan_types("convert", [EAGER.type_of(v)], {"dtype": dtype}))
+        result = TensorType(dtype, shape)
+        return _Binary(op, dtype, shape, convert, EAGER.plan_types(op, [result, result], {}))
+    except KilnError:
+        return None

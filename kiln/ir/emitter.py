@@ -215,23 +215,31 @@ def _signature(op: str, typed: Sequence[Any], attrs: dict[str, Any]) -> tuple | 
 
 
 class _Plan:
+    """One signature's conclusions, and how to run it: `reference` (with `dtype`/`shape`,
+    the one result it must give) when the op is a reference without attributes giving one
+    result; `direct`, the bare numpy function such a float32/64 reference runs quietly
+    (`float_fn`); `trusted` once `direct` is a ufunc whose result passed the check: numpy
+    picks a ufunc's loop from the operand dtypes alone, so an operand list of the planned
+    dtypes gives that result type and shape again, and the check is not repeated."""
+
     __slots__ = ("opdef", "attrs", "types", "outs", "nbytes", "reference", "dtype", "shape",
-                 "direct")
+                 "direct", "trusted")
 
     def __init__(self, opdef, attrs, types):
         self.opdef, self.attrs, self.types = opdef, attrs, types
         self.outs = tuple((t.dtype.np_dtype, tuple(t.shape)) for t in types)
         self.nbytes = max((nbytes_of(t.shape, t.dtype.np_dtype.itemsize) for t in types),
                           default=0)
-        # `run1`'s case: a reference without attributes giving one result
         single = opdef.reference is not None and not attrs and len(types) == 1
         self.reference = opdef.reference if single else None
         self.dtype, self.shape = self.outs[0] if single else (None, None)
-        self.direct = None  # the bare numpy function, when `float_fn` finds one
+        self.direct = None
+        self.trusted = False
 
-    def with_direct(self, typed) -> "_Plan":
+    def with_direct(self, dtypes) -> "_Plan":
+        """This plan, calling the bare numpy function for operands of `dtypes` when there is one."""
         if self.reference is not None and quiet_state() is not None:
-            self.direct = float_fn(self.reference, [x.dtype for x in typed])
+            self.direct = float_fn(self.reference, dtypes)
         return self
 
 
@@ -243,6 +251,7 @@ class EagerEmitter(Emitter):
     numpy call (issue 22)."""
 
     def __init__(self):
+        # cleared in place, never replaced: the lean eager path holds these dicts
         self._plans: dict[tuple, _Plan] = {}
         self._alike: dict[tuple, _Plan] = {}  # run1's: (op, dtype, shape, arity) -> plan
         self._types: dict[tuple, TensorType] = {}
@@ -271,9 +280,12 @@ class EagerEmitter(Emitter):
         key = _signature(op, typed, attrs)
         if key is not None:
             plan = self._plans.get(key)
-            if plan is not None and plan.nbytes <= memory_limits.process_limit():
+            if plan is not None and plan.nbytes <= memory_limits._limit:  # process_limit()
+                if plan.reference is not None:
+                    return [self.call1(op, plan, operands)]
                 return self._replay(op, plan, operands)
-        plan = self._plan(op, typed, attrs).with_direct(typed)
+        plan = self._plan(op, [self.type_of(x) for x in typed], attrs)
+        plan.with_direct([x.dtype for x in typed])
         if key is not None:
             if len(self._plans) >= _PLAN_LIMIT:
                 self._plans.clear()
@@ -285,25 +297,10 @@ class EagerEmitter(Emitter):
         type of the array `like` (the lean eager path's elementwise ops; a Python
         scalar's 0-d fill is typed as the full-shape `full` it stands for): `run` with
         nothing but the plan lookup, the numpy call and the result check between the
-        caller and numpy."""
+        caller and numpy. The plan is kept in `_alike`, where the lean path looks first."""
         plan = self._alike.get((op, like.dtype, like.shape, arity))
         if plan is not None and plan.nbytes <= memory_limits._limit:  # process_limit()
-            direct = plan.direct
-            quiet = None if direct is None else _QUIET.get(_ERRSTATE.get()) or quiet_state()
-            if quiet is not None:  # float32/64: the numpy function, quietly, unwrapped
-                token = _ERRSTATE.set(quiet)
-                try:
-                    r = direct(*operands)
-                finally:
-                    _ERRSTATE.reset(token)
-                if type(r) is np.ndarray and r.dtype is plan.dtype and r.shape == plan.shape:
-                    return r
-            r = plan.reference(*operands)
-            if type(r) is not np.ndarray:
-                r = np.asarray(r)
-            if r.dtype != plan.dtype or r.shape != plan.shape:
-                _check_results(op, [r], plan.types)
-            return r
+            return self.call1(op, plan, operands)
         typed = (like,) * arity
         result = self.run(op, operands, {}, typed)[0]
         plan = self._plans.get(_signature(op, typed, None))
@@ -313,11 +310,48 @@ class EagerEmitter(Emitter):
             self._alike[(op, like.dtype, like.shape, arity)] = plan
         return result
 
-    def _plan(self, op: str, typed: Sequence[Any], attrs: dict[str, Any]) -> _Plan:
+    def call1(self, op: str, plan: _Plan, operands: Sequence[Any]) -> np.ndarray:
+        """The one result of a single-result plan without attributes (`plan.reference`) on
+        operands of its planned dtypes (numpy broadcasts a smaller one to the planned
+        shape), checked against the plan until `plan.trusted`."""
+        direct = plan.direct
+        if direct is not None:  # float32/64: the numpy function, quietly, unwrapped
+            token = _ERRSTATE.set(_QUIET.get(_ERRSTATE.get()) or quiet_state())
+            try:
+                r = direct(*operands)
+            finally:
+                _ERRSTATE.reset(token)
+            if plan.trusted:
+                return r
+            if type(r) is np.ndarray and r.dtype == plan.dtype and r.shape == plan.shape:
+                # a 0-d result of a ufunc is a numpy scalar: those keep being checked
+                plan.trusted = type(direct) is np.ufunc and plan.shape != ()
+                return r
+        r = plan.reference(*operands)
+        if type(r) is not np.ndarray:
+            r = np.asarray(r)
+        if r.dtype != plan.dtype or r.shape != plan.shape:
+            _check_results(op, [r], plan.types)
+        return r
+
+    def call_plan(self, op: str, plan: _Plan, operands: Sequence[Any]) -> np.ndarray:
+        """The first result of any plan (with attributes, a composite's too) on operands of
+        its planned types, checked."""
+        if plan.reference is not None:
+            return self.call1(op, plan, operands)
+        return self._replay(op, plan, operands)[0]
+
+    def plan_types(self, op: str, types: Sequence[TensorType], attrs: dict[str, Any]) -> _Plan:
+        """The plan of `op` on operands of `types` (every check made; bad input raises its
+        numbered error), for callers that run it with `call1` (the lean eager path's
+        broadcasting binary ops)."""
+        return self._plan(op, types, attrs).with_direct([t.dtype.np_dtype for t in types])
+
+    def _plan(self, op: str, types: Sequence[TensorType], attrs: dict[str, Any]) -> _Plan:
         """Every check of an eager op, raising its numbered error on bad input."""
         opdef = registry.get(op)
         attrs = opdef.normalize_attrs(attrs)
-        types = opdef.infer([self.type_of(x) for x in typed], attrs)
+        types = opdef.infer(list(types), attrs)
         for t in types:  # refuse an absurd result before numpy tries to allocate it
             if all(isinstance(d, int) for d in t.shape):
                 nbytes = nbytes_of(t.shape, t.dtype.np_dtype.itemsize)
