@@ -1,6 +1,7 @@
 """The batched small-matrix CPU kernels (kiln/codegen/cpu/linalg_*.py) against
-numpy.linalg (LAPACK per matrix) on 4096 matrices of 8x8, 16x16 and 32x32, float32 and
-float64: cholesky, qr, eigh, svd (issue 15's benchmark; target >= 5x faster than numpy).
+numpy.linalg (LAPACK per matrix) on 4096 matrices of 8x8, 16x16 and 32x32 (and 64x64),
+float32 and float64: cholesky, qr, eigh, svd (issue 15's benchmark; target >= 5x faster
+than numpy).
 
     .venv/bin/python benchmarks/bench_linalg.py [--quick] [--cpu-time] [--batch 4096] [--out benchmarks/results/linalg.md]
 
@@ -47,9 +48,9 @@ CASES = {
 }
 
 
-# beyond the issue's sizes: the cheap factorizations at 64 x 64 (the kernels' limit), so
-# the routing rule rests on a measurement there too
-EXTRA = {64: ("cholesky", "qr")}
+# beyond the issue's sizes: all four at 64 x 64 (the kernels' limit), so the routing
+# rule rests on a measurement there too
+EXTRA = {64: ("cholesky", "qr", "eigh", "svd")}
 
 
 def cpu_timings(fn, repeat: int, warmup: int = 1) -> tuple[float, float]:
