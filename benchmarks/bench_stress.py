@@ -8,10 +8,11 @@ The issue's rule: a step's time may degrade in proportion to the cores lost, nev
 10x. On a 2-CPU machine a busy core is half the machine, so a workload that used both
 cores may take up to ~2x; one that ran on one core should barely move.
 
-Each implementation runs in its own process (thread pools spin after their work; one
-framework's would slow the next one down), and inside it idle and busy blocks
-alternate (`--rounds` of each), so a drift of the machine's other load falls on both
-alike. The busy process is a pure-Python loop pinned to the last CPU and bounded by a
+kiln and torch at one thread share one process and run round-robin (every repetition
+runs each once, back to back), so the machine's other load falls on both alike; torch
+at its default threads and np.matmul (OpenBLAS's threads) get processes of their own
+(their threads spin after their work and would slow the others down). In every process
+idle and busy blocks alternate (`--rounds` of each). The busy process is a pure-Python loop pinned to the last CPU and bounded by a
 deadline; it is killed when the block ends. Rows:
 
 - GPT: benchmarks/bench_train.py's step of examples/nanogpt (2 layers, 64 wide, batch
@@ -120,23 +121,32 @@ def _setup(impl: str):
 REPEAT = {"GPT step": 20, "batched GEMM": 200}
 
 
-def run_worker(impl: str, rounds: int, quick: bool) -> dict:
-    """{workload: {"idle": [s...], "busy": [s...]}} for one implementation, idle and busy
-    blocks alternating."""
-    steps = _setup(impl)
-    result = {name: {"idle": [], "busy": []} for name in steps}
-    for fn in steps.values():  # compile and warm up
-        for _ in range(3):
-            fn()
+def run_worker(group: str, rounds: int, quick: bool) -> dict:
+    """{"impl|workload": {"idle": [s...], "busy": [s...]}} for the implementations of
+    `group` ("kiln+torch1": both in this process, round-robin: every repetition runs each
+    once, back to back, so they share the machine's load), idle and busy blocks
+    alternating."""
+    impls = group.split("+")
+    steps = {impl: _setup(impl) for impl in impls}
+    names = list(dict.fromkeys(name for impl in impls for name in steps[impl]))
+    result = {f"{impl}|{name}": {"idle": [], "busy": []} for impl in impls for name in steps[impl]}
+    for impl in impls:  # compile and warm up
+        for fn in steps[impl].values():
+            for _ in range(3):
+                fn()
+
+    def block(state):
+        for name in names:
+            for _ in range(REPEAT[name] // (4 if quick else 1)):
+                for impl in impls:
+                    fn = steps[impl].get(name)
+                    if fn is not None:
+                        result[f"{impl}|{name}"][state] += _times(fn, 1)
+
     for _ in range(rounds):
-        for state in ("idle", "busy"):
-            if state == "busy":
-                with Spinner():
-                    for name, fn in steps.items():
-                        result[name][state] += _times(fn, REPEAT[name] // (4 if quick else 1))
-            else:
-                for name, fn in steps.items():
-                    result[name][state] += _times(fn, REPEAT[name] // (4 if quick else 1))
+        block("idle")
+        with Spinner():
+            block("busy")
     return result
 
 
@@ -156,18 +166,28 @@ def render(rows: dict, args, load: tuple) -> str:
              f"{os.cpu_count()} cores lost; the rule: busy / idle at most in proportion to the "
              "cores lost, never 10x",
              "", "Milliseconds, median (minimum).", "",
-             "| workload | implementation | idle | busy | busy / idle, medians (minimums) |",
-             "|---|---|---|---|---|"]
+             "| workload | implementation | idle | busy | busy / idle, medians (minimums) "
+             "| torch 1 thread / kiln, idle; busy (same process, round-robin) |",
+             "|---|---|---|---|---|---|"]
+
+    def stats(r):
+        idle, busy = np.array(r["idle"]) * 1e3, np.array(r["busy"]) * 1e3
+        return np.median(idle), idle.min(), np.median(busy), busy.min()
+
     for (name, impl), r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | {LABELS[impl].format(n=os.cpu_count())} | {r['error']} | | |")
+            lines.append(f"| {name} | {LABELS[impl].format(n=os.cpu_count())} | {r['error']} | | | |")
             continue
-        idle, busy = np.array(r["idle"]) * 1e3, np.array(r["busy"]) * 1e3
-        digits = 2 if np.median(idle) >= 1 else 3
+        mi, li, mb, lb = stats(r)
+        digits = 2 if mi >= 1 else 3
+        versus = ""
+        other = rows.get((name, "torch1"))
+        if impl == "kiln" and other is not None and "error" not in other:
+            ti, tli, tb, tlb = stats(other)
+            versus = f"{ti / mi:.2f}x ({tli / li:.2f}x); {tb / mb:.2f}x ({tlb / lb:.2f}x)"
         lines.append(f"| {name} | {LABELS[impl].format(n=os.cpu_count())} "
-                     f"| {np.median(idle):.{digits}f} ({idle.min():.{digits}f}) "
-                     f"| {np.median(busy):.{digits}f} ({busy.min():.{digits}f}) "
-                     f"| {np.median(busy) / np.median(idle):.2f}x ({busy.min() / idle.min():.2f}x) |")
+                     f"| {mi:.{digits}f} ({li:.{digits}f}) | {mb:.{digits}f} ({lb:.{digits}f}) "
+                     f"| {mb / mi:.2f}x ({lb / li:.2f}x) | {versus} |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,24 +211,29 @@ def main() -> int:
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.rounds, args.quick)))
         return 0
-    impls = ["kiln", "numpy"]
+    groups = ["kiln", "numpy"]
     try:
         import torch  # noqa: F401
 
-        impls += ["torch", "torch1"]
+        # torch at one thread shares kiln's process (it starts no spinning pool), round-robin
+        # with kiln; torch at its default threads and OpenBLAS's threads get their own
+        groups = ["kiln+torch1", "numpy", "torch"]
     except ImportError:
         pass
+    order = ["kiln", "torch1", "torch", "numpy"]
     start = os.getloadavg()[0]
     rows: dict = {}
-    for impl in impls:
-        result = measure(impl, args.rounds, args.quick)
+    for group in groups:
+        result = measure(group, args.rounds, args.quick)
         if "error" in result:
-            rows[("GPT step" if impl != "numpy" else "batched GEMM", impl)] = result
+            for impl in group.split("+"):
+                rows[("GPT step" if impl != "numpy" else "batched GEMM", impl)] = result
             continue
-        for name, r in result.items():
+        for key, r in result.items():
+            impl, name = key.split("|")
             rows[(name, impl)] = r
-    order = sorted(rows, key=lambda k: (k[0] != "GPT step", impls.index(k[1])))
-    section = render({k: rows[k] for k in order}, args, (start, os.getloadavg()[0]))
+    keys = sorted(rows, key=lambda k: (k[0] != "GPT step", order.index(k[1])))
+    section = render({k: rows[k] for k in keys}, args, (start, os.getloadavg()[0]))
     print(section)
     if args.out:
         write_section(args.out, "bench_stress", section)
