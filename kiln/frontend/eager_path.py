@@ -137,6 +137,13 @@ def eager_apply(op: str, args: tuple, attrs: dict, same_dtype: bool = False):
         arrays.append(a._x)
     if _state.__dict__.get("stack"):
         return None
+    if len(arrays) == 1 and not attrs:  # a unary op: its plan keyed by the operand's type
+        a = arrays[0]
+        plan = _alike.get((op, a.dtype, a.shape, 1))
+        if plan is not None and plan.nbytes <= memory_limits._limit:
+            if plan.trusted:
+                return _quick(plan, arrays)
+            return _result(EAGER.call1(op, plan, arrays))
     if same_dtype:
         first = arrays[0].dtype
         for a in arrays:

@@ -10,6 +10,7 @@ from kiln.frontend import functional as F
 from kiln.frontend import reductions as R
 from kiln.frontend import shape_ops as S
 from kiln.frontend import selection as SEL
+from kiln.frontend.eager_path import eager_binary
 from kiln.frontend.indexing import getitem
 from kiln.frontend.mutation import bind as bind_inplace
 from kiln.frontend.tensor import Tensor
@@ -19,19 +20,36 @@ def _swap(fn):
     return lambda self, other: fn(other, self)
 
 
-_OPERATORS = {
-    "__add__": F.add, "__radd__": _swap(F.add), "__sub__": F.sub, "__rsub__": _swap(F.sub),
-    "__mul__": F.mul, "__rmul__": _swap(F.mul), "__truediv__": F.div, "__rtruediv__": _swap(F.div),
-    "__floordiv__": F.floor_divide, "__rfloordiv__": _swap(F.floor_divide),
-    "__mod__": F.remainder, "__rmod__": _swap(F.remainder),
-    "__pow__": F.pow, "__rpow__": _swap(F.pow),
-    "__matmul__": F.matmul, "__rmatmul__": _swap(F.matmul),
-    "__and__": F.bitwise_and, "__rand__": _swap(F.bitwise_and),
-    "__or__": F.bitwise_or, "__ror__": _swap(F.bitwise_or),
-    "__xor__": F.bitwise_xor, "__rxor__": _swap(F.bitwise_xor),
-    "__eq__": F.eq, "__ne__": F.ne, "__lt__": F.lt, "__le__": F.le, "__gt__": F.gt, "__ge__": F.ge,
-    "__neg__": F.neg, "__abs__": F.abs, "__invert__": F.bitwise_not, "__getitem__": getitem,
-}
+def _operator(name: str, op: str, fn, swapped: bool = False):
+    """`fn` (the function of binary primitive `op`) as an operator that tries the lean
+    eager path itself (kiln/frontend/eager_path.py): one Python call less per eager op.
+    The first four (add, sub, mul, div) are `eager_binary`'s own callers; the others are
+    `binary(op, x, y)` with no more policy than the op."""
+    from_eager = op in ("add", "sub", "mul", "div")
+    if swapped:
+        def method(self, other):
+            result = eager_binary(op, other, self, from_eager)
+            return result if result is not None else fn(other, self)
+    else:
+        def method(self, other):
+            result = eager_binary(op, self, other, from_eager)
+            return result if result is not None else fn(self, other)
+    method.__name__ = name
+    return method
+
+
+_OPERATORS = {"__matmul__": F.matmul, "__rmatmul__": _swap(F.matmul),
+              "__neg__": F.neg, "__abs__": F.abs, "__invert__": F.bitwise_not,
+              "__getitem__": getitem}
+for _name, _op, _fn in (("add", "add", F.add), ("sub", "sub", F.sub), ("mul", "mul", F.mul),
+                        ("truediv", "div", F.div), ("floordiv", "floor_divide", F.floor_divide),
+                        ("mod", "remainder", F.remainder), ("pow", "pow", F.pow),
+                        ("and", "and", F.bitwise_and), ("or", "or", F.bitwise_or),
+                        ("xor", "xor", F.bitwise_xor)):
+    _OPERATORS[f"__{_name}__"] = _operator(f"__{_name}__", _op, _fn)
+    _OPERATORS[f"__r{_name}__"] = _operator(f"__r{_name}__", _op, _fn, swapped=True)
+for _op in ("eq", "ne", "lt", "le", "gt", "ge"):
+    _OPERATORS[f"__{_op}__"] = _operator(f"__{_op}__", _op, getattr(F, _op))
 
 _METHODS = {name: getattr(R if name in R.__all__ else F, name) for name in (
     "exp", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",

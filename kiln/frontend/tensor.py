@@ -16,6 +16,7 @@ from kiln.ir import dtypes as dt
 from kiln.ir.emitter import GraphBuilder
 from kiln.ir.graph import Value
 
+_KILN_DTYPES = {np.dtype(d.np_dtype): d for d in dt.ALL_DTYPES}  # an eager array's dtype
 _FIX = ("use kn.cond(pred, true_fn, false_fn, *operands) or kn.switch(index, branches, "
         "*operands) for branches, and kn.while_loop(cond_fn, body_fn, carried) for loops")
 
@@ -177,7 +178,7 @@ class Tensor:
         user code (its comparisons, arithmetic and int() go through the ranges and size
         guards, kiln/frontend/symsize.py) and a sympy expression inside kiln."""
         if self._builder is None:
-            return tuple(self._x.shape)
+            return self._x.shape  # an ndarray's shape: a tuple already
         dims = self._x.type.shape
         if all(d.__class__ is int for d in dims):
             return dims
@@ -192,11 +193,14 @@ class Tensor:
 
     @property
     def dtype(self) -> dt.DType:
-        return dt.from_numpy(self._x.dtype) if self._builder is None else self._x.type.dtype
+        if self._builder is not None:
+            return self._x.type.dtype
+        kind = _KILN_DTYPES.get(self._x.dtype)  # from_numpy without its np.dtype() call
+        return kind if kind is not None else dt.from_numpy(self._x.dtype)
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        return self._x.ndim if self._builder is None else len(self._x.type.shape)
 
     @property
     def device(self) -> Device:

@@ -290,7 +290,14 @@ class EagerEmitter(Emitter):
             if len(self._plans) >= _PLAN_LIMIT:
                 self._plans.clear()
             self._plans[key] = plan
+            if plan.reference is not None and len(typed) == 1:  # where the lean path looks
+                self._remember_alike(op, typed[0], 1, plan)
         return self._replay(op, plan, operands)
+
+    def _remember_alike(self, op: str, like: np.ndarray, arity: int, plan: _Plan) -> None:
+        if len(self._alike) >= _PLAN_LIMIT:
+            self._alike.clear()
+        self._alike[(op, like.dtype, like.shape, arity)] = plan
 
     def run1(self, op: str, operands: Sequence[Any], like: np.ndarray, arity: int):
         """The one result of an op without attributes whose `arity` operands all have the
@@ -305,9 +312,7 @@ class EagerEmitter(Emitter):
         result = self.run(op, operands, {}, typed)[0]
         plan = self._plans.get(_signature(op, typed, None))
         if plan is not None and plan.reference is not None and type(like) is np.ndarray:
-            if len(self._alike) >= _PLAN_LIMIT:
-                self._alike.clear()
-            self._alike[(op, like.dtype, like.shape, arity)] = plan
+            self._remember_alike(op, like, arity, plan)
         return result
 
     def call1(self, op: str, plan: _Plan, operands: Sequence[Any]) -> np.ndarray:
