@@ -97,7 +97,8 @@ def _path(root: str, key: str, kind: str) -> str:
 def _validate_objects(payload: bytes) -> None:
     machine = cache_elf.host_machine()
     if machine is not None:  # host objects are ELF only where the host is ELF
-        cache_elf.check_object(payload, machine=machine, relocatable=True)
+        for part in cache_elf.unpack_objects(payload):  # one object, or several packed
+            cache_elf.check_object(part, machine=machine, relocatable=True)
 
 
 # per-kind structural checks of a payload, run after its tag verified (raise ValueError)

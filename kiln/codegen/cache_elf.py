@@ -74,6 +74,40 @@ def check_object(data: bytes, machine: int | None = None, relocatable: bool = Fa
             _check_relocations(data, sections, i, e_machine, relocatable)
 
 
+# several objects in one payload (a program compiled as several LLVM modules at once):
+# MAGIC | u32 count | count x u64 size | the objects, in order
+MULTI_MAGIC = b"KILNOBJS"
+_MAX_PARTS = 256
+
+
+def pack_objects(parts: list[bytes]) -> bytes:
+    """One payload for several object files (a single object stays as it is)."""
+    if len(parts) == 1:
+        return parts[0]
+    head = MULTI_MAGIC + struct.pack("<I", len(parts)) + b"".join(struct.pack("<Q", len(p)) for p in parts)
+    return head + b"".join(parts)
+
+
+def unpack_objects(data: bytes) -> list[bytes]:
+    """The object files of a payload `pack_objects` made (`BadObject` if malformed)."""
+    if not data.startswith(MULTI_MAGIC):
+        return [data]
+    if len(data) < 12:
+        raise BadObject("truncated object list")
+    (count,) = struct.unpack_from("<I", data, 8)
+    if not 2 <= count <= _MAX_PARTS or len(data) < 12 + 8 * count:
+        raise BadObject(f"object list of {count} parts")
+    sizes = struct.unpack_from(f"<{count}Q", data, 12)
+    at = 12 + 8 * count
+    if at + sum(sizes) != len(data):
+        raise BadObject("object list sizes do not match the payload")
+    parts = []
+    for size in sizes:
+        parts.append(data[at:at + size])
+        at += size
+    return parts
+
+
 def _fits(offset: int, size: int, total: int) -> bool:
     return 0 <= offset and 0 <= size and offset + size <= total
 

@@ -37,6 +37,7 @@ from kiln.codegen.cpu.gemm import check_strides, emit_gemm, gemm_as_kernel
 from kiln.codegen.cpu.ir_builder import Module
 from kiln.codegen.cpu.llvm_emit import emit_kernel
 from kiln.codegen.cpu.microkernel import emit_micro_gemm, row_blocks
+from kiln.codegen.cpu.parallel_build import Engines, build_objects
 from kiln.codegen.cpu.compiled import default_threads
 from kiln.codegen.cpu.scalar_ops import SCALAR_TABLE
 
@@ -223,15 +224,16 @@ class CpuBackend(Backend):
         """Relocatable machine code of `kernels` compiled together (cache by content)."""
         taken: set = set()
         plans = [self._plan(k, taken) for k in _distinct(kernels)[0]]
-        return jit.object_code(self._optimized(self._module_text(plans)), self.options.opt_level)
+        # several LLVM modules compiled on threads at once (parallel_build.py)
+        return build_objects(plans, self._module_text, self.options.opt_level, self.options.threads)
 
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list[CompiledKernel]:
         """CompiledKernels from bytes made by `object_code(kernels)` with these options."""
         unique, index = _distinct(kernels)
         taken: set = set()
         plans = [self._plan(k, taken) for k in unique]
-        return _renamed(kernels, index, self._wrap(plans, jit.Jitted(objects=(blob,),
-                                                                     opt_level=self.options.opt_level)))
+        # one object, or one per module built at once (parallel_build.py)
+        return _renamed(kernels, index, self._wrap(plans, Engines(blob, self.options.opt_level)))
 
 
 def _distinct(kernels: Sequence[AnyKernel]) -> tuple[list, list[int]]:

@@ -81,6 +81,60 @@ def object_code(mod, opt_level: int = 3) -> bytes:
     return target_machine(opt_level).emit_object(mod)
 
 
+def _unlocked(name: str):
+    """llvmlite's raw ctypes function `name`, without the process-wide lock llvmlite wraps
+    around every call (None when this llvmlite has no such layer). ctypes releases the
+    GIL in the call, so threads compiling modules of their own contexts run in parallel."""
+    fn = getattr(llvm.ffi.lib, name, None)
+    return getattr(fn, "_cfn", None)
+
+
+def _compile_alone(text: str, opt_level: int) -> bytes:
+    """Object code of one module in an LLVM context and target machine of its own: what
+    `object_code(optimize(parse(text)))` makes, safe to run on several threads at once
+    (the long calls, the pass pipeline and code generation, run outside llvmlite's lock)."""
+    _init()
+    context = llvm.create_context()
+    mod = llvm.parse_assembly(text, context=context)
+    mod.verify()
+    tm = _new_target_machine(opt_level)
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    pto = llvm.create_pipeline_tuning_options(speed_level=min(opt_level, 3))
+    pto.loop_vectorization = opt_level >= 2
+    pto.slp_vectorization = opt_level >= 2
+    pto.loop_unrolling = opt_level >= 2
+    pb = llvm.create_pass_builder(tm, pto)
+    pm = pb.getModulePassManager()
+    run, emit = _unlocked("LLVMPY_RunNewModulePassManager"), _unlocked("LLVMPY_TargetMachineEmitToMemory")
+    if run is None or emit is None:  # an llvmlite without the lock layer: its own calls
+        pm.run(mod, pb)
+        return tm.emit_object(mod)
+    run(pm, mod, pb)
+    with llvm.ffi.OutputString() as err:
+        buffer = emit(tm, mod, 1, err)
+        if not buffer:
+            raise RuntimeError(str(err))
+    try:
+        return ctypes.string_at(llvm.ffi.lib.LLVMPY_GetBufferStart(buffer),
+                                llvm.ffi.lib.LLVMPY_GetBufferSize(buffer))
+    finally:
+        llvm.ffi.lib.LLVMPY_DisposeMemoryBuffer(buffer)
+        mod.close()  # before its context goes
+
+
+def object_codes(texts: list[str], opt_level: int = 3, timeout: float = 3600.0) -> list[bytes]:
+    """Object code of each module text, the modules compiled on threads at once (one per
+    module). Every wait is bounded by `timeout` seconds."""
+    if len(texts) == 1:
+        return [_compile_alone(texts[0], opt_level)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(texts), thread_name_prefix="kiln-llvm") as pool:
+        futures = [pool.submit(_compile_alone, text, opt_level) for text in texts]
+        return [f.result(timeout=timeout) for f in futures]
+
+
 class Jitted:
     """An MCJIT engine holding compiled code; `address(name)` of an exported function.
     Engines stay alive as long as this object (the compiled functions point into it)."""
