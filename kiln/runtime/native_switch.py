@@ -25,7 +25,6 @@ runs the Python way, so concurrent calls stay correct.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import sys
 import threading
 from typing import Sequence
@@ -34,7 +33,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.ir.shapes import dim_function
-from kiln.runtime.native_loops import _has_collective, _is_cpu_kernel
+from kiln.runtime.native_loops import _has_collective, _is_cpu_kernel, one_thread
 from kiln.runtime.program import Control, Launch, Program
 from kiln.runtime.threads import parallel_threads
 
@@ -91,7 +90,7 @@ class _SwitchPlan:
         op = Switch(index, np.dtype(program.buffers[step.inputs[0]].dtype.np_dtype), tuple(branches))
         if not is_native(op):
             raise KilnError("internal: a branch has a step native code cannot run")
-        serial = _one_thread([op])[0]
+        serial = one_thread([op])[0]
         self.arrays = flat.arrays  # captured buffers stay alive with the plan
         self.table = (ctypes.c_void_p * len(flat.arrays))()
         for i, array in enumerate(flat.arrays):
@@ -194,28 +193,6 @@ class NativeSwitch:
                                launcher_for("cpu"))
         except KilnError:  # a step native code cannot take: the executor runs it
             return False
-
-
-def _one_thread(ops) -> list:
-    """`ops` with every launch on the calling thread. A launch split over threads waits at
-    its end for every thread to have run its share: on a machine whose other cores are
-    busy (other processes) that wait is a scheduler time slice, milliseconds, for a
-    kernel of a few hundred microseconds (the 4-way switch over 2^20 floats measured
-    0.2 ms split on an idle machine, 6-8 ms median split at load 9 on 2 CPUs, 0.34 ms
-    on one thread)."""
-    from kiln.runtime.capture import Loop, NativeLaunch, Switch
-
-    out = []
-    for op in ops:
-        if isinstance(op, NativeLaunch) and op.threads > 1:
-            op = dataclasses.replace(op, threads=1)
-        elif isinstance(op, Switch):
-            op = dataclasses.replace(op, branches=tuple(tuple(_one_thread(b)) for b in op.branches))
-        elif isinstance(op, Loop):
-            op = Loop(*(tuple(_one_thread(part)) for part in (op.init, op.cond)), op.flag,
-                      *(tuple(_one_thread(part)) for part in (op.body, op.back)))
-        out.append(op)
-    return out
 
 
 def _reclaim(kept: list, shape: tuple, dtype: np.dtype):

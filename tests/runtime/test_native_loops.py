@@ -105,3 +105,21 @@ def test_concurrent_calls_stay_correct():
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and not errors
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_loop_of_large_launches_splits_only_while_cpus_are_idle(threads, python_trips, monkeypatch):
+    """A native loop whose launches are large enough to split has a split and a
+    one-thread version; which runs is asked of threads.parallel_threads() per call."""
+    from kiln.codegen.cpu.launch_list import openmp_runtime
+
+    asked = []
+    monkeypatch.setattr(native_loops, "parallel_threads", lambda: asked.append(threads) or threads)
+    x = np.random.default_rng(7).uniform(0.5, 100, 100_000).astype(np.float32)  # x and y: 800 KB
+    tol = np.array(1e-2, np.float32)
+    f = kn.compile(sqrt_to_tolerance)
+    want = sqrt_to_tolerance(kn.tensor(x), kn.tensor(tol))[1].numpy()
+    for _ in range(4):
+        np.testing.assert_allclose(f(x, tol)[1].numpy(), want, rtol=1e-6, atol=1e-6)
+    assert python_trips["loops"] == native_loops._BUILD_AFTER - 1
+    assert bool(asked) == (openmp_runtime() is not None)  # a split version exists with libgomp
