@@ -21,6 +21,7 @@ from kiln.ir.emitter import EAGER, Emitter, GraphBuilder, is_python_scalar
 from kiln.frontend.eager_path import (_state as eager_path_state, eager_apply, eager_binary,
                                       lean_binary)
 from kiln.frontend.tape import Dual, TapeEmitter, builder_of, taping
+from kiln.frontend.tensor import Tensor
 from kiln.runtime.device import CPU, KilnDeviceMismatchError
 from kiln.runtime.placement import charge
 
@@ -42,8 +43,6 @@ def current_builder() -> GraphBuilder | None:
 
 def emitter_for(*args) -> Emitter:
     """The builder of the traced operands, else the active trace's, else eager."""
-    from kiln.frontend.tensor import Tensor
-
     found = device = None
     for a in args:
         if isinstance(a, Tensor):
@@ -91,8 +90,6 @@ def op_emitter(*args) -> Emitter:
 
 def to_array(value) -> np.ndarray:
     """numpy data of anything array-like kiln accepts as a tensor."""
-    from kiln.frontend.tensor import Tensor
-
     if isinstance(value, Tensor):
         return value.numpy()
     if hasattr(value, "_sympy_") and not isinstance(value, Tensor):  # Tensor.size()'s SymSize
@@ -122,9 +119,7 @@ def _all_python_floats(value) -> bool:
 
 def raw(em: Emitter, value) -> Any:
     """`value` in `em`'s representation: a numpy array or a graph Value; scalars stay."""
-    from kiln.frontend.tensor import Tensor
-
-    if is_python_scalar(value) and not isinstance(value, np.ndarray):
+    if type(value) is not Tensor and is_python_scalar(value) and not isinstance(value, np.ndarray):
         return value.item() if isinstance(value, np.generic) else value
     if isinstance(value, Tensor):
         if value._view is not None:  # a view re-reads its base after a write to the base
@@ -155,8 +150,6 @@ def wrap(em: Emitter, result):
 
 
 def _tensor_of(result, builder):
-    from kiln.frontend.tensor import Tensor
-
     device = None
     if builder is None:  # an eager result: on the device of its operands, counted there
         device = getattr(_state, "device", None)

@@ -191,7 +191,19 @@ def eager_binary(op: str, x, y, from_eager: bool = True):
             return None
         plan = _alike.get((op, dtype, a.shape, 2))
         if plan is not None and plan.trusted and plan.nbytes <= memory_limits._limit:
-            return _quick(plan, (a, b))
+            # `_quick` and `_tensor`, inlined: the commonest eager op, 0.15 us less
+            token = _ERRSTATE.set(_QUIET.get(_ERRSTATE.get()) or quiet_state())
+            try:
+                r = plan.direct(a, b)
+            finally:
+                _ERRSTATE.reset(token)
+            _track_new(r)
+            t = _new(Tensor)
+            t._x = r
+            t._builder = t._device = t._node = t._grad = t._view = None
+            t._requires_grad = False
+            t._version = 0
+            return t
         return _new_result(EAGER.run1(op, (a, b), a, 2), a, b)
     return _with_scalar(op, x, y, from_eager)
 

@@ -12,7 +12,7 @@ from kiln.errors import KilnArgumentError
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import normalize_axis
 from kiln.frontend.dispatch import apply, binary, op_emitter as emitter_for, raw, wrap
-from kiln.frontend.eager_path import eager_binary, eager_unary_float
+from kiln.frontend.eager_path import eager_apply, eager_binary, eager_unary_float
 from kiln.frontend.tensor import Tensor
 
 # the public functions (the `kn` face star-imports these); `to`, `_tensor`, `_floating` and
@@ -390,6 +390,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
 
 def matmul(x, y):
     """Matrix product with torch.matmul semantics (1-D operands, broadcast batch dims)."""
+    result = eager_apply("matmul", (x, y), {}, same_dtype=True)  # plain eager CPU tensors
+    if result is not None:
+        return result
     em = emitter_for(x, y)
     a, b = _promote_dtype(em, x, y)
     return wrap(em, em.call("matmul", a, b))

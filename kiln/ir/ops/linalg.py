@@ -334,8 +334,8 @@ def upcast(b, x):
 
 
 def _matmul_reference(x, y):
-    acc = _accumulator(x)
-    return np.matmul(x.astype(acc), y.astype(acc)).astype(x.dtype)
+    acc = _accumulator(x)  # copies only where the accumulator differs (a copy each cost ~0.3 us)
+    return np.matmul(x.astype(acc, copy=False), y.astype(acc, copy=False)).astype(x.dtype, copy=False)
 
 
 @defop("matmul", family="linalg", kind=COMPOSITE, num_operands=2)

@@ -147,6 +147,8 @@ class relu:
     def reference(x):
         return np.maximum(x, 0).astype(x.dtype) if x.dtype.kind in "iu" else _f32_relu(x)
 
+    reference.float_fn = _f32_relu.float_fn  # what float32/64 run (rules.float_fn)
+
     def decompose(b, x):
         return b.binary("max", x, 0)
 
