@@ -44,38 +44,56 @@ def _has_collective(program: Program) -> bool:
     return False
 
 
-class NativeLoop:
-    """One `while_loop` step of a program, replayed natively per size binding."""
+class PerBinding:
+    """The native plans of one control step of a program, one per size binding, each
+    built on its binding's `_BUILD_AFTER`-th call (a one-off call does not pay the
+    build); `op` is the step kind a subclass takes."""
 
-    def __init__(self, program: Program, step: Control, kernels: dict, externs: dict):
-        slots = {*step.inputs, *step.outputs}
-        self.program = Program(f"{program.name}_while", list(step.inputs), list(step.outputs),
-                               {s: program.buffers[s] for s in slots}, [step], program.kernels,
-                               program.constants, program.shape_vars)
-        self.kernels, self.externs = kernels, externs
-        self._plans: dict[tuple, object] = {}  # sizes -> CapturedPlan, or False: not possible
+    op = ""
+
+    def __init__(self):
+        self._plans: dict[tuple, object] = {}  # sizes -> plan, or False: not possible
         self._calls: dict[tuple, int] = {}
         self._lock = threading.Lock()
 
-    @staticmethod
-    def applies(step: Control, kernels: dict) -> bool:
-        return (step.op == "while_loop" and bool(kernels)
+    @classmethod
+    def applies(cls, step: Control, kernels: dict) -> bool:
+        return (step.op == cls.op and bool(kernels)
                 and all(_is_cpu_kernel(k) for k in kernels.values())
                 and not any(_has_collective(b) for b in step.bodies))
 
-    def run(self, operands: Sequence[np.ndarray], sizes: dict) -> list[np.ndarray] | None:
-        """The loop's results (arrays the caller owns), or None: run it the Python way."""
-        if sum(getattr(a, "nbytes", 0) for a in operands) > MAX_CARRIED_BYTES:
-            return None
-        key = tuple(sorted(sizes.items()))
+    def plan_for(self, sizes: dict, build):
+        """The plan of `sizes` (`build()` makes it, once), or None: not yet, or not possible."""
+        key = tuple(sorted(sizes.items())) if sizes else ()
         plan = self._plans.get(key)
         if plan is None:
             with self._lock:
                 calls = self._calls[key] = self._calls.get(key, 0) + 1
                 if calls < _BUILD_AFTER or key in self._plans:
                     return None
-                self._plans[key] = plan = self._build(operands, sizes)
-        if not plan or plan._lock.locked():  # another thread is replaying it
+                self._plans[key] = plan = build()
+        return plan or None
+
+
+class NativeLoop(PerBinding):
+    """One `while_loop` step of a program, replayed natively per size binding."""
+
+    op = "while_loop"
+
+    def __init__(self, program: Program, step: Control, kernels: dict, externs: dict):
+        super().__init__()
+        slots = {*step.inputs, *step.outputs}
+        self.program = Program(f"{program.name}_while", list(step.inputs), list(step.outputs),
+                               {s: program.buffers[s] for s in slots}, [step], program.kernels,
+                               program.constants, program.shape_vars)
+        self.kernels, self.externs = kernels, externs
+
+    def run(self, operands: Sequence[np.ndarray], sizes: dict) -> list[np.ndarray] | None:
+        """The loop's results (arrays the caller owns), or None: run it the Python way."""
+        if sum(getattr(a, "nbytes", 0) for a in operands) > MAX_CARRIED_BYTES:
+            return None
+        plan = self.plan_for(sizes, lambda: self._build(operands, sizes))
+        if plan is None or plan._lock.locked():  # another thread is replaying it
             return None
         return plan.run(list(operands))
 

@@ -33,11 +33,10 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.ir.shapes import dim_function
-from kiln.runtime.native_loops import _has_collective, _is_cpu_kernel, one_thread
+from kiln.runtime.native_loops import PerBinding, one_thread
 from kiln.runtime.program import Control, Launch, Program
 from kiln.runtime.threads import parallel_threads
 
-_BUILD_AFTER = 2  # calls of one size binding before its capture is built
 _KEEP = 2  # outputs remembered per output position, for reuse once the caller drops them
 
 
@@ -113,33 +112,20 @@ class _SwitchPlan:
         self.lock = threading.Lock()
 
 
-class NativeSwitch:
+class NativeSwitch(PerBinding):
     """One `cond` step of a program, dispatched natively per size binding."""
 
+    op = "cond"
+
     def __init__(self, program: Program, step: Control, kernels: dict, externs: dict, allocator):
+        super().__init__()
         self.program, self.step = program, step
         self.kernels, self.externs, self.allocator = kernels, externs, allocator
-        self._plans: dict[tuple, object] = {}  # sizes -> _SwitchPlan, or False: not possible
-        self._calls: dict[tuple, int] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def applies(step: Control, kernels: dict) -> bool:
-        return (step.op == "cond" and bool(kernels)
-                and all(_is_cpu_kernel(k) for k in kernels.values())
-                and not any(_has_collective(b) for b in step.bodies))
 
     def run(self, operands: Sequence[np.ndarray], sizes: dict) -> list[np.ndarray] | None:
         """The step's results (arrays the caller owns), or None: run it the Python way."""
-        key = tuple(sorted(sizes.items())) if sizes else ()
-        plan = self._plans.get(key)
-        if plan is None:
-            with self._lock:
-                calls = self._calls[key] = self._calls.get(key, 0) + 1
-                if calls < _BUILD_AFTER or key in self._plans:
-                    return None
-                self._plans[key] = plan = self._build(sizes)
-        if not plan or not plan.lock.acquire(blocking=False):  # another thread is in it
+        plan = self.plan_for(sizes, lambda: self._build(sizes))
+        if plan is None or not plan.lock.acquire(blocking=False):  # another thread is in it
             return None
         try:
             return self._run(plan, operands)

@@ -34,19 +34,24 @@ def with_branch(x, n):
                          (kn.tensor(0, dtype=kn.int32), x, kn.tensor(0.0, dtype=kn.float64)))
 
 
-@pytest.fixture
-def python_trips(monkeypatch):
-    """How many times the executor ran a while_loop the Python way."""
-    count = {"loops": 0}
+def count_python_runs(monkeypatch, step: str, key: str) -> dict:
+    """{key: how many times the executor ran a `step` ("while_loop", "cond") the Python way}."""
+    count = {key: 0}
     original = executor._run_control
 
     def counting(op, *args, **kwargs):
-        if op == "while_loop":
-            count["loops"] += 1
+        if op == step:
+            count[key] += 1
         return original(op, *args, **kwargs)
 
     monkeypatch.setattr(executor, "_run_control", counting)
     return count
+
+
+@pytest.fixture
+def python_trips(monkeypatch):
+    """How many times the executor ran a while_loop the Python way."""
+    return count_python_runs(monkeypatch, "while_loop", "loops")
 
 
 def test_a_repeated_loop_runs_natively_with_the_eager_result(python_trips):

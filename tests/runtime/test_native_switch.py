@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import kiln as kn
-from kiln.runtime import executor, native_switch
+from kiln.runtime import native_loops, native_switch
+from tests.runtime.test_native_loops import count_python_runs
 
 
 def four_way(i, x):
@@ -28,16 +29,7 @@ def reference(k: int, x: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def python_conds(monkeypatch):
     """How many times the executor ran a cond step the Python way."""
-    count = {"conds": 0}
-    original = executor._run_control
-
-    def counting(op, *args, **kwargs):
-        if op == "cond":
-            count["conds"] += 1
-        return original(op, *args, **kwargs)
-
-    monkeypatch.setattr(executor, "_run_control", counting)
-    return count
+    return count_python_runs(monkeypatch, "cond", "conds")
 
 
 def test_every_index_clamped_gives_the_eager_result(python_conds):
@@ -49,7 +41,7 @@ def test_every_index_clamped_gives_the_eager_result(python_conds):
         np.testing.assert_allclose(got, eager, rtol=2e-6, atol=1e-6)
         np.testing.assert_allclose(got, reference(k, x), rtol=1e-5, atol=1e-6)
     # the first call of a size binding runs the Python way; the capture is built on the second
-    assert python_conds["conds"] == native_switch._BUILD_AFTER - 1
+    assert python_conds["conds"] == native_loops._BUILD_AFTER - 1
 
 
 def test_held_results_are_never_overwritten_and_dropped_ones_are_reused():
@@ -90,7 +82,7 @@ def test_pass_through_constant_and_repeated_outputs_are_copies(python_conds):
         assert not any(np.shares_memory(a, b) for i, a in enumerate(outs) for b in outs[i + 1:])
         outs[0][:] = -7
         np.testing.assert_array_equal(x, np.arange(16, dtype=np.float32))
-    assert python_conds["conds"] == native_switch._BUILD_AFTER - 1
+    assert python_conds["conds"] == native_loops._BUILD_AFTER - 1
 
 
 def test_two_operands_and_several_kernels_per_branch():

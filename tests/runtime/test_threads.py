@@ -170,9 +170,10 @@ def test_blas_single_thread_nests_and_restores(restore_threads):
     assert getter() == 2
 
 
-def test_batched_gemm_matches_numpy_and_restores_blas(monkeypatch, restore_threads):
+@pytest.fixture
+def blas_seen(monkeypatch):
+    """The BLAS thread count seen inside every kiln single-thread BLAS region."""
     getter = _blas_getter()
-    kn.set_num_threads(2)
     seen = []
     original = cc.blas_single_thread
 
@@ -183,6 +184,13 @@ def test_batched_gemm_matches_numpy_and_restores_blas(monkeypatch, restore_threa
             yield
 
     monkeypatch.setattr(cc, "blas_single_thread", recording)
+    return seen
+
+
+def test_batched_gemm_matches_numpy_and_restores_blas(blas_seen, restore_threads):
+    getter = _blas_getter()
+    kn.set_num_threads(2)
+    seen = blas_seen
     rng = np.random.default_rng(1)
     a = rng.standard_normal((16, 32, 256)).astype(np.float32)
     b = rng.standard_normal((16, 256, 64)).astype(np.float32)
@@ -244,23 +252,14 @@ def test_the_pool_and_blas_follow_a_quota_below_the_affinity(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("m,k,n", [(16, 32, 32), (512, 64, 192), (1024, 128, 128)])
-def test_every_blas_gemm_kiln_calls_runs_on_one_blas_thread(m, k, n, monkeypatch, restore_threads):
+def test_every_blas_gemm_kiln_calls_runs_on_one_blas_thread(m, k, n, blas_seen, restore_threads):
     """Small, mid-size (2^21..2^23 multiply-adds: the GPT step's products, which stalled
     at 256-404 ms a step on a loaded machine with OpenBLAS's own 2 threads) and large
     single products: BLAS sees one thread while kiln calls it, its count is restored after."""
     getter = _blas_getter()
     kn.set_num_threads(2)
     threads.set_blas_num_threads(2)
-    seen = []
-    original = cc.blas_single_thread
-
-    @contextlib.contextmanager
-    def recording():
-        with original():
-            seen.append(getter())
-            yield
-
-    monkeypatch.setattr(cc, "blas_single_thread", recording)
+    seen = blas_seen
     rng = np.random.default_rng(4)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
