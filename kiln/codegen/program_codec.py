@@ -283,15 +283,15 @@ class _Decoder:
 
 
 def _rebuild(func, args: list):
-    """The expression `func(*args)` for args taken from a canonical expression: sums and
-    products are rebuilt as they were written (sympy's `_from_args`, no re-sorting or
-    re-simplifying: 10x faster, and the encoder checked that the program round-trips);
-    other heads through their constructor."""
+    """The expression `func(*args)` for args taken from a canonical expression, rebuilt
+    as it was written: sums and products by sympy's `_from_args`, other heads with
+    `evaluate=False` (no re-sorting or re-simplifying: Max/Min/Mod evaluation costs up to
+    ~10 ms each; the cache stores a program only after it came back equal)."""
     if func is sympy.Add or func is sympy.Mul:
         if len(args) < 2 or not all(isinstance(a, sympy.Expr) for a in args):
             raise CodecError("program codec: bad sum or product")
         return func._from_args(args)
-    return func(*args)
+    return func(*args, evaluate=False)
 
 
 def _tag(v):

@@ -94,23 +94,12 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     from kiln.codegen.backends import get_backend
     from kiln.codegen.build_program import build_program
     from kiln.codegen.lower import template_externs
-    from kiln.passes.fusion import fuse
-    from kiln.passes.manager import Pipeline
-    from kiln.passes.schedule_collectives import schedule_collectives
+    from kiln.frontend import program_cache
     from kiln.runtime.executor import Executable
 
     if mode not in ("default", "max-autotune"):
         raise KilnError(f"compile: mode must be 'default' or 'max-autotune', got {mode!r}")
     target = get_backend(backend)
-    pipeline = Pipeline(list(target.graph_passes(target.options))).extend(
-        [("fuse", fuse), ("schedule_collectives", schedule_collectives)])
-    if target.batches_kernels:  # small independent kernels share launches
-        from kiln.passes.batch_updates import batch_updates
-        from kiln.passes.batching import batch_kernels
-
-        pipeline.append("batch", batch_kernels)
-        pipeline.append("batch_updates", batch_updates)  # the optimizer's updates: one launch
-    from kiln.frontend import program_cache
 
     key = program_cache.program_key(graph, target, mode) \
         if build and program_cache.enabled(target, mode, device) else None
@@ -124,6 +113,7 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
         seconds: dict = {}
     else:
         stages = {}
+        pipeline = graph_pipeline(target)
         optimized = pipeline.run(graph, dump=stages)
         seconds = {r.name: r.seconds for r in pipeline.records}
         program = build_program(optimized)  # regions were optimized and fused with the graph
@@ -152,8 +142,26 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     if optimized is None:
         def redo():
             done: dict = {}
-            return pipeline.run(graph, dump=done), done
+            return graph_pipeline(target).run(graph, dump=done), done
 
         result._redo = redo
         del result.optimized, result.stages
     return result
+
+
+def graph_pipeline(target):
+    """The graph passes `target` compiles with: its own list, then fusion, collective
+    scheduling and (where the backend batches kernels) batching."""
+    from kiln.passes.fusion import fuse
+    from kiln.passes.manager import Pipeline
+    from kiln.passes.schedule_collectives import schedule_collectives
+
+    pipeline = Pipeline(list(target.graph_passes(target.options))).extend(
+        [("fuse", fuse), ("schedule_collectives", schedule_collectives)])
+    if target.batches_kernels:  # small independent kernels share launches
+        from kiln.passes.batch_updates import batch_updates
+        from kiln.passes.batching import batch_kernels
+
+        pipeline.append("batch", batch_kernels)
+        pipeline.append("batch_updates", batch_updates)  # the optimizer's updates: one launch
+    return pipeline

@@ -1,0 +1,188 @@
+"""Compile time of the small GPT training step (bench_train.py's GPT row), cold and warm.
+
+Each run is a fresh process: `cold` starts from an empty KILN_CACHE_DIR, `warm` reuses the
+cache the cold run of the same round wrote (issue 22: cold <= 1 s, warm <= 0.1 s). Per
+stage, wall clock: trace, graph passes, lowering, LLVM, whole-program cache load, the
+first step itself; `compile` is the first call minus that step. Variants, in the same
+rounds so their ratios compare like with like:
+
+- `kiln`: as shipped (whole-program cache, LLVM modules built on kiln's threads);
+- `serial LLVM`: kn.set_num_threads(1) before compiling (one LLVM module, one thread);
+- `no program cache`: KILN_PROGRAM_CACHE=0 (warm = per-kernel-set object cache only).
+
+    .venv/bin/python benchmarks/bench_compile.py --rounds 3 --out benchmarks/results/cpu.md
+    .venv/bin/python benchmarks/bench_compile.py --profile cold   # cProfile of one first call
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, "results", "cpu.md")
+BEGIN, END = "<!-- bench_compile: begin -->", "<!-- bench_compile: end -->"
+
+WORKER = r"""
+import functools, json, os, sys, time
+t0 = time.perf_counter()
+import kiln as kn
+imported = time.perf_counter() - t0
+sys.path.insert(0, {here!r})
+import bench_train as bt
+import numpy as np
+from kiln import optim
+import kiln.frontend.compile as C
+from kiln.frontend import program_cache
+from kiln.codegen import build_program as BP
+from kiln.codegen.cpu import jit
+from kiln.passes import manager as PM
+from kiln.runtime import executor as EX
+T = {{}}
+def timed(owner, name, label):
+    fn = getattr(owner, name)
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            T[label] = T.get(label, 0.0) + time.perf_counter() - t
+    setattr(owner, name, wrapper)
+timed(C.CompiledFunction, "_trace", "trace")
+timed(PM.Pipeline, "run", "passes")
+timed(BP, "build_program", "lower")
+timed(jit, "object_codes", "llvm")
+timed(jit, "optimize", "llvm")
+timed(jit, "object_code", "llvm")
+timed(program_cache, "load", "cache load")
+timed(EX.Executable, "run", "first step")
+if {serial!r}:
+    kn.set_num_threads(1)
+kn.manual_seed(0)
+module = bt.gpt_module("kiln")
+model = module.GPT(module.GPTConfig(**bt.GPT))
+rng = np.random.default_rng(0)
+x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
+        for _ in range(2))
+opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
+step = bt.kiln_step_fn(model, opt)
+params = dict(model.named_parameters())
+state = opt.init(params)
+key = kn.nn.random.key(0)
+c = kn.compile(step)
+profile = {profile!r}
+if profile:
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+t0 = time.perf_counter()
+c(params, state, x, y, key)
+first = time.perf_counter() - t0
+if profile:
+    prof.disable()
+    import pstats
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+T.update(first=first, compile=first - T.get("first step", 0.0), imported=imported)
+print(json.dumps({{"t": T, "stats": program_cache.STATS}}))
+"""
+
+VARIANTS = {"kiln": {}, "serial LLVM": {"serial": True},
+            "no program cache": {"env": {"KILN_PROGRAM_CACHE": "0"}}}
+STAGES = ("trace", "passes", "lower", "llvm", "cache load", "first step", "compile", "first")
+
+
+def run_once(cache: str, serial: bool = False, env: dict | None = None, profile: bool = False) -> dict:
+    full = dict(os.environ, KILN_CACHE_DIR=cache, **(env or {}))
+    done = subprocess.run([sys.executable, "-c", WORKER.format(here=HERE, serial=serial, profile=profile)],
+                          env=full, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip()[-2000:])
+    if profile:
+        print(done.stderr)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(rounds: int) -> dict:
+    """{variant: {"cold"/"warm": [per-run stage dicts]}}, variants interleaved per round."""
+    out = {v: {"cold": [], "warm": []} for v in VARIANTS}
+    for _ in range(rounds):
+        for name, v in VARIANTS.items():
+            with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
+                for which in ("cold", "warm"):
+                    res = run_once(cache, v.get("serial", False), v.get("env"))
+                    out[name][which].append(res["t"])
+                    print(name, which, {k: round(res["t"].get(k, 0.0), 3) for k in STAGES},
+                          res["stats"], file=sys.stderr)
+    return out
+
+
+def median(runs: list, key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in runs)
+
+
+def render(results: dict, rounds: int, load0: float, load1: float) -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), "unknown")
+    lines = [BEGIN, "## Compile time of the small GPT training step (bench_compile.py, issue 22)", "",
+             f"- command: `.venv/bin/python benchmarks/bench_compile.py --rounds {rounds}`",
+             f"- machine: {os.cpu_count()} CPUs, {cpu} (`lscpu` model name); load average "
+             f"{load0:.1f} at the start, {load1:.1f} at the end",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+             f"{rounds} rounds, each variant a fresh process per run, variants interleaved", "",
+             "Seconds, median over the rounds. `compile` = first call - first step (the step "
+             "itself runs once inside the first call); `import kiln` is not included.", "",
+             "| variant | run | trace | graph passes | lowering | LLVM | program cache load | "
+             "first step | compile | first call |", "|---" * 10 + "|"]
+    for name, by in results.items():
+        for which in ("cold", "warm"):
+            runs = by[which]
+            cells = [f"{median(runs, k):.3f}" for k in STAGES]
+            lines.append(f"| {name} | {which} | " + " | ".join(cells) + " |")
+    k, s, n = results["kiln"], results["serial LLVM"], results["no program cache"]
+    lines += ["", f"Same-run ratios (medians): cold compile serial LLVM / kiln "
+              f"{median(s['cold'], 'compile') / median(k['cold'], 'compile'):.2f}x; warm compile "
+              f"no program cache / kiln {median(n['warm'], 'compile') / median(k['warm'], 'compile'):.2f}x.",
+              END]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: str, text: str) -> None:
+    old = open(path).read() if os.path.exists(path) else ""
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + text.rstrip("\n") + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    with open(path, "w") as f:
+        f.write(new)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="", help="results file to update (its bench_compile section)")
+    parser.add_argument("--profile", choices=("cold", "warm"), help="print a cProfile of one first call")
+    args = parser.parse_args()
+    if args.profile:
+        with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
+            if args.profile == "warm":
+                run_once(cache)
+            run_once(cache, profile=True)
+        return 0
+    load0 = os.getloadavg()[0]
+    results = measure(args.rounds)
+    text = render(results, args.rounds, load0, os.getloadavg()[0])
+    print(text)
+    if args.out:
+        write_section(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
