@@ -60,8 +60,9 @@ def run_ops(pg, dt: kd.DType, count: int, seed: int, oracle: bool = True) -> dic
         out["all_reduce_" + op] = x.tobytes()
     rs = np.empty(count, dt.np_dtype)
     pg.reduce_scatter(rs, make(dt, (n * count,), seed * 37 + r)).wait(timeout=60)
-    verify(rs, lambda: ref_reduce([make(dt, (n * count,), seed * 37 + q) for q in range(n)],
-                                  "sum", dt)[r * count:(r + 1) * count], "reduce_scatter")
+    mine = slice(r * count, (r + 1) * count)  # elementwise: reduce this rank's part only
+    verify(rs, lambda: ref_reduce([make(dt, (n * count,), seed * 37 + q)[mine]
+                                   for q in range(n)], "sum", dt), "reduce_scatter")
     out["reduce_scatter"] = rs.tobytes()
     ag = np.empty((n, count), dt.np_dtype)
     pg.all_gather(ag, make(dt, (count,), seed * 41 + r)).wait(timeout=60)
