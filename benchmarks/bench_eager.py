@@ -1,7 +1,9 @@
 """Eager speed and threading (issue 22 items 1 and 5), all rows from one run:
 
-- per-op eager overhead: a 64-op chain of 32x32 float32 tensors, kiln eager vs torch eager
-  (and numpy, the floor kiln's eager mode builds on);
+- per-op eager overhead, kiln eager vs torch eager (and numpy, the floor kiln's eager mode
+  builds on), round-robin in one process, one thread each: a 64-op chain of 32x32 float32
+  tensors, `a + b` on 1 and 1024 elements, and single ops of each kind the lean eager path
+  serves (elementwise, relu, matmul, a reduction, broadcasting, promotion, a 0-d operand);
 - eager `kn.value_and_grad` of a small MLP loss: the cached traced program vs re-tracing
   on every call (a fresh wrapper each call, as before issue 22), beside torch autograd;
 - eager erf over 2^20 float32: the vectorized reference vs `np.frompyfunc(math.erf)`
@@ -58,33 +60,93 @@ def _fmt(t: float) -> str:
     return f"{t * 1e6:.1f}"
 
 
-def eager_chain(repeat: int) -> list[tuple]:
-    """numpy, kiln and torch measured round-robin (every repetition runs each once, back to
-    back), so the shared machine's load falls on them alike."""
+def _per_op_workloads():
+    """(name, ops per call, kiln fn, torch fn or None, numpy fn or None) of the per-op rows:
+    the 64-op chain, `a + b` at 1 and 1024 elements, and the cases of issue 22 item 5."""
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((32, 32), dtype=np.float32), rng.standard_normal((32, 32), dtype=np.float32)
-    ka, kb = kn.tensor(a), kn.tensor(b)
-    fns = {"numpy": lambda: chain(a, b, np.tanh), "kiln eager": lambda: chain(ka, kb, kn.tanh)}
-    if torch is not None:
-        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
 
-        fns["torch eager"] = lambda: chain(ta, tb, torch.tanh)
-    times: dict = {name: [] for name in fns}
-    with (torch.no_grad() if torch is not None else _nothing()):
-        for _ in range(3):
-            for fn in fns.values():
-                fn()
-        for _ in range(repeat):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    rows = [(name, (float(np.median(t)), float(np.min(t)))) for name, t in times.items()]
-    if torch is not None:  # torch's default threads can spin on a busy machine: one thread too
-        with torch.no_grad(), _torch_threads(1):
-            rows.append(("torch eager, 1 thread (after the others)",
-                         timings(lambda: chain(ta, tb, torch.tanh), repeat, 3)))
+    def arr(*shape, dtype=np.float32):
+        return rng.standard_normal(shape).astype(dtype)
+
+    a, b, v, d = arr(32, 32), arr(32, 32), arr(32), arr(32, 32, dtype=np.float64)
+    one, big = arr(1), arr(1024)
+    k = {name: kn.tensor(x) for name, x in
+         (("a", a), ("b", b), ("v", v), ("d", d), ("one", one), ("big", big), ("s", np.float32(2.0)))}
+    t = {name: torch.from_numpy(np.array(x)) for name, x in
+         (("a", a), ("b", b), ("v", v), ("d", d), ("one", one), ("big", big), ("s", np.float32(2.0)))} \
+        if torch is not None else None
+
+    def both(fn):
+        return (lambda: fn(k, kn)), (None if t is None else lambda: fn(t, torch))
+    rows = [("64-op chain of 32x32 (per op)", 64,
+             *both(lambda x, m: chain(x["a"], x["b"], m.tanh)), lambda: chain(a, b, np.tanh)),
+            ("a + b, 1 element", 1, *both(lambda x, m: x["one"] + x["one"]), lambda: one + one),
+            ("a + b, 1024 elements", 1, *both(lambda x, m: x["big"] + x["big"]), lambda: big + big)]
+    for name, fn in (("a + b, 32x32", lambda x, m: x["a"] + x["b"]),
+                     ("a * b, 32x32", lambda x, m: x["a"] * x["b"]),
+                     ("relu(a)", lambda x, m: m.relu(x["a"])),
+                     ("a @ b", lambda x, m: x["a"] @ x["b"]),
+                     ("a.sum(-1)", lambda x, m: x["a"].sum(-1)),
+                     ("a + row (broadcast)", lambda x, m: x["a"] + x["v"]),
+                     ("float32 + float64", lambda x, m: x["a"] + x["d"]),
+                     ("a * 0-d tensor", lambda x, m: x["a"] * x["s"])):
+        rows.append((name, 1, *both(fn), None))
     return rows
+
+
+def eager_round_robin(repeat: int) -> list[tuple]:
+    """kiln eager, torch eager and numpy measured round-robin: every repetition runs each
+    workload in each framework back to back (the order alternating), one thread each, so
+    the shared machine's load falls on them alike. Rows: (name, kiln, torch, numpy), each
+    (median, minimum) seconds per op, of wall time and of the thread's CPU time."""
+    saved = kn.get_num_threads(), (torch.get_num_threads() if torch is not None else None)
+    kn.set_num_threads(1)
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        out = []
+        with (torch.no_grad() if torch is not None else _nothing()):
+            for name, ops, fk, ft, fnp in _per_op_workloads():
+                fns = [f for f in (fk, ft, fnp) if f is not None]
+                inner = max(1, 2000 // (ops * 40))  # a sample of ~100 us at least
+                for f in fns:  # warm: the first calls plan
+                    for _ in range(3):
+                        f()
+                wall = [[] for _ in fns]
+                cpu = [[] for _ in fns]
+                for r in range(repeat):
+                    order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+                    for i in order:
+                        f = fns[i]
+                        w0, c0 = time.perf_counter(), time.thread_time()
+                        for _ in range(inner):
+                            f()
+                        wall[i].append((time.perf_counter() - w0) / inner / ops)
+                        cpu[i].append((time.thread_time() - c0) / inner / ops)
+                stats = [(float(np.median(w)), float(np.min(w)), float(np.median(c)))
+                         for w, c in zip(wall, cpu)]
+                it = iter(stats)
+                out.append((name, next(it), next(it) if ft is not None else None,
+                            next(it) if fnp is not None else None))
+        return out
+    finally:
+        kn.set_num_threads(saved[0])
+        if torch is not None:
+            torch.set_num_threads(saved[1])
+
+
+def _round_robin_table(rows: list[tuple]) -> str:
+    lines = ["**Eager per-op time, round-robin, one thread each (us per op)**", "",
+             "| workload | kiln median (min) | torch median (min) | numpy median | "
+             "kiln / torch, median (min) | kiln / torch, CPU time median |",
+             "|---|---|---|---|---|---|"]
+    for name, k, t, n in rows:
+        ratio = f"{k[0] / t[0]:.2f}x ({k[1] / t[1]:.2f}x)" if t else "-"
+        cpu = f"{k[2] / t[2]:.2f}x" if t else "-"
+        lines.append(f"| {name} | {_fmt(k[0])} ({_fmt(k[1])}) | "
+                     f"{f'{_fmt(t[0])} ({_fmt(t[1])})' if t else '-'} | "
+                     f"{_fmt(n[0]) if n else '-'} | {ratio} | {cpu} |")
+    return "\n".join(lines)
 
 
 class _nothing:
@@ -192,15 +254,22 @@ def _table(title: str, rows: list[tuple], base: str | None, unit_div: int = 1) -
     return "\n".join(lines)
 
 
-NOTES = """Reading the tables: torch at its default thread count spins against the machine's
-other load (its bmm, autograd and erf rows), hence the one-thread rows; the ratio column
-is against whichever torch row won. kiln's batched BLAS GEMM runs with one BLAS thread
-(issue 22 item 1), so it does not move when a busy process takes a core. kiln's eager
-per-op path on plain CPU tensors (kiln/frontend/eager_path.py) checks each op signature
-once and replays the plan (kiln/ir/emitter.py), sets numpy's error state without
-np.errstate and calls the ufunc directly: what is left per op is the numpy call (the
-numpy row), the allocator's count of the result (a weakref, kn.memory), the Tensor
-object and a few attribute checks; before issue 22 it was ~40 us an op."""
+NOTES = """Reading the tables: the per-op rows ran round-robin with kiln, torch and numpy at one
+thread each; "CPU time" is the thread's own (time.thread_time), which a descheduled
+thread does not accumulate, so it is the steadier ratio on a loaded machine. In the
+other tables torch at its default thread count spins against the machine's other load
+(its bmm, autograd and erf rows), hence the one-thread rows; their ratio column is
+against whichever torch row won. kiln's batched BLAS GEMM runs with one BLAS thread
+(issue 22 item 1), so it does not move when a busy process takes a core.
+
+kiln's eager per-op path on plain CPU tensors (kiln/frontend/eager_path.py) checks each
+op signature once and replays its plan (kiln/ir/emitter.py); binary ops with broadcasting,
+promotion, a 0-d tensor or a Python scalar replay the general path's decisions with
+numpy broadcasting the operands. Per op on a trusted plan what is left is the numpy call
+(the numpy column), numpy's error state set quiet through its context variable (~0.25
+us), the CPU allocator's count of the result (a weakref with a callback, ~0.6 us:
+kiln/runtime/caching_allocator.py, kn.memory's figures), the Tensor object (~0.15 us)
+and a dozen attribute checks; before issue 22 it was ~40 us an op."""
 
 
 def main() -> None:
@@ -214,8 +283,7 @@ def main() -> None:
         if line.startswith("Model name")), platform.processor())
     load = os.getloadavg()[0]
     sections = [
-        _table("64-op eager chain of 32x32 float32 tensors (per op, rows measured round-robin)",
-               eager_chain(3 * repeat), "torch", 64),
+        _round_robin_table(eager_round_robin(repeat)),
         _table("eager value_and_grad, MLP 32x64 -> 128 -> 16 (per call)", eager_grad(repeat), "torch"),
         _table("erf over 2^20 float32 (per call)", eager_erf(max(5, repeat // 10)), "torch"),
         _table("batched GEMM (16,32,256) x (16,256,64), idle", batched_gemm(repeat, False), "torch"),

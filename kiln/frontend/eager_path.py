@@ -143,7 +143,7 @@ def eager_apply(op: str, args: tuple, attrs: dict, same_dtype: bool = False):
         if plan is not None and plan.nbytes <= memory_limits._limit:
             if plan.trusted:
                 return _quick(plan, arrays)
-            return _result(EAGER.call1(op, plan, arrays))
+            return _new_result(EAGER.call1(op, plan, arrays), a)
     if same_dtype:
         first = arrays[0].dtype
         for a in arrays:
@@ -289,11 +289,13 @@ def lean_binary(op: str, x, y, dtype: dt.DType | None = None, from_eager: bool =
     checks fail is not planned: None, and the general path raises its error."""
     tx, ty = type(x), type(y)
     if tx is Tensor:
-        if not _plain(x):
+        if x._builder is not None or x._device is not None or x._view is not None \
+                or x._node is not None or x._requires_grad:  # `_plain`, inlined
             return None
         a = x._x
         if ty is Tensor:
-            if not _plain(y):
+            if y._builder is not None or y._device is not None or y._view is not None \
+                    or y._node is not None or y._requires_grad:
                 return None
             b = y._x
             key = (op, dtype and dtype.name, a.dtype, a.shape, b.dtype, b.shape)
@@ -321,20 +323,26 @@ def lean_binary(op: str, x, y, dtype: dt.DType | None = None, from_eager: bool =
         _BINARY[key] = plan
     if (from_eager and not plan.eager_ok) or plan.nbytes > memory_limits._limit:
         return None
-    operands = []
-    for v, convert in zip((a, b), plan.convert):
-        if type(v) in _SCALARS:
-            v = _fill(v, plan.dtype)
-            if v is None:
-                return None
-        elif convert is not None:
-            v = EAGER.call_plan("convert", convert, (v,))
-        operands.append(v)
+    ca, cb = plan.convert
+    if type(a) is not np.ndarray:
+        a = _fill(a, plan.dtype)
+        if a is None:
+            return None
+    elif ca is not None:
+        a = EAGER.call_plan("convert", ca, (a,))
+    if type(b) is not np.ndarray:
+        b = _fill(b, plan.dtype)
+        if b is None:
+            return None
+    elif cb is not None:
+        b = EAGER.call_plan("convert", cb, (b,))
     if plan.composite:
         shape = plan.shape
-        full = [v if v.shape == shape else np.broadcast_to(v, shape) for v in operands]
+        full = [v if v.shape == shape else np.broadcast_to(v, shape) for v in (a, b)]
         return _result(EAGER.run(op, full, {}, full)[0])
-    return _new_result(EAGER.call1(op, plan.plan, operands), *operands)
+    if plan.plan.trusted:
+        return _quick(plan.plan, (a, b))
+    return _new_result(EAGER.call1(op, plan.plan, (a, b)), a, b)
 
 
 def _plan_binary(op, a, b, dtype):
