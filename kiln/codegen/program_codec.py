@@ -53,10 +53,17 @@ class CodecError(ValueError):
 
 # -- encoding ---------------------------------------------------------------------------
 
+# immutable all the way down: equal encodings may share one decoded object (a model's
+# repeated layers lower to kernels equal but for their names, full of equal expressions)
+_SHARED = frozenset(cls for cls in CLASSES.values() if cls.__module__ == kir.__name__) | {
+    rp.BufferSpec, rp.Launch, rp.View, rp.Constant, ShapeVar}
+
+
 class _Encoder:
     def __init__(self):
         self.nodes: list = []
         self.seen: dict[int, int] = {}
+        self.by_text: dict[str, int] = {}
         self.keep: list = []  # ids stay unique while the objects live
 
     def ref(self, obj) -> list:
@@ -64,8 +71,15 @@ class _Encoder:
         index = self.seen.get(key)
         if index is None:
             body = self.node(obj)
-            index = self.seen[key] = len(self.nodes)
-            self.nodes.append(body)
+            shared = type(obj) in _SHARED or isinstance(obj, sympy.Basic)
+            text = json.dumps(body, separators=(",", ":"), allow_nan=False) if shared else None
+            index = self.by_text.get(text) if shared else None
+            if index is None:
+                index = len(self.nodes)
+                self.nodes.append(body)
+                if shared:
+                    self.by_text[text] = index
+            self.seen[key] = index
             self.keep.append(obj)
         return ["n", index]
 
