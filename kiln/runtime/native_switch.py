@@ -33,9 +33,8 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.ir.shapes import dim_function
-from kiln.runtime.native_loops import PerBinding, one_thread
+from kiln.runtime.native_loops import PerBinding, adaptive_launcher
 from kiln.runtime.program import Control, Launch, Program
-from kiln.runtime.threads import parallel_threads
 
 _KEEP = 2  # outputs remembered per output position, for reuse once the caller drops them
 
@@ -89,7 +88,6 @@ class _SwitchPlan:
         op = Switch(index, np.dtype(program.buffers[step.inputs[0]].dtype.np_dtype), tuple(branches))
         if not is_native(op):
             raise KilnError("internal: a branch has a step native code cannot run")
-        serial = one_thread([op])[0]
         self.arrays = flat.arrays  # captured buffers stay alive with the plan
         self.table = (ctypes.c_void_p * len(flat.arrays))()
         for i, array in enumerate(flat.arrays):
@@ -97,11 +95,9 @@ class _SwitchPlan:
                 self.table[i] = array.ctypes.data
         self.table_address = ctypes.addressof(self.table)
         self.launcher = launcher  # owns the native code
-        # two versions when a launch is large enough to split: the split one runs only
-        # while other processes leave a CPU idle (threads.parallel_threads), since a split
-        # launch waits at its end for every thread
-        self.run_serial = launcher.compile([serial])
-        self.run_split = launcher.compile([op]) if serial != op else None
+        # with a split and a one-thread version when a launch is large enough to split
+        # (native_loops.adaptive_launcher): a split launch waits at its end for every thread
+        self.run_native = launcher.compile([op])
         bound = [index, *operands, *outputs]
         self.aliases = [(t, s) for t, s, _ in flat.aliases]
         self.bind = launcher.bind(bound, self.aliases)
@@ -157,10 +153,7 @@ class NativeSwitch(PerBinding):
                     table[i] = a.ctypes.data
                 for target, source in plan.aliases:
                     table[target] = table[source]
-            if plan.run_split is not None and parallel_threads() > 1:
-                plan.run_split(plan.table_address)
-            else:
-                plan.run_serial(plan.table_address)
+            plan.run_native(plan.table_address)
         finally:
             if fresh:
                 self.allocator.end_call(fresh)
@@ -172,11 +165,9 @@ class NativeSwitch(PerBinding):
         return outputs
 
     def _build(self, sizes: dict):
-        from kiln.codegen.launchers import launcher_for
-
         try:
             return _SwitchPlan(self.program, self.step, self.kernels, self.externs, sizes,
-                               launcher_for("cpu"))
+                               adaptive_launcher()())
         except KilnError:  # a step native code cannot take: the executor runs it
             return False
 

@@ -262,9 +262,9 @@ class CompiledKernel:
 
     @property
     def _threads(self) -> int:
-        """Threads a launch splits over now: the compiled count capped by kn.set_num_threads
-        and by the CPUs other processes leave idle (threads.parallel_threads)."""
-        return min(self._max_threads, parallel_threads())
+        """Threads a launch may split over: the compiled count capped by kn.set_num_threads
+        (a call also caps it by the CPUs other processes leave idle, parallel_threads)."""
+        return min(self._max_threads, get_num_threads())
 
     def _check(self, i: int, a, env) -> None:
         b = self.kernel.buffers[i]
@@ -348,7 +348,7 @@ class CompiledKernel:
                 bufs[i] = id(a) if self._by_object else a.ctypes.data
             if total <= 0:
                 return
-            threads = self._threads if parallel else 1
+            threads = min(self._threads, parallel_threads()) if parallel else 1
             if threads > 1:
                 self._pool.run(self._fn, bufs, csizes, split(total, threads, 64 if total >= 1024 else 1))
             elif batch_align < 0 and parallel_threads() > 1:
