@@ -4,7 +4,10 @@ The flattened outer space (the ABI's [begin, end)) is batch x panels of `panel_r
 output rows. For each panel the generated code calls `cblas_?gemm` (64-bit ints) for
 those rows only, then immediately runs the epilogue over the panel while it is still in
 cache (`Acc` = the value BLAS just wrote), so bias/activation/residual/cast epilogues
-cost one pass over L2-resident data instead of a trip through DRAM.
+cost one pass over L2-resident data instead of a trip through DRAM. A single product
+(batch 1) cut into panels for kiln's threads gives BLAS the consecutive panels of one
+call's range as one call of up to MERGED_ROWS rows (B packed once per call), and an
+epilogue that is the bare product costs no pass at all.
 
 Operand layouts come from the element strides: a unit k-stride is row-major (NoTrans),
 a unit row-stride is transposed (Trans, no copy); anything else, and every
