@@ -92,7 +92,6 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     `device` (not the CPU): every buffer of the program is in that device's memory
     (kiln/runtime/device_programs.py)."""
     from kiln.codegen.backends import get_backend
-    from kiln.codegen.build_program import build_program
     from kiln.codegen.lower import template_externs
     from kiln.frontend import program_cache
     from kiln.runtime.executor import Executable
@@ -112,6 +111,8 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
         optimized = stages = None
         seconds: dict = {}
     else:
+        from kiln.codegen.build_program import build_program  # a hit needs no lowering
+
         stages = {}
         pipeline = graph_pipeline(target)
         optimized = pipeline.run(graph, dump=stages)
