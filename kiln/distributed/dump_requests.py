@@ -113,7 +113,7 @@ class DumpWatcher:
 
     def _announce(self) -> None:
         """(Re)write the ephemeral acknowledgement; after a reconnect the server has
-        dropped it with the old connection. Never once stopped (that would connect anew)."""
+        dropped it with the old connection. Skipped once stopped (it would connect anew)."""
         if self._stop.is_set():
             return
         self._store.set(self._key, json.dumps({"rank": recorder().rank, "acked": self.acked}),
