@@ -23,7 +23,7 @@ has work left (at most MAX_ITERATIONS times).
 
 from __future__ import annotations
 
-from kiln.codegen.cpu.linalg_kernels import _householder, _reflect, _store
+from kiln.codegen.cpu.linalg_kernels import _column_reflector, _householder, _reflect, _sign_rows, _store
 from kiln.codegen.cpu.linalg_lanes import Lanes
 
 MAX_ITERATIONS = 40  # QR sweeps on one singular value (LAPACK: 6 per value on average)
@@ -62,17 +62,8 @@ def _bidiagonalize(L: Lanes, A, m: int, n: int, na: int, Wd, Ws, TL, TR, Wk) -> 
     with L.loop(0, n) as jl:
         j = jl.i
         j1 = L.add(j, 1)
-        jj = L.idx(j, na, j)
-        with L.loop(j1, m, [L.k(0)]) as il:
-            x = L.ld(A, L.idx(il.i, na, j))
-            il.next = [L.fma(x, x, il.vals[0])]
-        beta, tau, scale = _householder(L, L.ld(A, jj), il.vals[0])
-        L.st(A, jj, beta)
-        L.st(Wd, j, beta)
-        L.st(TL, j, tau)
-        with L.loop(j1, m) as il:
-            e = L.idx(il.i, na, j)
-            L.st(A, e, L.fmul(L.ld(A, e), scale))
+        tau = _column_reflector(L, A, na, j, m, TL)
+        L.st(Wd, j, L.ld(A, L.idx(j, na, j)))
         _reflect(L, A, na, j, j1, n, m, A, na, tau, Wk)
         with L.when(L.icmp("slt", j1, n)):  # the right reflector of row j, columns j+1..
             j2 = L.add(j, 2)
@@ -270,22 +261,6 @@ def _diagonalize(L: Lanes, m: int, n: int, nu: int, nv: int, U, V, Wd, Ws, Col) 
                 L.st(V, e, L.select(neg, L.f.fneg(x), x))
 
 
-def _sign_columns(L: Lanes, X, rows: int, cols: int, ld: int, Y, yrows: int, yld: int) -> None:
-    """Flip each column of X (and the same column of Y) whose entry of largest magnitude
-    (the first such on ties) is negative."""
-    with L.loop(0, cols) as cl:
-        with L.loop(0, rows, [L.k(-1), L.k(1)]) as rl:
-            x = L.ld(X, L.idx(rl.i, ld, cl.i))
-            best, value = rl.vals
-            better = L.fcmp("ogt", L.fabs(x), best)
-            rl.next = [L.select(better, L.fabs(x), best), L.select(better, x, value)]
-        sign = L.copysign(L.k(1), rl.vals[1])
-        for Z, zrows, zld in ((X, rows, ld), (Y, yrows, yld)):
-            with L.loop(0, zrows) as zl:
-                e = L.idx(zl.i, zld, cl.i)
-                L.st(Z, e, L.f.fmul(L.ld(Z, e), sign))
-
-
 def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
     """m >= n. o0 <- U (m x n), o1 <- s (n, descending), o2 <- V^T (n x n)."""
     L = Lanes(f"kiln_la_svdqr_{scalar}_{m}x{n}_w{width}", scalar, width)
@@ -300,7 +275,7 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
         _form_u(L, A, m, n, na, TL, U, nu, Wk)
         _form_v(L, A, n, na, TR, V, nv, Wk)
         _diagonalize(L, m, n, nu, nv, U, V, Wd, Ws, Col)
-        _sign_columns(L, V, n, n, nv, U, m, nu)
+        _sign_rows(L, V, n, n, nv, also=(U, m, nu), by_columns=True)
         order = L.order(Wd, n, descending=True)
         L.write_elements(L.args["o1"], g, n, lambda e: L.pick(Wd, L.ld(order, e)))
         _store(L, "o0", g, m, n, lambda r, c, e: L.pick(U, L.fadd(L.findex(L.mul(r, nu)), L.ld(order, c))))

@@ -1,7 +1,10 @@
 """The batched small-matrix decompositions as LLVM kernels over lanes of W matrices.
 
 The same algorithms as the Metal kernels (kiln/codegen/metal/linalg.py), written for one
-CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py):
+CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py). Larger
+matrices take LAPACK's routes instead (linalg_native.builder): blocked QR
+(linalg_qr.py), tridiagonal QL eigh (linalg_tridiag.py), bidiagonal QR svd
+(linalg_bidiag.py).
 
     cholesky  unblocked Cholesky-Crout of the lower triangle (n <= 64 stays in L1/L2, so
               blocking buys nothing on a CPU); a lane whose pivot is not positive (or
@@ -15,16 +18,20 @@ CPU thread that holds W matrices in the lanes of its vectors (linalg_lanes.py):
     svd       one-sided Jacobi (Hestenes) on the columns of an m x n (m >= n) matrix,
               held transposed so a column is contiguous; a pair rotates while its cosine
               exceeds sqrt(m) eps (squared column norms computed at each sweep's start and
-              updated by each rotation); U's columns normalized; descending order
+              updated by each rotation); U's columns normalized; descending order. U's
+              and V's columns share a row (one rotation turns both) and the pairs go in
+              block-cyclic order so that two blocks of rows stay in L1
 
-Both Jacobi kernels visit the pairs in round-robin order (n-1 rounds of disjoint pairs),
-so consecutive rotations are independent and their division/sqrt chains overlap. A pair
+Both Jacobi kernels visit the pairs in rounds of disjoint pairs, so a round's rotations
+are independent and are all computed before its updates (their division/sqrt chains
+overlap); eigh replays the vectors' rotations a column block at a time after each sweep
+(_RotationLog). A pair
 that no lane needs to rotate is skipped with a real branch, so the last sweeps
 (quadratic convergence: most pairs already converged) cost little.
 
-Sorting and the sign convention happen in the kernels too (ranks by O(n^2) lane compares,
-outputs gathered by O(n^3) selects, signs from each vector's largest-magnitude entry):
-done in numpy afterwards they cost more than the decomposition at n = 8.
+Sorting and the sign convention happen in the kernels too (the order by O(n^2) lane
+compares, outputs by one gather per vector, signs from each vector's largest-magnitude
+entry): done in numpy afterwards they cost more than the decomposition at n = 8.
 
 Every kernel: void f(ptr a, ptr o0, ptr o1, ptr o2, ptr o3, i64 lo, i64 hi) over groups
 [lo, hi); o3 gets each matrix's largest magnitude (linalg_lanes.Lanes.magnitude).
@@ -101,15 +108,31 @@ def _householder(L: Lanes, alpha, xn2):
     return L.select(zero, alpha, beta), tau, scale
 
 
-def _reflect(L: Lanes, X, cols: int, j, c_lo, c_hi, rows: int, A, n: int, tau, Wk) -> None:
-    """Apply H_j = I - tau v v^T (v = [1, A[j+1:, j]]) to columns [c_lo, c_hi) of X
+def _column_reflector(L: Lanes, A, na: int, j, m: int, Tau):
+    """larfg on column j of A (rows j..m-1, rows na apart): beta on the diagonal, the
+    vector's tail scaled in place below it, tau in Tau[j] (and returned)."""
+    jj = L.idx(j, na, j)
+    xn2 = _sum(L, L.add(j, 1), m, L.k(0), lambda i: L.fmul(x := L.ld(A, L.idx(i, na, j)), x))
+    beta, tau, scale = _householder(L, L.ld(A, jj), xn2)
+    L.st(A, jj, beta)
+    L.st(Tau, j, tau)
+    with L.loop(L.add(j, 1), m) as il:
+        e = L.idx(il.i, na, j)
+        L.st(A, e, L.fmul(L.ld(A, e), scale))
+    return tau
+
+
+def _reflect(L: Lanes, X, cols: int, j, c_lo, c_hi, rows: int, A, n: int, tau, Wk, col=None) -> None:
+    """Apply H_j = I - tau v v^T (v = [1, A[j+1:, col]], col = j unless given: rows j..
+    of X; the tridiagonal reduction's vectors sit one column left) to columns [c_lo, c_hi) of X
     (rows x cols), as LAPACK's larf: w = v^T X (Wk, a row of lanes), then X -= tau v w.
     Both passes run along X's rows (contiguous, one independent sum per column), not
     down its columns (a dependent chain of FMAs per column)."""
     with L.loop(c_lo, c_hi) as cl:
         L.st(Wk, cl.i, L.ld(X, L.idx(j, cols, cl.i)))
+    col = j if col is None else col
     with L.loop(L.add(j, 1), rows) as il:
-        vi = L.ld(A, L.idx(il.i, n, j))
+        vi = L.ld(A, L.idx(il.i, n, col))
         with L.loop(c_lo, c_hi) as cl:
             L.st(Wk, cl.i, L.fma(vi, L.ld(X, L.idx(il.i, cols, cl.i)), L.ld(Wk, cl.i)))
     with L.loop(c_lo, c_hi) as cl:
@@ -118,7 +141,7 @@ def _reflect(L: Lanes, X, cols: int, j, c_lo, c_hi, rows: int, A, n: int, tau, W
         xj = L.idx(j, cols, cl.i)
         L.st(X, xj, L.fsub(L.ld(X, xj), w))
     with L.loop(L.add(j, 1), rows) as il:
-        vi = L.ld(A, L.idx(il.i, n, j))
+        vi = L.ld(A, L.idx(il.i, n, col))
         with L.loop(c_lo, c_hi) as cl:
             xi = L.idx(il.i, cols, cl.i)
             L.st(X, xi, L.fsub(L.ld(X, xi), L.fmul(vi, L.ld(Wk, cl.i))))
@@ -136,15 +159,7 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
         L.magnitude(A, m, n, g, stride=na)
         with L.loop(0, k) as jl:
             j = jl.i
-            jj = L.idx(j, na, j)
-            alpha = L.ld(A, jj)
-            xn2 = _sum(L, L.add(j, 1), m, L.k(0), lambda i: L.fmul(x := L.ld(A, L.idx(i, na, j)), x))
-            beta, tau, scale = _householder(L, alpha, xn2)
-            L.st(A, jj, beta)
-            L.st(T, j, tau)
-            with L.loop(L.add(j, 1), m) as il:
-                e = L.idx(il.i, na, j)
-                L.st(A, e, L.fmul(L.ld(A, e), scale))
+            tau = _column_reflector(L, A, na, j, m, T)
             _reflect(L, A, na, j, L.add(j, 1), n, m, A, na, tau, Wk)
         with L.loop(0, m * nq) as el:  # Q = I, then the reflectors from the last one back
             L.st(Q, el.i, L.k(0))
@@ -255,20 +270,22 @@ def _dot(L: Lanes, X, stride: int, p, q, length: int):
     return total
 
 
-def _sign_rows(L: Lanes, X, rows: int, cols: int, stride: int, also=None) -> None:
+def _sign_rows(L: Lanes, X, rows: int, cols: int, stride: int, also=None, by_columns: bool = False) -> None:
     """Flip each row of X (rows `stride` apart; and the same row of `also` = (Y, its
     cols, its stride)) whose entry of largest magnitude (the first such on ties) is
-    negative: the sign convention."""
+    negative: the sign convention. With `by_columns`, the columns of X and Y instead
+    (`rows` of them, each `cols` long, and Y's `also[1]` long)."""
+    at = (lambda v, k, ld: L.idx(k, ld, v)) if by_columns else (lambda v, k, ld: L.idx(v, ld, k))  # noqa: E731
     with L.loop(0, rows) as rl:
         with L.loop(0, cols, [L.k(-1), L.k(1)]) as cl:
-            x = L.ld(X, L.idx(rl.i, stride, cl.i))
+            x = L.ld(X, at(rl.i, cl.i, stride))
             best, value = cl.vals
             better = L.fcmp("ogt", L.fabs(x), best)
             cl.next = [L.select(better, L.fabs(x), best), L.select(better, x, value)]
         sign = L.copysign(L.k(1), cl.vals[1])
         for Y, ycols, ystride in [(X, cols, stride)] + ([also] if also else []):
             with L.loop(0, ycols) as yl:
-                e = L.idx(rl.i, ystride, yl.i)
+                e = at(rl.i, yl.i, ystride)
                 L.st(Y, e, L.f.fmul(L.ld(Y, e), sign))
 
 

@@ -13,7 +13,7 @@ has the same shape.
 
 from __future__ import annotations
 
-from kiln.codegen.cpu.linalg_kernels import _householder, _reflect, _store, _sum
+from kiln.codegen.cpu.linalg_kernels import _column_reflector, _reflect, _store, _sum
 from kiln.codegen.cpu.linalg_lanes import Lanes
 
 PANEL = 8
@@ -103,15 +103,7 @@ def qr(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
             inner = L.select(L.icmp("slt", top, n), top, L.i(n))
             with L.loop(p0, end) as jl:  # the panel, unblocked (larfg + larf in its columns)
                 j = jl.i
-                jj = L.idx(j, na, j)
-                alpha = L.ld(A, jj)
-                xn2 = _sum(L, L.add(j, 1), m, L.k(0), lambda i: L.fmul(x := L.ld(A, L.idx(i, na, j)), x))
-                beta, tau, scale = _householder(L, alpha, xn2)
-                L.st(A, jj, beta)
-                L.st(Tau, j, tau)
-                with L.loop(L.add(j, 1), m) as il:
-                    e = L.idx(il.i, na, j)
-                    L.st(A, e, L.fmul(L.ld(A, e), scale))
+                tau = _column_reflector(L, A, na, j, m, Tau)
                 _reflect(L, A, na, j, L.add(j, 1), inner, m, A, na, tau, Wk)
             with L.when(L.icmp("slt", top, n)):  # the trailing columns, at once
                 _panel_vectors(L, A, na, m, k, p0, Vp, Tau, Tm)

@@ -23,7 +23,7 @@ iterations on l repeat until no lane has work left (at most MAX_ITERATIONS times
 
 from __future__ import annotations
 
-from kiln.codegen.cpu.linalg_kernels import _householder, _sign_rows, _store
+from kiln.codegen.cpu.linalg_kernels import _householder, _reflect, _sign_rows, _store
 from kiln.codegen.cpu.linalg_lanes import Lanes
 
 MAX_ITERATIONS = 40  # QL iterations on one eigenvalue (LAPACK allows 30 per eigenvalue)
@@ -88,23 +88,8 @@ def _form_q(L: Lanes, A, n: int, ld: int, T, Z, Wk) -> None:
         j = L.f.bin("sub", L.i(n - 2), bl.i, "nsw")
         j1 = L.add(j, 1)
         tau = L.ld(T, j)
-        # w = v^T Z[j+1:, j+1:] (v = [1, A[j+2:, j]]), then Z[j+1:, j+1:] -= tau v w
-        with L.loop(j1, n) as cl:
-            L.st(Wk, cl.i, L.ld(Z, L.idx(j1, ld, cl.i)))
-        with L.loop(L.add(j, 2), n) as il:
-            vi = L.ld(A, L.idx(il.i, ld, j))
-            with L.loop(j1, n) as cl:
-                L.st(Wk, cl.i, L.fma(vi, L.ld(Z, L.idx(il.i, ld, cl.i)), L.ld(Wk, cl.i)))
-        with L.loop(j1, n) as cl:
-            w = L.fmul(L.ld(Wk, cl.i), tau)
-            L.st(Wk, cl.i, w)
-            e = L.idx(j1, ld, cl.i)
-            L.st(Z, e, L.fsub(L.ld(Z, e), w))
-        with L.loop(L.add(j, 2), n) as il:
-            vi = L.ld(A, L.idx(il.i, ld, j))
-            with L.loop(j1, n) as cl:
-                e = L.idx(il.i, ld, cl.i)
-                L.st(Z, e, L.fsub(L.ld(Z, e), L.fmul(vi, L.ld(Wk, cl.i))))
+        # Z[j+1:, j+1:] <- H_j Z[j+1:, j+1:], v = [1, A[j+2:, j]]
+        _reflect(L, Z, ld, j1, j1, n, n, A, ld, tau, Wk, col=j)
 
 
 def _ql(L: Lanes, n: int, ld: int, D, E, Z) -> None:
