@@ -22,12 +22,13 @@ def test_rule():
     assert linalg_route.path("eigh", (4096, 8, 8), f32) == "native"
     assert linalg_route.path("eigh", (8, 8), f32) == "lapack"              # one matrix
     assert linalg_route.path("eigh", (linalg_route.MIN_BATCH - 1, 8, 8), f32) == "lapack"
-    assert linalg_route.path("eigh", (4096, 32, 32), np.float64) == "lapack"  # Jacobi ties LAPACK there
+    assert linalg_route.path("eigh", (4096, 32, 32), np.float64) == "native"  # tridiagonal QL there
     assert linalg_route.path("eigh", (4096, 32, 32), f32) == "native"
     assert linalg_route.path("qr", (64, 64, 64), np.float64) == "native"
     assert linalg_route.path("qr", (64, 65, 65), np.float64) == "lapack"   # n > 64
     assert linalg_route.path("qr", (64, 8, 8), np.complex64) == "lapack"
-    assert linalg_route.path("svd", (4096, 64, 64), f32) == "lapack"       # not measured faster
+    assert linalg_route.path("svd", (4096, 64, 64), f32) == "native"       # bidiagonal QR there
+    assert linalg_route.path("svd", (4096, 64, 65), f32) == "lapack"       # n > 64
     assert linalg_route.path("svd", (64, 8, 8), f32, "metal:1") == "metal"
     x = kn.tensor(RNG.standard_normal((64, 8, 8)).astype(f32))
     assert kn.linalg.path("qr", x) == "native" and kn.linalg.path("qr", x[:2]) == "lapack"
