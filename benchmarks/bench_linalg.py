@@ -58,12 +58,21 @@ def cpu_timings(fn, repeat: int, warmup: int = 1) -> tuple[float, float]:
     return timings(fn, repeat, warmup, clock=time.process_time)
 
 
+def _fresh_copy(x: np.ndarray) -> np.ndarray:
+    """The floor of any batched op on x: its bytes read once into a fresh array (whose
+    pages fault in, as every op's output's do)."""
+    out = np.empty_like(x)
+    np.copyto(out, x)
+    return out
+
+
 def run(batch: int, sizes, rounds: int, repeat: int, timings=timings) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     for n in list(sizes) + sorted(EXTRA):
         for dtype in (np.float32, np.float64):
             a, spd = _operands(batch, n, dtype, rng)
+            floor = timings(lambda: _fresh_copy(a), repeat)[0]
             for op, (mine, ref, which) in CASES.items():
                 if n in EXTRA and n not in sizes and op not in EXTRA[n]:
                     continue
@@ -78,7 +87,7 @@ def run(batch: int, sizes, rounds: int, repeat: int, timings=timings) -> list[di
                     n_med.append(med), n_min.append(low)
                 km, nm = float(np.median(k_med)), float(np.median(n_med))
                 rows.append(dict(op=op, n=n, dtype=np.dtype(dtype).name, kiln=km, kiln_min=min(k_min),
-                                 numpy=nm, numpy_min=min(n_min), ratio=nm / km,
+                                 numpy=nm, numpy_min=min(n_min), ratio=nm / km, floor=floor,
                                  path=linalg_route.path(op, x.shape, dtype)))
                 print(f"{op:8s} {n:3d} {np.dtype(dtype).name:8s} kiln {km * 1e3:8.2f} ms  numpy {nm * 1e3:8.2f} ms"
                       f"  {nm / km:5.2f}x  -> {rows[-1]['path']}", flush=True)
@@ -115,12 +124,16 @@ def main() -> None:
             f"Batch: {args.batch} matrices per call; {rounds} alternating rounds x {repeat} runs; medians "
             "of round medians, minimums over all runs; ratio = numpy median / kiln median (same run). "
             "numpy with OpenBLAS on one thread. The last column is the path kn.linalg takes for "
-            "that operand by the rule (kiln/codegen/cpu/linalg_route.py), set from these measurements.", "",
-            "| op | n | dtype | kiln median ms | kiln min ms | numpy median ms | numpy min ms | numpy / kiln | kn.linalg path |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "that operand by the rule (kiln/codegen/cpu/linalg_route.py), set from these measurements. "
+            "`copy floor`: the median time to copy the batch into a fresh array (its bytes read once, "
+            "an output's pages faulted in), which no op on it can beat.", "",
+            "| op | n | dtype | kiln median ms | kiln min ms | numpy median ms | numpy min ms | numpy / kiln "
+            "| copy floor ms | kn.linalg path |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['op']} | {r['n']} | {r['dtype']} | {r['kiln'] * 1e3:.2f} | {r['kiln_min'] * 1e3:.2f} "
-                         f"| {r['numpy'] * 1e3:.2f} | {r['numpy_min'] * 1e3:.2f} | {r['ratio']:.2f}x | {r['path']} |")
+                         f"| {r['numpy'] * 1e3:.2f} | {r['numpy_min'] * 1e3:.2f} | {r['ratio']:.2f}x "
+                         f"| {r['floor'] * 1e3:.2f} | {r['path']} |")
         write_section(args.out, "bench_linalg_cpu" if args.cpu_time else "bench_linalg", "\n".join(lines),
                       title="# Batched linear algebra benchmark")
 
