@@ -106,7 +106,10 @@ def test_damaged_object_is_refused(how):
 
 def run(cache: pathlib.Path) -> dict:
     proc = subprocess.run([sys.executable, str(WORKER), "run", "x2"], capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ, KILN_CACHE_DIR=str(cache)))
+                          timeout=240, env=dict(os.environ, KILN_CACHE_DIR=str(cache),
+                                                # this file damages per-kernel object entries (whole-program
+                                                # entries: tests/frontend/test_program_cache.py)
+                                                KILN_PROGRAM_CACHE="0"))
     assert proc.returncode == 0, f"exit status {proc.returncode} (negative: killed by that signal)\n" \
                                  f"{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -43,9 +43,12 @@ def build_objects(plans: Sequence, module_text: Callable[[Sequence], str], opt_l
     """One payload of object code for `plans` (`module_text(plans)` emits a module)."""
     from kiln.codegen.cpu import jit
 
-    if threads <= 1 or len(plans) < 2:
-        return jit.object_codes([module_text(plans)], opt_level)[0]
-    groups = partition(plans, lambda p: len(module_text([p])), threads)
+    groups = partition(plans, lambda p: len(module_text([p])), threads) \
+        if threads > 1 and len(plans) > 1 else [list(plans)]
+    if len(groups) == 1:  # one module: the plain build, in the process's LLVM context
+        mod = jit.parse(module_text(plans))
+        jit.optimize(mod, opt_level)
+        return jit.object_code(mod, opt_level)
     return cache_elf.pack_objects(jit.object_codes([module_text(g) for g in groups], opt_level))
 
 
