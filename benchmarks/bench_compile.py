@@ -82,20 +82,20 @@ if profile:
     import cProfile
     prof = cProfile.Profile()
     prof.enable()
-t0 = time.perf_counter()
+t0, cpu0 = time.perf_counter(), time.process_time()
 c(params, state, x, y, key)
-first = time.perf_counter() - t0
+first, cpu = time.perf_counter() - t0, time.process_time() - cpu0
 if profile:
     prof.disable()
     import pstats
     pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
-T.update(first=first, compile=first - T.get("first step", 0.0), imported=imported)
+T.update(first=first, compile=first - T.get("first step", 0.0), imported=imported, cpu=cpu)
 print(json.dumps({{"t": T, "stats": program_cache.STATS}}))
 """
 
 VARIANTS = {"kiln": {}, "serial LLVM": {"serial": True},
             "no program cache": {"env": {"KILN_PROGRAM_CACHE": "0"}}}
-STAGES = ("trace", "passes", "lower", "llvm", "cache load", "first step", "compile", "first")
+STAGES = ("trace", "passes", "lower", "llvm", "cache load", "first step", "compile", "first", "cpu")
 
 
 def run_once(cache: str, serial: bool = False, env: dict | None = None, profile: bool = False) -> dict:
@@ -137,9 +137,11 @@ def render(results: dict, rounds: int, load0: float, load1: float) -> str:
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{rounds} rounds, each variant a fresh process per run, variants interleaved", "",
              "Seconds, median over the rounds. `compile` = first call - first step (the step "
-             "itself runs once inside the first call); `import kiln` is not included.", "",
+             "itself runs once inside the first call); `import kiln` is not included; `CPU` = "
+             "the process's CPU seconds (all threads) during the first call: the work, which a "
+             "loaded machine stretches less than the wall clock.", "",
              "| variant | run | trace | graph passes | lowering | LLVM | program cache load | "
-             "first step | compile | first call |", "|---" * 10 + "|"]
+             "first step | compile | first call | CPU |", "|---" * 11 + "|"]
     for name, by in results.items():
         for which in ("cold", "warm"):
             runs = by[which]
