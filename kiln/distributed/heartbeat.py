@@ -138,16 +138,20 @@ class Heartbeat:
         """Stop beating and say goodbye, so peers never take this exit for a hang."""
         self._stop.set()
         self._thread.join(timeout=2 * self.interval + 1.0)
-        if self._thread.is_alive():
-            return  # stuck on an unreachable store (holding its connection): it ends itself
-        # a goodbye to a store that went away (its host left) must not hold the exit for
-        # a whole store timeout: it is only a courtesy
-        self._store.timeout = min(self._store.timeout, _GOODBYE_TIMEOUT)
+        # the goodbye is bounded: a store that went away (its host left) must not hold
+        # the exit for a whole store timeout. A beat still in a store call (a slow or
+        # unreachable store) holds the connection: the goodbye gets one of its own
+        store = None
         try:
-            self._store.set("hb/%d" % self._me, str(LEFT))
+            store = self._store.clone(timeout=_GOODBYE_TIMEOUT) if self._thread.is_alive() \
+                else self._store
+            store.timeout = min(store.timeout, _GOODBYE_TIMEOUT)
+            store.set("hb/%d" % self._me, str(LEFT))
         except DistributedError:
             pass
-        self._store.close()
+        finally:
+            if store is not None:  # the beat's own connection only once the beat ended
+                store.close()
 
 
 def _descendants(group) -> list:

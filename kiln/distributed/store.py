@@ -327,9 +327,10 @@ class Store:
     def timeout(self, value: float) -> None:
         self._timeout = check_timeout(value, "Store timeout")
 
-    def clone(self) -> "Store":
-        """A second connection to the same server (for a thread that blocks in wait)."""
-        return Store(self.address, self._token, self.timeout)
+    def clone(self, timeout: float | None = None) -> "Store":
+        """A second connection to the same server (for a thread that blocks in wait),
+        with this one's default deadline unless `timeout` is given."""
+        return Store(self.address, self._token, self.timeout if timeout is None else timeout)
 
     def local_address(self) -> str:
         """The local IP this client reaches the store from (the interface peers can reach)."""
