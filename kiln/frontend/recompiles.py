@@ -44,12 +44,15 @@ class LocatingBuilder(GraphBuilder):
     def __init__(self, graph=None):
         super().__init__(graph)
         self.first_use: dict[int, str | None] = {}
+        self._ids: tuple[int, frozenset] = (-1, frozenset())  # (len(params), their ids)
 
     def apply(self, op, operands, attrs, regions=None):
         results = super().apply(op, operands, attrs, regions)
         params = self.graph.body.params
         if len(self.first_use) < len(params):
-            ids = {id(p) for p in params}
+            if self._ids[0] != len(params):  # not once per op: a model has many inputs
+                self._ids = (len(params), frozenset(id(p) for p in params))
+            ids = self._ids[1]
             for x in operands:
                 if id(x) in ids and id(x) not in self.first_use:
                     self.first_use[id(x)] = user_location()
