@@ -36,6 +36,7 @@ STATS = {"hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "uncacheable": 0}
 # the code that decides what a traced graph compiles to (the executor is rebuilt from the
 # program at every load, so the rest of kiln/runtime is not part of the key)
 _SOURCE_DIRS = ("ir", "passes", "codegen")
+_SETTINGS = ("KILN_COMPLEX_GEMM",)
 _SOURCE_FILES = ("runtime/program.py", "runtime/memory_plan.py", "frontend/graph_compile.py",
                  "frontend/kernel_cache.py", "frontend/program_cache.py")
 
@@ -65,8 +66,10 @@ def program_key(graph, target, mode: str) -> str | None:
         array = graph.constants[name]
         consts.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
         consts.update(array.tobytes())
+    # settings the passes read from the environment (complex_decompose: the GEMM split)
+    settings = "|".join(f"{name}={os.environ.get(name, '')}" for name in _SETTINGS)
     return artifact_cache.content_key(__version__, source_hash(), *target.cache_key(), _host_cpu(),
-                                      mode, text, consts.hexdigest())
+                                      mode, settings, text, consts.hexdigest())
 
 
 @functools.lru_cache(maxsize=1)

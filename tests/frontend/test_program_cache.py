@@ -120,6 +120,9 @@ def test_key_covers_graph_constants_options_version_and_source(monkeypatch):
         k1 = program_cache.program_key(with_const, cpu, "default")
         with_const.constants[name] = with_const.constants[name] + 1
         assert program_cache.program_key(with_const, cpu, "default") != k1
+    monkeypatch.setenv("KILN_COMPLEX_GEMM", "3m")  # a setting the passes read
+    assert key != program_cache.program_key(graph, cpu, "default")
+    monkeypatch.delenv("KILN_COMPLEX_GEMM")
     import kiln._version
 
     monkeypatch.setattr(kiln._version, "__version__", "0.0.0-test")
