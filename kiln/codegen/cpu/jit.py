@@ -62,6 +62,12 @@ def parse(text: str):
 def optimize(mod, opt_level: int = 3) -> None:
     """Run the new-pass-manager O-level pipeline with loop and SLP vectorization."""
     tm = target_machine(opt_level)
+    pb, pm = _pipeline(mod, tm, opt_level)
+    pm.run(mod, pb)
+
+
+def _pipeline(mod, tm, opt_level: int):
+    """(pass builder, module pass manager) of the O-level pipeline for `mod` on `tm`."""
     mod.triple = tm.triple
     mod.data_layout = str(tm.target_data)
     pto = llvm.create_pipeline_tuning_options(speed_level=min(opt_level, 3))
@@ -69,8 +75,7 @@ def optimize(mod, opt_level: int = 3) -> None:
     pto.slp_vectorization = opt_level >= 2
     pto.loop_unrolling = opt_level >= 2
     pb = llvm.create_pass_builder(tm, pto)
-    pm = pb.getModulePassManager()
-    pm.run(mod, pb)
+    return pb, pb.getModulePassManager()
 
 
 def assembly(mod, opt_level: int = 3) -> str:
@@ -98,14 +103,7 @@ def _compile_alone(text: str, opt_level: int) -> bytes:
     mod = llvm.parse_assembly(text, context=context)
     mod.verify()
     tm = _new_target_machine(opt_level)
-    mod.triple = tm.triple
-    mod.data_layout = str(tm.target_data)
-    pto = llvm.create_pipeline_tuning_options(speed_level=min(opt_level, 3))
-    pto.loop_vectorization = opt_level >= 2
-    pto.slp_vectorization = opt_level >= 2
-    pto.loop_unrolling = opt_level >= 2
-    pb = llvm.create_pass_builder(tm, pto)
-    pm = pb.getModulePassManager()
+    pb, pm = _pipeline(mod, tm, opt_level)
     run, emit = _unlocked("LLVMPY_RunNewModulePassManager"), _unlocked("LLVMPY_TargetMachineEmitToMemory")
     if run is None or emit is None:  # an llvmlite without the lock layer: its own calls
         pm.run(mod, pb)
@@ -130,9 +128,12 @@ def object_codes(texts: list[str], opt_level: int = 3, timeout: float = 3600.0) 
         return [_compile_alone(texts[0], opt_level)]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=len(texts), thread_name_prefix="kiln-llvm") as pool:
+    pool = ThreadPoolExecutor(max_workers=len(texts), thread_name_prefix="kiln-llvm")
+    try:
         futures = [pool.submit(_compile_alone, text, opt_level) for text in texts]
         return [f.result(timeout=timeout) for f in futures]
+    finally:  # on an error or a timeout, do not wait for the other modules
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Jitted:
