@@ -38,6 +38,7 @@ from kiln.ir.emitter import EAGER, is_python_scalar
 from kiln.ir.quiet_numpy import _QUIET, _extobj_contextvar as _ERRSTATE, quiet_state
 from kiln.ir.shapes import broadcast_shapes
 from kiln.ir.types import TensorType
+from kiln.frontend.tape import _mode as _grad_mode
 from kiln.frontend.tensor import Tensor
 from kiln.runtime import placement
 
@@ -68,6 +69,29 @@ def _tracing() -> bool:
 def _plain(x) -> bool:
     return (type(x) is Tensor and x._builder is None and x._device is None and x._view is None
             and x._node is None and not x._requires_grad)
+
+
+def _as_plain(args):
+    """`args` with each tensor that is plain but for its autograd state or its class (a
+    leaf requiring grad, a result on a tape, an nn.Parameter) as a plain tensor over the
+    same array, where the general path would do the same: grad mode off (`kn.no_grad`:
+    nothing is recorded), or an operand needing no grad (a frozen Parameter). None when
+    nothing changed or an operand is traced, on a device or a view."""
+    grad = _grad_mode.__dict__.get("enabled", True)
+    out, changed = [], False
+    for a in args:
+        if isinstance(a, Tensor):
+            if a._builder is not None or a._device is not None or a._view is not None:
+                return None
+            if a._node is not None or a._requires_grad:
+                if grad:
+                    return None
+            elif type(a) is Tensor:
+                out.append(a)
+                continue
+            a, changed = _tensor(a._x), True  # the same array, counted already
+        out.append(a)
+    return out if changed else None
 
 
 # -- results -------------------------------------------------------------------------------
@@ -133,7 +157,8 @@ def eager_apply(op: str, args: tuple, attrs: dict, same_dtype: bool = False):
     for a in args:
         if type(a) is not Tensor or a._builder is not None or a._device is not None \
                 or a._view is not None or a._node is not None or a._requires_grad:
-            return None  # `_plain`, inlined
+            plain = _as_plain(args)  # `_plain`, inlined; no_grad and Parameters retry
+            return None if plain is None else eager_apply(op, tuple(plain), attrs, same_dtype)
         arrays.append(a._x)
     if _state.__dict__.get("stack"):
         return None
@@ -159,8 +184,10 @@ def eager_unary_float(op: str, x):
     """A float op on one plain floating or complex tensor (ints take the general path,
     which computes them in float32), else None."""
     if type(x) is not Tensor or x._builder is not None or x._device is not None \
-            or x._view is not None or x._node is not None or x._requires_grad \
-            or _state.__dict__.get("stack"):  # `_plain` and `_tracing()`, inlined
+            or x._view is not None or x._node is not None or x._requires_grad:
+        plain = _as_plain((x,))  # `_plain`, inlined; no_grad and Parameters retry
+        return None if plain is None else eager_unary_float(op, plain[0])
+    if _state.__dict__.get("stack"):
         return None
     a = x._x
     if a.dtype not in _INEXACT:
@@ -182,7 +209,7 @@ def eager_binary(op: str, x, y, from_eager: bool = True):
                 or x._node is not None or x._requires_grad or y._builder is not None \
                 or y._device is not None or y._view is not None or y._node is not None \
                 or y._requires_grad:  # `_plain`, inlined for the commonest case
-            return None
+            return _retry_plain(op, x, y, None, from_eager)
         a, b = x._x, y._x
         dtype = a.dtype
         if dtype != b.dtype or a.shape != b.shape or dtype not in _FLOATING:
@@ -216,7 +243,7 @@ def _with_scalar(op: str, x, y, from_eager: bool):
     elif type(y) is Tensor:
         tensor, scalar, first = y, x, False
     else:
-        return None
+        return _retry_plain(op, x, y, None, from_eager)
     kind = type(scalar)
     if (kind is not float and kind is not int) or op not in _SCALAR_OK \
             or tensor._builder is not None or tensor._device is not None \
@@ -291,26 +318,26 @@ def lean_binary(op: str, x, y, dtype: dt.DType | None = None, from_eager: bool =
     if tx is Tensor:
         if x._builder is not None or x._device is not None or x._view is not None \
                 or x._node is not None or x._requires_grad:  # `_plain`, inlined
-            return None
+            return _retry_plain(op, x, y, dtype, from_eager)
         a = x._x
         if ty is Tensor:
             if y._builder is not None or y._device is not None or y._view is not None \
                     or y._node is not None or y._requires_grad:
-                return None
+                return _retry_plain(op, x, y, dtype, from_eager)
             b = y._x
             key = (op, dtype and dtype.name, a.dtype, a.shape, b.dtype, b.shape)
         elif ty in _SCALARS:
             b = y
             key = (op, dtype and dtype.name, a.dtype, a.shape, ty, True)
         else:
-            return None
+            return _retry_plain(op, x, y, dtype, from_eager)
     elif ty is Tensor and tx in _SCALARS:
         if not _plain(y):
-            return None
+            return _retry_plain(op, x, y, dtype, from_eager)
         a, b = x, y._x
         key = (op, dtype and dtype.name, b.dtype, b.shape, tx, False)
     else:
-        return None
+        return _retry_plain(op, x, y, dtype, from_eager)
     if _state.__dict__.get("stack"):
         return None
     plan = _BINARY.get(key)
@@ -343,6 +370,16 @@ def lean_binary(op: str, x, y, dtype: dt.DType | None = None, from_eager: bool =
     if plan.plan.trusted:
         return _quick(plan.plan, (a, b))
     return _new_result(EAGER.call1(op, plan.plan, (a, b)), a, b)
+
+
+def _retry_plain(op, x, y, dtype, from_eager):
+    """A binary op whose operands `_as_plain` can make plain, on those; else None."""
+    plain = _as_plain((x, y))
+    if plain is None:
+        return None
+    if dtype is None:
+        return eager_binary(op, plain[0], plain[1], from_eager)
+    return lean_binary(op, plain[0], plain[1], dtype, from_eager)
 
 
 def _plan_binary(op, a, b, dtype):

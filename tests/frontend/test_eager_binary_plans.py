@@ -197,3 +197,33 @@ def test_grad_through_broadcasting_and_promotion_matches_torch():
     tw = torch.tensor(w0, requires_grad=True)
     ((tw * torch.from_numpy(v0) + 2) ** 2).sum().backward()
     np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-5)
+
+
+def _forward(w, v):
+    return [w + v, w * 2.0, 1.5 - w, (w * v).tanh(), kn.relu(w), w @ w.T, w.sum(-1),
+            w + w, kn.exp(w), w > v]
+
+
+def test_no_grad_and_frozen_parameters_take_the_plain_values(general_path):
+    from kiln import nn
+
+    w0, v0 = _data(np.float32, (4, 4), 3), _data(np.float32, (4,), 4)
+    w, v = kn.tensor(w0, requires_grad=True), kn.tensor(v0)
+    want = general_path(lambda: [t.numpy().copy() for t in _forward(kn.tensor(w0), v)])
+    for _ in range(2):
+        with kn.no_grad():  # nothing recorded: the same arrays as plain tensors
+            got = _forward(w, v)
+        for g, expected in zip(got, want):
+            assert not g.requires_grad and g.grad_fn is None
+            np.testing.assert_array_equal(g.numpy(), expected)
+        frozen = nn.Parameter(kn.tensor(w0), requires_grad=False)
+        for g, expected in zip(_forward(frozen, v), want):
+            assert type(g) is kn.Tensor and not g.requires_grad
+            np.testing.assert_array_equal(g.numpy(), expected)
+    taped = _forward(w, v)  # grad mode on again: recorded
+    assert taped[0].requires_grad and taped[3].grad_fn is not None
+    taped[3].sum().backward()
+    t = torch.tensor(w0, requires_grad=True)
+    (t * torch.from_numpy(v0)).tanh().sum().backward()
+    # 1 - tanh^2 cancels where tanh rounds near 1: an absolute tolerance there
+    np.testing.assert_allclose(w.grad.numpy(), t.grad.numpy(), rtol=1e-5, atol=1e-6)
