@@ -258,7 +258,7 @@ class _Decoder:
         if tag == "F":
             try:
                 return float.fromhex(_shape(v, 2)[1])
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise CodecError("program codec: bad float") from None
         if tag == "D":
             short = _shape(v, 2)[1]

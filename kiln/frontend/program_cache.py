@@ -106,9 +106,12 @@ def load(key: str):
         if not isinstance(head, dict) or not isinstance(head.get("names"), list) \
                 or not isinstance(head.get("program"), str):
             raise ValueError("bad header")
-        program = decode_program(head["program"])  # CodecError is a ValueError
+        try:  # CodecError is a ValueError; anything else a file provokes is refused too
+            program = decode_program(head["program"])
+        except (TypeError, KeyError, AttributeError, IndexError, OverflowError, ZeroDivisionError) as e:
+            raise CodecError(f"program codec: {type(e).__name__}") from None
         names = head["names"]
-        if not all(isinstance(n, str) and n in program.kernels for n in names) \
+        if not all(isinstance(name, str) and name in program.kernels for name in names) \
                 or set(names) != set(program.kernels):
             raise CodecError("kernel names do not match the program")
         objects = payload[8 + n:]

@@ -102,8 +102,9 @@ def doc_of(fn, *args):
     lambda d: d.__setitem__("format", 99),
     lambda d: d["nodes"].append(["c", "Constant", [0, ["a", "|O", [1], "AAAAAAAAAAA="]]]),
     lambda d: d["nodes"].append(["c", "Constant", [0, ["a", "<f4", [4], "AAAA"]]]),  # short data
+    lambda d: d["nodes"].append(["c", "Const", [["F", "0x1p99999"], ["D", "f32"]]]),  # overflow
 ], ids=["foreign-class", "field-count", "sympy-head", "forward-ref", "symbol-name", "root",
-        "format", "object-dtype", "short-array"])
+        "format", "object-dtype", "short-array", "float-overflow"])
 def test_decoder_refuses_what_kiln_does_not_write(spoil):
     doc = doc_of(lambda x: (x * 2).sum(), np.ones(4, np.float32))
     spoil(doc)
