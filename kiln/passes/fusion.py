@@ -53,17 +53,30 @@ class _Group:
 
     def nodes(self, analysis: _Analysis, mat: set[int]) -> list[Node]:
         """Every node the group's kernel computes, in program order."""
-        stop = mat - {id(v) for v in self.values}
-        found: dict[int, Node] = {}
-        starts = list(self.values) + [r.results[0] for r in self.reduces]
-        for v in starts:
-            for n in _cone(v, analysis, stop):
-                found[id(n)] = n
-        if self.root is not None:
-            found[id(self.root.producer)] = self.root.producer
-            for v in self.values:
-                for n in _cone(v, analysis, stop | {id(self.root)}):
+        # the cones stop at `mat` less the group's own values: taken out of `mat` for the
+        # walk and put back (not a copy of `mat` per call: planning asks ~10k times)
+        own = [i for i in {id(v) for v in self.values} if i in mat]
+        mat.difference_update(own)
+        try:
+            found: dict[int, Node] = {}
+            starts = list(self.values) + [r.results[0] for r in self.reduces]
+            for v in starts:
+                for n in _cone(v, analysis, mat):
                     found[id(n)] = n
+            if self.root is not None:
+                found[id(self.root.producer)] = self.root.producer
+                root = id(self.root)
+                added = root not in mat
+                mat.add(root)
+                try:
+                    for v in self.values:
+                        for n in _cone(v, analysis, mat):
+                            found[id(n)] = n
+                finally:
+                    if added:
+                        mat.discard(root)
+        finally:
+            mat.update(own)
         return sorted(found.values(), key=lambda n: analysis.position[id(n)])
 
 
