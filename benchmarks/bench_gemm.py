@@ -65,13 +65,21 @@ def rows(quick: bool):
 
 def round_robin(fns: dict, repeat: int, warmup: int = 2) -> dict:
     """{name: (median, minimum) seconds}: each repetition calls every fn once, one after
-    the other, so a shared machine's load falls on all of them alike."""
+    the other, so a shared machine's load falls on all of them alike; in a new (seeded)
+    order each round, since a library's threads spinning after its call slow down
+    whichever call comes next."""
+    import random
+
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict = {name: [] for name in fns}
+    order = list(fns)
+    shuffle = random.Random(0).shuffle
     for _ in range(repeat):
-        for name, fn in fns.items():
+        shuffle(order)
+        for name in order:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -332,8 +340,8 @@ def render(args, table, micro, libs, compile_t, load0) -> str:
              f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (a shared machine)",
              f"- date: {datetime.date.today().isoformat()}; numpy {np.__version__}", "",
              "Milliseconds, median (minimum) over the same repeats, one process, every "
-             "implementation called once per round (round-robin), so the machine's load falls on "
-             "all alike. `kiln` and `bare BLAS` run with their default threads (kiln: its pool of "
+             "implementation called once per round in a shuffled order (round-robin), so the "
+             "machine's load and other libraries' spinning threads fall on all alike. `kiln` and `bare BLAS` run with their default threads (kiln: its pool of "
              f"{kn.get_num_threads()}, large products split in row panels, one BLAS thread each; numpy: "
              "OpenBLAS's own threads), `1t` with one. `bare BLAS` is numpy's OpenBLAS doing the "
              "products alone (no bias, no activation). Ratios: minimum (median); above 1 kiln is "
