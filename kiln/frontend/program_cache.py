@@ -28,6 +28,8 @@ import hashlib
 import json
 import os
 import pathlib
+import re
+import sys
 
 from kiln.errors import KilnError
 
@@ -37,6 +39,7 @@ STATS = {"hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "uncacheable": 0}
 # program at every load, so the rest of kiln/runtime is not part of the key)
 _SOURCE_DIRS = ("ir", "passes", "codegen")
 _SETTINGS = ("KILN_COMPLEX_GEMM",)
+_SETTING_PACKAGES = ("kiln.ir.", "kiln.passes.", "kiln.codegen.")
 _SOURCE_FILES = ("runtime/program.py", "runtime/memory_plan.py", "frontend/graph_compile.py",
                  "frontend/kernel_cache.py", "frontend/program_cache.py")
 
@@ -69,7 +72,58 @@ def program_key(graph, target, mode: str) -> str | None:
     # settings the passes read from the environment (complex_decompose: the GEMM split)
     settings = "|".join(f"{name}={os.environ.get(name, '')}" for name in _SETTINGS)
     return artifact_cache.content_key(__version__, source_hash(), *target.cache_key(), _host_cpu(),
-                                      mode, settings, text, consts.hexdigest())
+                                      mode, settings, module_settings(), text, consts.hexdigest())
+
+
+_SETTING_TYPES = (bool, int, float, str)
+_DEFAULT = re.compile(r"^([A-Z][A-Z0-9_]*) = (.+?)\s*(?:#.*)?$", re.M)
+
+
+def module_settings() -> str:
+    """The compiler's switches and thresholds that differ from their defaults now: an
+    upper-case module constant (bool, int, float, str) of a loaded kiln.ir / kiln.passes /
+    kiln.codegen module whose value is not the literal its source assigns. A switch
+    flipped at run time (`batching.ENABLED = False`, an autotune threshold) changes the
+    programs compiled from then on, so it changes the key; defaults are covered by the
+    source hash, and only deviations count, so the key does not depend on which modules
+    happen to be loaded."""
+    defaults = _defaults()
+    out = []
+    for name in sorted(n for n in sys.modules if n.startswith(_SETTING_PACKAGES)):
+        table = defaults.get(name)
+        if not table:
+            continue
+        module = vars(sys.modules[name])
+        for attr, default in table.items():
+            value = module.get(attr, default)
+            if type(value) in _SETTING_TYPES and value != default:
+                out.append(f"{name}.{attr}={value!r}")
+    return "\n".join(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict:
+    """module -> {NAME: literal} of its top-level `NAME = <literal>` lines (kiln's own
+    source, read once per process; `ast.literal_eval` evaluates no code)."""
+    import ast
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    table: dict = {}
+    for d in _SOURCE_DIRS:
+        for path in (root / d).rglob("*.py"):
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found = {}
+            for m in _DEFAULT.finditer(path.read_text()):
+                try:
+                    value = ast.literal_eval(m.group(2))
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    continue
+                if type(value) in _SETTING_TYPES:
+                    found[m.group(1)] = value
+            if found:
+                table[name] = found
+    return table
 
 
 @functools.lru_cache(maxsize=1)

@@ -120,6 +120,12 @@ def test_key_covers_graph_constants_options_version_and_source(monkeypatch):
         k1 = program_cache.program_key(with_const, cpu, "default")
         with_const.constants[name] = with_const.constants[name] + 1
         assert program_cache.program_key(with_const, cpu, "default") != k1
+    from kiln.passes import batching
+
+    monkeypatch.setattr(batching, "ENABLED", False)  # a switch flipped at run time
+    assert key != program_cache.program_key(graph, cpu, "default")
+    monkeypatch.setattr(batching, "ENABLED", True)  # back at its default: the same key
+    assert key == program_cache.program_key(graph, cpu, "default")
     monkeypatch.setenv("KILN_COMPLEX_GEMM", "3m")  # a setting the passes read
     assert key != program_cache.program_key(graph, cpu, "default")
     monkeypatch.delenv("KILN_COMPLEX_GEMM")
