@@ -143,12 +143,7 @@ def _quick(plan, operands) -> Tensor:
     finally:
         _ERRSTATE.reset(token)
     _track_new(r)
-    t = _new(Tensor)  # `_tensor`, inlined
-    t._x = r
-    t._builder = t._device = t._node = t._grad = t._view = None
-    t._requires_grad = False
-    t._version = 0
-    return t
+    return _tensor(r)
 
 
 # -- the lean paths ----------------------------------------------------------------------------
