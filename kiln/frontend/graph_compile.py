@@ -125,13 +125,13 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
 
         kernels = [program.kernels[n] for n in names]
         text = program_cache.encode(program) if key is not None else None
+        # with `text`, the program's entry holds its machine code: one entry, no per-kernel
+        # keys; without, the per-kernel-set object cache (a fingerprint of every kernel)
+        objects: list | None = [] if text is not None else None
         with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
-            if text is None:  # per-kernel-set object cache (fingerprints of every kernel)
-                compiled = compile_kernels(target, kernels, mode)
-            else:  # the program's entry holds its machine code: one entry, no fingerprints
-                blob = target.object_code(kernels)
-                compiled = target.load_object_code(kernels, blob)
-                program_cache.store(key, text, names, blob)
+            compiled = compile_kernels(target, kernels, mode, objects)
+        if objects:
+            program_cache.store(key, text, names, objects[0])
     allocator = target.runtime_allocator()  # None: host memory; opencl: the device's SVM
     if device is not None:
         from kiln.runtime.device_programs import runtime_allocator

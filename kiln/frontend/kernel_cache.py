@@ -13,8 +13,11 @@ import functools
 from kiln.errors import KilnError
 
 
-def compile_kernels(target, kernels: list, mode: str = "default") -> list:
+def compile_kernels(target, kernels: list, mode: str = "default", objects: list | None = None) -> list:
     """Callables for `kernels`, from the on-disk artifact cache when it has them.
+    With `objects` (a list), the per-kernel-set cache is skipped: the code is built and
+    its object code appended to `objects` (the whole-program cache stores it with the
+    program, program_cache.py, so no per-kernel keys are computed).
 
     max-autotune measures GEMM variants on this machine, so its choices are not cached."""
     if mode == "max-autotune":
@@ -24,6 +27,10 @@ def compile_kernels(target, kernels: list, mode: str = "default") -> list:
                 for k in progress(kernels, desc="autotuning", unit="kernel")]
     if not kernels or not target.caches_object_code:
         return target.compile_many(kernels)
+    if objects is not None:
+        blob = target.object_code(kernels)
+        objects.append(blob)
+        return target.load_object_code(kernels, blob)
     from kiln._version import __version__
     from kiln.codegen import artifact_cache
     from kiln.codegen.kernel_ir import kernel_fingerprint
