@@ -13,12 +13,14 @@
   one core.
 
     .venv/bin/python benchmarks/bench_eager.py [--out benchmarks/results/cpu.md] [--quick]
+        [--repeat N] [--baseline DIR]   # DIR: an older kiln, `git archive REV kiln | tar -x -C DIR`
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import platform
@@ -272,25 +274,61 @@ kiln/runtime/caching_allocator.py, kn.memory's figures), the Tensor object (~0.1
 and a dozen attribute checks; before issue 22 it was ~40 us an op."""
 
 
+def baseline_rows(path: str, repeat: int) -> list:
+    """The per-op rows of another kiln (the `kiln` package under `path`, e.g. an older
+    commit unpacked with `git archive REV kiln | tar -x -C DIR`), measured by this script
+    in a child process right before this one's."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--per-op-json",
+                           "--repeat", str(repeat)], env=env, capture_output=True, text=True,
+                          timeout=1800, cwd=os.path.dirname(os.path.abspath(path)) or None)
+    if done.returncode:
+        raise RuntimeError(f"the baseline run failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _baseline_table(before: list, after: list, path: str) -> str:
+    lines = [f"**Before and after: the same per-op rows with the kiln under `{path}`, run just "
+             "before (same-run ratios of each run)**", "",
+             "| workload | before: kiln (us) | before: kiln / torch | after: kiln (us) | after: kiln / torch |",
+             "|---|---|---|---|---|"]
+    for (name, k0, t0, _), (_, k1, t1, _) in zip(before, after):
+        lines.append(f"| {name} | {_fmt(k0[0])} ({_fmt(k0[1])}) | {k0[0] / t0[0]:.2f}x | "
+                     f"{_fmt(k1[0])} ({_fmt(k1[1])}) | {k1[0] / t1[0]:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=None, help="repetitions (default 101)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also measure the per-op rows of the kiln package under DIR")
+    parser.add_argument("--per-op-json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    repeat = 21 if args.quick else 101
+    repeat = args.repeat or (21 if args.quick else 101)
+    if args.per_op_json:  # the child of --baseline
+        print(json.dumps(eager_round_robin(repeat)))
+        return
     model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines()
         if line.startswith("Model name")), platform.processor())
     load = os.getloadavg()[0]
+    before = baseline_rows(args.baseline, repeat) if args.baseline and torch is not None else None
+    per_op = eager_round_robin(repeat)
     sections = [
-        _round_robin_table(eager_round_robin(repeat)),
+        _round_robin_table(per_op),
+        *([_baseline_table(before, per_op, args.baseline)] if before else []),
         _table("eager value_and_grad, MLP 32x64 -> 128 -> 16 (per call)", eager_grad(repeat), "torch"),
         _table("erf over 2^20 float32 (per call)", eager_erf(max(5, repeat // 10)), "torch"),
         _table("batched GEMM (16,32,256) x (16,256,64), idle", batched_gemm(repeat, False), "torch"),
         _table("batched GEMM, beside a process spinning on one core", batched_gemm(repeat, True), "torch"),
     ]
     text = (f"## Eager speed and threading (bench_eager.py, issue 22 items 1 and 5)\n\n"
-            f"`.venv/bin/python benchmarks/bench_eager.py{' --quick' if args.quick else ''}` on {model}, "
+            f"`.venv/bin/python benchmarks/bench_eager.py{' --quick' if args.quick else ''}"
+            f"{f' --repeat {args.repeat}' if args.repeat else ''}"
+            f"{f' --baseline {args.baseline}' if args.baseline else ''}` on {model}, "
             f"{datetime.date.today()}, {os.cpu_count()} CPUs, kn.get_num_threads() = {kn.get_num_threads()}, "
             f"load average {load:.1f} at the start (a shared, noisy machine: medians and minimums, "
             f"all rows from the same run).\n\n" + "\n\n".join(sections) + "\n\n" + NOTES)
