@@ -262,7 +262,8 @@ thread does not accumulate, so it is the steadier ratio on a loaded machine. In 
 other tables torch at its default thread count spins against the machine's other load
 (its bmm, autograd and erf rows), hence the one-thread rows; their ratio column is
 against whichever torch row won. kiln's batched BLAS GEMM runs with one BLAS thread
-(issue 22 item 1), so it does not move when a busy process takes a core.
+(issue 22 item 1), so it does not move when a busy process takes a core. A `--baseline`
+directory holds an older kiln unpacked with `git archive REV kiln`, named for its REV.
 
 kiln's eager per-op path on plain CPU tensors (kiln/frontend/eager_path.py) checks each
 op signature once and replays its plan (kiln/ir/emitter.py); binary ops with broadcasting,
