@@ -134,7 +134,7 @@ def _symmetric_kinds(b, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [8, 13, 32])  # 32: the vectors' rotations replayed in several column blocks
+@pytest.mark.parametrize("n", [8, 13, 32])  # Jacobi below 11, tridiagonal QL from there
 def test_eigh(dtype, n):
     b = _batch(dtype)
     for kind, a in _symmetric_kinds(b, n, dtype).items():
@@ -172,6 +172,41 @@ def test_eigh_lanes_that_split_or_are_done(dtype):
     np.testing.assert_allclose((v * w[:, None, :]) @ v.transpose(0, 2, 1), a, rtol=0, atol=tol * scale)
     np.testing.assert_allclose(v.transpose(0, 2, 1) @ v, np.broadcast_to(np.eye(n), (b, n, n)), rtol=0, atol=tol)
     np.testing.assert_allclose(w, np.linalg.eigvalsh(a.astype(np.float64)), rtol=0, atol=tol * scale)
+
+
+@pytest.fixture
+def jacobi_everywhere():
+    """eigh and svd on their Jacobi kernels at every size (as the Metal kernels), the
+    compiled-kernel cache cleared before and after (its key has no algorithm)."""
+    from kiln.codegen.cpu import linalg_bidiag, linalg_tridiag
+
+    saved = linalg_tridiag.QL_FROM, linalg_bidiag.GKR_FROM
+    N._compiled.cache_clear()
+    linalg_tridiag.QL_FROM = linalg_bidiag.GKR_FROM = 65
+    yield
+    linalg_tridiag.QL_FROM, linalg_bidiag.GKR_FROM = saved
+    N._compiled.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_jacobi_kernels_at_32(dtype, jacobi_everywhere):
+    """The Jacobi kernels at 32 x 32, where eigh replays the vectors' rotations in
+    several column blocks and svd pairs its columns block by block."""
+    b, n = _batch(dtype), 32
+    tol = _tol(dtype, n)
+    for kind, a in _symmetric_kinds(b, n, dtype).items():
+        w, v = N.eigh(a)
+        scale = np.abs(a).max()
+        np.testing.assert_allclose((v * w[:, None, :]) @ v.transpose(0, 2, 1), a, rtol=0, atol=tol * scale,
+                                   err_msg=kind)
+        np.testing.assert_allclose(v.transpose(0, 2, 1) @ v, np.broadcast_to(np.eye(n), (b, n, n)), rtol=0,
+                                   atol=tol, err_msg=kind)
+    for kind, a in _kinds(b, n, n, dtype).items():
+        u, s, vh = N.svd(a)
+        np.testing.assert_allclose((u * s[:, None, :]) @ vh, a, rtol=0, atol=tol * np.abs(a).max(), err_msg=kind)
+        np.testing.assert_allclose(u.transpose(0, 2, 1) @ u, np.broadcast_to(np.eye(n), (b, n, n)), rtol=0,
+                                   atol=tol, err_msg=kind)
+        assert np.all(np.diff(s, axis=-1) <= 0), kind
 
 
 def test_extreme_scales_are_rescaled():

@@ -207,7 +207,9 @@ class _RotationLog:
     Rotating those rows inline puts them in the working set of every rotation: at n = 32,
     16 float32 lanes, A's triangle (34 KB) and the vectors (64 KB) do not fit a 48 KB L1
     together, and each rotation streamed its four rows from L2. Replayed per block of
-    BLOCK_BYTES, a block stays in L1 while the whole sweep's rotations pass over it."""
+    BLOCK_BYTES, a block stays in L1 while the whole sweep's rotations pass over it
+    (kn.linalg takes tridiagonal QL from n = 11 on, so that size runs here only when
+    this kernel is called directly, as the tests do)."""
 
     BLOCK_BYTES = 32768
     MAX_COLS = 16
@@ -410,9 +412,9 @@ def svd(m: int, n: int, scalar: str, width: int) -> tuple[str, str]:
 
     Row i of X holds column i of the working matrix (m entries, U's column at the end)
     followed by column i of V (n entries, from the identity): one rotation turns both.
-    Pairs go in block-cyclic order (_block_pairs) with blocks of rows that fit in L1 by
+    Pairs go in block-cyclic order (_block_rounds) with blocks of rows that fit in L1 by
     two: at 32 x 32, 16 float32 lanes, X is 130 KB, and a round-robin sweep streamed
-    every pair's rows from L2."""
+    every pair's rows from L2 (kn.linalg takes bidiagonal QR from min(m, n) = 14 on)."""
     L = Lanes(f"kiln_la_svd_{scalar}_{m}x{n}_w{width}", scalar, width)
     lx = m + n + 1  # X's padded row stride (see Lanes.load_matrix)
     X, N, M = L.array(n * lx), L.array(n), L.array(1)
