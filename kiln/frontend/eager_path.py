@@ -22,6 +22,9 @@ A check that fails is never planned: the general path runs and raises its number
 error, on every call. What counts as plain: exactly a `Tensor` (not a subclass), eager
 (no builder), on the CPU, not a view, neither requiring grad nor on a tape; and no trace
 active on this thread (an eager tensor used inside a trace becomes a graph constant).
+Under `kn.no_grad()` a tensor that requires grad or is on a tape, and anywhere an
+`nn.Parameter` that needs no grad, runs as a plain tensor over the same array
+(`_as_plain`): the general path records nothing for them either.
 """
 
 from __future__ import annotations

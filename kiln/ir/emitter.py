@@ -328,8 +328,9 @@ class EagerEmitter(Emitter):
                 _ERRSTATE.reset(token)
             if plan.trusted:
                 return r
-            if type(r) is np.ndarray and r.dtype == plan.dtype and r.shape == plan.shape:
-                # a 0-d result of a ufunc is a numpy scalar: those keep being checked
+            if type(r) is not np.ndarray:  # a ufunc's 0-d result is a numpy scalar
+                r = np.asarray(r)
+            if r.dtype == plan.dtype and r.shape == plan.shape:
                 plan.trusted = type(direct) is np.ufunc and plan.shape != ()
                 return r
         r = plan.reference(*operands)
