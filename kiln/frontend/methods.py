@@ -35,6 +35,8 @@ def _operator(name: str, op: str, fn, swapped: bool = False):
             result = eager_binary(op, self, other, from_eager)
             return result if result is not None else fn(self, other)
     method.__name__ = name
+    # errors that name the op by the outermost kiln frame (K380) say `add`, not `method`
+    method.__code__ = method.__code__.replace(co_name=fn.__name__)
     return method
 
 
