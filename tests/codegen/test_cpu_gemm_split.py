@@ -95,7 +95,9 @@ def test_split_gemm_symbolic_rows(monkeypatch):
 
 @pytest.fixture(scope="module")
 def pool():
-    return WorkerPool(1)  # one daemon worker for this file's tests (it idles on its queue)
+    p = WorkerPool(1)  # one worker for this file's tests (it idles on its queue)
+    yield p
+    p.close()  # its thread would be counted as one of kiln's pool's by test_threads
 
 
 def test_claimed_ranges_each_run_once_and_blas_is_one_thread(pool):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
 
 import numpy as np
 import sympy
@@ -64,9 +65,22 @@ class WorkerPool:
                 self._start(self.size, workers)
                 self.size = workers
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop this pool's workers (bounded wait): for a pool made apart from kiln's own
+        (kiln's lives as long as the process)."""
+        with self._lock:
+            for _ in self._threads:
+                self._tasks.put((None, None, None))
+            deadline = time.monotonic() + timeout
+            for t in self._threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            self._threads, self.size = [t for t in self._threads if t.is_alive()], 0
+
     def _loop(self) -> None:
         while True:
             fn, args, done = self._tasks.get()
+            if fn is None:
+                return
             try:
                 fn(*args)
                 done.put(None)
