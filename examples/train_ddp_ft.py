@@ -130,8 +130,16 @@ def worker(args) -> None:
     kill_self = {int(a): int(b) for a, b in (kv.split(":") for kv in
                                              (args.kill_self or "").split(",") if kv)}
     losses, began, first_commit_at = {}, time.time(), None
+    full = pg.world_size
     while pg.committed_step < args.steps:
         step = pg.committed_step + 1
+        if step == args.hold_for_joiner and not joined and pg.world_size < full:
+            # the demonstration needs the replacement in the job: hold here (bounded)
+            # until it asks to join, so that the survivors cannot finish every step while
+            # it starts Python and kiln; the next commit admits it
+            held = time.monotonic() + 60.0
+            while not pg.pending_joins() and time.monotonic() < held:
+                time.sleep(0.05)
         report_step(step)  # where `kiln launch --inject kill:...,step=K` strikes
         if kill_self.get(step) == pg.global_ranks[pg.rank] and not joined:
             # under mpirun, the kill comes from inside: note when, then SIGKILL
@@ -183,6 +191,7 @@ def drive(args) -> dict:
     else:
         launch = ["--events-json", str(events), "--inject", "kill:rank=2,step=%d"
                   % args.kill_step]
+        worker_args += ["--hold-for-joiner", str(args.kill_step + 2)]
     cmd = [sys.executable, "-m", "kiln", "launch", "--nproc", str(args.nproc),
            "--on-failure", "replace", "--max-restarts", "1"] + launch + worker_args
     print("$ kiln launch --nproc %d --on-failure replace %s (kill -9 of rank 2 at step %d)"
@@ -246,6 +255,9 @@ def main(argv=None):
                     help="tcp (kiln launch) or mpi (kiln launch --engine mpi: mpirun + ULFM)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kill-self", default=None, help=argparse.SUPPRESS)  # "STEP:UID,..."
+    ap.add_argument("--hold-for-joiner", type=int, default=0,
+                    help="(worker) at this step, a shrunk group waits (at most 60 s) for a "
+                    "replacement to ask to join")
     ap.add_argument("--save", default=None, help="(worker) rank 0 saves the state here (.npz)")
     ap.add_argument("--resume", default=None, help="(worker) load the state from this .npz")
     args = ap.parse_args(argv)

@@ -378,6 +378,12 @@ class ProcessGroup(CallEngine):
         """How many steps this group committed (should_commit returned True)."""
         return self._fault_tolerance("committed_step").committed_step
 
+    def pending_joins(self) -> list[int]:
+        """The ids of processes waiting to join this fault-tolerant group (started with
+        `join=True`, e.g. `kiln launch --on-failure replace`'s replacements); the next
+        `should_commit` admits them."""
+        return self._fault_tolerance("pending_joins").membership.pending_joins()
+
     def shrink(self) -> int:
         """Every member calls it: go on with the members that take part (a dead or hung
         one is left out), at the next epoch; returns the new world size."""
