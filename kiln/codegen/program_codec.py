@@ -145,47 +145,47 @@ def encode_program(program: rp.Program) -> str:
 
 def same_program(a: rp.Program, b: rp.Program) -> bool:
     """Equal programs: fields, steps (sub-programs recursively), Kernel IR, and constants
-    bit for bit (arrays have no `==` that answers one bool)."""
-    if (a.name, a.inputs, a.outputs, a.buffers, a.kernels, a.shape_vars, a.storage,
-            a.release_after) != (b.name, b.inputs, b.outputs, b.buffers, b.kernels, b.shape_vars,
-                                 b.storage, b.release_after):
-        return False
-    if a.constants.keys() != b.constants.keys() or len(a.steps) != len(b.steps):
-        return False
-    for name, x in a.constants.items():
-        y = b.constants[name]
-        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-            return False
-    for s, t in zip(a.steps, b.steps):
-        if type(s) is not type(t):
-            return False
-        if isinstance(s, rp.Control):
-            if (s.op, s.inputs, s.outputs, len(s.bodies)) != (t.op, t.inputs, t.outputs, len(t.bodies)) \
-                    or not all(same_program(x, y) for x, y in zip(s.bodies, t.bodies)):
-                return False
-        elif isinstance(s, rp.Extern):
-            if (s.op, s.inputs, s.outputs) != (t.op, t.inputs, t.outputs) \
-                    or not _same_value(s.attrs, t.attrs):
-                return False
-        elif s != t:
-            return False
-    return True
+    bit for bit (arrays have no `==` that answers one bool). Kernel IR is a DAG (a traced
+    random-bits expression shares its subtrees many times over): pairs already found equal
+    are remembered, so the walk is linear in the DAG, where dataclass `==` re-walks every
+    shared subtree (exponential)."""
+    return _Same().value(a, b)
 
 
-def _same_value(x, y) -> bool:
-    if type(x) is not type(y):
-        return False
-    if isinstance(x, np.ndarray):
-        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_same_value(v, y[k]) for k, v in x.items())
-    if isinstance(x, (tuple, list)):
-        return len(x) == len(y) and all(_same_value(a, b) for a, b in zip(x, y))
-    if isinstance(x, float) and x != x:
-        return y != y
-    if isinstance(x, np.generic):
-        return x.dtype == y.dtype and x.tobytes() == y.tobytes()
-    return bool(x == y)
+class _Same:
+    def __init__(self):
+        self.equal: set[tuple[int, int]] = set()
+        self.keep: list = []  # the ids above stay unique while compared
+
+    def value(self, x, y) -> bool:
+        if x is y:
+            return True
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, np.ndarray):
+            return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+        if isinstance(x, np.generic):
+            return x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        if isinstance(x, float) and x != x:
+            return y != y
+        if isinstance(x, (tuple, list)):
+            return len(x) == len(y) and all(self.value(p, q) for p, q in zip(x, y))
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(self.value(v, y[k]) for k, v in x.items())
+        if not (dataclasses.is_dataclass(x) or isinstance(x, sympy.Basic)):
+            return bool(x == y)
+        pair = (id(x), id(y))
+        if pair in self.equal:
+            return True
+        if isinstance(x, sympy.Basic):
+            same = x == y
+        else:
+            same = all(self.value(getattr(x, f.name), getattr(y, f.name))
+                       for f in dataclasses.fields(x))
+        if same:
+            self.equal.add(pair)
+            self.keep.append((x, y))
+        return bool(same)
 
 
 # -- decoding ---------------------------------------------------------------------------
