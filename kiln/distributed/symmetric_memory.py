@@ -22,6 +22,7 @@ growing sleep, bounded by the timeout, and gives up early if the group was abort
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import mmap
 import os
@@ -45,15 +46,16 @@ def _round_up(n: int) -> int:
     return (n + _PAGE - 1) // _PAGE * _PAGE
 
 
-class SignalPads:
+class SignalPads(abc.ABC):
     """`wait_signal` and `barrier` over a subclass's signal pads (host and CUDA symmetric
     memory): the subclass reads the counter rank `src` stored for this rank (`_pad`),
     writes its own into a peer's (`signal`) and checks ranks (`peer`)."""
 
     _what = "symmetric memory"
 
+    @abc.abstractmethod
     def _pad(self, src: int) -> int:
-        raise NotImplementedError
+        """The counter rank `src` last stored into this rank's pad."""
 
     def wait_signal(self, src: int, timeout: float | None = None) -> None:
         """Wait for rank `src`'s next signal to this rank (bounded by `timeout`)."""
