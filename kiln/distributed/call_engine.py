@@ -49,6 +49,7 @@ import numpy as np
 
 from kiln.distributed.backend import OP_CODES, CallContext
 from kiln.distributed.buffers import DTYPE_CODES, REDUCE_CODES, dtype_of
+from kiln.distributed import dump_requests
 from kiln.distributed.dump_requests import post_request_async
 from kiln.distributed.errors import CollectiveTimeout, DistributedError, GroupAborted
 from kiln.distributed.flight_recorder import FlightRecorder, call_site_frames, recorder
@@ -358,6 +359,8 @@ class CallEngine:
             if first:
                 self._error = error
                 self.failed_at = time.time()  # wall clock: comparable with other processes
+                # from here waiters may see the failure and exit: that waits for the post
+                held = dump_requests.hold()
             p2p = list(self._p2p)
             self._p2p.clear()
             orphan = None
@@ -366,25 +369,34 @@ class CallEngine:
                 self._busy = True
             self._cond.notify_all()
         if first:
-            if deliberate:
-                self.backend.close()
-            else:
-                self.backend.abort(error)
-            for w in p2p:
-                if w._finish(error):
-                    _completed(w.record, error)
-            tolerant = self._sync_ft is not None
-            if tolerant and not deliberate:  # the failure itself, even found while idle
-                note = _RECORDER.record(group=self.name, epoch=self.epoch, seq=-1, op="failure",
-                                        inputs=[], outputs=[], timeout=self.timeout, frames=[],
-                                        extra={"p2p": True})
-                _completed(note, error)
-            if not deliberate and (work is not None or p2p or orphan is not None or tolerant):
-                _dump_everywhere(self, "%s on rank %d of group '%s': %s" % (
-                    type(error).__name__, self.rank, self.name,
-                    getattr(error, "message", error)))
+            try:
+                self._report_failure(error, work, p2p, orphan, deliberate)
+            finally:
+                held.release()
         if orphan is not None:
             self._end(orphan, self._error)
+
+    def _report_failure(self, error: BaseException, work: Work | None, p2p: list,
+                        orphan: Work | None, deliberate: bool) -> None:
+        """The first failure's aftermath (see `_fail`): abort, fail the p2p calls,
+        record it, dump and ask every rank to dump."""
+        if deliberate:
+            self.backend.close()
+        else:
+            self.backend.abort(error)
+        for w in p2p:
+            if w._finish(error):
+                _completed(w.record, error)
+        tolerant = self._sync_ft is not None
+        if tolerant and not deliberate:  # the failure itself, even found while idle
+            note = _RECORDER.record(group=self.name, epoch=self.epoch, seq=-1, op="failure",
+                                    inputs=[], outputs=[], timeout=self.timeout, frames=[],
+                                    extra={"p2p": True})
+            _completed(note, error)
+        if not deliberate and (work is not None or p2p or orphan is not None or tolerant):
+            _dump_everywhere(self, "%s on rank %d of group '%s': %s" % (
+                type(error).__name__, self.rank, self.name,
+                getattr(error, "message", error)))
 
     def _on_backend_failure(self, error: BaseException) -> None:
         with self._lock:

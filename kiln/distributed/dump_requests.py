@@ -70,6 +70,38 @@ def post_request(store, reason: str, rank: int) -> int:
 # posted from a thread so a failing call returns at once; a process that exits right after
 # must still deliver them, or its peers never learn to dump (see `flush_dump_requests`)
 _PENDING: list[threading.Thread] = []
+# failures being handled whose request is not posted yet: a failing group wakes its
+# waiters (the backend's abort) before it gets to post, and a waiter that exits at once
+# would let the store host linger for nothing and leave (see `hold`)
+_HELD = threading.Condition()
+_HOLDS = 0
+
+
+class Hold:
+    """A failure being handled whose dump request is not posted yet (see `hold`)."""
+
+    def __init__(self) -> None:
+        global _HOLDS
+        self._held = True
+        with _HELD:
+            _HOLDS += 1
+
+    def release(self) -> None:
+        """Its request is posted (or none is needed); once only."""
+        global _HOLDS
+        with _HELD:
+            if self._held:
+                self._held = False
+                _HOLDS -= 1
+                _HELD.notify_all()
+
+
+def hold() -> Hold:
+    """Taken by a failing group before its failure becomes visible to anyone, released
+    once its request is posted (or none is needed): `flush_dump_requests`, at exit,
+    waits for it. Without it a waiter woken by the backend's abort could exit before
+    the request existed, and a store host would not linger for it."""
+    return Hold()
 
 
 def post_request_async(store, reason: str, rank: int) -> None:
@@ -87,8 +119,11 @@ def post_request_async(store, reason: str, rank: int) -> None:
 
 
 def flush_dump_requests(timeout: float = 5.0) -> None:
-    """Wait (bounded) until this process's dump requests have reached the store."""
+    """Wait (bounded) until this process's dump requests have reached the store,
+    including those of failures still being handled (`hold`)."""
     deadline = time.monotonic() + timeout
+    with _HELD:
+        _HELD.wait_for(lambda: _HOLDS == 0, timeout)
     while _PENDING:
         _PENDING.pop().join(max(0.0, deadline - time.monotonic()))
 

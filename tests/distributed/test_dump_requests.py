@@ -139,3 +139,37 @@ def test_linger_seconds_from_the_environment(monkeypatch):
         monkeypatch.setenv("KILN_FR_LINGER", bad)
         with pytest.raises(RendezvousError, match="KILN_FR_LINGER"):
             dr.linger_seconds()
+
+
+def test_flush_waits_for_a_failure_still_being_handled(server):
+    """A failing group holds from the moment its failure is visible until its request is
+    posted: an exit (flush, then the host's linger) in between must wait for the post,
+    or the linger sees no request and the store goes before the peers read it."""
+    store = Store(server.address, "t", timeout=5)
+    held = dr.hold()
+
+    def handle_failure():
+        time.sleep(0.3)  # the backend's abort has woken the waiter, who is exiting
+        dr.post_request_async(store, "CollectiveTimeout on rank 0", rank=0)
+        held.release()
+
+    thread = threading.Thread(target=handle_failure)
+    thread.start()
+    start = time.monotonic()
+    dr.flush_dump_requests(timeout=5)
+    assert 0.25 < time.monotonic() - start < 4
+    assert int(server.contents()[dr.GEN_KEY]) == 1  # posted before flush returned
+    thread.join(5)
+    held.release()  # once only: a second release changes nothing
+    start = time.monotonic()
+    dr.flush_dump_requests(timeout=5)
+    assert time.monotonic() - start < 0.2
+    store.close()
+
+
+def test_flush_is_bounded_by_a_hold_never_released():
+    held = dr.hold()
+    start = time.monotonic()
+    dr.flush_dump_requests(timeout=0.3)
+    assert 0.25 < time.monotonic() - start < 2
+    held.release()
