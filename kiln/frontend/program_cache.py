@@ -23,25 +23,17 @@ decoding or its loading is removed and rebuilt: it fails closed.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import pathlib
-import re
 import sys
 
 from kiln.errors import KilnError
 
 KIND = "programs"
 STATS = {"hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "uncacheable": 0}
-# the code that decides what a traced graph compiles to (the executor is rebuilt from the
-# program at every load, so the rest of kiln/runtime is not part of the key)
-_SOURCE_DIRS = ("ir", "passes", "codegen")
 _SETTINGS = ("KILN_COMPLEX_GEMM",)
 _SETTING_PACKAGES = ("kiln.ir.", "kiln.passes.", "kiln.codegen.")
-_SOURCE_FILES = ("runtime/program.py", "runtime/memory_plan.py", "frontend/graph_compile.py",
-                 "frontend/kernel_cache.py", "frontend/program_cache.py")
 
 
 def enabled(target, mode: str, device) -> bool:
@@ -75,10 +67,6 @@ def program_key(graph, target, mode: str) -> str | None:
                                       mode, settings, module_settings(), text, consts.hexdigest())
 
 
-_SETTING_TYPES = (bool, int, float, str)
-_DEFAULT = re.compile(r"^([A-Z][A-Z0-9_]*) = (.+?)\s*(?:#.*)?$", re.M)
-
-
 def module_settings() -> str:
     """The compiler's switches and thresholds that differ from their defaults now: an
     upper-case module constant (bool, int, float, str) of a loaded kiln.ir / kiln.passes /
@@ -87,7 +75,9 @@ def module_settings() -> str:
     programs compiled from then on, so it changes the key; defaults are covered by the
     source hash, and only deviations count, so the key does not depend on which modules
     happen to be loaded."""
-    defaults = _defaults()
+    from kiln.frontend.compiler_source import SETTING_TYPES, compiler_state
+
+    defaults = compiler_state().defaults
     out = []
     for name in sorted(n for n in sys.modules if n.startswith(_SETTING_PACKAGES)):
         table = defaults.get(name)
@@ -96,47 +86,20 @@ def module_settings() -> str:
         module = vars(sys.modules[name])
         for attr, default in table.items():
             value = module.get(attr, default)
-            if type(value) in _SETTING_TYPES and value != default:
+            if type(value) in SETTING_TYPES and value != default:
                 out.append(f"{name}.{attr}={value!r}")
     return "\n".join(out)
 
 
-@functools.lru_cache(maxsize=1)
-def _defaults() -> dict:
-    """module -> {NAME: literal} of its top-level `NAME = <literal>` lines (kiln's own
-    source, read once per process; `ast.literal_eval` evaluates no code)."""
-    import ast
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    table: dict = {}
-    for d in _SOURCE_DIRS:
-        for path in (root / d).rglob("*.py"):
-            parts = path.relative_to(root.parent).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            found = {}
-            for m in _DEFAULT.finditer(path.read_text()):
-                try:
-                    value = ast.literal_eval(m.group(2))
-                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-                    continue
-                if type(value) in _SETTING_TYPES:
-                    found[m.group(1)] = value
-            if found:
-                table[name] = found
-    return table
-
-
-@functools.lru_cache(maxsize=1)
 def source_hash() -> str:
-    """sha256 of the source of every stage between a traced graph and machine code: a
-    change to a pass or a lowering rule must invalidate cached programs."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    paths = sorted(p for d in _SOURCE_DIRS for p in (root / d).rglob("*.py"))
-    h = hashlib.sha256()
-    for path in paths + [root / f for f in _SOURCE_FILES]:
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        h.update(path.read_bytes())
-    return h.hexdigest()[:32]
+    """A hash of the content of every stage between a traced graph and machine code
+    (kiln/ir, kiln/passes, kiln/codegen, the Program and memory plan, graph_compile.py
+    and the cache's own files): a change to a pass or a lowering rule must invalidate
+    cached programs. Read once per process, and memoized across processes by the
+    files' stat (kiln/frontend/compiler_source.py says why that is sound)."""
+    from kiln.frontend.compiler_source import compiler_state
+
+    return compiler_state().digest
 
 
 def load(key: str):

@@ -46,6 +46,13 @@ def trace_function(fn: Callable, args: tuple, dynamic_shapes=None, name: str | N
                    builder_cls: Callable[[Graph], GraphBuilder] = GraphBuilder) -> Traced:
     """`builder_cls`: a GraphBuilder subclass that also watches the trace (kn.compile's
     records where each input was first used, for its recompile explanations)."""
+    from kiln.frontend.graph_compile import paused_gc
+
+    with paused_gc():  # a trace allocates the graph's nodes at once (see paused_gc)
+        return _trace_function(fn, args, dynamic_shapes, name, builder_cls)
+
+
+def _trace_function(fn, args, dynamic_shapes, name, builder_cls) -> Traced:
     from kiln.frontend.tensor import Tensor
 
     builder = builder_cls(Graph(name or _graph_name(fn)))
