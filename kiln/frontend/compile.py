@@ -21,6 +21,7 @@ from kiln.errors import KilnError, KilnTracedStateError, KilnTraceError
 from kiln.ir.graph import Graph
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import to_array
+from kiln.frontend.fast_dispatch import MAX_SIGNATURES, prepare, signature
 from kiln.frontend.tensor import Tensor
 from kiln.frontend.tracing import _leaf, is_tensor_like, trace_function
 from kiln.frontend.graph_compile import CompiledGraph, compile_graph  # noqa: F401 (imported from here)
@@ -77,6 +78,8 @@ class CompiledFunction:
         self._eager_calls = 0
         self._recompiles: list[dict] = []
         self._functionalized = None  # fn changes state it does not receive: functionalize.py
+        self._fast: dict = {}  # exact signature -> FastCall, or False (fast_dispatch.py)
+        self._fast_epoch = 0  # self._compiles when self._fast was last cleared
         functools.update_wrapper(self, fn)
 
     # -- the call path: keep it lean ------------------------------------------------------
@@ -84,6 +87,14 @@ class CompiledFunction:
     def __call__(self, *args):
         if self._functionalized is not None:
             return self._functionalized(*args)
+        sig = signature(args)  # a signature seen before runs its prepared call
+        if sig is not None:
+            call = self._fast.get(sig)
+            if call:
+                result = call(args)
+                if result is not None:
+                    self._hits += 1
+                    return result
         for a in args:  # flat tensor arguments (the common case) skip the pytree walk
             if a.__class__ is not Tensor and a.__class__ is not np.ndarray:
                 if a.__class__.__name__ == "DTensor":  # sharded: one SPMD program per rank
@@ -130,7 +141,9 @@ class CompiledFunction:
         if entry.shape_guards:
             outputs = entry.compiled.executable.run(arrays, sizes)
         else:
-            outputs = entry.compiled.run_trusted(arrays)
+            outputs, sizes = entry.compiled.run_trusted(arrays), None
+        if sig is not None and device is None:
+            self._remember_call(sig, args, entry, arrays, sizes)
         plan = entry.write_back
         if plan is not None:  # arguments changed in place, or returned (arg_mutation.py)
             from kiln.frontend.arg_mutation import write_back
@@ -141,6 +154,17 @@ class CompiledFunction:
         if entry.out_spec == "*":
             return made[0]
         return pytree.unflatten(entry.out_spec, made)
+
+    def _remember_call(self, sig, args, entry, arrays, sizes) -> None:
+        """Prepare the call `entry` just ran for `sig` (once per signature): the cache of
+        prepared calls is emptied whenever a specialization was added since it was last
+        filled, and when it holds MAX_SIGNATURES."""
+        fast = self._fast
+        if self._fast_epoch != self._compiles or len(fast) >= MAX_SIGNATURES:
+            fast.clear()
+            self._fast_epoch = self._compiles
+        if sig not in fast:
+            fast[sig] = prepare(args, entry, arrays, sizes)
 
     def _key(self, leaves, spec):
         dynamic = self._dynamic

@@ -1,0 +1,109 @@
+"""The per-call fast path of `kn.compile`: a prepared call per exact argument signature.
+
+`signature(args)` is what a call must match to reuse a prepared call: per argument its
+shape and dtype (a tensor) or its class and value (a Python scalar baked into the
+trace), and no argument passed twice. That is finer than the specialization cache's
+key (whose dynamic dims are wildcards), so every decision the general path makes for a
+call — which specialization, which size guards hold, the shape variables' values and
+their constraints — is the same for every call of one signature, and is made once, by
+the general path, on the signature's first call. `FastCall` then keeps the answer: the
+input positions, a `kiln.runtime.fast_call.FastPlan` for the program at those sizes, and
+how the outputs are returned.
+
+What keeps a call on the general path: a tensor on a device, a view (it re-reads its
+base), a traced tensor (the general path raises), any other argument type (pytrees,
+numpy scalars), a strided array (copied there), arguments mutated in place (written
+back there), a program the plan does not cover (control flow, externs, launches split
+over the pool), a busy plan (another thread), and `kn.profile()`.
+
+    >>> sig = signature((x,))             # ((4, 4), dtype('float32')),  or None
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kiln.frontend import pytree
+from kiln.frontend.tensor import Tensor
+
+MAX_SIGNATURES = 64  # prepared calls kept per compiled function (then cleared)
+
+_SCALARS = frozenset({int, float, bool, complex, str})
+
+
+def signature(args: tuple) -> tuple | None:
+    """The exact signature of `args` for the fast path, or None (general path)."""
+    parts = []
+    tensors = 0
+    for a in args:
+        c = a.__class__
+        if c is Tensor:
+            if a._device is not None or a._builder is not None or a._view is not None:
+                return None
+            x = a._x
+            parts.append((x.shape, x.dtype))
+            tensors += 1
+        elif c is np.ndarray:
+            parts.append((a.shape, a.dtype))
+            tensors += 1
+        elif c in _SCALARS:
+            parts.append((c, a))
+        else:
+            return None
+    if tensors > 1:  # the same tensor twice is one handle: a specialization of its own
+        ids = [id(a) for a in args if a.__class__ is Tensor or a.__class__ is np.ndarray]
+        if len(set(ids)) < tensors:
+            return None
+    return tuple(parts)
+
+
+class FastCall:
+    """A specialization bound to one signature: `call(args)` returns the result, or
+    None when this call must take the general path."""
+
+    __slots__ = ("inputs", "plan", "out_spec", "single")
+
+    def __init__(self, inputs: tuple, plan, out_spec: Any):
+        self.inputs = inputs  # positions of the array arguments, in the program's order
+        self.plan = plan
+        self.out_spec = out_spec
+        self.single = out_spec == "*"
+
+    def __call__(self, args: tuple):
+        arrays = []
+        for i in self.inputs:
+            a = args[i]
+            x = a._x if a.__class__ is Tensor else a
+            if not x.flags.c_contiguous:
+                return None  # the general path makes it contiguous
+            arrays.append(x)
+        outs = self.plan.run(arrays)
+        if outs is None:
+            return None
+        make = Tensor._make
+        if self.single:
+            return make(outs[0])
+        return pytree.unflatten(self.out_spec, [make(o) for o in outs])
+
+
+def prepare(args: tuple, entry, arrays: list, sizes: dict | None) -> FastCall | bool:
+    """A FastCall for `entry` (a specialization that just ran on `args`, whose array
+    leaves are `arrays` at shape-variable values `sizes`), or False when the fast path
+    does not apply to it."""
+    from kiln.runtime.fast_call import FastPlan
+
+    if entry.write_back is not None or entry.device is not None:
+        return False
+    statics = entry.static_positions
+    inputs = tuple(i for i in range(len(args)) if i not in statics)
+    if any(not (args[i].__class__ is Tensor or args[i].__class__ is np.ndarray) for i in inputs):
+        return False
+    compiled = entry.compiled
+    if sizes is None:
+        sizes = compiled.binder(arrays)
+    plan = FastPlan.build(compiled.executable, sizes)
+    if plan is None:
+        return False
+    return FastCall(inputs, plan, entry.out_spec)
