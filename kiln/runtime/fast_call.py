@@ -15,7 +15,7 @@ known, so `FastPlan` decides them once:
   outputs;
 - views cost nothing (a view's data pointer is its source's);
 - intermediates live in storage the plan holds (counted as arena bytes while it lives);
-- outputs of up to 4 KiB are `np.empty`, counted by the CPU caching allocator as eager
+- outputs of up to 1 MiB are `np.empty`, counted by the CPU caching allocator as eager
   results are (`kn.memory`, the memory fraction); larger ones are its blocks, as the
   executor's are (a dropped output's paged-in block is the next call's).
 
@@ -43,10 +43,14 @@ from kiln.runtime.device import allocator_for
 from kiln.runtime.threads import blas_single_thread
 from kiln.runtime.program import Constant, Launch, View
 
-# outputs up to this size are plain np.empty (~0.2 us, glibc's free lists), tracked as
-# eager results are; larger ones are blocks of the caching allocator (~4 us), whose
-# exact-size reuse hands a dropped output's paged-in memory to the next call
-SMALL_OUTPUT_BYTES = 4096
+# outputs up to this size are np.empty, tracked as eager results are (~1 us with the
+# tracking); larger ones are blocks of the caching allocator (~5-10 us a call, its
+# accounting and lease included), whose exact-size reuse hands a dropped output's
+# paged-in memory to the next call. glibc raises its mmap threshold to the largest
+# block freed (up to 32 MiB), so a dropped np.empty output of this size is served again
+# from the heap without page faults: measured 64 KiB-4 MiB, allocate + fill took the
+# time of filling a kept buffer, 0 minor faults per call
+SMALL_OUTPUT_BYTES = 1 << 20
 
 _VOID_PTRS: dict[int, type] = {}
 _INT64S: dict[int, type] = {}
@@ -157,7 +161,9 @@ class FastPlan:
         entry = kernel._resolved.get(tuple(values))
         if entry is None or parallel or entry[4] != 0:
             raise _NotApplicable  # split over the pool: the kernel's own call decides
-        self._one_blas = self._one_blas or bool(entry[3])
+        # BLAS at one thread around kernels that call it (the kernel's own call does so
+        # for every GEMM; a micro-kernel calls no library)
+        self._one_blas = self._one_blas or bool(entry[3] and getattr(kernel, "calls_blas", True))
         args = _void_ptrs(len(step.args))
         fills = []
         for position, slot in enumerate(step.args):

@@ -16,14 +16,12 @@ both with one call. No environment variable is needed.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import os
 import threading
 import time
 from functools import lru_cache
-from typing import Iterator
 
 from kiln.errors import KilnArgumentError
 
@@ -132,28 +130,43 @@ _blas_depth = 0  # nested/concurrent single-thread regions: the outermost restor
 _blas_saved: int | None = None
 
 
-@contextlib.contextmanager
-def blas_single_thread() -> Iterator[None]:
-    """BLAS runs on one thread inside the block (kiln's parallel regions, small and
-    batched products); the count in force before is restored when the last such block
-    on any thread exits."""
-    global _blas_depth, _blas_saved
-    with _blas_lock:
-        if _blas_depth == 0:
-            current = blas_num_threads()
-            _blas_saved = current
-            if current is not None and current != 1:
-                set_blas_num_threads(1)
-        _blas_depth += 1
-    try:
-        yield
-    finally:
+class _BlasSingleThread:
+    """The context `blas_single_thread()` returns: a class rather than a generator, as it
+    runs around every BLAS call kiln makes (~1 us less per call than contextlib's)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        global _blas_depth, _blas_saved
+        with _blas_lock:
+            if _blas_depth == 0:
+                current = blas_num_threads()
+                _blas_saved = current
+                if current is not None and current != 1:
+                    set_blas_num_threads(1)
+            _blas_depth += 1
+
+    def __exit__(self, *exc) -> None:
+        global _blas_depth, _blas_saved
         with _blas_lock:
             _blas_depth -= 1
             if _blas_depth == 0:
                 if _blas_saved is not None and _blas_saved != 1:
                     set_blas_num_threads(_blas_saved)
                 _blas_saved = None
+
+
+_BLAS_SINGLE_THREAD = _BlasSingleThread()
+
+
+def blas_single_thread() -> _BlasSingleThread:
+    """BLAS runs on one thread inside the block (kiln's parallel regions, small and
+    batched products); the count in force before is restored when the last such block
+    on any thread exits.
+
+    >>> with blas_single_thread(): ...
+    """
+    return _BLAS_SINGLE_THREAD
 
 
 # -- kiln's intra-op thread count -------------------------------------------------------

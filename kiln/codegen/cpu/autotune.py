@@ -118,7 +118,29 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | No
     else:
         costs = {"loop": loop_s, "micro": micro_s}
     kind = min(costs, key=costs.get)
+    if kind == "blas" and micro_capable(g) and small_nt(g, batch, m, n, k):
+        kind = "micro"
     return GemmChoice(kind == "blas", rows, blas_s, loop_s, kind=kind, predicted_micro_s=micro_s)
+
+
+# OpenBLAS's small products with B transposed and A row-major (NT: attention scores,
+# q @ k^T) run 1.1-1.6x slower than its NN ones; kiln's micro-kernel packs B once per
+# batch item and beats them. Measured one thread, round-robin, min us (micro vs BLAS,
+# benchmarks/results/cpu.md section bench_call): 64 x 32x32x16 30 vs 47, 64 x 32x32x64
+# 109 vs 130, 16 x 64^3 95 vs 109, 8 x 128x128x64 165 vs 184; from 128^3 per item, and
+# for one product, BLAS wins again (4 x 128^3 187 vs 166, 256x256x64 89 vs 83); NN, TN
+# and TT stay with BLAS at every size tried.
+SMALL_NT_K = 64
+SMALL_NT_MN = 128 * 128
+
+
+def small_nt(g: GemmKernel, batch: int, m: int, n: int, k: int) -> bool:
+    """A batched NT product small enough for the micro-kernel to beat OpenBLAS."""
+    from kiln.codegen.cpu.gemm import _layout
+
+    a_lay, b_lay = _layout(g.a_strides, 1, 2), _layout(g.b_strides, 1, 2)
+    return (a_lay is not None and not a_lay[0] and b_lay is not None and b_lay[0]
+            and batch > 1 and k <= SMALL_NT_K and m * n <= SMALL_NT_MN)
 
 
 def micro_seconds(batch: int, m: int, n: int, k: int, esize: int) -> float:

@@ -183,11 +183,14 @@ class CpuBackend(Backend):
     # -- compilation ------------------------------------------------------------------
     def _wrap(self, plans, owner) -> list[CompiledKernel]:
         o = self.options
-        return [CompiledKernel(p.kernel, owner.address(p.symbol), owner,
-                               object_address=owner.address(p.symbol + ".np"),
-                               threads=1 if p.blas or p.micro else o.threads,
-                               threshold=o.parallel_threshold, outer_extents=p.outer_extents,
-                               serial=p.blas or p.micro) for p in plans]
+        out = [CompiledKernel(p.kernel, owner.address(p.symbol), owner,
+                              object_address=owner.address(p.symbol + ".np"),
+                              threads=1 if p.blas or p.micro else o.threads,
+                              threshold=o.parallel_threshold, outer_extents=p.outer_extents,
+                              serial=p.blas or p.micro) for p in plans]
+        for c, p in zip(out, plans):  # a prepared call (runtime/fast_call.py) sets BLAS to
+            c.calls_blas = p.blas  # one thread only around kernels that call it
+        return out
 
     def compile(self, kernel: AnyKernel, measure: bool | None = None) -> CompiledKernel:
         """Compile one kernel. `measure` (default: options.mode == "max-autotune") times
