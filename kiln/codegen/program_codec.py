@@ -217,9 +217,10 @@ class _Decoder:
             cls = CLASSES.get(name) if isinstance(name, str) else None
             if cls is None or not isinstance(values, list) or len(values) != len(_FIELDS[name]):
                 raise CodecError(f"program codec: bad object {str(name)[:40]}")
-            args = dict(zip(_FIELDS[name], (self.value(v) for v in values)))
+            value = self.value
+            args = [value(v) for v in values]  # init fields, in order
             try:
-                return cls(**args)
+                return cls(*args)
             except (TypeError, ValueError) as e:
                 raise CodecError(f"program codec: bad {name}: {e}") from None
         if tag == "s":
@@ -250,9 +251,20 @@ class _Decoder:
         raise CodecError("program codec: bad node")
 
     def value(self, v):
-        if v is None or isinstance(v, (bool, str)) or type(v) is int:
+        kind = type(v)
+        if kind is list and len(v) == 2 and v[0] == "n":  # the common case, inline
+            index = v[1]
+            if type(index) is int and 0 <= index < len(self.nodes) and self.done[index]:
+                return self.built[index]
+            raise CodecError("program codec: bad node reference")
+        if v is None or kind is bool or kind is str or kind is int:
             return v
         tag = _tag(v)
+        if tag == "D" and len(v) == 2 and type(v[1]) is str and v[1] in _BY_SHORT:
+            return _BY_SHORT[v[1]]
+        if tag == "t" and len(v) == 2 and type(v[1]) is list:
+            value = self.value
+            return tuple([value(x) for x in v[1]])
         if tag == "n":
             return self.ref(_shape(v, 2)[1])
         if tag == "F":
@@ -347,12 +359,16 @@ def _b64(text) -> bytes:
         raise CodecError("program codec: bad data") from None
 
 
-def decode_program(text: str | bytes) -> rp.Program:
-    """The Program `encode_program` wrote; CodecError for anything else."""
-    try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise CodecError("program codec: not JSON") from None
+def decode_program(text: str | bytes | dict) -> rp.Program:
+    """The Program `encode_program` wrote (its text, or that text already parsed by
+    `json.loads` as part of a larger document); CodecError for anything else."""
+    if isinstance(text, dict):
+        doc = text
+    else:
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise CodecError("program codec: not JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CodecError("program codec: unknown format")
     dec = _Decoder(doc.get("nodes"))

@@ -142,8 +142,8 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device) -
     cached = program_cache.load(key) if key is not None else None
     compiled = None
     if cached is not None:  # a hit: no graph passes, no lowering, no per-kernel keys
-        program, names, blob = cached
-        compiled = program_cache.load_kernels(target, program, names, blob)
+        program, names, blob, legal = cached
+        compiled = program_cache.load_kernels(target, program, names, blob, legal)
     if compiled is not None:
         optimized = stages = None
         seconds: dict = {}
@@ -168,7 +168,7 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device) -
         with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
             compiled = compile_kernels(target, kernels, mode, objects)
         if objects:
-            program_cache.store(key, text, names, objects[0])
+            program_cache.store(key, text, names, objects[0], program_cache.all_legal(target, kernels))
     allocator = target.runtime_allocator()  # None: host memory; opencl: the device's SVM
     if device is not None:
         from kiln.runtime.device_programs import runtime_allocator

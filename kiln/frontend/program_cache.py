@@ -118,10 +118,10 @@ def load(key: str):
             raise ValueError("bad length")
         try:
             head = json.loads(payload[8:8 + n])
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ValueError("bad header") from None
         if not isinstance(head, dict) or not isinstance(head.get("names"), list) \
-                or not isinstance(head.get("program"), str):
+                or not isinstance(head.get("program"), dict) or type(head.get("legal")) is not bool:
             raise ValueError("bad header")
         try:  # CodecError is a ValueError; anything else a file provokes is refused too
             program = decode_program(head["program"])
@@ -133,7 +133,7 @@ def load(key: str):
             raise CodecError("kernel names do not match the program")
         objects = payload[8 + n:]
         artifact_cache.VALIDATORS["objects"](objects)
-        decoded.update(program=program, names=names, objects=objects)
+        decoded.update(program=program, names=names, objects=objects, legal=head["legal"])
 
     before = artifact_cache.STATS["corrupt"]
     payload = artifact_cache.load(key, KIND, validate=validate)
@@ -143,7 +143,7 @@ def load(key: str):
             STATS["corrupt"] += 1
         return None
     STATS["hits"] += 1
-    return decoded["program"], decoded["names"], decoded["objects"]
+    return decoded["program"], decoded["names"], decoded["objects"], decoded["legal"]
 
 
 def encode(program) -> str | None:
@@ -162,21 +162,36 @@ def encode(program) -> str | None:
     return text
 
 
-def store(key: str, text: str, names: list, objects: bytes) -> bool:
-    """Write the entry (`text` from `encode`); False when the cache is disabled."""
+def all_legal(target, kernels: list) -> bool:
+    """Whether `target` compiles every kernel as it is (its legalize pass, memoized by
+    the backend, rewrote none): then a load need not legalize them again."""
+    return all(target.legalize(k) is k for k in kernels)
+
+
+def store(key: str, text: str, names: list, objects: bytes, legal: bool = False) -> bool:
+    """Write the entry (`text` from `encode`; `legal` from `all_legal`); False when the
+    cache is disabled."""
     from kiln.codegen import artifact_cache
 
-    head = json.dumps({"program": text, "names": list(names)}).encode()
+    # the program's JSON object is spliced in as is: the entry is parsed once on load
+    head = ('{"names":' + json.dumps(list(names)) + ',"legal":' + json.dumps(bool(legal))
+            + ',"program":' + text + "}").encode()
     ok = artifact_cache.store(key, len(head).to_bytes(8, "little") + head + objects, KIND)
     STATS["stores"] += ok
     return ok
 
 
-def load_kernels(target, program, names: list, objects: bytes):
+def load_kernels(target, program, names: list, objects: bytes, legal: bool = False):
     """The compiled kernels of a cached program, or None when the object code does not
-    load (an entry from an incompatible build: the caller rebuilds and overwrites it)."""
+    load (an entry from an incompatible build: the caller rebuilds and overwrites it).
+    `legal`: the entry's kernels were found legal for this backend when it was stored
+    (the key covers the backend's source and options, so they still are): the backend's
+    legalize pass, a walk of every kernel, is skipped."""
     try:
-        return target.load_object_code([program.kernels[n] for n in names], objects)
+        kernels = [program.kernels[n] for n in names]
+        if legal:
+            return target.load_built_object_code(kernels, objects)
+        return target.load_object_code(kernels, objects)
     except (KilnError, OSError, RuntimeError, ValueError, KeyError):
         STATS["corrupt"] += 1
         return None

@@ -184,17 +184,26 @@ def spoil_not_json(path):
 
 def spoil_foreign_class(path):  # a class name the format does not allow
     head, objects = read_entry(path)
-    doc = json.loads(head["program"])
-    doc["nodes"][0] = ["c", "Popen", [["l", ["sh", "-c", "echo owned"]]]]
-    head["program"] = json.dumps(doc)
+    head["program"]["nodes"][0] = ["c", "Popen", [["l", ["sh", "-c", "echo owned"]]]]
     seal_entry(path, with_head(head, objects))
 
 
 def spoil_forward_reference(path):
     head, objects = read_entry(path)
-    doc = json.loads(head["program"])
-    doc["nodes"][0] = ["f", "Add", [["n", len(doc["nodes"]) - 1], ["n", 0]]]
-    head["program"] = json.dumps(doc)
+    nodes = head["program"]["nodes"]
+    nodes[0] = ["f", "Add", [["n", len(nodes) - 1], ["n", 0]]]
+    seal_entry(path, with_head(head, objects))
+
+
+def spoil_legal_missing(path):  # an entry of the earlier layout
+    head, objects = read_entry(path)
+    del head["legal"]
+    seal_entry(path, with_head(head, objects))
+
+
+def spoil_program_as_text(path):  # the program as a JSON string: not this format
+    head, objects = read_entry(path)
+    head["program"] = json.dumps(head["program"])
     seal_entry(path, with_head(head, objects))
 
 
@@ -210,7 +219,8 @@ def spoil_names(path):  # kernel names that are not the program's
 
 
 @pytest.mark.parametrize("spoil", [spoil_truncate, spoil_planted, spoil_not_json, spoil_foreign_class,
-                                   spoil_forward_reference, spoil_objects, spoil_names],
+                                   spoil_forward_reference, spoil_objects, spoil_names,
+                                   spoil_program_as_text, spoil_legal_missing],
                          ids=lambda f: f.__name__[6:])
 def test_bad_entry_is_refused_and_rebuilt(stats, monkeypatch, spoil):
     check(kn.compile(model)(X, W))
@@ -222,6 +232,29 @@ def test_bad_entry_is_refused_and_rebuilt(stats, monkeypatch, spoil):
     assert counts.n["pipeline"] == 1 and counts.n["llvm"] >= 1
     check(kn.compile(model)(X, W))  # and the rebuilt entry is used
     assert stats["hits"] == 1
+
+
+@pytest.mark.parametrize("legal", [True, False])
+def test_legal_programs_load_without_legalizing_again(stats, monkeypatch, legal):
+    """The entry records whether the backend's legalize pass left every kernel as it was;
+    a hit of such an entry skips the pass, and one recorded otherwise runs it."""
+    from kiln.codegen.program_codec import decode_program
+
+    check(kn.compile(model)(X, W))
+    path = entry_path()
+    head, objects = read_entry(path)
+    cpu = get_backend("cpu")
+    program = decode_program(head["program"])
+    assert head["legal"] == all(cpu.legalize(k) is k for k in program.kernels.values())
+    assert head["legal"]  # the CPU table has every scalar op this model uses
+    head["legal"] = legal
+    seal_entry(path, with_head(head, objects))
+    calls = []
+    real = type(cpu).legalize
+    monkeypatch.setattr(type(cpu), "legalize", lambda self, k: calls.append(k) or real(self, k))
+    check(kn.compile(model)(X, W))
+    assert stats["hits"] == 1 and stats["corrupt"] == 0
+    assert (len(calls) == 0) == legal and (legal or len(calls) >= len(head["names"]))
 
 
 def test_disabled_by_environment(stats, monkeypatch):
