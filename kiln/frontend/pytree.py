@@ -34,24 +34,26 @@ def flatten(tree, is_leaf: Callable[[Any], bool]) -> tuple[list, Any]:
 
 def unflatten(spec, leaves: list):
     """Rebuild the structure `spec` from `leaves`."""
-    it = iter(leaves)
+    return _build(spec, iter(leaves))
 
-    def build(node):
-        if node == "*":
-            return next(it)
-        if node is None:
-            return None
-        if isinstance(node, dict) and len(node) == 1:
-            (kind, items), = node.items()
-            if kind == "tuple":
-                return tuple(build(x) for x in items)
-            if kind == "list":
-                return [build(x) for x in items]
-            if kind == "dict":
-                return {k: build(v) for k, v in items}
-        raise KilnArgumentError(f"pytree: malformed structure spec {node!r}")
 
-    return build(spec)
+def _build(node, it):
+    # a module-level function, not a closure over `it`: a recursive closure is a
+    # reference cycle, which kept every leaf (a compiled function's outputs) alive
+    # until the garbage collector ran
+    if node == "*":
+        return next(it)
+    if node is None:
+        return None
+    if isinstance(node, dict) and len(node) == 1:
+        (kind, items), = node.items()
+        if kind == "tuple":
+            return tuple(_build(x, it) for x in items)
+        if kind == "list":
+            return [_build(x, it) for x in items]
+        if kind == "dict":
+            return {k: _build(v, it) for k, v in items}
+    raise KilnArgumentError(f"pytree: malformed structure spec {node!r}")
 
 
 _MAX_DEPTH = 200
