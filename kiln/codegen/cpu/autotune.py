@@ -14,8 +14,9 @@ The cheapest wins; tiny products (m*n*k below ~10^3) stay a loop nest. Measured 
 ~0.3 us, and it matched or beat the micro-kernel on every float32/float16/bfloat16
 shape tried, small and batched included (the micro-kernel reaches 85-100% of it there:
 (64 x) 32x32x16 101 vs 113 GFLOP/s, 128^3 129 vs 132): so where OpenBLAS is loaded
-it takes every float product the loop nest does not, and the micro-kernel takes its
-place where it is absent (a numpy without its bundled OpenBLAS) instead of the
+it takes every float product the loop nest does not (but the small batched products
+with B transposed, where the micro-kernel measured faster: `small_nt`), and the
+micro-kernel takes its place where it is absent (a numpy without its bundled OpenBLAS) instead of the
 3 GFLOP/s loop nest. Symbolic sizes are costed at `assumed_dim` (a batch/sequence dim
 is usually large). `measure=True` (mode="max-autotune") compiles every candidate and
 times them on random inputs when the sizes are static, and keeps the fastest, so a
@@ -126,7 +127,7 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | No
 # OpenBLAS's small products with B transposed and A row-major (NT: attention scores,
 # q @ k^T) run 1.1-1.6x slower than its NN ones; kiln's micro-kernel packs B once per
 # batch item and beats them. Measured one thread, round-robin, min us (micro vs BLAS,
-# benchmarks/results/cpu.md section bench_call): 64 x 32x32x16 30 vs 47, 64 x 32x32x64
+# benchmarks/bench_call.py): 64 x 32x32x16 30 vs 47, 64 x 32x32x64
 # 109 vs 130, 16 x 64^3 95 vs 109, 8 x 128x128x64 165 vs 184; from 128^3 per item, and
 # for one product, BLAS wins again (4 x 128^3 187 vs 166, 256x256x64 89 vs 83); NN, TN
 # and TT stay with BLAS at every size tried.
