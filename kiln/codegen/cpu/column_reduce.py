@@ -82,23 +82,25 @@ def emit_columns(emitter, fn: Fn, env: dict, lo: V, hi: V, scratch: dict) -> Non
     chunk = const("i64", COLUMN_CHUNK)
     n = fn.bin("sub", hi, lo)
     nchunks = fn.bin("sdiv", fn.bin("add", n, const("i64", COLUMN_CHUNK - 1)), chunk)
-    chunks = CountedLoop(fn, const("i64", 0), nchunks, vectorize=False)
+    chunks = CountedLoop(fn, const("i64", 0), nchunks, vectorize=False, unroll_nested=False)
     ci, _ = chunks.begin()
     c0 = fn.bin("add", lo, fn.bin("mul", ci, chunk))
     left = fn.bin("sub", hi, c0)
     count = fn.select(fn.icmp("slt", left, chunk), left, chunk)
-    done: list[Reduce] = []
+    done: dict[str, Reduce] = {}
 
     def point_refs(t: V) -> dict:
-        refs = {}
-        for r in done:
+        """The finished reductions' values at column `t`, each loaded where an expression
+        first reads it (a stage reads a few of the kernel's reductions: loading all of
+        them at every stage emitted O(stages x reductions) dead loads)."""
+        def load(name: str):
+            r = done[name]
             ty = _acc_type(r)
-            acc = fn.load(ty, fn.gep(ty, scratch[r.name], t), 8 if ty == "double" else max(1, r.dtype.itemsize))
+            acc = fn.load(ty, fn.gep(ty, scratch[name], t), 8 if ty == "double" else max(1, r.dtype.itemsize))
             if ty == "double" and r.dtype.name == "float32":
                 acc = fn.cast("fptrunc", acc, "float")
-            refs[r.name] = (dtype_map.round_to(fn, acc, r.dtype) if r.dtype.is_floating else acc,
-                            r.dtype)
-        return refs
+            return (dtype_map.round_to(fn, acc, r.dtype) if r.dtype.is_floating else acc, r.dtype)
+        return _LazyRefs(load)
 
     def columns(body, base_env=env):
         loop = CountedLoop(fn, const("i64", 0), count)
@@ -133,7 +135,7 @@ def emit_columns(emitter, fn: Fn, env: dict, lo: V, hi: V, scratch: dict) -> Non
                 return []
 
             emitter._nest(fn, r.loops, env, [], over_rows, vectorize=False)
-            done.append(r)
+            done[r.name] = r
         else:
             s = stage
 
@@ -146,4 +148,16 @@ def emit_columns(emitter, fn: Fn, env: dict, lo: V, hi: V, scratch: dict) -> Non
 
             columns(store)
     chunks.end()
+
+
+class _LazyRefs(dict):
+    """A reduction name -> (value, dtype) map that emits a value's load on first use."""
+
+    def __init__(self, load):
+        super().__init__()
+        self._load = load
+
+    def __missing__(self, name: str):
+        self[name] = value = self._load(name)
+        return value
 

@@ -69,20 +69,21 @@ class Module:
         self.declare(name, f"declare {ty} @{name}({', '.join([ty] * nargs)})")
         return name
 
-    def loop_metadata(self, vectorize: bool = True, interleave: int | None = None) -> str:
+    def loop_metadata(self, vectorize: bool = True, interleave: int | None = None,
+                      unroll: bool = True) -> str:
         """A fresh `!llvm.loop` node asking the vectorizer to vectorize this loop (and, with
-        `interleave`, to run that many vectors of it side by side)."""
+        `interleave`, to run that many vectors of it side by side); `unroll=False` adds
+        `llvm.loop.unroll.disable` (no full, partial or runtime unrolling)."""
         base = len(self.metadata)
-        self_id, hint_id = base, base + 1
-        hint = "true" if vectorize else "false"
-        if interleave is None:
-            self.metadata.append(f"!{self_id} = distinct !{{!{self_id}, !{hint_id}}}")
-        else:
-            self.metadata.append(f"!{self_id} = distinct !{{!{self_id}, !{hint_id}, !{base + 2}}}")
-        self.metadata.append(f'!{hint_id} = !{{!"llvm.loop.vectorize.enable", i1 {hint}}}')
+        hints = [f'!{{!"llvm.loop.vectorize.enable", i1 {"true" if vectorize else "false"}}}']
         if interleave is not None:
-            self.metadata.append(f'!{base + 2} = !{{!"llvm.loop.interleave.count", i32 {interleave}}}')
-        return f"!{self_id}"
+            hints.append(f'!{{!"llvm.loop.interleave.count", i32 {interleave}}}')
+        if not unroll:
+            hints.append('!{!"llvm.loop.unroll.disable"}')
+        ids = [f"!{base + 1 + i}" for i in range(len(hints))]
+        self.metadata.append(f"!{base} = distinct !{{!{base}, {', '.join(ids)}}}")
+        self.metadata += [f"{ref} = {h}" for ref, h in zip(ids, hints)]
+        return f"!{base}"
 
     def text(self) -> str:
         parts = list(self.declarations.values()) + self.functions + self.metadata
@@ -213,11 +214,18 @@ class CountedLoop:
 
     The loop gets `llvm.loop.vectorize.enable` metadata unless vectorize=False
     (vectorization off) or None (no hint: LLVM's own cost model decides).
+    `unroll_nested=False`: if the loop turns out to contain other loops, it also gets
+    `llvm.loop.unroll.disable`. Unrolling a loop around a vectorized loop (a column
+    reduction's 16 x 32 row loops, fully unrolled) copies the inner loop with its vector
+    body, remainder and epilogue each time: compile time and code size grow ~10x and the
+    run time does not improve (benchmarks/results/cpu.md, section llvm_build).
     """
 
-    def __init__(self, fn: Fn, start: V, stop: V, carried: list[V] = (), vectorize: bool = True):
+    def __init__(self, fn: Fn, start: V, stop: V, carried: list[V] = (), vectorize: bool = True,
+                 unroll_nested: bool = True):
         self.fn, self.start, self.stop, self.carried = fn, start, stop, list(carried)
         self.vectorize = vectorize
+        self.unroll_nested = unroll_nested
 
     def begin(self):
         fn = self.fn
@@ -255,11 +263,12 @@ class CountedLoop:
         latch = fn.block
         nxt = fn.bin("add", self.i, const("i64", 1), "nuw nsw")
         innermost_simple = self.marks == (fn.loops_started, fn.scalar_calls)
+        unroll = self.unroll_nested or self.marks[0] == fn.loops_started
         if self.vectorize is None and innermost_simple:
             meta = ""  # no hint: LLVM's cost model decides, and says nothing when it declines
         else:
             vectorize = bool(self.vectorize) and innermost_simple
-            meta = fn.module.loop_metadata(vectorize, self._interleave(vectorize))
+            meta = fn.module.loop_metadata(vectorize, self._interleave(vectorize), unroll)
         fn.br(self.head, meta)
         phis = [f"  {self.i.ref} = phi i64 [ {self.start.ref}, %{self.pre} ], [ {nxt.ref}, %{latch} ]"]
         for p, init, new in zip(self.phis, self.carried, next_values):

@@ -164,7 +164,7 @@ class KernelEmitter:
             emit_columns(self, fn, dict(symbols), begin, end, scratch)
             return
         if len(outer) <= 1:
-            loop = CountedLoop(fn, begin, end, vectorize=bool(outer))
+            loop = CountedLoop(fn, begin, end, vectorize=bool(outer), unroll_nested=False)
             i, _ = loop.begin()
             env = dict(symbols)
             if outer:
@@ -184,7 +184,7 @@ class KernelEmitter:
             rest = fn.bin("udiv", rest, ext)
         start.reverse()
         rows = CountedLoop(fn, const("i64", 0), const("i64", 1 << 62), carried=[begin] + start,
-                           vectorize=False)
+                           vectorize=False, unroll_nested=False)
         _, carried = rows.begin()
         pos, idx = carried[0], carried[1:]
         left = fn.bin("sub", end, pos)
@@ -234,7 +234,8 @@ class KernelEmitter:
         if not loops:
             return body(env, carried)
         ext = emit_index(fn, loops[0].extent, env)
-        loop = CountedLoop(fn, const("i64", 0), ext, carried=carried, vectorize=vectorize)
+        loop = CountedLoop(fn, const("i64", 0), ext, carried=carried, vectorize=vectorize,
+                           unroll_nested=False)
         i, phis = loop.begin()
         inner_env = dict(env)
         inner_env[loops[0].var] = i
@@ -278,7 +279,8 @@ class KernelEmitter:
         last = r.loops[-1]
         ext = emit_index(fn, last.extent, env)
         nblocks = fn.bin("sdiv", fn.bin("add", ext, const("i64", SUM_BLOCK - 1)), const("i64", SUM_BLOCK))
-        blocks = CountedLoop(fn, const("i64", 0), nblocks, carried=carried, vectorize=False)
+        blocks = CountedLoop(fn, const("i64", 0), nblocks, carried=carried, vectorize=False,
+                             unroll_nested=False)
         b, (acc,) = blocks.begin()
         lo = fn.bin("mul", b, const("i64", SUM_BLOCK))
         hi = fn.bin("add", lo, const("i64", SUM_BLOCK))
