@@ -289,12 +289,12 @@ class CompiledFunction:
         if recorder is not None:
             recorder.traced()
         if device is None:
-            compiled = compile_graph(traced.graph, self.backend, self.mode)
+            compiled = compile_graph(traced.graph, self.backend, self.mode, verified=False)
         else:
             from kiln.runtime.device_programs import backend_on
 
             compiled = compile_graph(traced.graph, backend_on(device, self.backend), self.mode,
-                                     device=device)
+                                     device=device, verified=False)
         if recorder is not None:
             recorder.compiled(compiled, reason=self._recompiles[-1]["reason"] if self._cache else None,
                               guards=guard_summary(traced.graph))
@@ -377,7 +377,8 @@ class CompiledFunction:
             self._shape_guards = ShapeGuards(concrete, self.strict, ints=not auto)
             with collecting(self._shape_guards):
                 return trace_function(tracing_wrapper(self.fn, same, self._write_back),
-                                      tuple(args), spec, builder_cls=locating)
+                                      tuple(args), spec, builder_cls=locating,
+                                      verify_graph=False)  # compile_graph verifies
 
         try:
             return attempt(shapes), auto

@@ -43,16 +43,19 @@ class Traced:
 
 
 def trace_function(fn: Callable, args: tuple, dynamic_shapes=None, name: str | None = None,
-                   builder_cls: Callable[[Graph], GraphBuilder] = GraphBuilder) -> Traced:
+                   builder_cls: Callable[[Graph], GraphBuilder] = GraphBuilder,
+                   verify_graph: bool = True) -> Traced:
     """`builder_cls`: a GraphBuilder subclass that also watches the trace (kn.compile's
-    records where each input was first used, for its recompile explanations)."""
+    records where each input was first used, for its recompile explanations).
+    `verify_graph=False`: the caller verifies the graph itself (kn.compile hands it to
+    `compile_graph(..., verified=False)`, which skips that on a program-cache hit)."""
     from kiln.frontend.graph_compile import paused_gc
 
     with paused_gc():  # a trace allocates the graph's nodes at once (see paused_gc)
-        return _trace_function(fn, args, dynamic_shapes, name, builder_cls)
+        return _trace_function(fn, args, dynamic_shapes, name, builder_cls, verify_graph)
 
 
-def _trace_function(fn, args, dynamic_shapes, name, builder_cls) -> Traced:
+def _trace_function(fn, args, dynamic_shapes, name, builder_cls, verify_graph) -> Traced:
     from kiln.frontend.tensor import Tensor
 
     builder = builder_cls(Graph(name or _graph_name(fn)))
@@ -109,7 +112,8 @@ def _trace_function(fn, args, dynamic_shapes, name, builder_cls) -> Traced:
             raise KilnTraceError(f"the function returned a {type(leaf).__name__}; traced functions "
                                  "return tensors (in tuples, lists or dicts)")
     builder.graph.body.results = outputs
-    verify(builder.graph)
+    if verify_graph:
+        verify(builder.graph)
     return Traced(builder.graph, in_spec, out_spec, static_args)
 
 

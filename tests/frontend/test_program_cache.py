@@ -257,6 +257,52 @@ def test_legal_programs_load_without_legalizing_again(stats, monkeypatch, legal)
     assert (len(calls) == 0) == legal and (legal or len(calls) >= len(head["names"]))
 
 
+def counting_verifier(monkeypatch) -> list:
+    """Every graph kn.compile's trace or compile_graph verifies, appended to a list."""
+    from kiln.frontend import graph_compile, tracing
+
+    seen = []
+    for module in (graph_compile, tracing):
+        real = module.verify
+        monkeypatch.setattr(module, "verify", lambda g, real=real: seen.append(g) or real(g))
+    return seen
+
+
+def test_a_hit_does_not_verify_the_traced_graph_again(stats, monkeypatch):
+    """A traced graph equal (by its key) to one verified before its entry was stored is
+    not verified again; a miss verifies it once, before the graph passes."""
+    seen = counting_verifier(monkeypatch)
+    check(kn.compile(model)(X, W))  # a miss: verified once
+    assert stats["stores"] == 1 and len(seen) == 1
+    check(kn.compile(model)(X, W))  # a hit: not again
+    assert stats["hits"] == 1 and len(seen) == 1
+    monkeypatch.setenv("KILN_PROGRAM_CACHE", "0")
+    check(kn.compile(model)(X, W))  # no cache: verified
+    assert len(seen) == 2
+
+
+def test_a_malformed_traced_graph_is_refused_by_the_verifier(stats, monkeypatch):
+    """kn.compile leaves verification to compile_graph: a trace that went wrong (here a
+    result retyped behind the emitter's back) still gets the verifier's error, and
+    nothing is stored for it."""
+    from kiln.errors import KilnVerifierError
+    from kiln.frontend import tracing
+    from kiln.ir.types import TensorType
+
+    real = tracing._trace_function
+
+    def broken(*args):
+        traced = real(*args)
+        node = next(n for n in traced.graph.body.nodes if n.op == "tanh" or n.op == "exp")
+        node.results[0].type = TensorType(kn.float64, node.results[0].type.shape)
+        return traced
+
+    monkeypatch.setattr(tracing, "_trace_function", broken)
+    with pytest.raises(KilnVerifierError, match="results are typed f64"):
+        kn.compile(lambda x: kn.exp(x) * 2.0)(X)
+    assert stats["stores"] == 0
+
+
 def test_disabled_by_environment(stats, monkeypatch):
     monkeypatch.setenv("KILN_PROGRAM_CACHE", "0")
     check(kn.compile(model)(X, W))
