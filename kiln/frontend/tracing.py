@@ -60,6 +60,7 @@ def _trace_function(fn, args, dynamic_shapes, name, builder_cls, verify_graph) -
 
     builder = builder_cls(Graph(name or _graph_name(fn)))
     specs = specs_by_position(fn, args, dynamic_shapes)
+    names = _signature_names(fn)  # once: inspect.signature costs ~15 us, a leaf is ~1 us
     traced_args = []
     static_args = []
     leaf_index = 0
@@ -68,7 +69,7 @@ def _trace_function(fn, args, dynamic_shapes, name, builder_cls, verify_graph) -
         tensors = sum(1 for leaf in leaves if is_tensor_like(leaf))
         if spec is not None and tensors != 1:  # never drop a declared dim silently
             raise KilnArgumentError(
-                f"dynamic_shapes: argument {position} ({_param_name(fn, position, 0, 1)}) holds "
+                f"dynamic_shapes: argument {position} ({_param_name(names, position, 0, 1)}) holds "
                 f"{tensors} tensors, but a TensorSpec describes exactly one tensor",
                 hint="pass each dynamic tensor as its own argument with its own TensorSpec")
         new_leaves = []
@@ -83,7 +84,7 @@ def _trace_function(fn, args, dynamic_shapes, name, builder_cls, verify_graph) -
                     shape = symbolic_shape(spec if len(leaves) == 1 else None, data.shape, label,
                                            builder.graph.shape_vars)
                     t = TensorType(dt.from_numpy(data.dtype), shape)
-                name_hint = _param_name(fn, position, k, len(leaves))
+                name_hint = _param_name(names, position, k, len(leaves))
                 new_leaves.append(Tensor._make(builder.add_input(t, name_hint), builder))
             else:
                 static_args.append((leaf_index, leaf))
@@ -131,12 +132,15 @@ def _graph_name(fn) -> str:
     return name if name.isidentifier() else "main"
 
 
-def _param_name(fn, position: int, k: int, count: int) -> str:
+def _signature_names(fn) -> list[str]:
     import inspect
 
     try:
-        names = [p for p in inspect.signature(fn).parameters]
+        return [p for p in inspect.signature(fn).parameters]
     except (TypeError, ValueError):
-        names = []
+        return []
+
+
+def _param_name(names: list[str], position: int, k: int, count: int) -> str:
     base = names[position] if position < len(names) and names[position].isidentifier() else f"arg{position}"
     return base if count == 1 else f"{base}_{k}"
