@@ -82,3 +82,22 @@ def test_column_stores_load_only_the_reductions_they_read():
     assert len(re.findall(r"= fptrunc double", text)) == n
     rng = np.random.default_rng(1)
     check(k, {}, rtol=1e-4, atol=1e-4, seed=int(rng.integers(100)))
+
+
+def test_build_cost_weighs_vectorized_loops(monkeypatch):
+    """The partition's estimate: a column kernel's many small vectorized loops cost LLVM
+    more than their text suggests (each becomes a vector body, remainder and epilogue)."""
+    from kiln.codegen.cpu import parallel_build as pb
+
+    monkeypatch.setattr(pb, "MIN_PART_CHARS", 1)  # split even these small kernels
+    text = CpuBackend().stage_text(_rows_kernel(6), "llvm")
+    loops = text.count(pb.VECTOR_HINT)
+    assert loops >= 18  # per reduction: init and accumulate loops; per store: one loop
+    assert pb.build_cost(text) == len(text) + loops * pb.CHARS_PER_VECTOR_LOOP + pb.CHARS_PER_KERNEL
+    # text 1.5x longer but no loop: by length alone it would fill a module by itself and
+    # the two column kernels would share the other; by build cost they are kept apart
+    plain = "x" * (3 * len(text) // 2)
+    assert pb.build_cost(plain) < pb.build_cost(text)
+    groups = pb.partition([text, text, plain], pb.build_cost, 2)
+    assert sorted(groups, key=len) == [[text], [text, plain]]
+    assert sorted(pb.partition([text, text, plain], len, 2), key=len) == [[plain], [text, text]]

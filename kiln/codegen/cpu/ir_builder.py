@@ -214,6 +214,7 @@ class CountedLoop:
 
     The loop gets `llvm.loop.vectorize.enable` metadata unless vectorize=False
     (vectorization off) or None (no hint: LLVM's own cost model decides).
+    `interleave=n` asks the vectorizer for n vectors per iteration (1: one, no copies).
     `unroll_nested=False`: if the loop turns out to contain other loops, it also gets
     `llvm.loop.unroll.disable`. Unrolling a loop around a vectorized loop (a column
     reduction's 16 x 32 row loops, fully unrolled) copies the inner loop with its vector
@@ -222,10 +223,11 @@ class CountedLoop:
     """
 
     def __init__(self, fn: Fn, start: V, stop: V, carried: list[V] = (), vectorize: bool = True,
-                 unroll_nested: bool = True):
+                 unroll_nested: bool = True, interleave: int | None = None):
         self.fn, self.start, self.stop, self.carried = fn, start, stop, list(carried)
         self.vectorize = vectorize
         self.unroll_nested = unroll_nested
+        self.interleave = interleave
 
     def begin(self):
         fn = self.fn
@@ -252,7 +254,11 @@ class CountedLoop:
     LONG_CHAIN = 8
 
     def _interleave(self, vectorize: bool) -> int | None:
-        if not vectorize or self.carried:  # reductions: LLVM already splits accumulators
+        if not vectorize:
+            return None
+        if self.interleave is not None:
+            return self.interleave
+        if self.carried:  # reductions: LLVM already splits accumulators
             return None
         body = self.fn.lines[self.phi_at:]
         slow = sum(" fdiv " in line or "@llvm.sqrt." in line for line in body)
