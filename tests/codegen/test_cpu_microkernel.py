@@ -37,7 +37,8 @@ def run(g, sizes=None, seed=0, rtol=1e-5, atol=1e-5, compiled=None):
 
 def test_tile_follows_the_host_vectors():
     assert vector_bits() in (128, 256, 512)
-    assert (MR, NR, W) == (6, 2 * vector_bits() // 32, vector_bits() // 32)
+    assert (MR, NR, W) == (8 if vector_bits() == 512 else 6, 2 * vector_bits() // 32,
+                           vector_bits() // 32)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (MR - 1, NR - 1, 3), (MR, NR, 16), (MR + 1, NR + 1, 17),
@@ -74,7 +75,9 @@ def test_k0_and_symbolic_rows():
 def test_cost_model_picks_each_variant():
     assert choose_gemm(gemm(3, 4, 5, 3)).variant == "loop"          # tiny: no packing
     assert choose_gemm(gemm(1, 512, 512, 512), blas_available=True).use_blas
-    assert choose_gemm(gemm(64, 32, 32, 16), blas_available=True).variant == "blas"
+    assert choose_gemm(gemm(64, 32, 32, 16), blas_available=True).variant == \
+        ("micro" if vector_bits() == 512 else "blas")  # see micro_beats_blas
+    assert choose_gemm(gemm(4, 256, 256, 256), blas_available=True).variant == "blas"
     # without OpenBLAS the micro-kernel takes its place, small and large
     for shape in ((64, 32, 32, 16), (1, 512, 512, 512)):
         assert choose_gemm(gemm(*shape), blas_available=False).variant == "micro"
@@ -104,15 +107,28 @@ def test_batched_attention_scores_compiled_match_numpy(monkeypatch):
     assert real(gemm_kernel, blas_available=False).variant == "micro"
 
 
-def test_small_batched_nt_products_pick_the_micro_kernel_with_blas_present():
-    """OpenBLAS's small NT products (attention scores, q @ k^T) measured 1.1-1.6x slower
-    than kiln's micro-kernel; NN, TN, TT, single and larger products keep BLAS."""
-    assert choose_gemm(gemm(64, 32, 32, 16, tb=True), blas_available=True).variant == "micro"
-    assert choose_gemm(gemm(16, 64, 64, 64, tb=True), blas_available=True).variant == "micro"
-    for shape, ta, tb in [((64, 32, 32, 16), False, False), ((64, 32, 32, 16), True, False),
-                          ((64, 32, 32, 16), True, True), ((1, 256, 256, 64), False, True),
-                          ((4, 128, 128, 128), False, True), ((16, 32, 32, 256), False, True)]:
-        assert choose_gemm(gemm(*shape, ta=ta, tb=tb), blas_available=True).variant == "blas", (shape, ta, tb)
+def test_the_micro_kernel_takes_the_products_it_measured_faster_with_blas_present(monkeypatch):
+    """With AVX-512's 8-row tile: every float32 product up to 2^21 multiply-adds per item;
+    with the 6-row tile (AVX2): only small batched NT products (attention scores, q @ k^T),
+    where OpenBLAS's small NT path measured 1.1-1.6x slower. Larger products, float64 and
+    the rest keep BLAS."""
+    from kiln.codegen.cpu import microkernel
+
+    for bits in (512, 256):
+        monkeypatch.setattr(microkernel, "vector_bits", lambda bits=bits: bits)
+        wide = bits == 512
+        for shape, ta, tb in [((64, 32, 32, 16), False, True), ((16, 64, 64, 64), False, True)]:
+            assert choose_gemm(gemm(*shape, ta=ta, tb=tb), blas_available=True).variant == "micro"
+        for shape, ta, tb in [((64, 32, 32, 16), False, False), ((64, 32, 32, 16), True, False),
+                              ((16, 32, 64, 256), False, False), ((1, 128, 128, 128), False, False),
+                              ((64, 32, 32, 16), True, True)]:
+            want = "micro" if wide else "blas"
+            assert choose_gemm(gemm(*shape, ta=ta, tb=tb), blas_available=True).variant == want, shape
+        for shape, ta, tb in [((1, 256, 256, 256), False, True), ((4, 128, 256, 128), False, False),
+                              ((16, 32, 32, 256), False, True)]:
+            variant = choose_gemm(gemm(*shape, ta=ta, tb=tb), blas_available=True).variant
+            assert variant == ("micro" if wide and shape[1] * shape[2] * shape[3] <= 1 << 21 else "blas"), shape
+        assert choose_gemm(gemm(64, 32, 32, 16, d=dt.float64, tb=True), blas_available=True).variant == "blas"
 
 
 def test_a_compiled_attention_score_product_runs_the_micro_kernel_and_matches_numpy():

@@ -11,12 +11,12 @@ Model (zero measurements, the default): time = fixed cost + flops / throughput.
     (a vectorized dot product per output, no register blocking).
 The cheapest wins; tiny products (m*n*k below ~10^3) stay a loop nest. Measured on the
 2-core Xeon (Sapphire Rapids) this was calibrated on, OpenBLAS's call costs only
-~0.3 us, and it matched or beat the micro-kernel on every float32/float16/bfloat16
-shape tried, small and batched included (the micro-kernel reaches 85-100% of it there:
-(64 x) 32x32x16 101 vs 113 GFLOP/s, 128^3 129 vs 132): so where OpenBLAS is loaded
-it takes every float product the loop nest does not (but the small batched products
-with B transposed, where the micro-kernel measured faster: `small_nt`), and the
-micro-kernel takes its place where it is absent (a numpy without its bundled OpenBLAS) instead of the
+~0.3 us, and it matched or beat the 6-row micro-kernel on every float32/float16/bfloat16
+shape tried; the 8-row tile AVX-512 allows (microkernel.py) beats it on the small and
+batched float32 products (`micro_beats_blas`: up to 2^21 multiply-adds per item). So
+where OpenBLAS is loaded it takes every float product the loop nest and that rule do
+not, and the micro-kernel takes its place where it is absent (a numpy without its
+bundled OpenBLAS) instead of the
 3 GFLOP/s loop nest. Symbolic sizes are costed at `assumed_dim` (a batch/sequence dim
 is usually large). `measure=True` (mode="max-autotune") compiles every candidate and
 times them on random inputs when the sizes are static, and keeps the fastest, so a
@@ -119,24 +119,41 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | No
     else:
         costs = {"loop": loop_s, "micro": micro_s}
     kind = min(costs, key=costs.get)
-    if kind == "blas" and micro_capable(g) and small_nt(g, batch, m, n, k):
+    if kind == "blas" and micro_capable(g) and micro_beats_blas(g, batch, m, n, k, esize):
         kind = "micro"
     return GemmChoice(kind == "blas", rows, blas_s, loop_s, kind=kind, predicted_micro_s=micro_s)
 
 
-# OpenBLAS's small products with B transposed and A row-major (NT: attention scores,
-# q @ k^T) run 1.1-1.6x slower than its NN ones; kiln's micro-kernel packs B once per
-# batch item and beats them. Measured one thread, round-robin, min us (micro vs BLAS,
-# benchmarks/bench_call.py): 64 x 32x32x16 30 vs 47, 64 x 32x32x64
-# 109 vs 130, 16 x 64^3 95 vs 109, 8 x 128x128x64 165 vs 184; from 128^3 per item, and
-# for one product, BLAS wins again (4 x 128^3 187 vs 166, 256x256x64 89 vs 83); NN, TN
-# and TT stay with BLAS at every size tried.
+# Where kiln's micro-kernel beats OpenBLAS (one thread, round-robin, min us, this
+# Sapphire Rapids host; benchmarks/bench_call.py has the compiled rows):
+# - with AVX-512 (MR = 8: 16 accumulators, no padded rows for m = 32) every float32
+#   product up to 2^21 multiply-adds per item, any layout: 16 x 32x64x256 NN 126 vs 146,
+#   8 x 128x128x64 NN 104 vs 145, 128^3 29 vs 38, 512x192x64 78 vs 100 (6.3M: above the
+#   bound, kept conservative), 64 x 32x32x16 NT 20 vs 37, 16 x 64^3 TN 53 vs 55; from
+#   256^3 BLAS is as fast or faster (256^3 NT 285 vs 242, TN 259 vs 223, 1024x256x256
+#   938 vs 850). It also needs no BLAS thread toggle around the call (~10 us).
+# - with MR = 6 (AVX2 hosts; measured here with MR forced to 6) only the small batched
+#   NT products (B transposed: attention scores, q @ k^T), where OpenBLAS's small NT path
+#   is 1.1-1.6x slower than its NN one: 64 x 32x32x16 30 vs 47, 16 x 64^3 95 vs 109,
+#   8 x 128x128x64 165 vs 184; NN, TN and TT stayed with BLAS.
+MICRO_MNK = 1 << 21
 SMALL_NT_K = 64
 SMALL_NT_MN = 128 * 128
 
 
+def micro_beats_blas(g: GemmKernel, batch: int, m: int, n: int, k: int, esize: int) -> bool:
+    """Does kiln's micro-kernel run this float32 product faster than OpenBLAS here?"""
+    from kiln.codegen.cpu.microkernel import MR_AVX512, rows_per_tile
+
+    if esize != 4:
+        return False  # float64: not measured against dgemm
+    if rows_per_tile() == MR_AVX512:
+        return m * n * k <= MICRO_MNK
+    return small_nt(g, batch, m, n, k)
+
+
 def small_nt(g: GemmKernel, batch: int, m: int, n: int, k: int) -> bool:
-    """A batched NT product small enough for the micro-kernel to beat OpenBLAS."""
+    """A batched NT product small enough for the MR = 6 micro-kernel to beat OpenBLAS."""
     from kiln.codegen.cpu.gemm import _layout
 
     a_lay, b_lay = _layout(g.a_strides, 1, 2), _layout(g.b_strides, 1, 2)

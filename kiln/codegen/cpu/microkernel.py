@@ -12,15 +12,16 @@ miniature, written as LLVM IR with explicit vector types:
   contiguous values, zero-padded past n), converted to the accumulator dtype;
 - each outer point is a block of MR rows; for every panel the MR x NR tile accumulates
   in registers, MR * NR / W vector accumulators updated by one fused multiply-add per
-  A value (read in place through its strides, broadcast) and B vector per k (12
-  accumulators: 12 ymm on AVX2, 12 zmm on AVX-512);
+  A value (read in place through its strides, broadcast) and B vector per k (12 ymm
+  accumulators on AVX2, 16 zmm on AVX-512);
 - the tile goes to a small stack buffer, and the epilogue (bias, activation, residual,
   cast: the GEMM template's `Acc` expression) runs on the valid rows and columns of it
   straight to the output, like the BLAS path's per-panel epilogue.
 
 The vector width W comes from the host CPU's features: 512 bits with AVX-512F, 256 with
-AVX2, else 128; NR = 2W, MR = 6 (MR x NR/W = 12 accumulators). Operand strides are any
-(the packing reads them), so transposed operands need no copy. float32 and float64
+AVX2, else 128; NR = 2W, MR = 8 with AVX-512 (16 accumulators of its 32 registers), else
+6 (12 of 16). Operand strides are any (the packing reads them), so transposed operands
+need no copy. float32 and float64
 accumulators; low-precision operands are converted while packing.
 """
 
@@ -34,7 +35,8 @@ from kiln.codegen.cpu.gemm import GemmEmitter, acc_dtype
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
 from kiln.ir import dtypes as dt
 
-MR = 6  # rows per register tile
+MR = 6  # rows per register tile (16 vector registers: AVX2)
+MR_AVX512 = 8  # with 32 vector registers
 
 
 @lru_cache(maxsize=None)
@@ -52,10 +54,17 @@ def vector_bits() -> int:
     return 128
 
 
+def rows_per_tile() -> int:
+    """MR: 8 with AVX-512's 32 vector registers (16 accumulators, 2 B vectors and the
+    broadcast A value fit; for m = 32, the attention shapes, 4 blocks with no padded rows
+    instead of 6 blocks computing 36 rows), else 6 (12 of AVX2's 16 registers)."""
+    return MR_AVX512 if vector_bits() == 512 else MR
+
+
 def tile(esize: int) -> tuple[int, int, int]:
     """(MR, NR, W): rows and columns of the register tile and lanes per vector."""
     lanes = vector_bits() // (8 * esize)
-    return MR, 2 * lanes, lanes
+    return rows_per_tile(), 2 * lanes, lanes
 
 
 def micro_capable(g: GemmKernel) -> bool:
@@ -67,7 +76,8 @@ def row_blocks(g: GemmKernel):
     """The outer space: batch x blocks of MR rows."""
     import sympy
 
-    return g.batch * sympy.floor((sympy.sympify(g.m) + MR - 1) / MR)
+    mr = rows_per_tile()
+    return g.batch * sympy.floor((sympy.sympify(g.m) + mr - 1) / mr)
 
 
 class MicroEmitter(GemmEmitter):
