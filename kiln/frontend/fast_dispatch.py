@@ -76,8 +76,8 @@ class FastCall:
         for i in self.inputs:
             a = args[i]
             x = a._x if a.__class__ is Tensor else a
-            if not x.flags.c_contiguous:
-                return None  # the general path makes it contiguous
+            if x.__class__ is not np.ndarray or not x.flags.c_contiguous:
+                return None  # the general path makes it contiguous (or refuses it)
             arrays.append(x)
         outs = self.plan.run(arrays)
         if outs is None:

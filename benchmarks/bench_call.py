@@ -1,0 +1,255 @@
+"""The per-call cost of a compiled function (issue 22): a compiled 4x4 `x + 1`, and the
+small and batched GEMMs of bench_gemm.py, against numpy, torch eager, torch.compile and
+jax.jit in the same run.
+
+    .venv/bin/python benchmarks/bench_call.py [--quick] [--no-peers] [--torch-compile] [--out FILE]
+    .venv/bin/python benchmarks/bench_call.py --gemm-rows    # bench_gemm.py's small rows only
+
+Every implementation of a row is timed round-robin in this one process, in a shuffled
+order per round (a shared machine's load and a library's spinning threads fall on all
+alike). A sample is the mean of a block of calls (many for the microsecond rows), the
+table gives the median and the minimum of the samples in microseconds per call, wall
+time and CPU time of this process (all its threads: a BLAS library's spinning threads
+count). `kiln` is `kn.compile` as users call it (the prepared call of a repeated
+signature); `kiln general` is the same compiled function with prepared calls turned off
+(the executor's general path, as before this work). `np.matmul` uses numpy's OpenBLAS
+with its default threads, `1t` with one; torch eager runs with 1 thread and with all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import kiln as kn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_section  # noqa: E402
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu.md")
+
+
+def general_path(f):
+    """`f` with prepared calls off: every call takes the executor's general path."""
+    f._remember_call = lambda *args: None
+    f._fast.clear()
+    return f
+
+
+def with_blas_threads(fn, n: int):
+    from kiln.runtime.threads import blas_num_threads, set_blas_num_threads
+
+    def run():
+        saved = blas_num_threads()
+        set_blas_num_threads(n)
+        try:
+            return fn()
+        finally:
+            if saved is not None:
+                set_blas_num_threads(saved)
+    return run
+
+
+def with_torch_threads(torch, fn, n: int):
+    def run():
+        saved = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            with torch.no_grad():
+                return fn()
+        finally:
+            torch.set_num_threads(saved)
+    return run
+
+
+def rows(quick: bool):
+    """(label, kiln fn, numpy fn, torch fn, jax fn, args, calls per sample)."""
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    yield ("compiled x + 1, 4x4 float32", lambda x: x + 1, lambda x: x + 1,
+           lambda t, x: x + 1, lambda jnp, x: x + 1, (r(4, 4),), 200)
+    yield ("batched GEMM (16,32,256) x (16,256,64)", lambda a, b: a @ b, np.matmul,
+           lambda t, a, b: a @ b, lambda jnp, a, b: a @ b, (r(16, 32, 256), r(16, 256, 64)), 4)
+    yield ("attention scores (64,32,16) x (64,32,16)^T", lambda q, k: q @ k.transpose(1, 2),
+           lambda q, k: q @ k.transpose(0, 2, 1), lambda t, q, k: q @ k.transpose(1, 2),
+           lambda jnp, q, k: q @ jnp.swapaxes(k, 1, 2), (r(64, 32, 16), r(64, 32, 16)), 10)
+
+
+def implementations(kfn, npfn, tfn, jfn, args, peers: bool, compile_peers: bool) -> dict:
+    tensors = [kn.tensor(a) for a in args]
+    fast = kn.compile(kfn)
+    general = general_path(kn.compile(kfn))
+    fns = {"kiln": lambda: fast(*tensors), "kiln general": lambda: general(*tensors),
+           "np": lambda: npfn(*args), "np 1t": with_blas_threads(lambda: npfn(*args), 1)}
+    if not peers:
+        return fns
+    try:
+        import torch
+
+        tt = [torch.tensor(a) for a in args]
+        fns["torch 1t"] = with_torch_threads(torch, lambda: tfn(torch, *tt), 1)
+        cores = os.cpu_count() or 1
+        if cores > 1:
+            fns[f"torch {cores}t"] = with_torch_threads(torch, lambda: tfn(torch, *tt), cores)
+        if compile_peers:
+            tc = torch.compile(lambda *xs: tfn(torch, *xs))
+            fns["torch.compile"] = with_torch_threads(torch, lambda: tc(*tt), cores)
+    except ImportError:
+        pass
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        jf = jax.jit(lambda *xs: jfn(jnp, *xs))
+        ja = [jnp.asarray(a) for a in args]
+        fns["jax.jit"] = lambda: jax.block_until_ready(jf(*ja))
+    except ImportError:
+        pass
+    return fns
+
+
+def round_robin(fns: dict, rounds: int, calls: int, seed: int = 0) -> dict:
+    """{name: (wall median, wall min, cpu median, cpu min)} seconds per call."""
+    for fn in fns.values():  # compile, warm caches
+        for _ in range(3):
+            fn()
+    wall: dict = {name: [] for name in fns}
+    cpu: dict = {name: [] for name in fns}
+    order = list(fns)
+    shuffle = random.Random(seed).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for name in order:
+            fn = fns[name]
+            c0, w0 = time.process_time(), time.perf_counter()
+            for _ in range(calls):
+                fn()
+            w1, c1 = time.perf_counter(), time.process_time()
+            wall[name].append((w1 - w0) / calls)
+            cpu[name].append((c1 - c0) / calls)
+    return {name: (float(np.median(wall[name])), float(np.min(wall[name])),
+                   float(np.median(cpu[name])), float(np.min(cpu[name]))) for name in fns}
+
+
+def check(kfn, npfn, args) -> None:
+    got = kn.compile(kfn)(*args).numpy()
+    want = npfn(*[a.astype(np.float64) for a in args])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def measure(quick: bool, peers: bool, compile_peers: bool) -> list[dict]:
+    out = []
+    for label, kfn, npfn, tfn, jfn, args, calls in rows(quick):
+        check(kfn, npfn, args)
+        fns = implementations(kfn, npfn, tfn, jfn, args, peers, compile_peers)
+        load = os.getloadavg()[0]
+        res = round_robin(fns, 15 if quick else 60, calls)
+        out.append({"workload": label, "load": load, "results": res})
+        print(label, {k: round(v[0] * 1e6, 2) for k, v in res.items()}, flush=True)
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    for line in text.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def render(table: list[dict], load0: float, argv: list[str]) -> str:
+    names = []
+    for row in table:
+        names += [n for n in row["results"] if n not in names]
+    lines = [
+        "## The per-call cost of a compiled function (bench_call.py, issue 22)",
+        "",
+        "- command: `.venv/bin/python benchmarks/bench_call.py" + "".join(" " + a for a in argv) + "`",
+        f"- machine: {os.cpu_count()} cores, {cpu_model()} (lscpu model name); load average "
+        f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (a shared machine)",
+        f"- date: {datetime.date.today().isoformat()}; numpy {np.__version__}",
+        "",
+        "Microseconds per call, round-robin in one process: wall median (minimum) / CPU-time "
+        "median (minimum), CPU time of the whole process (a library's spinning threads "
+        "count). Ratios are same-run medians by wall time (by CPU time in brackets), "
+        "above 1 kiln is faster.",
+        "",
+        "| workload | load | " + " | ".join(names) + " | np / kiln | best peer / kiln |",
+        "|---|---|" + "---|" * len(names) + "---|---|",
+    ]
+    for row in table:
+        res = row["results"]
+        cells = []
+        for n in names:
+            v = res.get(n)
+            cells.append("—" if v is None else f"{v[0] * 1e6:.1f} ({v[1] * 1e6:.1f}) / "
+                                                f"{v[2] * 1e6:.1f} ({v[3] * 1e6:.1f})")
+        k = res["kiln"]
+        np_best = min((res[n] for n in ("np", "np 1t") if n in res), key=lambda v: v[0])
+        peers = [res[n] for n in res if n.startswith(("torch", "jax"))]
+        peer_wall = min((v[0] for v in peers), default=None)
+        peer_cpu = min((v[2] for v in peers), default=None)
+        ratio_np = f"{np_best[0] / k[0]:.2f}x ({np_best[2] / k[2]:.2f}x)"
+        ratio_peer = "—" if peer_wall is None else f"{peer_wall / k[0]:.2f}x ({peer_cpu / k[2]:.2f}x)"
+        lines.append(f"| {row['workload']} | {row['load']:.1f} | " + " | ".join(cells)
+                     + f" | {ratio_np} | {ratio_peer} |")
+    return "\n".join(lines) + "\n"
+
+
+def gemm_small_rows() -> str:
+    """bench_gemm.py's small rows (batched GEMM, attention scores), measured exactly as
+    bench_gemm.py measures them (its rows, its round-robin, its table format), for
+    updating those rows of its results section without rerunning its large rows."""
+    import bench_gemm
+
+    every = list(bench_gemm.rows(False))
+    small = [r for r in every if r[-1] < 1e8]
+    real_rows = bench_gemm.rows
+    bench_gemm.rows = lambda quick: iter(small)
+    try:
+        table = bench_gemm.measure_rows(False, True)
+    finally:
+        bench_gemm.rows = real_rows
+    args = argparse.Namespace(quick=False)
+    text = bench_gemm.render(args, table, [], [], {}, os.getloadavg()[0])
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith("| ") and any(line.startswith(f"| {r[0]} ") for r in small))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also torch.compile (its first use costs 15-25 s here)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="results file ('' to only print)")
+    parser.add_argument("--gemm-rows", action="store_true",
+                        help="only print bench_gemm.py's small rows, measured as it does")
+    args = parser.parse_args()
+    if args.gemm_rows:
+        print(gemm_small_rows())
+        return 0
+    load0 = os.getloadavg()[0]
+    table = measure(args.quick, not args.no_peers, args.torch_compile)
+    text = render(table, load0, sys.argv[1:])
+    print(text)
+    if args.out:
+        write_section(args.out, "bench_call", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
