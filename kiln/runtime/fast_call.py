@@ -13,6 +13,9 @@ known, so `FastPlan` decides them once:
   numpy object): the ctypes argument arrays are made once, with the ids of the
   constants and intermediates filled in; a call stores only the ids of its inputs and
   outputs;
+- a program of several launches runs them in one native call (a trampoline over a flat
+  list of entries and arguments, kiln/codegen/cpu/launch_list.py), not one ctypes call
+  per kernel;
 - views cost nothing (a view's data pointer is its source's);
 - intermediates live in storage the plan holds (counted as arena bytes while it lives);
 - outputs of up to 1 MiB are `np.empty`, counted by the CPU caching allocator as eager
@@ -74,7 +77,7 @@ class FastPlan:
     """One program, one size binding, one argument signature: `run(arrays)`."""
 
     __slots__ = ("_launches", "_fills", "_outputs", "_n_inputs", "_lock", "_one_blas",
-                 "_executable", "_fixed", "_held", "_track", "__weakref__")
+                 "_executable", "_fixed", "_held", "_track", "_native", "__weakref__")
 
     @classmethod
     def build(cls, executable, sizes: dict) -> "FastPlan | None":
@@ -99,6 +102,7 @@ class FastPlan:
         self._outputs: list = []
         self._track = allocator_for("cpu").track_new
         self._one_blas = False
+        self._native = None  # several launches: one native call (launch_list.py)
         self._n_inputs = len(program.inputs)
         # slot -> ("in", k) | ("out", k) | ("fix", array): where its data pointer comes from
         where: dict[int, tuple] = {s: ("in", k) for k, s in enumerate(program.inputs)}
@@ -151,6 +155,28 @@ class FastPlan:
         self._outputs = sorted(created, key=lambda o: returned[o[0]])
         self._fills = [[(pos, remap[src] if is_out else src) for pos, src, is_out in fills]
                        for fills in self._fills]
+        if len(self._launches) > 1:
+            self._native = self._launch_list(len(program.inputs) + len(program.outputs))
+
+    def _launch_list(self, n_objects: int) -> tuple:
+        """(trampoline, list, n, objects, args): every launch in one native call
+        (launch_list.launch_trampoline); the list's words, per launch: the `.np` entry's
+        address, the argument count, the sizes' address, the loop count, then each
+        argument (an object's address, or -(k + 1) for the call's k-th object)."""
+        from kiln.codegen.cpu.launch_list import launch_trampoline
+
+        words: list[int] = []
+        widest = 1
+        for (fn, args, sizes, total), fills in zip(self._launches, self._fills):
+            values = [args[i] or 0 for i in range(len(args))]
+            for position, k in fills:
+                values[position] = -(k + 1)
+            words += [ctypes.cast(fn, ctypes.c_void_p).value, len(values),
+                      ctypes.addressof(sizes), total, *values]
+            widest = max(widest, len(values))
+        table = (ctypes.c_int64 * len(words))(*words)
+        return (launch_trampoline(), table, len(self._launches),
+                (ctypes.c_void_p * max(1, n_objects))(), (ctypes.c_void_p * widest)())
 
     def _launch(self, executable, program, step, sizes, where, storages, shape_of, outputs) -> None:
         kernel = executable.kernels[step.kernel]
@@ -218,6 +244,13 @@ class FastPlan:
             self._lock.release()
 
     def _call(self, objects: list) -> None:
+        native = self._native
+        if native is not None:  # one native call runs every launch
+            trampoline, table, n, bound, scratch = native
+            for k, obj in enumerate(objects):
+                bound[k] = id(obj)
+            trampoline(table, n, bound, scratch)
+            return
         for (fn, args, sizes, total), fills in zip(self._launches, self._fills):
             for position, k in fills:
                 args[position] = id(objects[k])
