@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -31,6 +30,7 @@ import numpy as np
 import kiln as kn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_eager_devices import cpu_model  # noqa: E402  (lscpu's model name)
 from report import write_section  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu.md")
@@ -157,17 +157,6 @@ def measure(quick: bool, peers: bool, compile_peers: bool) -> list[dict]:
         out.append({"workload": label, "load": load, "results": res})
         print(label, {k: round(v[0] * 1e6, 2) for k, v in res.items()}, flush=True)
     return out
-
-
-def cpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    for line in text.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def render(table: list[dict], load0: float, argv: list[str]) -> str:
