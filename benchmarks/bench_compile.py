@@ -8,7 +8,14 @@ rounds so their ratios compare like with like:
 
 - `kiln`: as shipped (whole-program cache, LLVM modules built on kiln's threads);
 - `serial LLVM`: kn.set_num_threads(1) before compiling (one LLVM module, one thread);
-- `no program cache`: KILN_PROGRAM_CACHE=0 (warm = per-kernel-set object cache only).
+- `no program cache`: KILN_PROGRAM_CACHE=0 (warm = per-kernel-set object cache only);
+- `baseline` (with `--baseline DIR`): the `kiln` variant run on another kiln tree (e.g.
+  `git archive REV kiln | tar -x -C DIR`), for a same-run before/after.
+
+`--kiln DIR` runs every variant on a snapshot of kiln instead of the working tree: the
+whole-program cache key hashes kiln's compiler source, so edits made by others between a
+cold and a warm run would turn the warm run into a miss. `--warm N` makes N warm runs
+after each cold one (their median per round).
 
     .venv/bin/python benchmarks/bench_compile.py --rounds 3 --out benchmarks/results/cpu.md
     .venv/bin/python benchmarks/bench_compile.py --profile cold   # cProfile of one first call
@@ -90,7 +97,7 @@ if profile:
     import pstats
     pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
 T.update(first=first, compile=first - T.get("first step", 0.0), imported=imported, cpu=cpu)
-print(json.dumps({{"t": T, "stats": program_cache.STATS}}))
+print(json.dumps({{"t": T, "stats": program_cache.STATS, "kiln": kn.__file__}}))
 """
 
 VARIANTS = {"kiln": {}, "serial LLVM": {"serial": True},
@@ -98,28 +105,44 @@ VARIANTS = {"kiln": {}, "serial LLVM": {"serial": True},
 STAGES = ("trace", "passes", "lower", "llvm", "cache load", "first step", "compile", "first", "cpu")
 
 
-def run_once(cache: str, serial: bool = False, env: dict | None = None, profile: bool = False) -> dict:
+def run_once(cache: str, serial: bool = False, env: dict | None = None, profile: bool = False,
+             tree: str | None = None) -> dict:
+    """One fresh process's first call; `tree`: a kiln snapshot to import instead."""
     full = dict(os.environ, KILN_CACHE_DIR=cache, **(env or {}))
+    if tree:
+        full["PYTHONPATH"] = os.path.abspath(tree)
     done = subprocess.run([sys.executable, "-c", WORKER.format(here=HERE, serial=serial, profile=profile)],
-                          env=full, capture_output=True, text=True, timeout=900)
+                          env=full, capture_output=True, text=True, timeout=900,
+                          cwd=os.path.abspath(tree) if tree else None)  # `-c` puts the cwd first
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip()[-2000:])
     if profile:
         print(done.stderr)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if tree and not result["kiln"].startswith(os.path.abspath(tree)):
+        raise RuntimeError(f"the run imported {result['kiln']}, not the tree {tree}")
+    return result
 
 
-def measure(rounds: int) -> dict:
-    """{variant: {"cold"/"warm": [per-run stage dicts]}}, variants interleaved per round."""
-    out = {v: {"cold": [], "warm": []} for v in VARIANTS}
+def measure(rounds: int, warm: int = 1, tree: str | None = None, baseline: str | None = None) -> dict:
+    """{variant: {"cold"/"warm": [per-run stage dicts]}}, variants interleaved per round;
+    each round's warm entry is the median (per stage) of its `warm` runs."""
+    variants = dict(VARIANTS)
+    if baseline:
+        variants["baseline"] = {"tree": baseline}
+    out = {v: {"cold": [], "warm": []} for v in variants}
     for _ in range(rounds):
-        for name, v in VARIANTS.items():
+        for name, v in variants.items():
+            where = v.get("tree", tree)
             with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
-                for which in ("cold", "warm"):
-                    res = run_once(cache, v.get("serial", False), v.get("env"))
+                for which in ["cold"] + ["warm"] * warm:
+                    res = run_once(cache, v.get("serial", False), v.get("env"), tree=where)
                     out[name][which].append(res["t"])
                     print(name, which, {k: round(res["t"].get(k, 0.0), 3) for k in STAGES},
                           res["stats"], file=sys.stderr)
+            if warm > 1:  # this round's warm runs -> their median
+                runs, out[name]["warm"] = out[name]["warm"][-warm:], out[name]["warm"][:-warm]
+                out[name]["warm"].append({k: median(runs, k) for k in STAGES})
     return out
 
 
@@ -127,11 +150,11 @@ def median(runs: list, key: str) -> float:
     return statistics.median(r.get(key, 0.0) for r in runs)
 
 
-def render(results: dict, rounds: int, load0: float, load1: float) -> str:
+def render(results: dict, rounds: int, load0: float, load1: float, command: str = "") -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "unknown")
     lines = [BEGIN, "## Compile time of the small GPT training step (bench_compile.py, issue 22)", "",
-             f"- command: `.venv/bin/python benchmarks/bench_compile.py --rounds {rounds}`",
+             f"- command: `{command or f'.venv/bin/python benchmarks/bench_compile.py --rounds {rounds}'}`",
              f"- machine: {os.cpu_count()} CPUs, {cpu} (`lscpu` model name); load average "
              f"{load0:.1f} at the start, {load1:.1f} at the end",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
@@ -150,8 +173,13 @@ def render(results: dict, rounds: int, load0: float, load1: float) -> str:
     k, s, n = results["kiln"], results["serial LLVM"], results["no program cache"]
     lines += ["", f"Same-run ratios (medians): cold compile serial LLVM / kiln "
               f"{median(s['cold'], 'compile') / median(k['cold'], 'compile'):.2f}x; warm compile "
-              f"no program cache / kiln {median(n['warm'], 'compile') / median(k['warm'], 'compile'):.2f}x.",
-              END]
+              f"no program cache / kiln {median(n['warm'], 'compile') / median(k['warm'], 'compile'):.2f}x."]
+    if "baseline" in results:
+        b = results["baseline"]
+        lines[-1] += (f" Warm first call, baseline / kiln: {median(b['warm'], 'first') / median(k['warm'], 'first'):.2f}x"
+                      f" wall, {median(b['warm'], 'cpu') / median(k['warm'], 'cpu'):.2f}x CPU; cold first call "
+                      f"{median(b['cold'], 'first') / median(k['cold'], 'first'):.2f}x wall.")
+    lines.append(END)
     return "\n".join(lines) + "\n"
 
 
@@ -170,16 +198,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="", help="results file to update (its bench_compile section)")
     parser.add_argument("--profile", choices=("cold", "warm"), help="print a cProfile of one first call")
+    parser.add_argument("--warm", type=int, default=1, help="warm runs after each cold run")
+    parser.add_argument("--kiln", default="", help="a kiln snapshot (folder holding kiln/) to run")
+    parser.add_argument("--baseline", default="", help="another kiln snapshot, run as variant `baseline`")
     args = parser.parse_args()
     if args.profile:
         with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
             if args.profile == "warm":
-                run_once(cache)
-            run_once(cache, profile=True)
+                run_once(cache, tree=args.kiln or None)
+            run_once(cache, profile=True, tree=args.kiln or None)
         return 0
     load0 = os.getloadavg()[0]
-    results = measure(args.rounds)
-    text = render(results, args.rounds, load0, os.getloadavg()[0])
+    results = measure(args.rounds, args.warm, args.kiln or None, args.baseline or None)
+    command = ".venv/bin/python benchmarks/bench_compile.py " + " ".join(sys.argv[1:])
+    text = render(results, args.rounds, load0, os.getloadavg()[0], command)
     print(text)
     if args.out:
         write_section(args.out, text)
