@@ -12,8 +12,8 @@ commit unpacked with `git archive REV kiln | tar -x -C DIR`), in the same run:
   (round-robin, the first tree alternating) for a batch of timed calls of one workload,
   so the machine's load falls on both trees alike; medians and minimums per call.
 
-    .venv/bin/python benchmarks/bench_llvm_build.py --baseline /tmp/kiln-base [--rounds 5]
-        [--quick] [--out benchmarks/results/cpu.md]
+    .venv/bin/python benchmarks/bench_llvm_build.py --baseline /tmp/kiln-base [--tree DIR]
+        [--rounds 5] [--reps 5] [--quick] [--out benchmarks/results/cpu.md]
 
 With `--out`, the tables replace the section between `<!-- llvm_build: begin -->` and
 `<!-- llvm_build: end -->` of that file (report.write_section).
@@ -211,12 +211,14 @@ def render(trees: dict, colds: dict, times: dict, rounds: int, reps: int, quick:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", required=True, help="root of the other kiln tree (holds kiln/)")
+    ap.add_argument("--tree", default=ROOT, help="root of the kiln tree to compare (default: this checkout)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5, help="timed calls per workload per turn")
     ap.add_argument("--quick", action="store_true", help="bench_cpu.py's quick sizes")
     ap.add_argument("--out", help="write the section into this markdown file")
     args = ap.parse_args()
-    trees = {"baseline": os.path.abspath(args.baseline), "this tree": ROOT}
+    trees = {"baseline": os.path.abspath(args.baseline),
+             "this tree" if args.tree == ROOT else "tree": os.path.abspath(args.tree)}
     load0 = os.getloadavg()[0]
     colds, times = measure(trees, args.rounds, args.quick, args.reps)
     text = render(trees, colds, times, args.rounds, args.reps, args.quick, (load0, os.getloadavg()[0]))

@@ -101,3 +101,31 @@ def test_build_cost_weighs_vectorized_loops(monkeypatch):
     groups = pb.partition([text, text, plain], pb.build_cost, 2)
     assert sorted(groups, key=len) == [[text], [text, plain]]
     assert sorted(pb.partition([text, text, plain], len, 2), key=len) == [[plain], [text, text]]
+
+
+def test_batch_members_have_no_abi_wrappers():
+    """A batch's members are called by its entry only: their `.body` functions are
+    emitted, their exported wrappers (two per member, each unpacking every buffer) are
+    not. The batch still runs like numpy."""
+    import kiln as kn
+    from kiln.codegen.build_program import build_program
+    from kiln.codegen.kernel_ir import BatchKernel
+    from kiln.passes.batching import batch_kernels
+    from kiln.passes.fusion import fuse
+
+    def f(a, b, c):
+        return kn.exp(a), b.sum(dim=1), kn.tanh(c) * 2
+
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s).astype(np.float32) for s in [(8,), (4, 3), (5,)]]
+    program = build_program(batch_kernels(fuse(kn.trace(f, *args))))
+    (batch,) = [k for k in program.kernels.values() if isinstance(k, BatchKernel)]
+    text = CpuBackend().stage_text(batch, "llvm")
+    defined = re.findall(r"^define (?:internal )?void @([\w.]+)\(", text, re.M)
+    members = [d for d in defined if "_m" in d]
+    assert sorted(members) == sorted(f"{m}.body" for m in {d.rsplit(".", 1)[0] for d in members})
+    assert len(members) == len(batch.members) == 3
+    assert len(defined) == 3 + 2  # the members' bodies, the entry and its `.np` twin
+    got = kn.compile(f)(*args)
+    for g, want in zip(got, (np.exp(args[0]), args[1].sum(1), np.tanh(args[2]) * 2)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-6)

@@ -1,7 +1,8 @@
 """A `BatchKernel` as one LLVM function: a switch over sub-problems by offsets.
 
 Every member is emitted as it would be alone (`NAME_mK.body`, its own loops, shapes,
-strides and sizes); the batch's exported entry has the ABI of any kernel,
+strides and sizes; not its exported ABI wrappers, which nothing would call); the batch's
+exported entry has the ABI of any kernel,
 `void NAME(ptr bufs, ptr sizes, i64 begin, i64 end)` (plus `NAME.np`, which takes numpy
 array objects), over the concatenated index space: member k owns
 [offset_k, offset_k + points_k), where points_k, the product of its outer extents, is
@@ -28,8 +29,8 @@ def member_symbol(symbol: str, k: int) -> str:
 
 def emit_batch(module: Module, batch: BatchKernel, symbol: str) -> None:
     """Add the members and the batch entry `symbol` (and `symbol.np`) to `module`."""
-    for k, member in enumerate(batch.members):
-        emit_kernel(module, member, member_symbol(symbol, k))
+    for k, member in enumerate(batch.members):  # no ABI wrappers: only the entry calls them
+        emit_kernel(module, member, member_symbol(symbol, k), wrappers=False)
     for suffix, deref in (("", False), (".np", True)):
         module.functions.append(_entry(module, batch, symbol, deref).define(
             f"define void @{symbol}{suffix}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind"))

@@ -134,8 +134,8 @@ def _combine(fn: Fn, r: Reduce, acc: V, x: V) -> V:
 class KernelEmitter:
     """Emits one `Kernel` as `NAME.body` plus the exported ABI wrapper `NAME`."""
 
-    def __init__(self, module: Module, kernel: Kernel, symbol: str):
-        self.module, self.k, self.symbol = module, kernel, symbol
+    def __init__(self, module: Module, kernel: Kernel, symbol: str, wrappers: bool = True):
+        self.module, self.k, self.symbol, self.wrappers = module, kernel, symbol, wrappers
 
     def emit(self) -> None:
         k, module = self.k, self.module
@@ -153,7 +153,8 @@ class KernelEmitter:
         fn.stmt("ret void")
         module.functions.append(fn.define(
             f"define internal void @{self.symbol}.body({', '.join(params)}) noinline nounwind"))
-        module.functions.append(abi_wrapper(self.symbol, len(k.buffers), len(k.sizes)))
+        if self.wrappers:
+            module.functions.append(abi_wrapper(self.symbol, len(k.buffers), len(k.sizes)))
 
     def _outer(self, fn: Fn, symbols: dict) -> None:
         begin, end = V("%begin", "i64"), V("%end", "i64")
@@ -333,6 +334,7 @@ def abi_wrapper(symbol: str, n_buffers: int, n_sizes: int) -> str:
     return "\n".join(out)
 
 
-def emit_kernel(module: Module, kernel: Kernel, symbol: str) -> None:
-    """Add `kernel` to `module` as the exported function `symbol` (see module doc)."""
-    KernelEmitter(module, kernel, symbol).emit()
+def emit_kernel(module: Module, kernel: Kernel, symbol: str, wrappers: bool = True) -> None:
+    """Add `kernel` to `module` as the exported function `symbol` (see module doc); with
+    `wrappers=False` only `symbol.body` (a batch member, called by the batch's entry)."""
+    KernelEmitter(module, kernel, symbol, wrappers).emit()
