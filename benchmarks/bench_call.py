@@ -199,9 +199,10 @@ def render(table: list[dict], load0: float, argv: list[str]) -> str:
 
 
 def gemm_small_rows() -> str:
-    """bench_gemm.py's small rows (batched GEMM, attention scores), measured exactly as
-    bench_gemm.py measures them (its rows, its round-robin, its table format), for
-    updating those rows of its results section without rerunning its large rows."""
+    """bench_gemm.py's small rows (batched GEMM, attention scores, and its one-thread
+    table of small products: BLAS path vs micro-kernel vs np.matmul), measured exactly as
+    bench_gemm.py measures them (its functions, its table format), for updating those
+    rows of its results section without rerunning its large rows."""
     import bench_gemm
 
     every = list(bench_gemm.rows(False))
@@ -212,10 +213,13 @@ def gemm_small_rows() -> str:
         table = bench_gemm.measure_rows(False, True)
     finally:
         bench_gemm.rows = real_rows
+    micro = bench_gemm.micro_rows()
     args = argparse.Namespace(quick=False)
-    text = bench_gemm.render(args, table, [], [], {}, os.getloadavg()[0])
-    return "\n".join(line for line in text.splitlines()
-                     if line.startswith("| ") and any(line.startswith(f"| {r[0]} ") for r in small))
+    text = bench_gemm.render(args, table, micro, [], {}, os.getloadavg()[0])
+    shapes = [" x ".join(map(str, shape)) for shape, _, _ in micro]
+    return "\n".join(line for line in text.splitlines() if line.startswith("| ") and (
+        any(line.startswith(f"| {r[0]} ") for r in small)
+        or any(line.startswith(f"| {shape} ") for shape in shapes)))
 
 
 def main() -> int:
