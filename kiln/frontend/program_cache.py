@@ -12,9 +12,10 @@ shape and bytes. The traced graph determines the program (kn.compile's guards de
 which graph a call traces to), so an equal key means an equal program.
 
 Entry (kind "programs" of kiln/codegen/artifact_cache.py, sealed with the cache's HMAC
-key like every entry): `u64 length | JSON | object code`. The JSON is the program in the
-data-only format of kiln/codegen/program_codec.py (no pickle, no eval) and the kernel
-names in build order; the object code is the backend's relocatable ELF, checked by
+key like every entry): `u64 length | JSON | object code`. The JSON holds the program in
+the data-only format of kiln/codegen/program_codec.py (no pickle, no eval; spliced in as a
+JSON object, so the entry is parsed once), the kernel names in build order, and whether
+the backend's legalize pass left every kernel as it was (`legal`); the object code is the backend's relocatable ELF, checked by
 cache_elf before the loader sees it. Any entry that fails its tag, its structure, its
 decoding or its loading is removed and rebuilt: it fails closed.
 
