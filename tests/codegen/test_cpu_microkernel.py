@@ -108,11 +108,12 @@ def test_batched_attention_scores_compiled_match_numpy(monkeypatch):
 
 
 def test_the_micro_kernel_takes_the_products_it_measured_faster_with_blas_present(monkeypatch):
-    """With AVX-512's 8-row tile: every float32 product up to 2^21 multiply-adds per item;
+    """With AVX-512's 8-row tile: every float32 product below 2^23 multiply-adds per item;
     with the 6-row tile (AVX2): only small batched NT products (attention scores, q @ k^T),
     where OpenBLAS's small NT path measured 1.1-1.6x slower. Larger products, float64 and
     the rest keep BLAS."""
     from kiln.codegen.cpu import microkernel
+    from kiln.codegen.cpu.autotune import MICRO_MNK
 
     for bits in (512, 256):
         monkeypatch.setattr(microkernel, "vector_bits", lambda bits=bits: bits)
@@ -125,9 +126,10 @@ def test_the_micro_kernel_takes_the_products_it_measured_faster_with_blas_presen
             want = "micro" if wide else "blas"
             assert choose_gemm(gemm(*shape, ta=ta, tb=tb), blas_available=True).variant == want, shape
         for shape, ta, tb in [((1, 256, 256, 256), False, True), ((4, 128, 256, 128), False, False),
-                              ((16, 32, 32, 256), False, True)]:
+                              ((16, 32, 32, 256), False, True), ((1, 512, 192, 64), False, False),
+                              ((1, 256, 256, 128), True, False)]:
             variant = choose_gemm(gemm(*shape, ta=ta, tb=tb), blas_available=True).variant
-            assert variant == ("micro" if wide and shape[1] * shape[2] * shape[3] <= 1 << 21 else "blas"), shape
+            assert variant == ("micro" if wide and shape[1] * shape[2] * shape[3] <= MICRO_MNK else "blas"), shape
         assert choose_gemm(gemm(64, 32, 32, 16, d=dt.float64, tb=True), blas_available=True).variant == "blas"
 
 

@@ -13,7 +13,7 @@ The cheapest wins; tiny products (m*n*k below ~10^3) stay a loop nest. Measured 
 2-core Xeon (Sapphire Rapids) this was calibrated on, OpenBLAS's call costs only
 ~0.3 us, and it matched or beat the 6-row micro-kernel on every float32/float16/bfloat16
 shape tried; the 8-row tile AVX-512 allows (microkernel.py) beats it on the small and
-batched float32 products (`micro_beats_blas`: up to 2^21 multiply-adds per item). So
+batched float32 products (`micro_beats_blas`: below 2^23 multiply-adds per item). So
 where OpenBLAS is loaded it takes every float product the loop nest and that rule do
 not, and the micro-kernel takes its place where it is absent (a numpy without its
 bundled OpenBLAS) instead of the
@@ -127,16 +127,18 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | No
 # Where kiln's micro-kernel beats OpenBLAS (one thread, round-robin, min us, this
 # Sapphire Rapids host; benchmarks/bench_call.py has the compiled rows):
 # - with AVX-512 (MR = 8: 16 accumulators, no padded rows for m = 32) every float32
-#   product up to 2^21 multiply-adds per item, any layout: 16 x 32x64x256 NN 126 vs 146,
-#   8 x 128x128x64 NN 104 vs 145, 128^3 29 vs 38, 512x192x64 78 vs 100 (6.3M: above the
-#   bound, kept conservative), 64 x 32x32x16 NT 20 vs 37, 16 x 64^3 TN 53 vs 55; from
-#   256^3 BLAS is as fast or faster (256^3 NT 285 vs 242, TN 259 vs 223, 1024x256x256
-#   938 vs 850). It also needs no BLAS thread toggle around the call (~10 us).
+#   product below 2^23 multiply-adds per item (where a single product starts being cut
+#   into panels for kiln's pool, SPLIT_MACS), any layout: 16 x 32x64x256 NN 126 vs 146,
+#   8 x 128x128x64 NN 104 vs 145, 128^3 29 vs 38, 2 x 256x256x64 102 vs 129, 64 x 32x32x16
+#   NT 20 vs 37, 16 x 64^3 TN 53 vs 55, at 6.3M: 512x192x64 78 vs 100, 4 x 128x256x192
+#   350 vs 385, 512x128x96 NT 90 vs 99 and TN 95 vs 96; from 256^3 BLAS is as fast or
+#   faster (256^3 NT 285 vs 242, TN 259 vs 223, 1024x256x256 938 vs 850). It also needs
+#   no BLAS thread toggle around the call (~10 us).
 # - with MR = 6 (AVX2 hosts; measured here with MR forced to 6) only the small batched
 #   NT products (B transposed: attention scores, q @ k^T), where OpenBLAS's small NT path
 #   is 1.1-1.6x slower than its NN one: 64 x 32x32x16 30 vs 47, 16 x 64^3 95 vs 109,
 #   8 x 128x128x64 165 vs 184; NN, TN and TT stayed with BLAS.
-MICRO_MNK = 1 << 21
+MICRO_MNK = SPLIT_MACS - 1
 SMALL_NT_K = 64
 SMALL_NT_MN = 128 * 128
 
