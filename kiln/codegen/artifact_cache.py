@@ -172,21 +172,26 @@ def store(key: str, payload: bytes, kind: str = "objects") -> bool:
     if trusted is None or len(payload) > MAX_ENTRY_BYTES:
         return False
     root, secret = trusted
-    path = _path(root, key, kind)
     try:
-        folder = cache_trust.ensure_subdir(root, kind, key[:2])
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(cache_trust.seal(secret, kind, key, payload))
-            os.replace(tmp, path)
-            STATS["writes"] += 1
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
+        write_sealed(cache_trust.ensure_subdir(root, kind, key[:2]), _path(root, key, kind),
+                     secret, kind, key, payload)
+        STATS["writes"] += 1
     except OSError:
         return False
     return True
+
+
+def write_sealed(folder: str, path: str, secret: bytes, kind: str, key: str, payload: bytes) -> None:
+    """`payload` sealed (cache_trust.seal) into `path`, atomically: written to a temporary
+    file in `folder` (the same folder as `path`) and renamed into place. Raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cache_trust.seal(secret, kind, key, payload))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise

@@ -207,9 +207,7 @@ def _parse_record(payload: bytes) -> dict:
 def _store_record(key: str, files: dict) -> None:
     """Write the record atomically (a temporary file renamed into place); nothing when
     the cache folder is unusable or unwritable."""
-    import tempfile
-
-    from kiln.codegen import cache_trust
+    from kiln.codegen import artifact_cache, cache_trust
 
     where = _record_path(key)
     if where is None:
@@ -218,16 +216,6 @@ def _store_record(key: str, files: dict) -> None:
     payload = json.dumps({"format": FORMAT, "files": files}, separators=(",", ":")).encode()
     try:
         folder = cache_trust.ensure_subdir(os.path.dirname(os.path.dirname(path)), KIND)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(cache_trust.seal(secret, KIND, key, payload))
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
+        artifact_cache.write_sealed(folder, path, secret, KIND, key, payload)
     except OSError:
         pass
