@@ -87,11 +87,11 @@ class CompiledFunction:
     def __call__(self, *args):
         if self._functionalized is not None:
             return self._functionalized(*args)
-        sig = signature(args)  # a signature seen before runs its prepared call
+        sig, fast_leaves = signature(args)  # a signature seen before runs its prepared call
         if sig is not None:
             call = self._fast.get(sig)
             if call:
-                result = call(args)
+                result = call(fast_leaves)
                 if result is not None:
                     self._hits += 1
                     return result
@@ -143,7 +143,7 @@ class CompiledFunction:
         else:
             outputs, sizes = entry.compiled.run_trusted(arrays), None
         if sig is not None and device is None:
-            self._remember_call(sig, args, entry, arrays, sizes)
+            self._remember_call(sig, leaves, entry, arrays, sizes)
         plan = entry.write_back
         if plan is not None:  # arguments changed in place, or returned (arg_mutation.py)
             from kiln.frontend.arg_mutation import write_back
@@ -155,7 +155,7 @@ class CompiledFunction:
             return made[0]
         return pytree.unflatten(entry.out_spec, made)
 
-    def _remember_call(self, sig, args, entry, arrays, sizes) -> None:
+    def _remember_call(self, sig, leaves, entry, arrays, sizes) -> None:
         """Prepare the call `entry` just ran for `sig` (once per signature): the cache of
         prepared calls is emptied whenever a specialization was added since it was last
         filled, and when it holds MAX_SIGNATURES."""
@@ -164,7 +164,7 @@ class CompiledFunction:
             fast.clear()
             self._fast_epoch = self._compiles
         if sig not in fast:
-            fast[sig] = prepare(args, entry, arrays, sizes)
+            fast[sig] = prepare(leaves, entry, arrays, sizes)
 
     def _key(self, leaves, spec):
         dynamic = self._dynamic

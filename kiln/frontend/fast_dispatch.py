@@ -2,7 +2,8 @@
 
 `signature(args)` is what a call must match to reuse a prepared call: per argument its
 shape and dtype (a tensor) or its class and value (a Python scalar baked into the
-trace), and no argument passed twice. That is finer than the specialization cache's
+trace), the nesting of tuples, lists and dicts (their keys) around them, and no tensor
+passed twice. That is finer than the specialization cache's
 key (whose dynamic dims are wildcards), so every decision the general path makes for a
 call — which specialization, which size guards hold, the shape variables' values and
 their constraints — is the same for every call of one signature, and is made once, by
@@ -11,12 +12,12 @@ input positions, a `kiln.runtime.fast_call.FastPlan` for the program at those si
 how the outputs are returned.
 
 What keeps a call on the general path: a tensor on a device, a view (it re-reads its
-base), a traced tensor (the general path raises), any other argument type (pytrees,
-numpy scalars), a strided array (copied there), arguments mutated in place (written
+base), a traced tensor (the general path raises), any other argument type (numpy
+scalars, namedtuples, dict subclasses), a strided array (copied there), arguments mutated in place (written
 back there), a program the plan does not cover (control flow, externs, launches split
 over the pool), a busy plan (another thread), and `kn.profile()`.
 
-    >>> sig = signature((x,))             # ((4, 4), dtype('float32')),  or None
+    >>> sig, leaves = signature((x,))     # (((4, 4), dtype('float32')),), (x,)
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ MAX_SIGNATURES = 64  # prepared calls kept per compiled function (then cleared)
 _SCALARS = frozenset({int, float, bool, complex, str})
 
 
-def signature(args: tuple) -> tuple | None:
-    """The exact signature of `args` for the fast path, or None (general path)."""
+def signature(args: tuple) -> tuple:
+    """(the exact signature of `args` for the fast path, or None: the general path; the
+    leaves in pytree order, or `args` itself when every argument is a leaf)."""
     parts = []
     tensors = 0
     for a in args:
         c = a.__class__
         if c is Tensor:
             if a._device is not None or a._builder is not None or a._view is not None:
-                return None
+                return None, args
             x = a._x
             parts.append((x.shape, x.dtype))
             tensors += 1
@@ -51,12 +53,67 @@ def signature(args: tuple) -> tuple | None:
         elif c in _SCALARS:
             parts.append((c, a))
         else:
-            return None
-    if tensors > 1:  # the same tensor twice is one handle: a specialization of its own
-        ids = [id(a) for a in args if a.__class__ is Tensor or a.__class__ is np.ndarray]
-        if len(set(ids)) < tensors:
-            return None
-    return tuple(parts)
+            return _nested(args)
+    if tensors > 1 and _aliased(args, tensors):
+        return None, args
+    return tuple(parts), args
+
+
+def _aliased(leaves, tensors: int) -> bool:
+    """The same tensor twice is one handle: a specialization of its own."""
+    ids = {id(a) for a in leaves if a.__class__ is np.ndarray or isinstance(a, Tensor)}
+    return len(ids) < tensors
+
+
+class _General(Exception):
+    """An argument the fast path does not key: the general path."""
+
+
+def _nested(args: tuple) -> tuple:
+    """`signature` for arguments with containers (tuples, lists, dicts of str keys, None:
+    what pytree.flatten walks, in its order) or Tensor subclasses (Parameters): the
+    structure is part of the signature, as its JSON text is part of the cache key."""
+    parts: list = ["nested"]
+    leaves: list = []
+    try:
+        _walk(args, parts, leaves)
+    except _General:
+        return None, args
+    tensors = sum(1 for a in leaves if a.__class__ is np.ndarray or isinstance(a, Tensor))
+    if tensors > 1 and _aliased(leaves, tensors):
+        return None, args
+    return tuple(parts), leaves
+
+
+def _walk(node, parts: list, leaves: list) -> None:
+    c = node.__class__
+    if c is Tensor or isinstance(node, Tensor):
+        if node._device is not None or node._builder is not None or node._view is not None:
+            raise _General
+        x = node._x
+        parts.append((c, x.shape, x.dtype))
+        leaves.append(node)
+    elif c is np.ndarray:
+        parts.append((c, node.shape, node.dtype))
+        leaves.append(node)
+    elif c in _SCALARS:
+        parts.append((c, node))
+        leaves.append(node)
+    elif c is dict:
+        keys = tuple(node)
+        parts.append((dict, keys))
+        for k in keys:
+            if k.__class__ is not str:
+                raise _General  # the general path raises its error
+            _walk(node[k], parts, leaves)
+    elif c is tuple or c is list:
+        parts.append((c, len(node)))
+        for item in node:
+            _walk(item, parts, leaves)
+    elif node is None:
+        parts.append(None)
+    else:
+        raise _General
 
 
 class FastCall:
@@ -71,11 +128,11 @@ class FastCall:
         self.out_spec = out_spec
         self.single = out_spec == "*"
 
-    def __call__(self, args: tuple):
+    def __call__(self, leaves):
         arrays = []
         for i in self.inputs:
-            a = args[i]
-            x = a._x if a.__class__ is Tensor else a
+            a = leaves[i]
+            x = a if a.__class__ is np.ndarray else a._x
             if x.__class__ is not np.ndarray or not x.flags.c_contiguous:
                 return None  # the general path makes it contiguous (or refuses it)
             arrays.append(x)
@@ -88,8 +145,8 @@ class FastCall:
         return pytree.unflatten(self.out_spec, [make(o) for o in outs])
 
 
-def prepare(args: tuple, entry, arrays: list, sizes: dict | None) -> FastCall | bool:
-    """A FastCall for `entry` (a specialization that just ran on `args`, whose array
+def prepare(leaves, entry, arrays: list, sizes: dict | None) -> FastCall | bool:
+    """A FastCall for `entry` (a specialization that just ran on `leaves`, whose array
     leaves are `arrays` at shape-variable values `sizes`), or False when the fast path
     does not apply to it."""
     from kiln.runtime.fast_call import FastPlan
@@ -97,8 +154,8 @@ def prepare(args: tuple, entry, arrays: list, sizes: dict | None) -> FastCall | 
     if entry.write_back is not None or entry.device is not None:
         return False
     statics = entry.static_positions
-    inputs = tuple(i for i in range(len(args)) if i not in statics)
-    if any(not (args[i].__class__ is Tensor or args[i].__class__ is np.ndarray) for i in inputs):
+    inputs = tuple(i for i in range(len(leaves)) if i not in statics)
+    if any(not (leaves[i].__class__ is np.ndarray or isinstance(leaves[i], Tensor)) for i in inputs):
         return False
     compiled = entry.compiled
     if sizes is None:

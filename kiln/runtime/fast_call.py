@@ -22,12 +22,18 @@ known, so `FastPlan` decides them once:
   results are (`kn.memory`, the memory fraction); larger ones are its blocks, as the
   executor's are (a dropped output's paged-in block is the next call's).
 
-A plan applies to programs of kernel launches, views and constants whose launches run
-on one thread (a launch the runtime would split over its pool, an extern, control flow
-or a collective keeps the general path), and whose outputs are fresh buffers. A call
-that cannot use it (a busy plan on another thread, a strided argument, a profile
-running) returns None and the caller takes the general path, so nothing a guard checks
-is skipped: the signature is the guard, and a different one never reaches the plan.
+- an extern (an op run by its numpy reference: random_bits, sort, LAPACK) runs between
+  native runs on the typed arrays of its slots, its results checked against their
+  buffers (a mismatch sends the call, and every later one, to the general path), and a
+  launch the runtime splits over its pool is the kernel's own call on typed arrays.
+
+A plan applies to the CPU backend's programs of launches, views, constants and externs
+whose outputs are fresh buffers (control flow, collectives, an input, constant or view
+returned keep the general path), arguments called by pytrees included (a training
+step's dicts of parameters). A call that cannot use it (a busy plan on another thread,
+a strided argument, a profile running) returns None and the caller takes the general
+path, so nothing a guard checks is skipped: the signature is the guard, and a
+different one never reaches the plan.
 
     >>> plan = FastPlan.build(executable, sizes)   # None: the program needs the general path
     >>> outputs = plan.run([x])                     # None: this call takes the general path
@@ -42,9 +48,11 @@ from typing import Sequence
 import numpy as np
 
 from kiln.runtime import profiler as _profiler
+from kiln.runtime.allocator import default_allocator
 from kiln.runtime.device import allocator_for
 from kiln.runtime.threads import blas_single_thread
-from kiln.runtime.program import Constant, Launch, View
+from kiln.runtime.executor import _fresh
+from kiln.runtime.program import Collective, Constant, Extern, Launch, View
 
 # outputs up to this size are np.empty, tracked as eager results are (~1 us with the
 # tracking); larger ones are blocks of the caching allocator (~5-10 us a call, its
@@ -76,8 +84,9 @@ def _int64s(values: Sequence[int]):
 class FastPlan:
     """One program, one size binding, one argument signature: `run(arrays)`."""
 
-    __slots__ = ("_launches", "_fills", "_outputs", "_n_inputs", "_lock", "_one_blas",
-                 "_executable", "_fixed", "_held", "_track", "_native", "__weakref__")
+    __slots__ = ("_parts", "_outputs", "_returns", "_n_inputs", "_n_objects", "_lock",
+                 "_one_blas", "_executable", "_fixed", "_held", "_track", "_broken",
+                 "_extern_returns", "__weakref__")
 
     @classmethod
     def build(cls, executable, sizes: dict) -> "FastPlan | None":
@@ -86,10 +95,17 @@ class FastPlan:
         program = executable.program
         if executable.side is not None or executable.device is not None:
             return None
-        if not all(isinstance(s, (Launch, View, Constant)) for s in program.steps):
+        if executable.allocator is not default_allocator():
+            return None  # another device's memory (an OpenCL program's shared buffers)
+        from kiln.codegen.cpu.compiled import CompiledKernel
+
+        if not all(isinstance(k, CompiledKernel) for k in executable.kernels.values()):
+            return None  # another backend's kernels (OpenCL, Triton, CuTe) keep their path
+        if not all(isinstance(s, (Launch, View, Constant)) or
+                   (isinstance(s, Extern) and not isinstance(s, Collective)) for s in program.steps):
             return None
         plan = cls(executable, sizes)
-        return plan if plan._launches is not None else None
+        return plan if plan._parts is not None else None
 
     def __init__(self, executable, sizes: dict):
         program = executable.program
@@ -97,123 +113,154 @@ class FastPlan:
         self._lock = threading.Lock()
         self._fixed: list = []  # arrays whose ids are baked into the argument arrays
         self._held = 0  # persistent bytes (intermediates) charged to the allocator
-        self._launches: list = []
-        self._fills: list = []
-        self._outputs: list = []
+        self._parts: list = []  # ("launches", [(fn, args, sizes, total)], fills, native) | ("extern", ...)
+        self._outputs: list = []  # (object index, shape, dtype, nbytes): allocated per call
         self._track = allocator_for("cpu").track_new
         self._one_blas = False
-        self._native = None  # several launches: one native call (launch_list.py)
-        self._n_inputs = len(program.inputs)
-        # slot -> ("in", k) | ("out", k) | ("fix", array): where its data pointer comes from
-        where: dict[int, tuple] = {s: ("in", k) for k, s in enumerate(program.inputs)}
-        storages: dict[int, np.ndarray] = {}
+        self._broken = False  # an extern returned what its buffer is not: general path
+        self._n_inputs = self._n_objects = len(program.inputs)
+        # the call's objects: its inputs, then outputs and extern results by index
+        where: dict[int, tuple] = {s: ("obj", k) for k, s in enumerate(program.inputs)}
+        typed: dict[int, tuple] = {s: ("obj", k, None, None) for k, s in enumerate(program.inputs)}
         try:
-            self._prepare(executable, program, sizes, where, storages)
+            self._prepare(executable, program, sizes, where, typed)
         except _NotApplicable:
-            self._launches = None
+            self._parts = None
             self._release()
 
-    def _prepare(self, executable, program, sizes, where, storages) -> None:
-        shape_of = lambda slot: tuple(int(d) for d in executable._shape_fn(slot)(sizes))  # noqa: E731
-        nbytes_of = lambda slot: int(np.prod(shape_of(slot), dtype=np.int64)) * \
-            np.dtype(program.buffers[slot].dtype.np_dtype).itemsize  # noqa: E731
+    def _new_object(self) -> int:
+        self._n_objects += 1
+        return self._n_objects - 1
+
+    def _prepare(self, executable, program, sizes, where, typed) -> None:
+        def shape_of(slot):
+            return tuple(int(d) for d in executable._shape_fn(slot)(sizes))
+
+        def dtype_of(slot):
+            return np.dtype(program.buffers[slot].dtype.np_dtype)
+
+        def nbytes_of(slot):
+            return int(np.prod(shape_of(slot), dtype=np.int64)) * dtype_of(slot).itemsize
+
         # storage of the memory plan: the largest slot on each storage id, as bytes
         need: dict[int, int] = {}
         for slot, sid in program.storage.items():
             need[sid] = max(need.get(sid, 0), nbytes_of(slot))
+        storages: dict[int, np.ndarray] = {}
         for sid, n in need.items():
             array = executable.allocator.empty((max(n, 1),), np.uint8, persistent=True)
             self._held += array.nbytes
             storages[sid] = array
             self._fixed.append(array)
         outputs = set(program.outputs)
+        if len(outputs) != len(program.outputs):
+            raise _NotApplicable  # one buffer returned twice: the second is a copy
+        extern_results: set[int] = set()
         for step in program.steps:
             if isinstance(step, Constant):
                 data = executable._constants[step.name]
-                if not (isinstance(data, np.ndarray) and data.flags.c_contiguous):
-                    raise _NotApplicable
+                if not (isinstance(data, np.ndarray) and data.flags.c_contiguous) or step.target in outputs:
+                    raise _NotApplicable  # a constant returned: the caller's copy
                 self._fixed.append(data)
                 where[step.target] = ("fix", data)
-                if step.target in outputs:
-                    raise _NotApplicable  # a constant returned: the caller's copy
+                typed[step.target] = ("fix", data)
             elif isinstance(step, View):
                 if step.source not in where or step.target in outputs:
                     raise _NotApplicable  # a returned view is copied by the general path
                 where[step.target] = where[step.source]
+                shape, dtype = shape_of(step.target), dtype_of(step.target)
+                source = typed[step.source]
+                if source[0] == "fix":
+                    view = source[1].reshape(-1).view(dtype).reshape(shape)
+                    self._fixed.append(view)
+                    typed[step.target] = ("fix", view)
+                else:
+                    typed[step.target] = ("obj", source[1], shape, dtype)
+            elif isinstance(step, Launch):
+                for slot in step.args:
+                    if slot in where:
+                        continue
+                    sid = program.storage.get(slot)
+                    if sid is not None:  # an intermediate: the plan's storage, typed
+                        view = storages[sid][:nbytes_of(slot)].view(dtype_of(slot)).reshape(shape_of(slot))
+                        self._fixed.append(view)
+                        where[slot] = typed[slot] = ("fix", view)
+                    elif slot in outputs:
+                        k = self._new_object()
+                        self._outputs.append((k, shape_of(slot), dtype_of(slot), nbytes_of(slot)))
+                        where[slot] = ("obj", k)
+                        typed[slot] = ("obj", k, None, None)
+                    else:
+                        raise _NotApplicable
+                self._launch(executable, step, sizes, where, typed)
             else:
-                self._launch(executable, program, step, sizes, where, storages, shape_of, outputs)
-        if len(set(program.outputs)) != len(program.outputs):
-            raise _NotApplicable  # one buffer returned twice: the second is a copy
+                self._extern(executable, program, step, sizes, where, typed, shape_of, dtype_of)
+                extern_results.update(step.outputs)
+        self._returns = []
         for slot in program.outputs:
-            kind = where.get(slot)
-            if kind is None or kind[0] != "out":
-                raise _NotApplicable  # an input or constant returned: the caller's copy
-        # the call's objects are the inputs, then the outputs in return order
-        returned = {slot: i for i, slot in enumerate(program.outputs)}
-        created = self._outputs
-        remap = {k: self._n_inputs + returned[slot] for k, (slot, *_rest) in enumerate(created)}
-        self._outputs = sorted(created, key=lambda o: returned[o[0]])
-        self._fills = [[(pos, remap[src] if is_out else src) for pos, src, is_out in fills]
-                       for fills in self._fills]
-        if len(self._launches) > 1:
-            self._native = self._launch_list(len(program.inputs) + len(program.outputs))
+            kind = typed.get(slot)
+            if kind is None or kind[0] != "obj" or kind[2] is not None or kind[1] < self._n_inputs:
+                raise _NotApplicable  # an input, constant or view returned: the caller's copy
+            self._returns.append(kind[1])
+        self._extern_returns = {typed[s][1] for s in program.outputs if s in extern_results}
+        for part in self._parts:
+            if part[0] == "launches" and len(part[1]) > 1:
+                part[3] = _launch_list(part[1], part[2], self._n_objects)
 
-    def _launch_list(self, n_objects: int) -> tuple:
-        """(trampoline, list, n, objects, args): every launch in one native call
-        (launch_list.launch_trampoline); the list's words, per launch: the `.np` entry's
-        address, the argument count, the sizes' address, the loop count, then each
-        argument (an object's address, or -(k + 1) for the call's k-th object)."""
-        from kiln.codegen.cpu.launch_list import launch_trampoline
-
-        words: list[int] = []
-        widest = 1
-        for (fn, args, sizes, total), fills in zip(self._launches, self._fills):
-            values = [args[i] or 0 for i in range(len(args))]
-            for position, k in fills:
-                values[position] = -(k + 1)
-            words += [ctypes.cast(fn, ctypes.c_void_p).value, len(values),
-                      ctypes.addressof(sizes), total, *values]
-            widest = max(widest, len(values))
-        table = (ctypes.c_int64 * len(words))(*words)
-        return (launch_trampoline(), table, len(self._launches),
-                (ctypes.c_void_p * max(1, n_objects))(), (ctypes.c_void_p * widest)())
-
-    def _launch(self, executable, program, step, sizes, where, storages, shape_of, outputs) -> None:
+    def _launch(self, executable, step, sizes, where, typed) -> None:
         kernel = executable.kernels[step.kernel]
         info = getattr(kernel, "launch_info", None)
-        if info is None or not getattr(kernel, "_by_object", False):
-            raise _NotApplicable
-        values, total, parallel = info(sizes)
-        entry = kernel._resolved.get(tuple(values))
+        entry = None
+        if info is not None and getattr(kernel, "_by_object", False):
+            values, total, parallel = info(sizes)
+            entry = kernel._resolved.get(tuple(values))
         if entry is None or parallel or entry[4] != 0:
-            raise _NotApplicable  # split over the pool: the kernel's own call decides
+            # split over the pool (or no object entry): the kernel's own call decides, on
+            # the typed arrays of its slots, as the executor calls it
+            self._parts.append(("kernel", kernel, [typed[slot] for slot in step.args], dict(sizes)))
+            return
         # BLAS at one thread around kernels that call it (the kernel's own call does so
         # for every GEMM; a micro-kernel calls no library)
         self._one_blas = self._one_blas or bool(entry[3] and getattr(kernel, "calls_blas", True))
         args = _void_ptrs(len(step.args))
         fills = []
         for position, slot in enumerate(step.args):
-            if slot not in where:  # first written here: intermediate or output
-                sid = program.storage.get(slot)
-                if sid is not None:
-                    where[slot] = ("fix", storages[sid])
-                elif slot in outputs:
-                    spec = program.buffers[slot]
-                    shape, dtype = shape_of(slot), np.dtype(spec.dtype.np_dtype)
-                    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                    where[slot] = ("out", len(self._outputs))
-                    self._outputs.append((slot, shape, dtype, nbytes))
-                else:
-                    raise _NotApplicable
             kind, ref = where[slot]
             if kind == "fix":
                 args[position] = id(ref)
             else:
-                fills.append((position, ref, kind == "out"))
+                fills.append((position, ref))
         if total <= 0:
             return
-        self._launches.append((kernel._fn, args, _int64s(values), total))
-        self._fills.append(fills)
+        if not self._parts or self._parts[-1][0] != "launches":
+            self._parts.append(["launches", [], [], None])
+        self._parts[-1][1].append((kernel._fn, args, _int64s(values), total))
+        self._parts[-1][2].append(fills)
+
+    def _extern(self, executable, program, step, sizes, where, typed, shape_of, dtype_of) -> None:
+        """An op run by its library reference between native launches: its operands are
+        the typed arrays of its slots; each result becomes a call object, checked against
+        its buffer's dtype and shape (a mismatch sends this and every later call to the
+        general path, which behaves as it always did)."""
+        from kiln.ir.emitter import EAGER
+        from kiln.ir.interpret import concrete_attrs
+
+        op = step.op
+        run = executable.externs.get(op) or (lambda arrays, a: EAGER.apply(op, arrays, a))
+        getters = []
+        for slot in step.inputs:
+            if slot not in typed:
+                raise _NotApplicable
+            getters.append(typed[slot])
+        results = []
+        for slot in step.outputs:
+            if slot in where:
+                raise _NotApplicable  # written in place: not a fresh result
+            k = self._new_object()
+            where[slot] = ("obj", k)
+            typed[slot] = ("obj", k, None, None)
+            results.append((k, shape_of(slot), dtype_of(slot)))
+        self._parts.append(("extern", run, concrete_attrs(step.attrs, sizes), getters, results))
 
     # -- the call ---------------------------------------------------------------------
 
@@ -221,42 +268,74 @@ class FastPlan:
         """The outputs for `arrays` (C-contiguous, of the plan's signature), or None when
         this call must take the general path (the plan is busy on another thread, or a
         profile is recording)."""
-        if _profiler.ACTIVE is not None or not self._lock.acquire(False):
+        if _profiler.ACTIVE is not None or self._broken or not self._lock.acquire(False):
             return None
         try:
-            outs = []
+            objects = arrays + [None] * (self._n_objects - self._n_inputs)
             track = self._track
-            for output in self._outputs:
-                if output[3] <= SMALL_OUTPUT_BYTES:  # counted while it lives, as eager results
-                    out = np.empty(output[1], output[2])
+            for k, shape, dtype, nbytes in self._outputs:
+                if nbytes <= SMALL_OUTPUT_BYTES:  # counted while it lives, as eager results
+                    out = np.empty(shape, dtype)
                     track(out)
                 else:
-                    out = self._new_output(*output)
-                outs.append(out)
-            objects = arrays + outs
+                    out = self._new_output(shape, dtype, nbytes)
+                objects[k] = out
             if self._one_blas:
                 with blas_single_thread():
-                    self._call(objects)
+                    done = self._call(objects)
             else:
-                self._call(objects)
-            return outs
+                done = self._call(objects)
+            if not done:
+                return None
+            if self._extern_returns:
+                return [objects[k] if k not in self._extern_returns or objects[k].flags.owndata
+                        else objects[k].copy() for k in self._returns]
+            return [objects[k] for k in self._returns]
         finally:
             self._lock.release()
 
-    def _call(self, objects: list) -> None:
-        native = self._native
-        if native is not None:  # one native call runs every launch
-            trampoline, table, n, bound, scratch = native
-            for k, obj in enumerate(objects):
-                bound[k] = id(obj)
-            trampoline(table, n, bound, scratch)
-            return
-        for (fn, args, sizes, total), fills in zip(self._launches, self._fills):
-            for position, k in fills:
-                args[position] = id(objects[k])
-            fn(args, sizes, 0, total)
+    def _call(self, objects: list) -> bool:
+        for part in self._parts:
+            if part[0] == "extern":
+                if not self._run_extern(part, objects):
+                    self._broken = True
+                    return False
+                continue
+            if part[0] == "kernel":
+                _, kernel, getters, sizes = part
+                kernel([_typed(g, objects) for g in getters], sizes)
+                continue
+            _, launches, fills, native = part
+            if native is not None:  # one native call runs every launch of the run
+                trampoline, table, n, bound, scratch, used = native
+                for k in used:
+                    bound[k] = id(objects[k])
+                trampoline(table, n, bound, scratch)
+                continue
+            for (fn, args, sizes, total), fill in zip(launches, fills):
+                for position, k in fill:
+                    args[position] = id(objects[k])
+                fn(args, sizes, 0, total)
+        return True
 
-    def _new_output(self, _slot, shape, dtype, nbytes: int) -> np.ndarray:
+    @staticmethod
+    def _run_extern(part, objects: list) -> bool:
+        _, run, attrs, getters, results = part
+        operands = [_typed(g, objects) for g in getters]
+        produced = run(operands, attrs)
+        if len(produced) != len(results):
+            return False
+        for (k, shape, dtype), r in zip(results, produced):
+            if r.__class__ is not np.ndarray:
+                r = np.asarray(r)  # a 0-d result may come back as a numpy scalar
+            if r.dtype != dtype or r.shape != shape:
+                return False
+            if not r.flags.c_contiguous:
+                r = np.ascontiguousarray(r)
+            objects[k] = _fresh(r, operands)
+        return True
+
+    def _new_output(self, shape, dtype, nbytes: int) -> np.ndarray:
         # a block of the caching allocator: a dropped output's (paged-in) block is the
         # next call's, as the executor's outputs are
         allocator = self._executable.allocator
@@ -275,6 +354,40 @@ class FastPlan:
             self._release()
         except Exception:  # interpreter shutdown: the allocator may be gone
             pass
+
+
+def _typed(g: tuple, objects: list) -> np.ndarray:
+    """The array of a slot: a fixed one, or a call object (reshaped for a view, and
+    reinterpreted for a view that changes the dtype, as view_as_real does)."""
+    if g[0] == "fix":
+        return g[1]
+    a = objects[g[1]]
+    if g[2] is not None:
+        a = (a.reshape(-1).view(g[3]) if a.dtype != g[3] else a).reshape(g[2])
+    return a
+
+
+def _launch_list(launches: list, fills: list, n_objects: int) -> tuple:
+    """(trampoline, list, n, objects, args, used object indexes): a run of launches in one
+    native call (launch_list.launch_trampoline); the list's words, per launch: the `.np`
+    entry's address, the argument count, the sizes' address, the loop count, then each
+    argument (an object's address, or -(k + 1) for the call's k-th object)."""
+    from kiln.codegen.cpu.launch_list import launch_trampoline
+
+    words: list[int] = []
+    widest = 1
+    used: set[int] = set()
+    for (fn, args, sizes, total), fill in zip(launches, fills):
+        values = [args[i] or 0 for i in range(len(args))]
+        for position, k in fill:
+            values[position] = -(k + 1)
+            used.add(k)
+        words += [ctypes.cast(fn, ctypes.c_void_p).value, len(values), ctypes.addressof(sizes),
+                  total, *values]
+        widest = max(widest, len(values))
+    table = (ctypes.c_int64 * len(words))(*words)
+    return (launch_trampoline(), table, len(launches), (ctypes.c_void_p * max(1, n_objects))(),
+            (ctypes.c_void_p * widest)(), tuple(sorted(used)))
 
 
 class _NotApplicable(Exception):

@@ -110,8 +110,8 @@ def test_aliased_arguments_and_python_scalars_are_part_of_the_signature():
         for a, b, s in [(x, y, 2.0), (x, x, 2.0), (x, y, 3.0), (y, y, 3), (x, y, True)]:
             want = a.numpy() * s + b.numpy()
             np.testing.assert_allclose(f(a, b, s).numpy(), want, rtol=1e-6)
-    assert signature((x, x, 2.0)) is None  # aliasing keeps the general path's own key
-    assert signature((x, y, 2.0)) != signature((x, y, 2))  # an int and a float differ
+    assert signature((x, x, 2.0))[0] is None  # aliasing keeps the general path's own key
+    assert signature((x, y, 2.0))[0] != signature((x, y, 2))[0]  # an int and a float differ
 
 
 def test_outputs_handed_out_are_never_overwritten_and_memory_is_counted():
@@ -146,13 +146,14 @@ def test_programs_with_intermediates_and_pytree_results():
         np.testing.assert_allclose(out["m"].numpy(), p.max(-1), rtol=1e-4)
         np.testing.assert_allclose(out["s"].numpy(), 2 * p.sum(), rtol=1e-4)
     (call,) = _prepared(f)
-    assert len(call.plan._launches) > 1 and call.plan._native is not None  # one native call
-    native = call.plan._native
-    call.plan._native = None  # the same launches one ctypes call each: the same bits
+    (part,) = [p for p in call.plan._parts if p[0] == "launches"]
+    assert len(part[1]) > 1 and part[3] is not None  # several launches, one native call
+    native = part[3]
+    part[3] = None  # the same launches one ctypes call each: the same bits
     try:
         again = f(x, w)
     finally:
-        call.plan._native = native
+        part[3] = native
     for key in ("p", "m", "s"):
         np.testing.assert_array_equal(again[key].numpy(), out[key].numpy())
 
@@ -223,3 +224,59 @@ def test_the_attention_gemm_and_the_batched_gemm_match_numpy():
         np.testing.assert_allclose(batched(a, b).numpy(), np.matmul(a.astype(np.float64), b),
                                    rtol=1e-4, atol=1e-3)
     assert isinstance(_prepared(scores)[0], FastCall) and _prepared(batched)
+
+
+def test_externs_and_pool_split_launches_run_inside_the_prepared_call():
+    """random_bits (dropout's mask) is an extern; a large elementwise kernel is split over
+    kiln's pool: both run inside the prepared call, and the result is the eager one."""
+    from kiln import nn
+
+    def g(params, x, key):
+        h = kn.relu(x @ params["w"] + params["b"])
+        h = nn.functional.dropout(h, 0.25, key=key)
+        big = kn.exp(params["big"] * 0.5)  # 2 MiB: a caching-allocator output
+        return {"h": h, "big": big}
+
+    f = kn.compile(g)
+    params = {"w": kn.tensor(_rand(16, 8, seed=13)), "b": kn.tensor(_rand(8, seed=14)),
+              "big": kn.tensor(_rand(1 << 19, seed=15))}
+    x = kn.tensor(_rand(32, 16, seed=16))
+    for i in range(4):
+        key = nn.random.fold_in(nn.random.key(0), i)
+        want = g(params, x, key)
+        got = f(params, x, key)
+        np.testing.assert_allclose(got["h"].numpy(), want["h"].numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["big"].numpy(), want["big"].numpy(), rtol=1e-6)
+    (call,) = _prepared(f)
+    kinds = {p[0] for p in call.plan._parts}
+    assert "extern" in kinds and "launches" in kinds
+    if kn.get_num_threads() > 1:
+        assert "kernel" in kinds  # the large launch: the kernel's own call, over the pool
+
+
+def test_a_training_step_with_pytree_arguments_matches_eager():
+    from kiln import nn, optim
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = optim.AdamW(lr=1e-2)
+
+    def loss_fn(params, x, y):
+        return ((nn.functional_call(model, params, x) - y) ** 2).mean()
+
+    def step(params, state, x, y):
+        loss, grads = kn.value_and_grad(loss_fn)(params, x, y)
+        params, state = opt.update(grads, state, params)
+        return params, state, loss
+
+    compiled = kn.compile(step)
+    x, y = kn.tensor(_rand(16, 8, seed=17)), kn.tensor(_rand(16, 4, seed=18))
+    params = dict(model.named_parameters())
+    pc, sc = params, opt.init(params)
+    pe, se = params, opt.init(params)
+    for _ in range(4):
+        pc, sc, lc = compiled(pc, sc, x, y)
+        pe, se, le = step(pe, se, x, y)
+        np.testing.assert_allclose(lc.numpy(), le.numpy(), rtol=1e-5)
+    for name in pe:
+        np.testing.assert_allclose(pc[name].numpy(), pe[name].numpy(), rtol=1e-4, atol=1e-6)
+    assert _prepared(compiled)  # the nested signature was prepared
