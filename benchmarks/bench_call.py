@@ -1,6 +1,7 @@
-"""The per-call cost of a compiled function (issue 22): a compiled 4x4 `x + 1`, and the
+"""The per-call cost of a compiled function (issue 22): a compiled 4x4 `x + 1`, the
 small and batched GEMMs of bench_gemm.py, against numpy, torch eager, torch.compile and
-jax.jit in the same run.
+jax.jit in the same run, and bench_train.py's small MLP and GPT training steps (kiln's
+prepared call vs its general path vs torch eager).
 
     .venv/bin/python benchmarks/bench_call.py [--quick] [--no-peers] [--torch-compile] [--out FILE]
     .venv/bin/python benchmarks/bench_call.py --gemm-rows    # bench_gemm.py's small rows only
@@ -57,12 +58,12 @@ def with_blas_threads(fn, n: int):
     return run
 
 
-def with_torch_threads(torch, fn, n: int):
+def with_torch_threads(torch, fn, n: int, grad: bool = False):
     def run():
         saved = torch.get_num_threads()
         torch.set_num_threads(n)
         try:
-            with torch.no_grad():
+            with torch.enable_grad() if grad else torch.no_grad():
                 return fn()
         finally:
             torch.set_num_threads(saved)
@@ -141,6 +142,54 @@ def round_robin(fns: dict, rounds: int, calls: int, seed: int = 0) -> dict:
                    float(np.median(cpu[name])), float(np.min(cpu[name]))) for name in fns}
 
 
+def train_rows(quick: bool, peers: bool) -> list[dict]:
+    """bench_train.py's small MLP and small GPT training steps (forward, backward, AdamW,
+    dicts of parameters in and out): kiln prepared vs kiln's general path vs torch eager,
+    round-robin in this process."""
+    import bench_train as bt
+    from kiln import optim
+
+    out = []
+    for label, batch, d_in, hidden, d_out in list(bt.workloads(quick))[0::2]:  # small MLP, GPT
+        if d_in is None:
+            kn.manual_seed(0)
+            module = bt.gpt_module("kiln")
+            model = module.GPT(module.GPTConfig(**bt.GPT))
+            rng = np.random.default_rng(0)
+            x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (batch, bt.GPT["block_size"])))
+                    for _ in range(2))
+        else:
+            model = bt.MLP(d_in, hidden, d_out, p=0.1)
+            x, y = kn.randn(batch, d_in, seed=1), kn.randn(batch, d_out, seed=2)
+        key = kn.nn.random.key(0)
+        fns = {}
+        for name in ("kiln", "kiln general"):
+            opt = optim.AdamW(lr=1e-3, weight_decay=0.1 if d_in is None else 1e-2)
+            compiled = kn.compile(bt.kiln_step_fn(model, opt))
+            if name == "kiln general":
+                general_path(compiled)
+            params = dict(model.named_parameters())
+            carry = [params, opt.init(params)]
+
+            def run(compiled=compiled, carry=carry):
+                carry[0], carry[1], _ = compiled(carry[0], carry[1], x, y, key)
+            fns[name] = run
+        if peers:
+            try:
+                import torch
+
+                for threads in sorted({1, os.cpu_count() or 1}):
+                    step, _ = bt.setup_torch(model, x, y, use_compile=False)
+                    fns[f"torch {threads}t"] = with_torch_threads(torch, step, threads, grad=True)
+            except ImportError:
+                pass
+        load = os.getloadavg()[0]
+        res = round_robin(fns, 8 if quick else 30, 3)
+        out.append({"workload": f"training step: {label}", "load": load, "results": res})
+        print(label, {k: round(v[0] * 1e6, 1) for k, v in res.items()}, flush=True)
+    return out
+
+
 def check(kfn, npfn, args) -> None:
     got = kn.compile(kfn)(*args).numpy()
     want = npfn(*[a.astype(np.float64) for a in args])
@@ -187,11 +236,12 @@ def render(table: list[dict], load0: float, argv: list[str]) -> str:
             cells.append("—" if v is None else f"{v[0] * 1e6:.1f} ({v[1] * 1e6:.1f}) / "
                                                 f"{v[2] * 1e6:.1f} ({v[3] * 1e6:.1f})")
         k = res["kiln"]
-        np_best = min((res[n] for n in ("np", "np 1t") if n in res), key=lambda v: v[0])
+        np_best = min((res[n] for n in ("np", "np 1t") if n in res), key=lambda v: v[0],
+                      default=None)
         peers = [res[n] for n in res if n.startswith(("torch", "jax"))]
         peer_wall = min((v[0] for v in peers), default=None)
         peer_cpu = min((v[2] for v in peers), default=None)
-        ratio_np = f"{np_best[0] / k[0]:.2f}x ({np_best[2] / k[2]:.2f}x)"
+        ratio_np = "—" if np_best is None else f"{np_best[0] / k[0]:.2f}x ({np_best[2] / k[2]:.2f}x)"
         ratio_peer = "—" if peer_wall is None else f"{peer_wall / k[0]:.2f}x ({peer_cpu / k[2]:.2f}x)"
         lines.append(f"| {row['workload']} | {row['load']:.1f} | " + " | ".join(cells)
                      + f" | {ratio_np} | {ratio_peer} |")
@@ -229,6 +279,7 @@ def main() -> int:
     parser.add_argument("--torch-compile", action="store_true",
                         help="also torch.compile (its first use costs 15-25 s here)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results file ('' to only print)")
+    parser.add_argument("--no-train", action="store_true", help="skip the training-step rows")
     parser.add_argument("--gemm-rows", action="store_true",
                         help="only print bench_gemm.py's small rows, measured as it does")
     args = parser.parse_args()
@@ -237,6 +288,8 @@ def main() -> int:
         return 0
     load0 = os.getloadavg()[0]
     table = measure(args.quick, not args.no_peers, args.torch_compile)
+    if not args.no_train:
+        table += train_rows(args.quick, not args.no_peers)
     text = render(table, load0, sys.argv[1:])
     print(text)
     if args.out:
