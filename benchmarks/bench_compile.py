@@ -19,6 +19,7 @@ after each cold one (their median per round).
 
     .venv/bin/python benchmarks/bench_compile.py --rounds 3 --out benchmarks/results/cpu.md
     .venv/bin/python benchmarks/bench_compile.py --profile cold   # cProfile of one first call
+    .venv/bin/python benchmarks/bench_compile.py --breakdown 5    # CPU per piece of a warm call
 """
 
 from __future__ import annotations
@@ -70,6 +71,50 @@ timed(jit, "optimize", "llvm")
 timed(jit, "object_code", "llvm")
 timed(program_cache, "load", "cache load")
 timed(EX.Executable, "run", "first step")
+B = {{}}  # --breakdown: thread CPU seconds per piece of the first call
+def cpu_timed(owner, name, label):
+    fn = getattr(owner, name)
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            B[label] = B.get(label, 0.0) + time.thread_time() - t
+    setattr(owner, name, wrapper)
+if {breakdown!r}:
+    import gc
+    import kiln.frontend.autodiff as FA
+    import kiln.frontend.graph_compile as GC
+    import kiln.ir.printer as PR
+    import kiln.codegen.program_codec as PC
+    try:
+        from kiln.frontend import compiler_source as CS
+    except ImportError:  # an older tree (--kiln): the source hash was program_cache's
+        CS = program_cache
+    for owner, name, label in ((C.CompiledFunction, "_compile", "compile path (_compile)"),
+                               (C, "trace_function", "  trace (with the vjp and the optimizer)"),
+                               (FA, "vjp_graph", "    vjp_graph"),
+                               (program_cache, "program_key", "  program-cache key"),
+                               (PR, "print_graph", "    canonical graph text"),
+                               (CS, "compiler_state" if CS is not program_cache else "source_hash",
+                                "    compiler source hash"),
+                               (program_cache, "load", "  entry load (tag, JSON, decode, ELF check)"),
+                               (PC, "decode_program", "    program decode"),
+                               (program_cache, "load_kernels", "  kernels load (LLVM objects, wrappers)"),
+                               (EX.Executable, "__init__", "  executor build"),
+                               (EX.Executable, "run", "first step"),
+                               (C.CompiledFunction, "_remember_call", "prepared call (per-call path)")):
+        if hasattr(owner, name):
+            B[label] = 0.0  # rows in this order
+            cpu_timed(owner, name, label)
+    B["cycle collector"] = 0.0
+    def _gc(phase, info, _t=[0.0]):
+        if phase == "start":
+            _t[0] = time.thread_time()
+        else:
+            B["cycle collector"] = B.get("cycle collector", 0.0) + time.thread_time() - _t[0]
+    gc.callbacks.append(_gc)
 if {serial!r}:
     kn.set_num_threads(1)
 kn.manual_seed(0)
@@ -97,7 +142,7 @@ if profile:
     import pstats
     pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
 T.update(first=first, compile=first - T.get("first step", 0.0), imported=imported, cpu=cpu)
-print(json.dumps({{"t": T, "stats": program_cache.STATS, "kiln": kn.__file__}}))
+print(json.dumps({{"t": T, "stats": program_cache.STATS, "kiln": kn.__file__, "cpu": B}}))
 """
 
 VARIANTS = {"kiln": {}, "serial LLVM": {"serial": True},
@@ -106,12 +151,13 @@ STAGES = ("trace", "passes", "lower", "llvm", "cache load", "first step", "compi
 
 
 def run_once(cache: str, serial: bool = False, env: dict | None = None, profile: bool = False,
-             tree: str | None = None) -> dict:
+             tree: str | None = None, breakdown: bool = False) -> dict:
     """One fresh process's first call; `tree`: a kiln snapshot to import instead."""
     full = dict(os.environ, KILN_CACHE_DIR=cache, **(env or {}))
     if tree:
         full["PYTHONPATH"] = os.path.abspath(tree)
-    done = subprocess.run([sys.executable, "-c", WORKER.format(here=HERE, serial=serial, profile=profile)],
+    code = WORKER.format(here=HERE, serial=serial, profile=profile, breakdown=breakdown)
+    done = subprocess.run([sys.executable, "-c", code],
                           env=full, capture_output=True, text=True, timeout=900,
                           cwd=os.path.abspath(tree) if tree else None)  # `-c` puts the cwd first
     if done.returncode != 0:
@@ -144,6 +190,23 @@ def measure(rounds: int, warm: int = 1, tree: str | None = None, baseline: str |
                 runs, out[name]["warm"] = out[name]["warm"][-warm:], out[name]["warm"][:-warm]
                 out[name]["warm"].append({k: median(runs, k) for k in STAGES})
     return out
+
+
+def breakdown(runs: int, tree: str | None) -> str:
+    """Thread CPU milliseconds per piece of a warm first call (medians of `runs` fresh
+    processes after one cold run), as a markdown table."""
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
+        run_once(cache, tree=tree)
+        results = [run_once(cache, tree=tree, breakdown=True) for _ in range(runs)]
+    if not all(r["stats"]["hits"] == 1 for r in results):
+        raise RuntimeError("a warm run missed the program cache (was kiln's source edited meanwhile?)")
+    total = statistics.median(r["t"]["cpu"] for r in results)
+    lines = [f"| piece of the warm first call | CPU ms (median of {runs}) | share |", "|---|---|---|"]
+    for label in results[0]["cpu"]:
+        ms = statistics.median(r["cpu"].get(label, 0.0) for r in results) * 1e3
+        lines.append(f"| {label.replace('  ', '&nbsp;&nbsp;')} | {ms:.1f} | {ms / 1e3 / total:.0%} |")
+    lines.append(f"| first call, whole process | {total * 1e3:.1f} | 100% |")
+    return "\n".join(lines)
 
 
 def median(runs: list, key: str) -> float:
@@ -201,7 +264,12 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=1, help="warm runs after each cold run")
     parser.add_argument("--kiln", default="", help="a kiln snapshot (folder holding kiln/) to run")
     parser.add_argument("--baseline", default="", help="another kiln snapshot, run as variant `baseline`")
+    parser.add_argument("--breakdown", type=int, default=0,
+                        help="print the CPU time of each piece of a warm first call (median of N runs)")
     args = parser.parse_args()
+    if args.breakdown:
+        print(breakdown(args.breakdown, args.kiln or None))
+        return 0
     if args.profile:
         with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
             if args.profile == "warm":
