@@ -17,7 +17,8 @@ known, so `FastPlan` decides them once:
   list of entries and arguments, kiln/codegen/cpu/launch_list.py), not one ctypes call
   per kernel;
 - views cost nothing (a view's data pointer is its source's);
-- intermediates live in storage the plan holds (counted as arena bytes while it lives);
+- intermediates live in one of the executor's arenas for these sizes, which the plan
+  holds while it lives (counted as arena bytes, as the executor's are);
 - outputs of up to 1 MiB are `np.empty`, counted by the CPU caching allocator as eager
   results are (`kn.memory`, the memory fraction); larger ones are its blocks, as the
   executor's are (a dropped output's paged-in block is the next call's).
@@ -85,7 +86,7 @@ class FastPlan:
     """One program, one size binding, one argument signature: `run(arrays)`."""
 
     __slots__ = ("_parts", "_outputs", "_returns", "_n_inputs", "_n_objects", "_lock",
-                 "_one_blas", "_executable", "_fixed", "_held", "_track", "_broken",
+                 "_one_blas", "_executable", "_fixed", "_arena", "_arena_key", "_track", "_broken",
                  "_extern_returns", "__weakref__")
 
     @classmethod
@@ -112,7 +113,8 @@ class FastPlan:
         self._executable = executable
         self._lock = threading.Lock()
         self._fixed: list = []  # arrays whose ids are baked into the argument arrays
-        self._held = 0  # persistent bytes (intermediates) charged to the allocator
+        self._arena = None  # the executor's arena this plan holds (intermediates)
+        self._arena_key = ()
         self._parts: list = []  # ("launches", [(fn, args, sizes, total)], fills, native) | ("extern", ...)
         self._outputs: list = []  # (object index, shape, dtype, nbytes): allocated per call
         self._track = allocator_for("cpu").track_new
@@ -142,16 +144,14 @@ class FastPlan:
         def nbytes_of(slot):
             return int(np.prod(shape_of(slot), dtype=np.int64)) * dtype_of(slot).itemsize
 
-        # storage of the memory plan: the largest slot on each storage id, as bytes
-        need: dict[int, int] = {}
+        # storage of the memory plan: one of the executor's arenas for these sizes, held
+        # while the plan lives (given back when it dies), so intermediates are not kept
+        # twice; a storage the arena lacks is made as the executor makes it (first slot)
+        self._arena_key = tuple(sorted(sizes.items()))
+        self._arena = storages = executable._take_arena(self._arena_key)
         for slot, sid in program.storage.items():
-            need[sid] = max(need.get(sid, 0), nbytes_of(slot))
-        storages: dict[int, np.ndarray] = {}
-        for sid, n in need.items():
-            array = executable.allocator.empty((max(n, 1),), np.uint8, persistent=True)
-            self._held += array.nbytes
-            storages[sid] = array
-            self._fixed.append(array)
+            if sid not in storages:
+                storages[sid] = executable.allocator.empty(shape_of(slot), dtype_of(slot), persistent=True)
         outputs = set(program.outputs)
         if len(outputs) != len(program.outputs):
             raise _NotApplicable  # one buffer returned twice: the second is a copy
@@ -181,8 +181,11 @@ class FastPlan:
                     if slot in where:
                         continue
                     sid = program.storage.get(slot)
-                    if sid is not None:  # an intermediate: the plan's storage, typed
-                        view = storages[sid][:nbytes_of(slot)].view(dtype_of(slot)).reshape(shape_of(slot))
+                    if sid is not None:  # an intermediate: the arena's storage, typed
+                        base = storages[sid].reshape(-1)
+                        if base.nbytes < nbytes_of(slot):
+                            raise _NotApplicable
+                        view = base.view(np.uint8)[:nbytes_of(slot)].view(dtype_of(slot)).reshape(shape_of(slot))
                         self._fixed.append(view)
                         where[slot] = typed[slot] = ("fix", view)
                     elif slot in outputs:
@@ -344,9 +347,9 @@ class FastPlan:
         return out
 
     def _release(self) -> None:
-        if self._held:
-            self._executable.allocator.release_persistent(self._held)
-            self._held = 0
+        arena, self._arena = self._arena, None
+        if arena is not None:  # the executor's again (it counts and frees its arenas)
+            self._executable._return_arena(self._arena_key, arena)
         self._fixed = []
 
     def __del__(self):

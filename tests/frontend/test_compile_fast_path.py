@@ -280,3 +280,21 @@ def test_a_training_step_with_pytree_arguments_matches_eager():
     for name in pe:
         np.testing.assert_allclose(pc[name].numpy(), pe[name].numpy(), rtol=1e-4, atol=1e-6)
     assert _prepared(compiled)  # the nested signature was prepared
+
+
+def test_a_prepared_call_holds_the_executors_arena_not_a_second_one():
+    f = kn.compile(lambda x, w: kn.softmax(x @ w, dim=-1) @ w.T)
+    x, w = _rand(64, 32, seed=19), _rand(32, 32, seed=20)
+    f(x, w)
+    program = f.compiled_graphs()[0].program
+    assert program.storage  # the program has intermediates in arena storage
+    allocator = f.compiled_graphs()[0].executable.allocator
+    gc.collect()
+    before = allocator.stats()["arena_bytes"]
+    for _ in range(3):
+        out = f(x, w)
+    assert _prepared(f)
+    assert allocator.stats()["arena_bytes"] <= before  # no second copy of the intermediates
+    s = x.astype(np.float64) @ w
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(out.numpy(), (p / p.sum(-1, keepdims=True)) @ w.T, rtol=1e-4, atol=1e-5)
