@@ -78,7 +78,7 @@ class CompiledFunction:
         self._eager_calls = 0
         self._recompiles: list[dict] = []
         self._functionalized = None  # fn changes state it does not receive: functionalize.py
-        self._fast: dict = {}  # exact signature -> FastCall, or False (fast_dispatch.py)
+        self._fast: dict = {}  # exact signature -> FastCall, False, or 0: seen once (fast_dispatch.py)
         self._fast_epoch = 0  # self._compiles when self._fast was last cleared
         functools.update_wrapper(self, fn)
 
@@ -156,14 +156,19 @@ class CompiledFunction:
         return pytree.unflatten(entry.out_spec, made)
 
     def _remember_call(self, sig, leaves, entry, arrays, sizes) -> None:
-        """Prepare the call `entry` just ran for `sig` (once per signature): the cache of
-        prepared calls is emptied whenever a specialization was added since it was last
-        filled, and when it holds MAX_SIGNATURES."""
+        """Prepare the call `entry` just ran for `sig` when the signature comes back (its
+        second general-path call: preparing costs ~50 us, which a signature seen once,
+        such as a size changing every call, should not pay). The cache of prepared calls
+        is emptied whenever a specialization was added since it was last filled, and when
+        it holds MAX_SIGNATURES."""
         fast = self._fast
         if self._fast_epoch != self._compiles or len(fast) >= MAX_SIGNATURES:
             fast.clear()
             self._fast_epoch = self._compiles
-        if sig not in fast:
+        state = fast.get(sig)
+        if state is None:
+            fast[sig] = 0  # seen once
+        elif state == 0:
             fast[sig] = prepare(leaves, entry, arrays, sizes)
 
     def _key(self, leaves, spec):

@@ -6,8 +6,10 @@ trace), the nesting of tuples, lists and dicts (their keys) around them, and no 
 passed twice. That is finer than the specialization cache's
 key (whose dynamic dims are wildcards), so every decision the general path makes for a
 call — which specialization, which size guards hold, the shape variables' values and
-their constraints — is the same for every call of one signature, and is made once, by
-the general path, on the signature's first call. `FastCall` then keeps the answer: the
+their constraints — is the same for every call of one signature, and is made by the
+general path; when the signature comes back (its second call: a signature seen once,
+such as a size changing every call, does not pay the ~50 us of preparing) `FastCall`
+keeps the answer: the
 input positions, a `kiln.runtime.fast_call.FastPlan` for the program at those sizes, and
 how the outputs are returned.
 

@@ -76,7 +76,7 @@ def test_dynamic_dims_get_one_prepared_call_per_size_and_keep_their_constraints(
         x = _rand(rows, 3, seed=rows)
         np.testing.assert_allclose(f(x).numpy(), (x * x).sum(-1), rtol=1e-5)
     assert f.stats()["compiles"] == 1
-    assert len(_prepared(f)) == 3
+    assert len(_prepared(f)) == 2  # 4 and 7 came back; 16, seen once, was not prepared
     for rows in (1, 17, 1):  # outside [2, 16]: the error every time, never a result
         with pytest.raises(KilnError, match="N"):
             f(_rand(rows, 3))
