@@ -125,7 +125,7 @@ def compile_graph(graph: Graph, backend: str = "cpu", mode: str = "default",
     `device` (not the CPU): every buffer of the program is in that device's memory
     (kiln/runtime/device_programs.py). `verified=False`: `graph` comes from a trace
     that left verification to this call (kn.compile), which verifies it unless the
-    whole-program cache has its program (see `_verify_unless_cached`)."""
+    whole-program cache has its program (the comment at the hit below says why)."""
     with paused_gc():
         return _compile_graph(graph, backend, mode, build, device, verified)
 
@@ -161,7 +161,8 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
         compiled = program_cache.load_kernels(target, program, names, blob, legal)
     if compiled is not None:
         # Not verifying an unverified traced graph here is sound: an entry is stored only
-        # after its graph was verified (by its trace, or below before the passes ran), and
+        # after its graph was verified (below, before the passes ran, or before this call by
+        # whoever passed verified=True: a trace, kn.load's archive reader), and
         # the key holds the graph's canonical text (every op, attribute, operand position,
         # result type, region and shape-variable constraint; a value used out of scope
         # prints as undefined) and its constants' bytes, with the source of kiln/ir (the
