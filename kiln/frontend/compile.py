@@ -21,7 +21,7 @@ from kiln.errors import KilnError, KilnTracedStateError, KilnTraceError
 from kiln.ir.graph import Graph
 from kiln.frontend import pytree
 from kiln.frontend.dispatch import to_array
-from kiln.frontend.fast_dispatch import MAX_SIGNATURES, prepare, signature
+from kiln.frontend.fast_dispatch import MAX_SIGNATURES, SEEN_ONCE, prepare, signature
 from kiln.frontend.tensor import Tensor
 from kiln.frontend.tracing import _leaf, is_tensor_like, trace_function
 from kiln.frontend.graph_compile import CompiledGraph, compile_graph  # noqa: F401 (imported from here)
@@ -78,7 +78,7 @@ class CompiledFunction:
         self._eager_calls = 0
         self._recompiles: list[dict] = []
         self._functionalized = None  # fn changes state it does not receive: functionalize.py
-        self._fast: dict = {}  # exact signature -> FastCall, False, or 0: seen once (fast_dispatch.py)
+        self._fast: dict = {}  # exact signature -> FastCall, False or SEEN_ONCE (fast_dispatch.py)
         self._fast_epoch = 0  # self._compiles when self._fast was last cleared
         functools.update_wrapper(self, fn)
 
@@ -167,8 +167,8 @@ class CompiledFunction:
             self._fast_epoch = self._compiles
         state = fast.get(sig)
         if state is None:
-            fast[sig] = 0  # seen once
-        elif state == 0:
+            fast[sig] = SEEN_ONCE
+        elif state is SEEN_ONCE:
             fast[sig] = prepare(leaves, entry, arrays, sizes)
 
     def _key(self, leaves, spec):

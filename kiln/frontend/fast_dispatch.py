@@ -36,6 +36,18 @@ MAX_SIGNATURES = 64  # prepared calls kept per compiled function (then cleared)
 _SCALARS = frozenset({int, float, bool, complex, str})
 
 
+class _SeenOnce:
+    """The mark of a signature the general path ran once (falsy: no prepared call)."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return False
+
+
+SEEN_ONCE = _SeenOnce()
+
+
 def signature(args: tuple) -> tuple:
     """(the exact signature of `args` for the fast path, or None: the general path; the
     leaves in pytree order, or `args` itself when every argument is a leaf)."""

@@ -298,3 +298,18 @@ def test_a_prepared_call_holds_the_executors_arena_not_a_second_one():
     s = x.astype(np.float64) @ w
     p = np.exp(s - s.max(-1, keepdims=True))
     np.testing.assert_allclose(out.numpy(), (p / p.sum(-1, keepdims=True)) @ w.T, rtol=1e-4, atol=1e-5)
+
+
+def test_a_program_the_plan_does_not_cover_is_judged_once(monkeypatch):
+    from kiln.frontend import fast_dispatch
+
+    f = kn.compile(lambda p, x: kn.cond(p, lambda v: v * 2, lambda v: -v, x))
+    x = _rand(5, seed=21)
+    seen = []
+    real = fast_dispatch.prepare
+    monkeypatch.setattr(fast_dispatch, "prepare", lambda *a: seen.append(1) or real(*a))
+    import kiln.frontend.compile as compile_module
+    monkeypatch.setattr(compile_module, "prepare", fast_dispatch.prepare)
+    for _ in range(6):
+        np.testing.assert_allclose(f(np.array(True), x).numpy(), x * 2)
+    assert len(seen) == 1 and list(f._fast.values()) == [False]
