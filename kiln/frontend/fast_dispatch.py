@@ -91,7 +91,7 @@ def _nested(args: tuple) -> tuple:
     leaves: list = []
     try:
         _walk(args, parts, leaves)
-    except _General:
+    except (_General, RecursionError):  # the general path gives its own answer or error
         return None, args
     tensors = sum(1 for a in leaves if a.__class__ is np.ndarray or isinstance(a, Tensor))
     if tensors > 1 and _aliased(leaves, tensors):
