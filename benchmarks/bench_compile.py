@@ -53,15 +53,16 @@ from kiln.codegen.cpu import jit
 from kiln.passes import manager as PM
 from kiln.runtime import executor as EX
 T = {{}}
-def timed(owner, name, label):
+B = {{}}  # --breakdown: thread CPU seconds per piece of the first call
+def timed(owner, name, label, clock=time.perf_counter, into=T):
     fn = getattr(owner, name)
     @functools.wraps(fn)
     def wrapper(*a, **k):
-        t = time.perf_counter()
+        t = clock()
         try:
             return fn(*a, **k)
         finally:
-            T[label] = T.get(label, 0.0) + time.perf_counter() - t
+            into[label] = into.get(label, 0.0) + clock() - t
     setattr(owner, name, wrapper)
 timed(C.CompiledFunction, "_trace", "trace")
 timed(PM.Pipeline, "run", "passes")
@@ -71,17 +72,6 @@ timed(jit, "optimize", "llvm")
 timed(jit, "object_code", "llvm")
 timed(program_cache, "load", "cache load")
 timed(EX.Executable, "run", "first step")
-B = {{}}  # --breakdown: thread CPU seconds per piece of the first call
-def cpu_timed(owner, name, label):
-    fn = getattr(owner, name)
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        t = time.thread_time()
-        try:
-            return fn(*a, **k)
-        finally:
-            B[label] = B.get(label, 0.0) + time.thread_time() - t
-    setattr(owner, name, wrapper)
 if {breakdown!r}:
     import gc
     import kiln.frontend.autodiff as FA
@@ -107,7 +97,7 @@ if {breakdown!r}:
                                (C.CompiledFunction, "_remember_call", "prepared call (per-call path)")):
         if hasattr(owner, name):
             B[label] = 0.0  # rows in this order
-            cpu_timed(owner, name, label)
+            timed(owner, name, label, time.thread_time, B)
     B["cycle collector"] = 0.0
     def _gc(phase, info, _t=[0.0]):
         if phase == "start":
