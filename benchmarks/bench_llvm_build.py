@@ -35,8 +35,9 @@ ROOT = os.path.dirname(HERE)
 
 COLD = r"""
 import functools, json, sys, time
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{tree!r}, {here!r}]  # `python -c` puts the working directory first
 import kiln as kn
+assert kn.__file__.startswith({tree!r}), kn.__file__
 import numpy as np
 from kiln.codegen.cpu import jit
 import bench_train as bt
@@ -71,8 +72,9 @@ print(json.dumps(T))
 
 WORKER = r"""
 import json, sys, time
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{tree!r}, {here!r}]
 import kiln as kn
+assert kn.__file__.startswith({tree!r}), kn.__file__
 import numpy as np
 import bench_cpu, bench_train as bt
 from kiln import optim
@@ -101,9 +103,9 @@ for line in sys.stdin:
     call = list(calls.values())[index]
     out = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         call()
-        out.append(time.perf_counter() - t)
+        out.append((time.perf_counter() - t, time.process_time() - c))
     print(json.dumps(out), flush=True)
 """
 
@@ -115,7 +117,7 @@ def tree_env(tree: str, cache: str) -> dict:
 
 def cold(tree: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-llvm-build-") as cache:
-        done = subprocess.run([sys.executable, "-c", COLD.format(here=HERE)], env=tree_env(tree, cache),
+        done = subprocess.run([sys.executable, "-c", COLD.format(here=HERE, tree=tree)], env=tree_env(tree, cache),
                               capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip()[-2000:])
@@ -126,7 +128,7 @@ class Worker:
     """One tree's worker process: compiled workloads, timed on request (bounded waits)."""
 
     def __init__(self, tree: str, quick: bool, cache: str):
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER.format(here=HERE, quick=quick)],
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER.format(here=HERE, quick=quick, tree=tree)],
                                      env=tree_env(tree, cache), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self.names = json.loads(self._line())
@@ -151,10 +153,13 @@ class Worker:
             self.proc.wait(timeout=60)
 
 
-def measure(trees: dict, rounds: int, quick: bool, reps: int) -> tuple[dict, dict]:
+def measure(trees: dict, rounds: int, quick: bool, reps: int, only=(), cold_runs: int = 1
+            ) -> tuple[dict, dict]:
+    """(cold runs per tree, {tree: {workload: [(wall s, CPU s) per call]}}); `only`: the
+    workloads to time (all when empty)."""
     names = list(trees)
     colds = {n: [] for n in names}
-    for r in range(rounds):
+    for r in range(cold_runs):
         for n in (names if r % 2 == 0 else names[::-1]):
             res = cold(trees[n])
             colds[n].append(res)
@@ -167,7 +172,7 @@ def measure(trees: dict, rounds: int, quick: bool, reps: int) -> tuple[dict, dic
                 os.makedirs(os.path.join(cache, n))
                 workers[n] = Worker(trees[n], quick, os.path.join(cache, n))
             for r in range(rounds):
-                for w in workers[names[0]].names:
+                for w in [w for w in workers[names[0]].names if not only or w in only]:
                     for n in (names if r % 2 == 0 else names[::-1]):
                         times[n].setdefault(w, []).extend(workers[n].run(w, reps))
                 print("round", r + 1, "of", rounds, file=sys.stderr)
@@ -189,22 +194,28 @@ def render(trees: dict, colds: dict, times: dict, rounds: int, reps: int, quick:
              f"{load[0]:.1f} at the start, {load[1]:.1f} at the end",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; trees: "
              f"`{a}` = {trees[a]}, `{b}` = {trees[b]}; {rounds} rounds, "
-             f"{'quick' if quick else 'full'} bench_cpu sizes, {reps} calls per turn", "",
-             "Cold compile of the GPT training step (fresh process, empty cache), seconds, "
-             "median (min) of the rounds:", "",
-             f"| | first call | LLVM (wall) | CPU s of the first call |", "|---|---|---|---|"]
-    for n in trees:
-        cells = [f"{statistics.median(r[k] for r in colds[n]):.3f} ({min(r[k] for r in colds[n]):.3f})"
-                 for k in ("first", "llvm", "cpu")]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+             f"{'quick' if quick else 'full'} bench_cpu sizes, {reps} calls per turn", ""]
+    if all(colds.values()):
+        lines += ["Cold compile of the GPT training step (fresh process, empty cache), seconds, "
+                  f"median (min) of {len(colds[a])} runs per tree:", "",
+                  "| | first call | LLVM (wall) | CPU s of the first call |", "|---|---|---|---|"]
+        for n in trees:
+            cells = [f"{statistics.median(r[k] for r in colds[n]):.3f} ({min(r[k] for r in colds[n]):.3f})"
+                     for k in ("first", "llvm", "cpu")]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", f"Run time per call, ms, median (min) over the same rounds; ratio = `{a}` / `{b}` "
-                  "(above 1: the second tree is faster):", "",
-              f"| workload | {a} | {b} | ratio of medians | ratio of minimums |", "|---|---|---|---|---|"]
+                  "(above 1: the second tree is faster); CPU = the process's CPU time per call "
+                  "(all threads), which a descheduled thread does not accumulate:", "",
+              f"| workload | {a} | {b} | ratio of medians | ratio of minimums | {a} CPU | {b} CPU | "
+              "ratio of CPU medians |", "|---|---|---|---|---|---|---|---|"]
     for w in times[a]:
-        ta, tb = times[a][w], times[b][w]
+        ta, tb = [x[0] for x in times[a][w]], [x[0] for x in times[b][w]]
+        ca, cb = [x[1] for x in times[a][w]], [x[1] for x in times[b][w]]
         ma, mb = statistics.median(ta), statistics.median(tb)
+        cma, cmb = statistics.median(ca), statistics.median(cb)
         lines.append(f"| {w} | {ma * 1e3:.3f} ({min(ta) * 1e3:.3f}) | {mb * 1e3:.3f} ({min(tb) * 1e3:.3f}) | "
-                     f"{ma / mb:.3f} | {min(ta) / min(tb):.3f} |")
+                     f"{ma / mb:.3f} | {min(ta) / min(tb):.3f} | {cma * 1e3:.3f} | {cmb * 1e3:.3f} | "
+                     f"{cma / max(cmb, 1e-9):.3f} |")
     return "\n".join(lines)
 
 
@@ -215,12 +226,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5, help="timed calls per workload per turn")
     ap.add_argument("--quick", action="store_true", help="bench_cpu.py's quick sizes")
+    ap.add_argument("--only", default="", help="comma-separated workloads to time (default: all)")
+    ap.add_argument("--cold", type=int, default=None, help="cold-compile runs per tree (default: --rounds)")
     ap.add_argument("--out", help="write the section into this markdown file")
     args = ap.parse_args()
     trees = {"baseline": os.path.abspath(args.baseline),
              "this tree" if args.tree == ROOT else "tree": os.path.abspath(args.tree)}
     load0 = os.getloadavg()[0]
-    colds, times = measure(trees, args.rounds, args.quick, args.reps)
+    only = tuple(w.strip() for w in args.only.split(",") if w.strip())
+    colds, times = measure(trees, args.rounds, args.quick, args.reps, only,
+                           args.rounds if args.cold is None else args.cold)
     text = render(trees, colds, times, args.rounds, args.reps, args.quick, (load0, os.getloadavg()[0]))
     print(text)
     if args.out:

@@ -1,15 +1,18 @@
 """Object code of many kernels built as several LLVM modules on threads at once.
 
 LLVM's pass pipeline and code generation are most of a cold compile (the small GPT
-training step: 70 distinct kernels, ~1.1 s of O3 and ~1.5 s of code generation on one
-core). They run in native code with the GIL released, and modules in LLVM contexts of
-their own do not share state, so the kernels are dealt into one module per thread
-(largest first, each to the lightest module: LPT scheduling on `build_cost`, an
-estimate from the emitted IR) and compiled concurrently (`jit.object_codes`). Each kernel's code is what a one-module
-build makes of it: its functions and helpers are all internal to its module, so
-splitting changes where code lies, not what it is.
+training step: 70 distinct kernels, ~1.6 CPU s of O3 and code generation on a loaded
+machine, 2026-12-02; 3.2 s before the emission changes of llvm_build in
+benchmarks/results/cpu.md). They run in native code with the GIL released, and modules
+in LLVM contexts of their own do not share state, so the kernels are dealt into one
+module per thread (largest first, each to the lightest module: LPT scheduling on
+`build_cost`, an estimate from the emitted IR) and compiled concurrently
+(`jit.object_codes`). Each kernel's code is what a one-module build makes of it: its
+functions and helpers are all internal to its module, so splitting changes where code
+lies, not what it is.
 
-The parts are one payload (`cache_elf.pack_objects`), loaded into one MCJIT engine.
+The parts are one payload (`cache_elf.pack_objects`), loaded into one MCJIT engine each
+(`Engines`).
 """
 
 from __future__ import annotations
