@@ -110,6 +110,8 @@ def _sym(x):
 
 def dim(value) -> Dim:
     """Normalize one dim: ints stay ints, integer sympy values become ints."""
+    if type(value) is int:  # the common case first (a bool's type is bool, not int)
+        return value
     if isinstance(value, bool):
         raise KilnArgumentError(f"a dimension must be an int or a symbolic size, got bool {value!r}")
     if isinstance(value, int):
@@ -129,7 +131,7 @@ def dim(value) -> Dim:
 
 
 def shape(values: Iterable) -> tuple[Dim, ...]:
-    return tuple(dim(v) for v in values)
+    return tuple(map(dim, values))
 
 
 def is_static(d: Dim) -> bool:
@@ -143,6 +145,8 @@ def dims_equal(a: Dim, b: Dim) -> bool:
 
 
 def shapes_equal(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
+    if a == b:  # element-wise ==: equal ints, or structurally equal symbolic dims
+        return True
     return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))
 
 
@@ -215,7 +219,7 @@ def format_dim(d: Dim) -> str:
 
 
 def format_shape(dims: tuple[Dim, ...]) -> str:
-    return "[" + ", ".join(format_dim(d) for d in dims) + "]"
+    return "[" + ", ".join(map(format_dim, dims)) + "]"
 
 
 def broadcast_shapes(op: str, *shapes_: tuple[Dim, ...], describe=None) -> tuple[Dim, ...]:
