@@ -60,11 +60,18 @@ def format_attrs(attrs: dict) -> str:
 def _shown_attrs(node: Node) -> dict:
     """Attributes left at a default of None (an unset option: no stride, no trip bound)
     are not printed; the parser fills them back in, so the text still round-trips."""
+    attrs = node.attrs
+    if None not in attrs.values():  # most nodes: nothing to leave out
+        return attrs
+    defaults = _defaults(node.op)
+    return {k: v for k, v in attrs.items() if not (v is None and k in defaults
+                                                   and defaults[k] is None)}
+
+
+def _defaults(op: str) -> dict:
     from kiln.ir import registry
 
-    defaults = registry.get(node.op).attrs
-    return {k: v for k, v in node.attrs.items() if not (v is None and k in defaults
-                                                        and defaults[k] is None)}
+    return registry.get(op).attrs
 
 
 class _Namer:
@@ -104,8 +111,18 @@ class _Namer:
             return f"<undefined {value!r}>"
 
 
-def _types(values) -> str:
-    return ", ".join(str(v.type) for v in values)
+def _types(values, texts: dict) -> str:
+    """The values' types as text; `texts` memoizes the text of each (dtype, shape)
+    within one rendering (a graph repeats a few types across thousands of values)."""
+    out = []
+    for v in values:
+        t = v.type
+        key = (t.dtype.short, t.shape)
+        text = texts.get(key)
+        if text is None:
+            text = texts[key] = str(t)
+        out.append(text)
+    return ", ".join(out)
 
 
 def print_graph(graph: Graph) -> str:
@@ -135,28 +152,33 @@ def _render(graph: Graph) -> tuple[str, "_Namer"]:
     lines = [f"graph @{graph.name}({params}) -> {out_text}"]
     for name in sorted(graph.shape_vars):
         lines.append(f"  where {graph.shape_vars[name].describe()}")
-    _print_nodes(graph.body.nodes, namer, lines, "  ")
+    _print_nodes(graph.body.nodes, namer, lines, "  ", {})
     lines.append("  return" + _value_list(graph.outputs, namer))
     return "\n".join(lines) + "\n", namer
 
 
-def _print_nodes(nodes: list[Node], namer: _Namer, lines: list[str], indent: str) -> None:
+def _print_nodes(nodes: list[Node], namer: _Namer, lines: list[str], indent: str,
+                 texts: dict) -> None:
+    names, number = namer.names, namer.number
     for node in nodes:
-        operands = ", ".join(f"%{namer[v]}" for v in node.operands)
-        results = ", ".join(f"%{namer.number(v)}" for v in node.results)
-        lhs = f"{results} = " if node.results else ""
-        types = _types(node.results) if node.results else "()"
+        operands = ", ".join(["%" + (names.get(id(v)) or namer[v]) for v in node.operands])
+        if node.results:
+            results = ", ".join(["%" + number(v) for v in node.results])
+            lhs, types = results + " = ", _types(node.results, texts)
+        else:
+            lhs, types = "", "()"
         lines.append(f"{indent}{lhs}{node.op}({operands}){format_attrs(_shown_attrs(node))} : {types}")
         if node.regions:
             for region in node.regions:
-                _print_region(region, namer, lines, indent + "  ")
+                _print_region(region, namer, lines, indent + "  ", texts)
             lines.append(f"{indent}  end")
 
 
-def _print_region(region: Region, namer: _Namer, lines: list[str], indent: str) -> None:
+def _print_region(region: Region, namer: _Namer, lines: list[str], indent: str,
+                  texts: dict) -> None:
     params = ", ".join(f"%{namer.number(p)}: {p.type}" for p in region.params)
     lines.append(f"{indent}region({params}):")
-    _print_nodes(region.nodes, namer, lines, indent + "  ")
+    _print_nodes(region.nodes, namer, lines, indent + "  ", texts)
     lines.append(f"{indent}  yield" + _value_list(region.results, namer))
 
 
