@@ -100,7 +100,9 @@ class _Differentiated:
         add_params(region, captured)
         graph = Graph(_name(fn), region, dict(b.graph.shape_vars), dict(b.graph.constants))
         self.n_out = n_out
-        self.vjp: VJP = vjp_graph(graph, [i for i, w in enumerate(wrt) if w], n_out)
+        # traced: both halves are inlined into the outer trace, which is verified whole
+        self.vjp: VJP = vjp_graph(graph, [i for i, w in enumerate(wrt) if w], n_out,
+                                  verify_result=not self.traced)
         self.inputs = [v if self.traced else _array(leaf) for leaf, v, _ in leaf_values] + captured
         self.wrt_mask = wrt
         self.n_captured = len(captured)

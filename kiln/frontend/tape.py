@@ -367,7 +367,8 @@ def _backprop(roots: list, traced, wanted) -> None:
         wrt = [i for i, x in enumerate(inputs)
                if differentiable_dtype(_type(_cut_primal(x)).dtype)
                and (not isinstance(x, LeafRef) or wanted is None or id(x.tensor) in wanted)]
-        vjp = vjp_graph(b.graph, wrt, len(graph_roots))
+        # traced: both halves are inlined into the trace, which is verified whole
+        vjp = vjp_graph(b.graph, wrt, len(graph_roots), verify_result=traced is None)
         primals = [_cut_primal(x) for x in inputs] + list(others.values())
         seeds = [ct for _, ct in graph_roots]
         if traced is not None:
