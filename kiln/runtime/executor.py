@@ -9,6 +9,7 @@ so a repeated call allocates only its outputs.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from typing import Callable, Sequence
@@ -21,11 +22,21 @@ from kiln.ir.interpret import concrete_attrs
 from kiln.ir.shapes import dim_function
 from kiln.runtime import profiler as _profiler
 from kiln.runtime.allocator import Allocator, default_allocator
+from kiln.runtime.device import allocator_for
 from kiln.runtime.program import Collective, Constant, Control, Extern, Launch, Program, View
 from kiln.runtime.native_loops import NativeLoop
 from kiln.runtime.native_switch import NativeSwitch
 
 KernelFn = Callable[[list, dict], None]
+
+# outputs up to this size are np.empty, tracked as eager results are (~1 us with the
+# tracking); larger ones are blocks of the caching allocator (~5-10 us a call, its
+# accounting and lease included), whose exact-size reuse hands a dropped output's
+# paged-in memory to the next call. glibc raises its mmap threshold to the largest
+# block freed (up to 32 MiB), so a dropped np.empty output of this size is served again
+# from the heap without page faults: measured 64 KiB-4 MiB, allocate + fill took the
+# time of filling a kept buffer, 0 minor faults per call
+SMALL_OUTPUT_BYTES = 1 << 20
 
 
 class Executable:
@@ -83,6 +94,11 @@ class Executable:
         allocator = self.allocator
         if storage is None:
             self._transient.append(slot)
+            # small outputs of a host program: np.empty, counted as eager results are (see
+            # kiln/runtime/fast_call.py, whose prepared calls allocate them the same way)
+            track = allocator_for("cpu").track_new if self.side is None and \
+                allocator is default_allocator() else None
+            itemsize = np.dtype(dtype).itemsize
 
             def fresh(sizes, arena):
                 # a while_loop body may hand back last-but-one trip's output to refill
@@ -90,6 +106,10 @@ class Executable:
                 shape = shape_of(sizes)
                 if recycled is not None and recycled.shape == shape:
                     return recycled
+                if track is not None and math.prod(shape) * itemsize <= SMALL_OUTPUT_BYTES:
+                    out = np.empty(shape, dtype)
+                    track(out)
+                    return out
                 reclaimed = self._reclaim(slot, shape)
                 return reclaimed if reclaimed is not None else allocator.empty(shape, dtype)
 
@@ -245,7 +265,8 @@ class Executable:
         if self.side is not None and not borrow:
             self.side.finish()
         if self._transient:
-            self.allocator.end_call(sum(env[s].nbytes for s in self._transient if env[s] is not None))
+            self.allocator.end_call(sum(env[s].nbytes for s in self._transient
+                                        if env[s] is not None and env[s].nbytes > SMALL_OUTPUT_BYTES))
             if not borrow or remember:
                 self._remember_outputs(env)
         result = []
@@ -264,7 +285,7 @@ class Executable:
             # any other output must be the caller's own too: never an input, a constant,
             # or a view into memory the next call reuses
             copy = np.copy if self.side is None else self.side.copy  # on the program's device
-            if not array.flags.owndata:
+            if not array.flags.owndata or id(array) in handed:  # (handed: returned twice)
                 array = copy(array)
             elif not borrow:
                 if borrowed is None:
@@ -308,7 +329,8 @@ class Executable:
         outputs = self._output_slots
         for slot in self._transient:
             array = env[slot]
-            if slot in outputs and array is not None and array.flags.owndata:
+            if slot in outputs and array is not None and array.flags.owndata \
+                    and array.nbytes > SMALL_OUTPUT_BYTES:  # np.empty ones: freed when dropped
                 kept = self._returned.get(slot)
                 if kept is None:
                     kept = self._returned.setdefault(slot, [])

@@ -52,17 +52,9 @@ from kiln.runtime import profiler as _profiler
 from kiln.runtime.allocator import default_allocator
 from kiln.runtime.device import allocator_for
 from kiln.runtime.threads import blas_single_thread
-from kiln.runtime.executor import _fresh
+from kiln.runtime.executor import SMALL_OUTPUT_BYTES, _fresh
 from kiln.runtime.program import Collective, Constant, Extern, Launch, View
 
-# outputs up to this size are np.empty, tracked as eager results are (~1 us with the
-# tracking); larger ones are blocks of the caching allocator (~5-10 us a call, its
-# accounting and lease included), whose exact-size reuse hands a dropped output's
-# paged-in memory to the next call. glibc raises its mmap threshold to the largest
-# block freed (up to 32 MiB), so a dropped np.empty output of this size is served again
-# from the heap without page faults: measured 64 KiB-4 MiB, allocate + fill took the
-# time of filling a kept buffer, 0 minor faults per call
-SMALL_OUTPUT_BYTES = 1 << 20
 
 _VOID_PTRS: dict[int, type] = {}
 _INT64S: dict[int, type] = {}
