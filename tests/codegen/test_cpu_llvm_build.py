@@ -85,22 +85,46 @@ def test_column_stores_load_only_the_reductions_they_read():
 
 
 def test_build_cost_weighs_vectorized_loops(monkeypatch):
-    """The partition's estimate: a column kernel's many small vectorized loops cost LLVM
-    more than their text suggests (each becomes a vector body, remainder and epilogue)."""
+    """The partition's estimate: a kernel's vectorized loops cost LLVM more than their
+    text suggests (each becomes a vector body, remainder and epilogue)."""
     from kiln.codegen.cpu import parallel_build as pb
 
     monkeypatch.setattr(pb, "MIN_PART_CHARS", 1)  # split even these small kernels
     text = CpuBackend().stage_text(_rows_kernel(6), "llvm")
     loops = text.count(pb.VECTOR_HINT)
-    assert loops >= 18  # per reduction: init and accumulate loops; per store: one loop
+    assert loops == 3  # clear the accumulators, accumulate the six sums, the six stores
     assert pb.build_cost(text) == len(text) + loops * pb.CHARS_PER_VECTOR_LOOP + pb.CHARS_PER_KERNEL
-    # text 1.5x longer but no loop: by length alone it would fill a module by itself and
-    # the two column kernels would share the other; by build cost they are kept apart
-    plain = "x" * (3 * len(text) // 2)
+    # a text longer by half its loops' weight but without loops: by length alone it would
+    # fill a module by itself and the two kernels would share the other; by cost it is
+    # the lighter item, and the two kernels are kept apart
+    plain = "x" * (len(text) + loops * pb.CHARS_PER_VECTOR_LOOP // 2)
     assert pb.build_cost(plain) < pb.build_cost(text)
     groups = pb.partition([text, text, plain], pb.build_cost, 2)
     assert sorted(groups, key=len) == [[text], [text, plain]]
     assert sorted(pb.partition([text, text, plain], len, 2), key=len) == [[plain], [text, text]]
+
+
+def test_column_stages_share_loops_where_independent():
+    """Consecutive stores share one column loop; consecutive reductions over the same
+    rows share one row nest unless one reads another (mean, then the variance around
+    it); the numerics are the evaluator's."""
+    from kiln.codegen.cpu.column_reduce import stage_groups
+
+    k = _rows_kernel(4)
+    assert [len(g) for g in stage_groups(k.stages)] == [4, 4]
+    x = Load("x", 200 * 32 * r0 + 200 * r1 + o0, F32)
+    loops = (Loop("r0", 16), Loop("r1", 32))
+    mean = op("div", ReduceRef("m", F32), Load("x", 0, F32))
+    chained = Kernel("mv", (BufferParam("x", F32, (16, 32, 200), IN), BufferParam("v", F32, (200,), OUT),
+                            BufferParam("w", F32, (200,), OUT)), (), (Loop("o0", 200),),
+                     (Reduce("m", "sum", loops, x, F32), Reduce("s", "sum", loops, op("mul", x, x), F32),
+                      Reduce("q", "sum", loops, op("mul", op("sub", x, mean), op("sub", x, mean)), F32),
+                      Store("v", o0, ReduceRef("q", F32)), Store("w", o0, ReduceRef("s", F32))))
+    assert column_friendly(chained)
+    assert [[st.name if isinstance(st, Reduce) else st.buffer for st in g]
+            for g in stage_groups(chained.stages)] == [["m", "s"], ["q"], ["v", "w"]]
+    check(chained, {}, rtol=1e-4, atol=1e-3, low=0.5, high=2.0)
+    check(k, {}, rtol=1e-4, atol=1e-4)
 
 
 def test_batch_members_have_no_abi_wrappers():
