@@ -121,6 +121,9 @@ class FastPlan:
         except _NotApplicable:
             self._parts = None
             self._release()
+        except BaseException:
+            self._release()  # the arena back to the executor; the error is a bug to see
+            raise
 
     def _new_object(self) -> int:
         self._n_objects += 1
