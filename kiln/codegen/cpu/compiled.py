@@ -236,6 +236,10 @@ class CompiledKernel:
     """Call as `compiled(arrays, sizes)`: runs the kernel in place on contiguous numpy
     arrays ordered as `kernel.buffers`; `sizes` binds every name of `kernel.sizes`."""
 
+    # whether a GEMM kernel calls BLAS (the backend clears it for kiln's micro-kernel):
+    # BLAS is set to one thread around the call only then (a 3-10 us toggle per call)
+    calls_blas = True
+
     def __init__(self, kernel, address: int, owner, *, threads: int, threshold: int,
                  outer_extents: tuple, serial: bool = False, object_address: int = 0):
         self.kernel = kernel
@@ -315,7 +319,7 @@ class CompiledKernel:
             # other per block: at load ~12 on 2 CPUs the GPT step's mid-size products
             # (2^21..2^23 multiply-adds) with 2 BLAS threads took 256-404 ms a step
             # against 14 ms with one (benchmarks/bench_stress.py)
-            one_blas = True
+            one_blas = self.calls_blas
             if batch > 1 and total >= batch and batch * m * n * k >= BATCH_SPLIT_FLOPS:
                 # instead a large batch is split over kiln's pool, whole batch items per
                 # thread (B is packed once per item), one BLAS thread each
