@@ -33,15 +33,29 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-COLD = r"""
+# both scripts start alike: this kiln first on sys.path (`python -c` puts the working
+# directory there), then the GPT training step of bench_train.py, compiled, and its inputs
+PROLOGUE = r"""
 import functools, json, sys, time
-sys.path[:0] = [{tree!r}, {here!r}]  # `python -c` puts the working directory first
+sys.path[:0] = [{tree!r}, {here!r}]
 import kiln as kn
 assert kn.__file__.startswith({tree!r}), kn.__file__
 import numpy as np
-from kiln.codegen.cpu import jit
 import bench_train as bt
 from kiln import optim
+from kiln.codegen.cpu import jit
+kn.manual_seed(0)
+module = bt.gpt_module("kiln")
+model = module.GPT(module.GPTConfig(**bt.GPT))
+rng = np.random.default_rng(0)
+x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
+        for _ in range(2))
+opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
+step = kn.compile(bt.kiln_step_fn(model, opt))
+params = dict(model.named_parameters())
+"""
+
+COLD = PROLOGUE + r"""
 T = {{"llvm": 0.0}}
 def timed(name):
     fn = getattr(jit, name)
@@ -55,39 +69,15 @@ def timed(name):
     setattr(jit, name, wrapper)
 for name in ("object_codes", "optimize", "object_code"):
     timed(name)
-kn.manual_seed(0)
-module = bt.gpt_module("kiln")
-model = module.GPT(module.GPTConfig(**bt.GPT))
-rng = np.random.default_rng(0)
-x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-        for _ in range(2))
-opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
-step = kn.compile(bt.kiln_step_fn(model, opt))
-params = dict(model.named_parameters())
 t0, c0 = time.perf_counter(), time.process_time()
 step(params, opt.init(params), x, y, kn.nn.random.key(0))
 T.update(first=time.perf_counter() - t0, cpu=time.process_time() - c0)
 print(json.dumps(T))
 """
 
-WORKER = r"""
-import json, sys, time
-sys.path[:0] = [{tree!r}, {here!r}]
-import kiln as kn
-assert kn.__file__.startswith({tree!r}), kn.__file__
-import numpy as np
-import bench_cpu, bench_train as bt
-from kiln import optim
+WORKER = PROLOGUE + r"""
+import bench_cpu
 calls = {{}}
-kn.manual_seed(0)
-module = bt.gpt_module("kiln")
-model = module.GPT(module.GPTConfig(**bt.GPT))
-rng = np.random.default_rng(0)
-x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-        for _ in range(2))
-opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
-step = kn.compile(bt.kiln_step_fn(model, opt))
-params = dict(model.named_parameters())
 state, key = opt.init(params), kn.nn.random.key(0)
 calls["gpt step"] = lambda: step(params, state, x, y, key)
 for item in bench_cpu.workloads(quick={quick!r}):
