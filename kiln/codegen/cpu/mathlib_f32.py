@@ -104,14 +104,19 @@ def is_nan(fn: Fn, x: V) -> V:
 
 
 def exp(fn: Fn, x: V) -> V:
-    # below -104 the result is 0 even for subnormals, above 89 it is inf
-    em1, k = exp_core(fn, clamp(fn, x, -104.0, 89.0))
+    # below -104 the result is 0 even for subnormals (exp(-104) rounds to 0), above 89
+    # it is inf. Those lanes compute exp(0) and select 0 at the end: computing the
+    # underflow itself costs a microcode assist per lane on x86 (~100 cycles), and a
+    # masked softmax feeds exp(-inf) for half its elements (6x slower kernels)
+    under = fn.fcmp("olt", x, c(-104.0))
+    em1, k = exp_core(fn, clamp(fn, fn.select(under, c(0.0), x), -104.0, 89.0))
     # 2^k in two factors (k in [-150, 128] does not fit one normal float): the fma
     # rounds once, and (1+em1) 2^k1 with k1 >= -75 is exact, so a subnormal result is
     # rounded once more at most (the second product)
     k1 = fn.bin("ashr", k, i32(1))
     s1, s2 = pow2(fn, k1), pow2(fn, fn.bin("sub", k, k1))
-    return fn.fmul(fn.fma(s1, em1, s1), s2)  # NaN in, NaN out (through em1)
+    # NaN in, NaN out (through em1: NaN is not olt -104)
+    return fn.select(under, c(0.0), fn.fmul(fn.fma(s1, em1, s1), s2))
 
 
 def expm1(fn: Fn, x: V) -> V:
