@@ -188,10 +188,20 @@ def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
         if g.root is not None and g.values[0] is g.root:
             mat.add(id(g.root))
     _prune(groups, analysis, mat)
-    groups = _merge_horizontal([g for g in groups if g.values], analysis, mat)
+    groups = [g for g in groups if g.values]
+    if SPLIT_BEFORE_MERGE:
+        groups = _order(groups, analysis, mat)
+    groups = _merge_horizontal(groups, analysis, mat)
     _prune(groups, analysis, mat)  # a value only its merged kernel reads is a register now
     return _order(groups, analysis, mat), mat
 
+
+# Split the groups a cycle runs through (`_order`) before merging loops: an over-merged
+# reduction group (a forward layer_norm's statistics beside the backward's reductions of
+# the same domain) makes every later loop seem to wait on every earlier one, so a GPT
+# step's exact GELU stayed four loop kernels per layer. Off: the earlier plan, measured
+# by benchmarks/bench_gpt_step.py.
+SPLIT_BEFORE_MERGE = True
 
 # Horizontal fusion (step 4): loop kernels over one iteration space share one kernel when
 # neither waits on the other through a third kernel or an unfused node. A benchmark flips

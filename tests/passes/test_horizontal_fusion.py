@@ -9,6 +9,7 @@ import pytest
 
 import kiln as kn
 import kiln.passes.fusion as fusion
+from kiln.codegen.kernel_ir import format_kernel
 from kiln.ir.parser import parse_graph
 from kiln.passes.fusion import fuse
 from tests.cli_helpers import kiln_cli
@@ -117,3 +118,46 @@ def test_sixteen_small_independent_ops_compile_to_one_kernel_shown_by_kiln_dump(
     code, out, err = kiln_cli("dump", path, "--stage", "kernels")
     assert code == 0, err
     assert out.count("kernel ") == 1 and out.count("store ") == 16
+
+
+def _residual_gelu_blocks(w1, w2, x):
+    import kiln.nn.functional as F
+
+    for _ in range(2):  # pre-norm residual blocks, as a transformer's MLP
+        x = x + F.gelu(F.layer_norm(x, (x.shape[-1],)) @ w1) @ w2
+    return (x * x).sum()
+
+
+def _gelu_step(w1, w2, x):
+    return kn.value_and_grad(_residual_gelu_blocks, argnums=(0, 1))(w1, w2, x)
+
+
+def test_training_step_gelu_is_one_kernel_per_layer(monkeypatch):
+    """The forward layer_norm statistics group with the backward's reductions of the same
+    domain until `_order` splits that cycle; splitting it before loops merge lets exact
+    GELU's four loops (scale, erf, +1, product) share one kernel per layer (was four)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    w1, w2 = (rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((32, 128), (128, 32)))
+    plans = {}
+    for split in (False, True):
+        monkeypatch.setattr(fusion, "SPLIT_BEFORE_MERGE", split)
+        compiled = kn.compile(_gelu_step)
+        loss, (g1, g2) = compiled(w1, w2, x)
+        tw1, tw2 = (torch.tensor(w, requires_grad=True) for w in (w1, w2))
+        tx = torch.tensor(x)
+        for _ in range(2):
+            h = torch.nn.functional.layer_norm(tx, (32,))
+            tx = tx + torch.nn.functional.gelu(h @ tw1) @ tw2
+        want = (tx * tx).sum()
+        want.backward()
+        np.testing.assert_allclose(float(loss.numpy()), want.item(), rtol=1e-5)
+        np.testing.assert_allclose(g1.numpy(), tw1.grad.numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(g2.numpy(), tw2.grad.numpy(), rtol=1e-4, atol=1e-4)
+        kernels = [format_kernel(k) for k in compiled.compiled_graphs()[0].program.kernels.values()]
+        plans[split] = (len(kernels), [t for t in kernels if "erf(" in t])
+    (before, erf_before), (after, erf_after) = plans[False], plans[True]
+    assert after < before
+    assert len(erf_after) == 2 and all("erf(mul(load" in t for t in erf_after)  # scale inline
+    assert all("erf(load" in t for t in erf_before)  # erf read the scaled value's buffer
