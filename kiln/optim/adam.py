@@ -10,6 +10,7 @@ from __future__ import annotations
 from kiln.errors import KilnArgumentError
 from kiln.ir import dtypes as dt
 from kiln.frontend import pytree
+from kiln.optim.leaf_replay import map_leaves
 from kiln.optim.stateful import is_params_argument
 from kiln.optim.optimizer import (
     Optimizer, align, check_lr, learning_rate, leaves_of, new_step, scalar, step_count,
@@ -79,8 +80,8 @@ class Adam(Optimizer):
         bias1 = 1.0 - beta1 ** t
         bias2_sqrt = sqrt(1.0 - beta2 ** t)
         step_size = scalar(lr, dt.float64) / bias1
-        new_p, new_m, new_v, new_vmax = [], [], [], []
-        for p, g, m, v, vmax in zip(p_leaves, g_leaves, ms, vs, vmaxes):
+
+        def leaf(p, g, m, v, vmax):
             g = to(g, p.dtype)
             if self.maximize:
                 g = -g
@@ -93,11 +94,13 @@ class Adam(Optimizer):
             v = v * beta2 + g * g * (1.0 - beta2)
             if self.amsgrad:
                 vmax = maximum(vmax, v)
-                new_vmax.append(vmax)
             denom = sqrt(vmax if self.amsgrad else v) / to(bias2_sqrt, p.dtype) + self.eps
-            new_p.append(p - to(step_size, p.dtype) * m / denom)
-            new_m.append(m)
-            new_v.append(v)
+            return p - to(step_size, p.dtype) * m / denom, m, v, vmax
+
+        # traced: each (dtype, shape) of parameter traced once, its nodes replayed
+        done = map_leaves(leaf, list(zip(p_leaves, g_leaves, ms, vs, vmaxes)))
+        new_p, new_m, new_v, new_vmax = (list(column) for column in zip(*done)) if done \
+            else ([], [], [], [])
         new_state = {"step": step + 1, "exp_avg": pytree.unflatten(spec, new_m),
                      "exp_avg_sq": pytree.unflatten(spec, new_v)}
         if self.amsgrad:
