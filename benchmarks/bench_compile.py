@@ -20,6 +20,7 @@ after each cold one (their median per round).
     .venv/bin/python benchmarks/bench_compile.py --rounds 3 --out benchmarks/results/cpu.md
     .venv/bin/python benchmarks/bench_compile.py --profile cold   # cProfile of one first call
     .venv/bin/python benchmarks/bench_compile.py --breakdown 5    # CPU per piece of a warm call
+    .venv/bin/python benchmarks/bench_compile.py --breakdown 5 --kiln NEW --baseline OLD  # alternating
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ timed(EX.Executable, "run", "first step")
 if {breakdown!r}:
     import gc
     import kiln.frontend.autodiff as FA
+    import kiln.optim.adam as AD
     import kiln.frontend.graph_compile as GC
     import kiln.ir.printer as PR
     import kiln.codegen.program_codec as PC
@@ -84,7 +86,10 @@ if {breakdown!r}:
         CS = program_cache
     for owner, name, label in ((C.CompiledFunction, "_compile", "compile path (_compile)"),
                                (C, "trace_function", "  trace (with the vjp and the optimizer)"),
+                               (FA._Differentiated, "_trace", "    forward trace (value_and_grad)"),
                                (FA, "vjp_graph", "    vjp_graph"),
+                               (FA, "inline", "    forward and backward inlined into the trace"),
+                               (AD.Adam, "update", "    optimizer update (AdamW.update)"),
                                (program_cache, "program_key", "  program-cache key"),
                                (PR, "print_graph", "    canonical graph text"),
                                (CS, "compiler_state" if CS is not program_cache else "source_hash",
@@ -182,20 +187,39 @@ def measure(rounds: int, warm: int = 1, tree: str | None = None, baseline: str |
     return out
 
 
-def breakdown(runs: int, tree: str | None) -> str:
+def breakdown(runs: int, tree: str | None, baseline: str | None = None) -> str:
     """Thread CPU milliseconds per piece of a warm first call (medians of `runs` fresh
-    processes after one cold run), as a markdown table."""
-    with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
-        run_once(cache, tree=tree)
-        results = [run_once(cache, tree=tree, breakdown=True) for _ in range(runs)]
-    if not all(r["stats"]["hits"] == 1 for r in results):
+    processes after one cold run), as a markdown table; with `baseline`, that tree's
+    warm runs alternate with `tree`'s (a same-run before/after column)."""
+    trees = {"after": tree, "before": baseline} if baseline else {"CPU ms": tree}
+    results: dict = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as caches:
+        for name, where in trees.items():
+            os.mkdir(os.path.join(caches, name))
+            run_once(os.path.join(caches, name), tree=where)
+        for _ in range(runs):
+            for name, where in trees.items():
+                results[name].append(run_once(os.path.join(caches, name), tree=where, breakdown=True))
+    if not all(r["stats"]["hits"] == 1 for rs in results.values() for r in rs):
         raise RuntimeError("a warm run missed the program cache (was kiln's source edited meanwhile?)")
-    total = statistics.median(r["t"]["cpu"] for r in results)
-    lines = [f"| piece of the warm first call | CPU ms (median of {runs}) | share |", "|---|---|---|"]
-    for label in results[0]["cpu"]:
-        ms = statistics.median(r["cpu"].get(label, 0.0) for r in results) * 1e3
-        lines.append(f"| {label.replace('  ', '&nbsp;&nbsp;')} | {ms:.1f} | {ms / 1e3 / total:.0%} |")
-    lines.append(f"| first call, whole process | {total * 1e3:.1f} | 100% |")
+    names = list(trees)[::-1]  # before, after
+    totals = {n: statistics.median(r["t"]["cpu"] for r in results[n]) for n in names}
+    head = " | ".join(f"{n} (CPU ms, median of {runs})" for n in names)
+    lines = [f"| piece of the warm first call | {head} |", "|---" * (len(names) + 1) + "|"]
+    labels = list(results[names[-1]][0]["cpu"])
+    labels += [k for k in results[names[0]][0]["cpu"] if k not in labels]
+    for label in labels:
+        cells = " | ".join(f"{statistics.median(r['cpu'].get(label, 0.0) for r in results[n]) * 1e3:.1f}"
+                           for n in names)
+        lines.append(f"| {label.replace('  ', '&nbsp;&nbsp;')} | {cells} |")
+    lines.append("| first call, whole process | " + " | ".join(f"{totals[n] * 1e3:.1f}" for n in names) + " |")
+    cells = []
+    for n in names:
+        prepared = statistics.median(r["cpu"].get("prepared call (per-call path)", 0.0) for r in results[n])
+        cells.append(f"{(totals[n] - prepared) * 1e3:.1f}")
+    lines.append("| first call without the prepared call | " + " | ".join(cells) + " |")
+    walls = " | ".join(f"{statistics.median(r['t']['first'] for r in results[n]):.3f} s" for n in names)
+    lines.append(f"| first call, wall clock | {walls} |")
     return "\n".join(lines)
 
 
@@ -258,7 +282,7 @@ def main() -> int:
                         help="print the CPU time of each piece of a warm first call (median of N runs)")
     args = parser.parse_args()
     if args.breakdown:
-        print(breakdown(args.breakdown, args.kiln or None))
+        print(breakdown(args.breakdown, args.kiln or None, args.baseline or None))
         return 0
     if args.profile:
         with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
