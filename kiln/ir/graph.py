@@ -51,8 +51,11 @@ class Node:
         self.op = op
         self.operands = list(operands)
         self.attrs = dict(attrs)
-        self.regions = list(regions or [])
-        self.results = [Value(t, None, self, i) for i, t in enumerate(result_types)]
+        self.regions = list(regions) if regions else []
+        if type(result_types) is list and len(result_types) == 1:  # most nodes: one Value
+            self.results = [Value(result_types[0], None, self, 0)]
+        else:
+            self.results = [Value(t, None, self, i) for i, t in enumerate(result_types)]
 
     @property
     def result(self) -> Value:
