@@ -1,7 +1,8 @@
 """bench_train.py's small-GPT training step (forward, backward, AdamW): kiln compiled as
 the tree is ("after") and with three of issue 22's fixes undone in the process ("before":
 the float32 exp that computed its underflow, an x86 microcode assist per lane;
-scatter_along's np.add.at; fusion merging loops before splitting cyclic groups), against
+scatter_along's np.add.at; fusion's earlier plan: loops merged before cyclic groups
+were split, and split halves recomputing the reductions they share), against
 torch eager on one and two threads; every variant a fresh process with empty caches,
 variants round-robin, so load hits them alike.
 

@@ -199,8 +199,9 @@ def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
 # Split the groups a cycle runs through (`_order`) before merging loops: an over-merged
 # reduction group (a forward layer_norm's statistics beside the backward's reductions of
 # the same domain) makes every later loop seem to wait on every earlier one, so a GPT
-# step's exact GELU stayed four loop kernels per layer. Off: the earlier plan, measured
-# by benchmarks/bench_gpt_step.py.
+# step's exact GELU stayed four loop kernels per layer. And a split's halves share the
+# reductions they both need through a buffer (the softmax backward reads the forward's
+# row max and sum). Off: the earlier plan, measured by benchmarks/bench_gpt_step.py.
 SPLIT_BEFORE_MERGE = True
 
 # Horizontal fusion (step 4): loop kernels over one iteration space share one kernel when
@@ -289,12 +290,20 @@ def _source_groups(values: set[int], owner: dict, analysis: _Analysis) -> list:
 
 
 def _prune(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> None:
-    """A value only its own kernel reads needs no buffer (it is recomputed inline)."""
+    """A value only its own kernel reads needs no buffer (it is recomputed inline). A
+    reduction whose reader another kernel computes too stays stored (the rule of
+    plan_groups: a reduction several kernels need is computed once)."""
+    computed: dict[int, int] = defaultdict(int)  # node id -> how many kernels compute it
+    for g in groups:
+        for n in g.nodes(analysis, mat):
+            computed[id(n)] += 1
     for g in groups:
         members = {id(n) for n in g.nodes(analysis, mat)}
         keep = []
         for v in g.values:
-            outside = [u for u in analysis.consumers[id(v)] if id(u) not in members]
+            shared = SPLIT_BEFORE_MERGE and is_reduction(v.producer) and any(
+                computed[id(u)] > 1 for u in analysis.consumers[id(v)])
+            outside = [u for u in analysis.consumers[id(v)] if id(u) not in members or shared]
             if id(v) in analysis.outputs or outside or (g.kind == "gemm"):
                 keep.append(v)
             else:
@@ -405,12 +414,36 @@ def _split(g: _Group, analysis: _Analysis, mat: set[int], owner: dict) -> list[_
         if part.reduces and part.root is None:
             part.kind = "reduction"
         parts.append(part)
+    if SPLIT_BEFORE_MERGE and late and early and g.root is None:
+        _store_shared_reductions(parts[0], parts[1], analysis, mat)
     if g.root is not None:
         mat.add(id(g.root))  # the epilogue that waited now reads the GEMM's buffer
         if all(v is not g.root for v in early):
             parts[0].values.insert(0, g.root)
             parts[0].root, parts[0].kind = g.root, "gemm"
     return parts
+
+
+def _store_shared_reductions(early: _Group, late: _Group, analysis: _Analysis,
+                             mat: set[int]) -> None:
+    """The reductions both halves of a split group compute are stored by the early half
+    and read by the late one (plan_groups' rule: a reduction several kernels compute gets
+    a buffer): a training step's softmax backward then reads the forward's row max and
+    sum instead of recomputing them with an exp per element. The early half does not
+    wait on the late one, so this adds no cycle."""
+    shared = [r for r in early.reduces if any(r is q for q in late.reduces)]
+    if not shared:
+        return
+    for r in shared:
+        mat.add(id(r.results[0]))
+        if all(v is not r.results[0] for v in early.values):
+            early.values.append(r.results[0])
+    late.reduces = []
+    for v in late.values:
+        for n in _cone(v, analysis, mat - {id(v)}):
+            if is_reduction(n) and all(n is not r for r in late.reduces):
+                late.reduces.append(n)
+    late.kind = "reduction" if late.reduces else "loop"
 
 
 def fuse(graph: Graph) -> Graph:

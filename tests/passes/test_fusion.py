@@ -245,6 +245,8 @@ graph @g(%x: f32[2, 3, 5]) -> f32[2, 1, 5]
     # both row sums share a domain (one reduction group would be natural), but the second
     # reads, through a gemm, a value computed from the first: merged, the groups would
     # wait on each other. Two such cycles at once, one per axis.
+    # each split keeps the row sums it shares with its late half in a buffer, which the
+    # late half reads instead of recomputing them (a reduction two kernels need is stored)
     "merges that would make a cycle are undone (two cycles)": ("""
 graph @g(%x: f32[4, 4], %w: f32[4, 4]) -> (f32[4], f32[4])
   %0 = reduce_sum(%x) {axes=(1,)} : f32[4]
@@ -266,49 +268,47 @@ graph @g(%x: f32[4, 4], %w: f32[4, 4]) -> (f32[4], f32[4])
   return %14, %15
 """, """
 graph @g(%x: f32[4, 4], %w: f32[4, 4]) -> (f32[4], f32[4])
-  %0 = fused(%x) {kind="reduction"} : f32[4, 4]
-    region(%1: f32[4, 4]):
-      %2 = reduce_sum(%1) {axes=(1,)} : f32[4]
-      %3 = reshape(%2) {shape=(4, 1)} : f32[4, 1]
-      %4 = broadcast_in_dim(%3) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
-      %5 = div(%1, %4) : f32[4, 4]
-      yield %5
+  %0, %1 = fused(%x) {kind="reduction"} : f32[4, 4], f32[4]
+    region(%2: f32[4, 4]):
+      %3 = reduce_sum(%2) {axes=(1,)} : f32[4]
+      %4 = reshape(%3) {shape=(4, 1)} : f32[4, 1]
+      %5 = broadcast_in_dim(%4) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
+      %6 = div(%2, %5) : f32[4, 4]
+      yield %6, %3
     end
-  %6 = fused(%x) {kind="reduction"} : f32[4, 4]
-    region(%7: f32[4, 4]):
-      %8 = reduce_sum(%7) {axes=(0,)} : f32[4]
-      %9 = reshape(%8) {shape=(1, 4)} : f32[1, 4]
-      %10 = broadcast_in_dim(%9) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
-      %11 = div(%7, %10) : f32[4, 4]
-      yield %11
+  %7, %8 = fused(%x) {kind="reduction"} : f32[4, 4], f32[4]
+    region(%9: f32[4, 4]):
+      %10 = reduce_sum(%9) {axes=(0,)} : f32[4]
+      %11 = reshape(%10) {shape=(1, 4)} : f32[1, 4]
+      %12 = broadcast_in_dim(%11) {broadcast_dimensions=(0, 1), shape=(4, 4)} : f32[4, 4]
+      %13 = div(%9, %12) : f32[4, 4]
+      yield %13, %10
     end
-  %12 = fused(%0, %w) {kind="gemm"} : f32[4, 4]
-    region(%13: f32[4, 4], %14: f32[4, 4]):
-      %15 = matmul(%13, %14) : f32[4, 4]
-      yield %15
+  %14 = fused(%0, %w) {kind="gemm"} : f32[4, 4]
+    region(%15: f32[4, 4], %16: f32[4, 4]):
+      %17 = matmul(%15, %16) : f32[4, 4]
+      yield %17
     end
-  %16 = fused(%w, %6) {kind="gemm"} : f32[4, 4]
-    region(%17: f32[4, 4], %18: f32[4, 4]):
-      %19 = matmul(%17, %18) : f32[4, 4]
-      yield %19
+  %18 = fused(%w, %7) {kind="gemm"} : f32[4, 4]
+    region(%19: f32[4, 4], %20: f32[4, 4]):
+      %21 = matmul(%19, %20) : f32[4, 4]
+      yield %21
     end
-  %20 = fused(%x, %12) {kind="reduction"} : f32[4]
-    region(%21: f32[4, 4], %22: f32[4, 4]):
-      %23 = reduce_sum(%21) {axes=(1,)} : f32[4]
-      %24 = mul(%21, %22) : f32[4, 4]
-      %25 = reduce_sum(%24) {axes=(1,)} : f32[4]
-      %26 = add(%25, %23) : f32[4]
-      yield %26
+  %22 = fused(%x, %14, %1) {kind="reduction"} : f32[4]
+    region(%23: f32[4, 4], %24: f32[4, 4], %25: f32[4]):
+      %26 = mul(%23, %24) : f32[4, 4]
+      %27 = reduce_sum(%26) {axes=(1,)} : f32[4]
+      %28 = add(%27, %25) : f32[4]
+      yield %28
     end
-  %27 = fused(%x, %16) {kind="reduction"} : f32[4]
-    region(%28: f32[4, 4], %29: f32[4, 4]):
-      %30 = reduce_sum(%28) {axes=(0,)} : f32[4]
-      %31 = mul(%28, %29) : f32[4, 4]
-      %32 = reduce_sum(%31) {axes=(0,)} : f32[4]
-      %33 = add(%30, %32) : f32[4]
-      yield %33
+  %29 = fused(%x, %18, %8) {kind="reduction"} : f32[4]
+    region(%30: f32[4, 4], %31: f32[4, 4], %32: f32[4]):
+      %33 = mul(%30, %31) : f32[4, 4]
+      %34 = reduce_sum(%33) {axes=(0,)} : f32[4]
+      %35 = add(%32, %34) : f32[4]
+      yield %35
     end
-  return %20, %27
+  return %22, %29
 """),
 }
 
