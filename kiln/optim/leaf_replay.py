@@ -29,6 +29,9 @@ def map_leaves(body: Callable[..., tuple], columns: Sequence[tuple]) -> list[tup
     """`[body(*column) for column in columns]`; in a trace, a column whose signature
     (each entry's tensor dtype and shape, or the entry itself when not a tensor) was
     already traced has the recorded nodes emitted again instead of running `body`.
+    `body` must depend only on its column and on values that are the same for every
+    column (an optimizer's step size, its hyperparameters): a tensor it reaches some other
+    way would be shared by the replays.
 
     >>> map_leaves(lambda p, g: (p - 0.1 * g,), [(p1, g1), (p2, g2)])  # doctest: +SKIP
     """
