@@ -3,7 +3,7 @@ the tree is ("after") and with three of issue 22's fixes undone in the process (
 the float32 exp that computed its underflow, an x86 microcode assist per lane;
 scatter_along's np.add.at; fusion's earlier plan: loops merged before cyclic groups
 were split, and split halves recomputing the reductions they share), against
-torch eager on one and two threads; every variant a fresh process with empty caches,
+torch eager on one and two threads ("kiln-after1t": kiln after, `kn.set_num_threads(1)`); every variant a fresh process with empty caches,
 variants round-robin, so load hits them alike.
 
     .venv/bin/python benchmarks/bench_gpt_step.py [--rounds 3] [--steps 30] [--top 10]
@@ -25,7 +25,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("kiln-before", "kiln-after", "torch-1t", "torch-2t")
+VARIANTS = ("kiln-before", "kiln-after", "kiln-after1t", "torch-1t", "torch-2t")
 
 
 def _undo_fixes() -> None:
@@ -52,7 +52,7 @@ def _undo_fixes() -> None:
     fusion.SPLIT_BEFORE_MERGE = False
 
 
-def kiln_worker(before: bool, steps: int) -> dict:
+def kiln_worker(before: bool, steps: int, threads: int = 0) -> dict:
     import numpy as np
 
     import bench_train as bt
@@ -61,6 +61,8 @@ def kiln_worker(before: bool, steps: int) -> dict:
 
     if before:
         _undo_fixes()
+    if threads:
+        kn.set_num_threads(threads)
     kn.manual_seed(0)
     module = bt.gpt_module("kiln")
     model = module.GPT(module.GPTConfig(**bt.GPT))
@@ -149,7 +151,8 @@ def main() -> None:
     if args.worker:
         sys.path.insert(0, HERE)
         kind, arg = args.worker.split("-")
-        result = (kiln_worker(arg == "before", args.steps) if kind == "kiln"
+        result = (kiln_worker(arg == "before", args.steps, 1 if arg.endswith("1t") else 0)
+                  if kind == "kiln"
                   else torch_worker(int(arg[0]), args.steps))
         print(json.dumps(result))
         return
@@ -166,7 +169,7 @@ def main() -> None:
               f"{', '.join(f'{m:.2f}' for m in mins[v])} |")
     print("\nsame-round ratios of medians (minimums):")
     for num, den in (("kiln-before", "kiln-after"), ("torch-1t", "kiln-after"),
-                     ("torch-2t", "kiln-after")):
+                     ("torch-2t", "kiln-after"), ("torch-1t", "kiln-after1t")):
         print(f"- {num} / {den}: " + ", ".join(
             f"{a / b:.2f}x ({c / d:.2f}x)" for a, b, c, d in
             zip(medians[num], medians[den], mins[num], mins[den])))
