@@ -53,8 +53,6 @@ def _undo_fixes() -> None:
 
 
 def kiln_worker(before: bool, steps: int, threads: int = 0) -> dict:
-    import numpy as np
-
     import bench_train as bt
     import kiln as kn
     from kiln import nn, optim
@@ -63,12 +61,7 @@ def kiln_worker(before: bool, steps: int, threads: int = 0) -> dict:
         _undo_fixes()
     if threads:
         kn.set_num_threads(threads)
-    kn.manual_seed(0)
-    module = bt.gpt_module("kiln")
-    model = module.GPT(module.GPTConfig(**bt.GPT))
-    rng = np.random.default_rng(0)
-    x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-            for _ in range(2))
+    model, x, y = bt.kiln_gpt()
     opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
     compiled = kn.compile(bt.kiln_step_fn(model, opt))
     key = nn.random.key(0)

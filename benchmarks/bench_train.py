@@ -104,6 +104,17 @@ def gpt_module(framework: str):
     return module
 
 
+def kiln_gpt(batch: int = GPT_BATCH):
+    """(model, token ids, next-token targets) of the GPT row for kiln, seeded."""
+    kn.manual_seed(0)
+    module = gpt_module("kiln")
+    model = module.GPT(module.GPTConfig(**GPT))
+    rng = np.random.default_rng(0)
+    x, y = (kn.tensor(rng.integers(0, GPT["vocab_size"], (batch, GPT["block_size"])))
+            for _ in range(2))
+    return model, x, y
+
+
 def gpt_flops(batch: int) -> int:
     """Matrix-product FLOPs of one step (forward + backward = 3x forward)."""
     c, t, layers, v = GPT["n_embd"], GPT["block_size"], GPT["n_layer"], GPT["vocab_size"]
@@ -205,12 +216,7 @@ def serve(impl: str, index: int, quick: bool) -> None:
 
     label, batch, d_in, hidden, d_out = list(workloads(quick))[index]
     if d_in is None:  # the GPT: token ids in, next-token ids as targets
-        kn.manual_seed(0)
-        module = gpt_module("kiln")
-        model = module.GPT(module.GPTConfig(**GPT))
-        rng = np.random.default_rng(0)
-        x, y = (kn.tensor(rng.integers(0, GPT["vocab_size"], (batch, GPT["block_size"])))
-                for _ in range(2))
+        model, x, y = kiln_gpt(batch)
     else:
         model = MLP(d_in, hidden, d_out, p=0.1)
         x = kn.randn(batch, d_in, seed=1)
