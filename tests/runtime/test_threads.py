@@ -92,15 +92,23 @@ def _tanh_kernel():
 
 @pytest.fixture
 def pool_runs(monkeypatch):
-    """The range lists of every parallel launch on kiln's pool, in order."""
+    """The range lists of every parallel launch, in order: on kiln's pool, or over OpenMP
+    threads from native code (the same cut, `compiled.split`)."""
     seen = []
     original = cc.WorkerPool.run
+    native = cc.parallel_for()
 
     def run(self, fn, bufs, sizes, ranges):
         seen.append(list(ranges))
         return original(self, fn, bufs, sizes, ranges)
 
+    def native_run(entry, bufs, sizes, total, align, threads):
+        seen.append(cc.split(total, threads, align))
+        return native(entry, bufs, sizes, total, align, threads)
+
     monkeypatch.setattr(cc.WorkerPool, "run", run)
+    if native is not None:
+        monkeypatch.setattr(cc, "parallel_for", lambda: native_run)
     return seen
 
 

@@ -4,21 +4,26 @@ Everything that can be is precomputed at compile time: the ctypes function, the 
 arrays for buffer pointers and sizes, expected dtypes, shape checks and the loop count
 as small closures (no sympy per call). A call validates dtypes/shapes cheaply, fills
 the two arrays, and either calls the function once or splits the flattened outer range
-over the worker pool when the estimated work is large.
+over threads when the estimated work is large.
 
-The pool is persistent: compiled kernels are called through `ctypes.CFUNCTYPE`, which
-releases the GIL, so plain Python threads run them truly in parallel (NOTES.md: 1.69x
-on 2 vCPUs for a memory-bound kernel). The caller runs the first range itself and
-waits for the rest, so a 2-way split costs one hand-off (~10-20 us), paid only above a
-work threshold.
+A split launch runs on OpenMP threads entered once from native code
+(`native_pool.parallel_for`), where libgomp is present: a hand-off through kiln's Python
+`WorkerPool` costs 85-120 us back to back (each worker must take the GIL), which made a
+16384-element kernel 9x slower split than not. The pool stays for the GEMM splits (one
+BLAS thread each, panels claimed one at a time) and where libgomp is missing: its
+workers call kernels through `ctypes.CFUNCTYPE`, which releases the GIL, so they run in
+parallel; the caller runs the first range itself and waits for the rest. Both are
+restarted in a forked child (threads do not survive `fork`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import threading
 import time
+import weakref
 
 import numpy as np
 import sympy
@@ -30,6 +35,7 @@ from kiln.codegen.cpu.mathlib import F32_FUNCS
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
 from kiln.runtime.threads import blas_single_thread, get_num_threads, parallel_threads
 from kiln.codegen.cpu.autotune import SPLIT_MACS
+from kiln.codegen.cpu.native_pool import parallel_for
 
 # a batched GEMM of at least this many multiply-adds (~0.3 ms on one core) is split over
 # kiln's pool; below it the hand-off (20-50 us on a loaded machine) would not pay:
@@ -50,7 +56,22 @@ class WorkerPool:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = []
         self._lock = threading.Lock()  # one parallel call at a time shares the workers
+        self._forked = False
         self._start(0, self.size)
+        _LIVE_POOLS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the workers did not come along (fork copies one thread),
+        and a call would wait for them for ever; the next call starts them anew."""
+        self._tasks, self._threads = queue.SimpleQueue(), []
+        self._lock = threading.Lock()
+        self._forked = True
+
+    def _revive(self) -> None:
+        with _POOL_LOCK:
+            if self._forked:
+                self._forked = False
+                self._start(0, self.size)
 
     def _start(self, first: int, last: int) -> None:
         for i in range(first, last):
@@ -88,6 +109,8 @@ class WorkerPool:
                 done.put(exc)
 
     def run(self, fn, bufs, sizes, ranges: list[tuple[int, int]]) -> None:
+        if self._forked:
+            self._revive()
         if len(ranges) == 1 or not self._lock.acquire(blocking=False):
             with blas_single_thread():
                 for lo, hi in ranges:  # busy (nested/concurrent use): run inline
@@ -114,6 +137,8 @@ class WorkerPool:
         the caller takes the ranges a late worker has not claimed, so a large GEMM split
         this way degrades to one thread instead of stalling (OpenBLAS's own threads wait
         for each other at every block)."""
+        if self._forked:
+            self._revive()
         helpers = min(threads - 1, self.size, len(ranges) - 1)
         if helpers < 1 or not self._lock.acquire(blocking=False):
             with blas_single_thread():
@@ -164,6 +189,17 @@ class _Discard:
 
 _POOL: WorkerPool | None = None
 _POOL_LOCK = threading.Lock()
+_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+
+def _pools_after_fork() -> None:
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()  # another thread may have held it at the fork
+    for p in list(_LIVE_POOLS):
+        p._after_fork()
+
+
+os.register_at_fork(after_in_child=_pools_after_fork)
 
 
 def pool(threads: int) -> WorkerPool:
@@ -248,7 +284,8 @@ class CompiledKernel:
         self.address = address  # raw-pointer entry: fn(void **bufs, int64 *sizes, lo, hi)
         # arrays are passed as objects (the `.np` entry) where the layout check passed
         self._by_object = bool(object_address) and _DATA_FIELD_OK
-        self._fn = KERNEL_FN(object_address if self._by_object else address)
+        self._entry = object_address if self._by_object else address
+        self._fn = KERNEL_FN(self._entry)
         self._n = len(kernel.buffers)
         self._size_names = tuple(kernel.sizes)
         self._dtypes = tuple(np.dtype(b.dtype.np_dtype) for b in kernel.buffers)
@@ -368,7 +405,12 @@ class CompiledKernel:
                 return
             threads = min(self._threads, parallel_threads()) if parallel else 1
             if threads > 1:
-                self._pool.run(self._fn, bufs, csizes, split(total, threads, 64 if total >= 1024 else 1))
+                align = 64 if total >= 1024 else 1
+                native = parallel_for()
+                if native is not None:  # OpenMP threads, entered once from native code
+                    native(self._entry, bufs, csizes, total, align, threads)
+                else:
+                    self._pool.run(self._fn, bufs, csizes, split(total, threads, align))
             elif batch_align < 0 and parallel_threads() > 1:
                 n = parallel_threads()
                 pool(n).run_claimed(self._fn, bufs, csizes, [(i, i + 1) for i in range(total)], n)

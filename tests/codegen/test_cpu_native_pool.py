@@ -1,0 +1,120 @@
+"""A kernel launch split over threads runs from native code on OpenMP threads
+(kiln/codegen/cpu/native_pool.py): the same cut of the range as kiln's pool, the same
+results as numpy, kiln's pool where libgomp is missing, and a forked child that still
+computes (libgomp's and the pool's threads do not survive `fork`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.codegen.cpu import compiled as cc
+from kiln.codegen.cpu import native_pool
+
+needs_gomp = pytest.mark.skipif(native_pool.parallel_for() is None,
+                                reason="needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
+
+
+@pytest.fixture
+def two_threads():
+    before = kn.get_num_threads()
+    kn.set_num_threads(2)
+    yield
+    kn.set_num_threads(before)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts of native and pool splits."""
+    seen = {"native": 0, "pool": 0}
+    native, run = cc.parallel_for, cc.WorkerPool.run
+
+    def counted_native():
+        fn = native()
+        if fn is None:
+            return None
+
+        def call(*args):
+            seen["native"] += 1
+            return fn(*args)
+
+        return call
+
+    def counted_run(self, *args):
+        seen["pool"] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(cc, "parallel_for", counted_native)
+    monkeypatch.setattr(cc.WorkerPool, "run", counted_run)
+    return seen
+
+
+def _check(f, n: int, seed: int) -> None:
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    got = f(kn.tensor(x)).numpy()
+    want = (np.exp(x.astype(np.float64)) * 2.0 + 1.0).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+@needs_gomp
+@pytest.mark.parametrize("n", [(1 << 20) + 37, 200_003, 1 << 18])
+def test_split_launch_runs_natively_and_matches_numpy(n, two_threads, launches):
+    f = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)
+    for seed in range(3):  # the general path, then the prepared call
+        _check(f, n, seed)
+    assert launches["native"] == 3 and launches["pool"] == 0
+
+
+def test_without_libgomp_the_pool_splits(monkeypatch, two_threads, launches):
+    monkeypatch.setattr(native_pool, "parallel_for", lambda: None)
+    monkeypatch.setattr(cc, "parallel_for", lambda: None)
+    f = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)
+    for seed in range(2):
+        _check(f, (1 << 20) + 37, seed)
+    assert launches["pool"] == 2
+
+
+def _in_child(body) -> int:
+    """Fork; the child runs body() under a 30 s alarm and exits 0 when it returned True.
+    The child's exit status (a bounded wait: the child is killed after 60 s)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            signal.alarm(30)
+            code = 0 if body() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -9
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["after-openmp", "after-pool"])
+def test_a_forked_child_still_computes_split_launches(native, monkeypatch, two_threads):
+    if native and native_pool.parallel_for() is None:
+        pytest.skip("needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
+    if not native:
+        monkeypatch.setattr(cc, "parallel_for", lambda: None)
+    f = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)
+    _check(f, (1 << 20) + 37, 0)  # the parent's threads are running (or spinning)
+
+    def child() -> bool:
+        assert native_pool.parallel_for() is None or not native  # OpenMP's team is gone
+        _check(f, (1 << 20) + 37, 1)
+        g = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)  # a new program too
+        _check(g, (1 << 19) + 5, 2)
+        return True
+
+    assert _in_child(child) == 0
