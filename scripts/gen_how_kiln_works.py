@@ -45,6 +45,20 @@ def fence(text, lang=""):
 
 
 def render() -> str:
+    """The page, as the CPU backend compiles for an AVX-512 host on every machine: the
+    GEMM's variant (kiln's micro-kernel or BLAS) and its register tile follow the host's
+    vector width, and the page must not change with the machine that renders it."""
+    from kiln.codegen.cpu import autotune, microkernel
+
+    saved = microkernel.vector_bits, autotune.vector_bits
+    microkernel.vector_bits = autotune.vector_bits = lambda: 512
+    try:
+        return _render()
+    finally:
+        microkernel.vector_bits, autotune.vector_bits = saved
+
+
+def _render() -> str:
     B = kn.ShapeVar("B", min=1, max=4096)
     graph = kn.trace(scaled_softmax, kn.ones(4, 32), kn.ones(32, 16),
                      dynamic_shapes={"x": kn.TensorSpec([B, 32])})
