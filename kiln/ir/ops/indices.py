@@ -99,3 +99,18 @@ def scatter_add_sums(out: np.ndarray, where: tuple, src: np.ndarray) -> np.ndarr
     flat = np.broadcast_to(flat, src.shape).reshape(-1)
     sums = np.bincount(flat, weights=src.reshape(-1), minlength=out.size).reshape(out.shape)
     return (out + sums).astype(out.dtype)
+
+
+def scatter_add(out: np.ndarray, where: tuple, src: np.ndarray) -> np.ndarray:
+    """`out` with `src` added at positions `where` (the scatter_along "add" reference):
+    `scatter_add_sums` where it applies, else np.add.at, in float32 for the
+    low-precision floats (one rounding back), in place for the rest."""
+    summed = scatter_add_sums(out, where, src)
+    if summed is not None:
+        return summed
+    if out.dtype.kind == "V" or out.dtype.itemsize < 4 and out.dtype.kind == "f":
+        acc = out.astype(np.float32)
+        np.add.at(acc, where, src.astype(np.float32))
+        return acc.astype(out.dtype)
+    np.add.at(out, where, src)
+    return out

@@ -15,7 +15,7 @@ import sympy
 from kiln.errors import KilnArgumentError, KilnDTypeError, KilnIndexError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.ops.creation import _check_shape_attr
-from kiln.ir.ops.indices import scatter_add_sums
+from kiln.ir.ops.indices import scatter_add
 from kiln.ir.ops.rules import (  # noqa: F401  (full_like, zeros: used by other families too)
     contiguous, INTEGER, check_axes, check_dtype, check_int_tuple, full_like, zeros,
 )
@@ -555,16 +555,8 @@ class scatter_along:
         where = _along_index("scatter_along", x, indices, axis)
         src = updates[tuple(slice(0, n) for n in indices.shape)]
         if mode == "add":
-            summed = scatter_add_sums(out, where, src)
-            if summed is not None:
-                return summed
-            if out.dtype.kind == "V" or out.dtype.itemsize < 4 and out.dtype.kind == "f":
-                acc = out.astype(np.float32)
-                np.add.at(acc, where, src.astype(np.float32))
-                return acc.astype(x.dtype)
-            np.add.at(out, where, src)
-        else:
-            out[where] = src
+            return scatter_add(out, where, src)
+        out[where] = src
         return out
 
     def vjp(b, cts, xs, ys, *, axis, mode):
