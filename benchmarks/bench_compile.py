@@ -45,8 +45,6 @@ import kiln as kn
 imported = time.perf_counter() - t0
 sys.path.insert(0, {here!r})
 import bench_train as bt
-import numpy as np
-from kiln import optim
 import kiln.frontend.compile as C
 from kiln.frontend import program_cache
 from kiln.codegen import build_program as BP
@@ -112,17 +110,7 @@ if {breakdown!r}:
     gc.callbacks.append(_gc)
 if {serial!r}:
     kn.set_num_threads(1)
-kn.manual_seed(0)
-module = bt.gpt_module("kiln")
-model = module.GPT(module.GPTConfig(**bt.GPT))
-rng = np.random.default_rng(0)
-x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-        for _ in range(2))
-opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
-step = bt.kiln_step_fn(model, opt)
-params = dict(model.named_parameters())
-state = opt.init(params)
-key = kn.nn.random.key(0)
+step, params, state, x, y, key = bt.kiln_gpt_step(compiled=False)
 c = kn.compile(step)
 profile = {profile!r}
 if profile:

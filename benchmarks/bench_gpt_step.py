@@ -55,18 +55,12 @@ def _undo_fixes() -> None:
 def kiln_worker(before: bool, steps: int, threads: int = 0) -> dict:
     import bench_train as bt
     import kiln as kn
-    from kiln import nn, optim
 
     if before:
         _undo_fixes()
     if threads:
         kn.set_num_threads(threads)
-    model, x, y = bt.kiln_gpt()
-    opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
-    compiled = kn.compile(bt.kiln_step_fn(model, opt))
-    key = nn.random.key(0)
-    params = dict(model.named_parameters())
-    state = opt.init(params)
+    compiled, params, state, x, y, key = bt.kiln_gpt_step()
     for _ in range(3):
         params, state, loss = compiled(params, state, x, y, key)
     first_loss = float(loss.numpy())
@@ -88,25 +82,12 @@ def kiln_worker(before: bool, steps: int, threads: int = 0) -> dict:
 
 
 def torch_worker(threads: int, steps: int) -> dict:
-    import numpy as np
     import torch
 
     import bench_train as bt
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    module = bt.gpt_module("torch")
-    model = module.GPT(module.GPTConfig(**bt.GPT))
-    rng = np.random.default_rng(0)
-    x, y = (torch.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-            for _ in range(2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        model(x, y)[1].backward()
-        opt.step()
-
+    step = bt.torch_gpt_step()
     for _ in range(3):
         step()
     walls = []

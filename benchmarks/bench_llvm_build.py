@@ -40,19 +40,9 @@ import functools, json, sys, time
 sys.path[:0] = [{tree!r}, {here!r}]
 import kiln as kn
 assert kn.__file__.startswith({tree!r}), kn.__file__
-import numpy as np
 import bench_train as bt
-from kiln import optim
 from kiln.codegen.cpu import jit
-kn.manual_seed(0)
-module = bt.gpt_module("kiln")
-model = module.GPT(module.GPTConfig(**bt.GPT))
-rng = np.random.default_rng(0)
-x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-        for _ in range(2))
-opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
-step = kn.compile(bt.kiln_step_fn(model, opt))
-params = dict(model.named_parameters())
+step, params, state, x, y, key = bt.kiln_gpt_step()
 """
 
 COLD = PROLOGUE + r"""
@@ -70,7 +60,7 @@ def timed(name):
 for name in ("object_codes", "optimize", "object_code"):
     timed(name)
 t0, c0 = time.perf_counter(), time.process_time()
-step(params, opt.init(params), x, y, kn.nn.random.key(0))
+step(params, state, x, y, key)
 T.update(first=time.perf_counter() - t0, cpu=time.process_time() - c0)
 print(json.dumps(T))
 """
@@ -78,7 +68,6 @@ print(json.dumps(T))
 WORKER = PROLOGUE + r"""
 import bench_cpu
 calls = {{}}
-state, key = opt.init(params), kn.nn.random.key(0)
 calls["gpt step"] = lambda: step(params, state, x, y, key)
 for item in bench_cpu.workloads(quick={quick!r}):
     name, fn, args = item[0], item[2], item[4]

@@ -79,20 +79,10 @@ def _setup(impl: str):
         return {"batched GEMM": lambda: np.matmul(a, b)}
     if impl == "kiln":
         import kiln as kn
-        from kiln import nn, optim
 
         gemm = kn.compile(lambda a, b: a @ b)
-        kn.manual_seed(0)
-        module = bt.gpt_module("kiln")
-        model = module.GPT(module.GPTConfig(**bt.GPT))
-        tokens = np.random.default_rng(0)
-        x, y = (kn.tensor(tokens.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-                for _ in range(2))
-        opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
-        step = kn.compile(bt.kiln_step_fn(model, opt))
-        params = dict(model.named_parameters())
-        carry = [params, opt.init(params)]
-        key = nn.random.key(0)
+        step, params, state, x, y, key = bt.kiln_gpt_step()
+        carry = [params, state]
 
         def gpt():
             carry[0], carry[1], _ = step(carry[0], carry[1], x, y, key)
@@ -101,21 +91,8 @@ def _setup(impl: str):
     import torch
 
     torch.set_num_threads(1 if impl == "torch1" else (os.cpu_count() or 1))
-    module = bt.gpt_module("torch")
-    torch.manual_seed(0)
-    model = module.GPT(module.GPTConfig(**bt.GPT))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    tokens = np.random.default_rng(0)
-    tx, ty = (torch.tensor(tokens.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-              for _ in range(2))
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-
-    def gpt():
-        opt.zero_grad(set_to_none=True)
-        model(tx, ty)[1].backward()
-        opt.step()
-
-    return {"GPT step": gpt, "batched GEMM": lambda: torch.bmm(ta, tb)}
+    return {"GPT step": bt.torch_gpt_step(), "batched GEMM": lambda: torch.bmm(ta, tb)}
 
 
 REPEAT = {"GPT step": 20, "batched GEMM": 200}

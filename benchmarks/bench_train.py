@@ -109,10 +109,45 @@ def kiln_gpt(batch: int = GPT_BATCH):
     kn.manual_seed(0)
     module = gpt_module("kiln")
     model = module.GPT(module.GPTConfig(**GPT))
-    rng = np.random.default_rng(0)
-    x, y = (kn.tensor(rng.integers(0, GPT["vocab_size"], (batch, GPT["block_size"])))
-            for _ in range(2))
+    x, y = (kn.tensor(t) for t in gpt_tokens(batch))
     return model, x, y
+
+
+def gpt_tokens(batch: int = GPT_BATCH):
+    """(token ids, next-token targets) of the GPT row as int64 numpy arrays, seeded."""
+    rng = np.random.default_rng(0)
+    return tuple(rng.integers(0, GPT["vocab_size"], (batch, GPT["block_size"])) for _ in range(2))
+
+
+def kiln_gpt_step(compiled: bool = True):
+    """The GPT row's kiln training step, ready to call as bench_train runs it (AdamW,
+    weight decay 0.1): (step, params, optimizer state, x, y, key), where
+    `step(params, state, x, y, key)` returns (params, state, loss). `compiled=False`
+    gives the step uncompiled, for a script that times `kn.compile` itself."""
+    model, x, y = kiln_gpt()
+    opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
+    step = kiln_step_fn(model, opt)
+    params = dict(model.named_parameters())
+    return (kn.compile(step) if compiled else step), params, opt.init(params), x, y, nn.random.key(0)
+
+
+def torch_gpt_step():
+    """The same step in torch eager (seeded model, AdamW, the same tokens): a
+    zero-argument function running one step."""
+    import torch
+
+    torch.manual_seed(0)
+    module = gpt_module("torch")
+    model = module.GPT(module.GPTConfig(**GPT))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    x, y = (torch.tensor(t) for t in gpt_tokens())
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        opt.step()
+
+    return step
 
 
 def gpt_flops(batch: int) -> int:

@@ -25,26 +25,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def worker(keys: bool, steps: int) -> dict:
     sys.path.insert(0, HERE)
-    import numpy as np
-
     import kiln as kn
-    from kiln import nn, optim
     from kiln.codegen.cpu import minmax_keys
 
     import bench_train as bt
 
     minmax_keys.ENABLED = keys
-    kn.manual_seed(0)
-    module = bt.gpt_module("kiln")
-    model = module.GPT(module.GPTConfig(**bt.GPT))
-    rng = np.random.default_rng(0)
-    x, y = (kn.tensor(rng.integers(0, bt.GPT["vocab_size"], (bt.GPT_BATCH, bt.GPT["block_size"])))
-            for _ in range(2))
-    opt = optim.AdamW(lr=1e-3, weight_decay=0.1)
-    compiled = kn.compile(bt.kiln_step_fn(model, opt))
-    key = nn.random.key(0)
-    params = dict(model.named_parameters())
-    state = opt.init(params)
+    compiled, params, state, x, y, key = bt.kiln_gpt_step()
     for _ in range(3):
         params, state, loss = compiled(params, state, x, y, key)
     walls = []
