@@ -159,6 +159,15 @@ class Jitted:
         return addr
 
 
+def glue_module(text: str) -> Jitted:
+    """A small hand-written module (launch lists, trampolines: calls and branches) built
+    at O1, which costs tens of milliseconds where O3 buys nothing. Keep the result alive
+    as long as its functions are called."""
+    mod = parse(text)
+    optimize(mod, 1)
+    return Jitted(mod, opt_level=1)
+
+
 # -- numpy's bundled OpenBLAS ------------------------------------------------------
 
 SGEMM = "scipy_cblas_sgemm64_"

@@ -18,17 +18,14 @@ few tens of milliseconds to build, once per capture.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import os
 from functools import lru_cache
 from typing import Sequence
-
-import llvmlite.binding as llvm
 
 import numpy as np
 
 from kiln.codegen.cpu import jit
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.codegen.cpu.native_pool import openmp_runtime, parallel_for_address
 from kiln.runtime.capture import Copy, Launcher, Loop, NativeLaunch, Swap, Switch
 
 _PLAN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -42,7 +39,6 @@ class _Emitter:
         self.globals: list[str] = []
         self.n = 0
         self.max_args = 1
-        self.workers: list[str] = []
 
     def tmp(self) -> str:
         self.n += 1
@@ -78,45 +74,15 @@ class _Emitter:
         sizes = f"@sizes{len(self.globals)}"
         values = ", ".join(f"i64 {v}" for v in op.sizes) or "i64 0"
         self.globals.append(f"{sizes} = private unnamed_addr constant [{max(1, len(op.sizes))} x i64] [{values}]")
-        if op.threads > 1:
-            worker = self._worker(op, sizes)
-            self.emit(f"call void @GOMP_parallel(ptr {worker}, ptr %args, i32 {op.threads}, i32 0)")
-            return
         fn = self.tmp()
         self.emit(f"{fn} = inttoptr i64 {op.address} to ptr")
+        if op.threads > 1:  # cut as the runtime cuts a split launch (native_pool.py)
+            split = self.tmp()
+            self.emit(f"{split} = inttoptr i64 {parallel_for_address()} to ptr")
+            self.emit(f"call void {split}(ptr {fn}, ptr %args, ptr {sizes}, i64 {op.total}, "
+                      f"i64 {64 if op.total >= 1024 else 1}, i32 {op.threads})")
+            return
         self.emit(f"call void {fn}(ptr %args, ptr {sizes}, i64 0, i64 {op.total})")
-
-    def _worker(self, op: NativeLaunch, sizes: str) -> str:
-        """A function each OpenMP thread runs: its share of [0, total), cut as the
-        runtime's pool cuts it (chunks rounded up to 64 points from 1024 points on)."""
-        name = f"@worker{len(self.workers)}"
-        align = 64 if op.total >= 1024 else 1
-        self.workers.append("\n".join([
-            f"define internal void {name}(ptr %args) {{",
-            "  %tid32 = call i32 @omp_get_thread_num()",
-            "  %nt32 = call i32 @omp_get_num_threads()",
-            "  %tid = sext i32 %tid32 to i64",
-            "  %nt = sext i32 %nt32 to i64",
-            f"  %a = add i64 {op.total}, %nt",
-            "  %b = sub i64 %a, 1",
-            "  %per = udiv i64 %b, %nt",
-            f"  %c = add i64 %per, {align - 1}",
-            f"  %d = udiv i64 %c, {align}",
-            f"  %chunk = mul i64 %d, {align}",
-            "  %lo = mul i64 %tid, %chunk",
-            "  %e = add i64 %lo, %chunk",
-            f"  %over = icmp sgt i64 %e, {op.total}",
-            f"  %hi = select i1 %over, i64 {op.total}, i64 %e",
-            "  %some = icmp slt i64 %lo, %hi",
-            "  br i1 %some, label %run, label %done",
-            "run:",
-            f"  %fn = inttoptr i64 {op.address} to ptr",
-            f"  call void %fn(ptr %args, ptr {sizes}, i64 %lo, i64 %hi)",
-            "  br label %done",
-            "done:",
-            "  ret void",
-            "}"]))
-        return name
 
     def op_Copy(self, op: Copy) -> None:
         if op.nbytes == 0 or op.dst == op.src:
@@ -177,35 +143,8 @@ class _Emitter:
         header = [f"define void @{name}({signature}) {{", "entry:",
                   f"  %args = alloca [{self.max_args} x ptr]"]
         declares = ["declare void @llvm.memmove.p0.p0.i64(ptr, ptr, i64, i1)"]
-        if self.workers:
-            declares += ["declare void @GOMP_parallel(ptr, ptr, i32, i32)",
-                         "declare i32 @omp_get_thread_num()", "declare i32 @omp_get_num_threads()"]
-        return "\n".join([*declares, *self.globals, *self.workers, *header, *self.lines,
+        return "\n".join([*declares, *self.globals, *header, *self.lines,
                           "  ret void", "}", ""])
-
-
-@lru_cache(maxsize=None)
-def openmp_runtime() -> str | None:
-    """Load GNU OpenMP (libgomp) into LLVM's symbol space; its path, or None when the
-    host has none (then parallel launches of a captured plan run through kiln's pool)."""
-    if os.environ.get("KILN_CAPTURE_OPENMP", "1") == "0":
-        return None
-    # between regions a thread spins a while, then sleeps: forever-spinning threads steal
-    # a busy machine's cores (10x slower loops seen on 2 loaded cores) and sleeping at once
-    # costs a wake-up per region (a replayed 20-trip loop 1.5x slower than no capture);
-    # about 0.1 ms of spinning keeps a loop's regions hot. The user's settings win.
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "100000")
-    for name in ("libgomp.so.1", ctypes.util.find_library("gomp")):
-        if not name:
-            continue
-        try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-            llvm.load_library_permanently(name)
-            return name
-        except (OSError, RuntimeError):
-            continue
-    return None
 
 
 class CpuLauncher(Launcher):
@@ -217,9 +156,7 @@ class CpuLauncher(Launcher):
         self.parallel = openmp_runtime() is not None
 
     def _build(self, text: str, name: str, fntype):
-        mod = jit.parse(text)
-        jit.optimize(mod, 1)
-        engine = jit.Jitted(mod, opt_level=1)
+        engine = jit.glue_module(text)
         self._keep.append(engine)
         return fntype(engine.address(name))
 
@@ -320,9 +257,7 @@ _launches_engine: list = []
 @lru_cache(maxsize=None)
 def launch_trampoline():
     """The process's one `kiln_launches` function (built on first use, ~tens of ms)."""
-    mod = jit.parse(_LAUNCHES_IR)
-    jit.optimize(mod, 1)
-    engine = jit.Jitted(mod, opt_level=1)
+    engine = jit.glue_module(_LAUNCHES_IR)
     _launches_engine.append(engine)  # the function points into it: kept for the process
     return LAUNCHES_FN(engine.address("kiln_launches"))
 

@@ -9,10 +9,10 @@ ctypes call (the GIL released for its whole length) enters `kiln_parallel_for`, 
 runs `GOMP_parallel`: each OpenMP thread computes its share of [0, total) exactly as the
 pool cuts it (`compiled.split`: near-equal chunks, multiples of `align`) and calls the
 kernel's raw entry. libgomp's threads spin a short while between regions
-(`launch_list.openmp_runtime` sets GOMP_SPINCOUNT), so a step's consecutive launches
+(`openmp_runtime` sets GOMP_SPINCOUNT), so a step's consecutive launches
 find them awake, and sleep after it.
 
-Available when libgomp loads (`launch_list.openmp_runtime`); otherwise, and in a child
+Available when libgomp loads (`openmp_runtime`); otherwise, and in a child
 process forked after a region ran (libgomp's thread pool does not survive `fork`: the
 child would wait for threads it does not have), callers use the `WorkerPool`.
 """
@@ -20,11 +20,14 @@ child would wait for threads it does not have), callers use the `WorkerPool`.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import threading
+from functools import lru_cache
+
+import llvmlite.binding as llvm
 
 from kiln.codegen.cpu import jit
-from kiln.codegen.cpu.launch_list import openmp_runtime
 
 # parallel_for(kernel entry, bufs, sizes, total, align, threads)
 PARALLEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -92,35 +95,67 @@ entry:
 }
 """
 
+
+@lru_cache(maxsize=None)
+def openmp_runtime() -> str | None:
+    """Load GNU OpenMP (libgomp) into LLVM's symbol space; its path, or None when the
+    host has none (then split launches run through kiln's pool). KILN_CAPTURE_OPENMP=0
+    turns it off."""
+    if os.environ.get("KILN_CAPTURE_OPENMP", "1") == "0":
+        return None
+    # between regions a thread spins a while, then sleeps: forever-spinning threads steal
+    # a busy machine's cores (10x slower loops seen on 2 loaded cores) and sleeping at once
+    # costs a wake-up per region (a replayed 20-trip loop 1.5x slower than no capture);
+    # about 0.1 ms of spinning keeps a loop's regions hot. The user's settings win.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+    for name in ("libgomp.so.1", ctypes.util.find_library("gomp")):
+        if not name:
+            continue
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            llvm.load_library_permanently(name)
+            return name
+        except (OSError, RuntimeError):
+            continue
+    return None
+
+
 _lock = threading.Lock()
-_state: dict = {}  # "fn": the ctypes function, "engine": keeps its code alive
+_state: dict = {}  # "built": see `_built`
 _forked = False
 
 
 def _after_fork_in_child() -> None:
     global _forked
-    _forked = _state.get("fn") is not None  # the parent's regions may have started threads
+    _forked = bool(_state.get("built"))  # the parent's regions may have started threads
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _built() -> dict:
+    """{"fn": the ctypes function, "address": its entry, "engine": its code} of
+    `kiln_parallel_for`, built once per process (~10 ms); {} without libgomp."""
+    if "built" not in _state:
+        with _lock:
+            if "built" not in _state:
+                built = {}
+                if openmp_runtime() is not None:
+                    engine = jit.glue_module(_IR)
+                    address = engine.address("kiln_parallel_for")
+                    built = {"fn": PARALLEL_FN(address), "address": address, "engine": engine}
+                _state["built"] = built
+    return _state["built"]
+
+
 def parallel_for():
     """The native `kiln_parallel_for` (see `PARALLEL_FN`), or None: no libgomp, or this
-    process was forked (see the module docstring). Built once per process (~10 ms)."""
-    if _forked:
-        return None
-    fn = _state.get("fn")
-    if fn is not None or "fn" in _state:
-        return fn
-    with _lock:
-        if "fn" not in _state:
-            fn = None
-            if openmp_runtime() is not None:
-                mod = jit.parse(_IR)
-                jit.optimize(mod, 1)
-                engine = jit.Jitted(mod, opt_level=1)
-                _state["engine"] = engine
-                fn = PARALLEL_FN(engine.address("kiln_parallel_for"))
-            _state["fn"] = fn
-    return _state["fn"]
+    process was forked (see the module docstring)."""
+    return None if _forked else _built().get("fn")
+
+
+def parallel_for_address() -> int:
+    """`kiln_parallel_for`'s address, for native code that calls it (a captured plan's
+    launch list); only where libgomp is present."""
+    return _built()["address"]
