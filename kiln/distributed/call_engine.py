@@ -360,7 +360,7 @@ class CallEngine:
                 self._error = error
                 self.failed_at = time.time()  # wall clock: comparable with other processes
                 # from here waiters may see the failure and exit: that waits for the post
-                held = dump_requests.hold()
+                held = dump_requests.Hold()
             p2p = list(self._p2p)
             self._p2p.clear()
             orphan = None

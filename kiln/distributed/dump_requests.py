@@ -72,13 +72,16 @@ def post_request(store, reason: str, rank: int) -> int:
 _PENDING: list[threading.Thread] = []
 # failures being handled whose request is not posted yet: a failing group wakes its
 # waiters (the backend's abort) before it gets to post, and a waiter that exits at once
-# would let the store host linger for nothing and leave (see `hold`)
+# would let the store host linger for nothing and leave (see `Hold`)
 _HELD = threading.Condition()
 _HOLDS = 0
 
 
 class Hold:
-    """A failure being handled whose dump request is not posted yet (see `hold`)."""
+    """Taken by a failing group before its failure becomes visible to anyone, released
+    once its request is posted (or none is needed): `flush_dump_requests`, at exit,
+    waits for it. Without it a waiter woken by the backend's abort could exit before
+    the request existed, and a store host would not linger for it."""
 
     def __init__(self) -> None:
         global _HOLDS
@@ -94,14 +97,6 @@ class Hold:
                 self._held = False
                 _HOLDS -= 1
                 _HELD.notify_all()
-
-
-def hold() -> Hold:
-    """Taken by a failing group before its failure becomes visible to anyone, released
-    once its request is posted (or none is needed): `flush_dump_requests`, at exit,
-    waits for it. Without it a waiter woken by the backend's abort could exit before
-    the request existed, and a store host would not linger for it."""
-    return Hold()
 
 
 def post_request_async(store, reason: str, rank: int) -> None:
@@ -120,7 +115,7 @@ def post_request_async(store, reason: str, rank: int) -> None:
 
 def flush_dump_requests(timeout: float = 5.0) -> None:
     """Wait (bounded) until this process's dump requests have reached the store,
-    including those of failures still being handled (`hold`)."""
+    including those of failures still being handled (`Hold`)."""
     deadline = time.monotonic() + timeout
     with _HELD:
         _HELD.wait_for(lambda: _HOLDS == 0, timeout)

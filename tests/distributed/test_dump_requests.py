@@ -146,7 +146,7 @@ def test_flush_waits_for_a_failure_still_being_handled(server):
     posted: an exit (flush, then the host's linger) in between must wait for the post,
     or the linger sees no request and the store goes before the peers read it."""
     store = Store(server.address, "t", timeout=5)
-    held = dr.hold()
+    held = dr.Hold()
 
     def handle_failure():
         time.sleep(0.3)  # the backend's abort has woken the waiter, who is exiting
@@ -168,7 +168,7 @@ def test_flush_waits_for_a_failure_still_being_handled(server):
 
 
 def test_flush_is_bounded_by_a_hold_never_released():
-    held = dr.hold()
+    held = dr.Hold()
     start = time.monotonic()
     dr.flush_dump_requests(timeout=0.3)
     assert 0.25 < time.monotonic() - start < 2
