@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import bisect
 import collections
+import mmap
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -60,14 +62,51 @@ def segment_size(size: int) -> int:
 
 class RawMemory:
     """Where segments come from: host memory here; device kinds bring their own (the
-    same three methods). `alloc` returns (handle, a writable uint8 numpy view, address)."""
+    same three methods). `alloc` returns (handle, a writable uint8 numpy view, address).
+
+    A host segment of 2 MiB or more is mapped 2 MiB-aligned and advised to use
+    transparent huge pages where the kernel offers them (Linux `madvise` mode): a
+    program's first run touches its arena once, and 4 KiB pages cost one fault each (the
+    GPT training step's 10 MiB arena: ~2700 faults, ~2 ms of its first step, against
+    ~370 with huge pages). `KILN_HOST_HUGEPAGES=0` maps plain pages."""
 
     def alloc(self, nbytes: int):
+        if nbytes >= HUGE_PAGE and _huge_pages_wanted():
+            segment = _huge_page_segment(nbytes)
+            if segment is not None:
+                return segment
         array = np.empty(nbytes, np.uint8)
         return array, array, array.ctypes.data
 
     def free(self, handle) -> None:
         del handle  # numpy gives the pages back when the last reference goes
+
+
+HUGE_PAGE = 2 << 20  # x86-64 and aarch64 (4 KiB base pages) transparent huge page size
+
+
+def _huge_pages_wanted() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KILN_HOST_HUGEPAGES", "1") != "0"
+
+
+def _huge_page_segment(nbytes: int):
+    """(handle, view, address) of `nbytes` of fresh anonymous memory starting on a
+    2 MiB boundary, advised MADV_HUGEPAGE; None if the mapping or the advice fails (the
+    caller maps plain pages). The mapping is HUGE_PAGE larger than asked, so that an
+    aligned start exists inside it; the slack is address space only, never touched."""
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError):
+        return None
+    whole = np.frombuffer(mapping, np.uint8)
+    offset = -whole.ctypes.data % HUGE_PAGE
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % HUGE_PAGE)
+    except OSError:  # THP compiled out or off: plain pages from this mapping
+        pass
+    view = whole[offset:offset + nbytes]
+    # the view keeps the mapping alive (numpy holds its buffer); unmapped when it dies
+    return view, view, view.ctypes.data
 
 
 @dataclass(eq=False)

@@ -1,0 +1,76 @@
+"""Host segments of the caching allocator: 2 MiB-aligned mappings advised to use
+transparent huge pages (fewer first-touch faults), plain pages with
+KILN_HOST_HUGEPAGES=0; both hand out correct, writable, independent memory."""
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+
+from kiln.runtime.caching_allocator import HUGE_PAGE, CachingAllocator, RawMemory
+
+linux_thp = pytest.mark.skipif(not (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")),
+                               reason="transparent huge pages are a Linux madvise feature")
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address`, from /proc/self/smaps."""
+    found = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = lo <= address < hi
+            elif found and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@linux_thp
+@pytest.mark.parametrize("nbytes", [HUGE_PAGE, 20 << 20, 3 * HUGE_PAGE + 4096])
+def test_a_large_host_segment_is_aligned_and_advised(nbytes, monkeypatch):
+    monkeypatch.delenv("KILN_HOST_HUGEPAGES", raising=False)
+    handle, view, address = RawMemory().alloc(nbytes)
+    assert view.dtype == np.uint8 and view.shape == (nbytes,) and view.flags.writeable
+    assert address == view.ctypes.data and address % HUGE_PAGE == 0
+    assert "hg" in _vm_flags(address)  # MADV_HUGEPAGE applied to the mapping
+    view[:] = 7
+    view[-1] = 9
+    assert int(view[:-1].sum()) == 7 * (nbytes - 1) and view[-1] == 9
+    RawMemory().free(handle)
+
+
+@linux_thp
+def test_hugepages_off_maps_plain_pages(monkeypatch):
+    monkeypatch.setenv("KILN_HOST_HUGEPAGES", "0")
+    handle, view, address = RawMemory().alloc(HUGE_PAGE)
+    assert "hg" not in _vm_flags(address)
+    view[:] = 1
+    assert int(view.sum()) == HUGE_PAGE
+
+
+def test_small_requests_keep_plain_numpy_memory(monkeypatch):
+    monkeypatch.delenv("KILN_HOST_HUGEPAGES", raising=False)
+    handle, view, address = RawMemory().alloc(64 << 10)
+    assert view.shape == (64 << 10,) and address == view.ctypes.data
+    assert view.base is None  # an ordinary np.empty
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_blocks_from_huge_page_segments_hold_their_values(setting, monkeypatch):
+    monkeypatch.setenv("KILN_HOST_HUGEPAGES", setting)
+    allocator = CachingAllocator("cpu", RawMemory(), total_memory=1 << 30)
+    rng = np.random.default_rng(0)
+    arrays, wants = [], []
+    for n in (100, 300_000, 3_000_000, 50, 1 << 20):  # small and large pools
+        a = allocator.array((n,), np.float32)
+        want = rng.standard_normal(n).astype(np.float32)
+        a[...] = want
+        arrays.append(a)
+        wants.append(want)
+    for a, want in zip(arrays, wants):  # no block overlaps another
+        np.testing.assert_array_equal(a, want)
+    del arrays, a
+    assert allocator.empty_cache() > 0  # the segments go back once nothing holds them
