@@ -15,12 +15,17 @@ rounds so their ratios compare like with like:
 `--kiln DIR` runs every variant on a snapshot of kiln instead of the working tree: the
 whole-program cache key hashes kiln's compiler source, so edits made by others between a
 cold and a warm run would turn the warm run into a miss. `--warm N` makes N warm runs
-after each cold one (their median per round).
+after each cold one (their median per round). `--bytecode` first compiles each tree's
+kiln/ to bytecode (`compileall`, as `pip install` does): without it, where
+PYTHONDONTWRITEBYTECODE=1 is set and a snapshot has no __pycache__, every module kiln
+imports during the first call is compiled from source in every run (~25 ms of the GPT
+step's warm first call, which a user's installed kiln does not pay).
 
     .venv/bin/python benchmarks/bench_compile.py --rounds 3 --out benchmarks/results/cpu.md
     .venv/bin/python benchmarks/bench_compile.py --profile cold   # cProfile of one first call
     .venv/bin/python benchmarks/bench_compile.py --breakdown 5    # CPU per piece of a warm call
     .venv/bin/python benchmarks/bench_compile.py --breakdown 5 --kiln NEW --baseline OLD  # alternating
+    .venv/bin/python benchmarks/bench_compile.py --rounds 3 --warm 3 --bytecode --kiln NEW --baseline OLD
 """
 
 from __future__ import annotations
@@ -211,6 +216,14 @@ def breakdown(runs: int, tree: str | None, baseline: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def compile_bytecode(tree: str | None) -> None:
+    """Bytecode for every module of `tree`'s kiln/ (the working tree when None), written
+    into its __pycache__ folders as an installed package has it."""
+    root = os.path.join(os.path.abspath(tree) if tree else os.path.dirname(HERE), "kiln")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", root], check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
+
+
 def median(runs: list, key: str) -> float:
     return statistics.median(r.get(key, 0.0) for r in runs)
 
@@ -268,7 +281,12 @@ def main() -> int:
     parser.add_argument("--baseline", default="", help="another kiln snapshot, run as variant `baseline`")
     parser.add_argument("--breakdown", type=int, default=0,
                         help="print the CPU time of each piece of a warm first call (median of N runs)")
+    parser.add_argument("--bytecode", action="store_true",
+                        help="compile each tree's kiln/ to bytecode first (as an installed package has it)")
     args = parser.parse_args()
+    if args.bytecode:
+        for tree in [args.kiln or None] + ([args.baseline] if args.baseline else []):
+            compile_bytecode(tree)
     if args.breakdown:
         print(breakdown(args.breakdown, args.kiln or None, args.baseline or None))
         return 0
