@@ -44,15 +44,94 @@ def _domain_key(node: Node) -> str:
     return f"{node.operands[0].shape}|{tuple(sorted(node.attrs['axes']))}"
 
 
+class _Materialized(set):
+    """The ids of materialized values: a set that counts its changes (`version`), so a
+    group's node list can be remembered until the set changes (planning the GPT training
+    step asked for group node lists ~11k times, a few hundred distinct ones)."""
+
+    version = 0
+
+    def _changed(self):
+        self.version += 1
+
+    def add(self, item):
+        self._changed()
+        set.add(self, item)
+
+    def discard(self, item):
+        self._changed()
+        set.discard(self, item)
+
+    def remove(self, item):
+        self._changed()
+        set.remove(self, item)
+
+    def pop(self):
+        self._changed()
+        return set.pop(self)
+
+    def clear(self):
+        self._changed()
+        set.clear(self)
+
+    def update(self, *others):
+        self._changed()
+        set.update(self, *others)
+
+    def difference_update(self, *others):
+        self._changed()
+        set.difference_update(self, *others)
+
+    def intersection_update(self, *others):
+        self._changed()
+        set.intersection_update(self, *others)
+
+    def symmetric_difference_update(self, other):
+        self._changed()
+        set.symmetric_difference_update(self, other)
+
+    def __ior__(self, other):
+        self._changed()
+        return set.__ior__(self, other)
+
+    def __isub__(self, other):
+        self._changed()
+        return set.__isub__(self, other)
+
+    def __iand__(self, other):
+        self._changed()
+        return set.__iand__(self, other)
+
+    def __ixor__(self, other):
+        self._changed()
+        return set.__ixor__(self, other)
+
+
 class _Group:
     def __init__(self, kind: str):
         self.kind = kind
         self.values: list[Value] = []  # what the group materializes, in order
         self.reduces: list[Node] = []
         self.root: Value | None = None  # a gemm's own result
+        self._memo: tuple | None = None  # (analysis, mat, its version, members, nodes)
 
     def nodes(self, analysis: _Analysis, mat: set[int]) -> list[Node]:
-        """Every node the group's kernel computes, in program order."""
+        """Every node the group's kernel computes, in program order (the same list object
+        while neither the group nor a `_Materialized` mat changes: do not modify it)."""
+        version = getattr(mat, "version", None)
+        members = (tuple(id(v) for v in self.values), tuple(id(r) for r in self.reduces),
+                   id(self.root) if self.root is not None else None)
+        memo = self._memo
+        if version is not None and memo is not None and memo[0] is analysis and memo[1] is mat \
+                and memo[2] == version and memo[3] == members:
+            return memo[4]
+        found = self._walk(analysis, mat)
+        if version is not None:
+            mat.version = version  # the walk put back every id it took out
+            self._memo = (analysis, mat, version, members, found)
+        return found
+
+    def _walk(self, analysis: _Analysis, mat: set[int]) -> list[Node]:
         # the cones stop at `mat` less the group's own values: taken out of `mat` for the
         # walk and put back (not a copy of `mat` per call: planning asks ~10k times)
         own = [i for i in {id(v) for v in self.values} if i in mat]
@@ -129,21 +208,27 @@ def _absorb_epilogues(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
     """A gemm whose result only one loop kernel reads, elementwise at its own position,
     with no reduction and no other gemm in that kernel, takes the kernel as its
     epilogue. (A gemm that takes none gets a buffer in `plan_groups`.)"""
-    # each group's nodes, computed once (a gemm that absorbs a loop is recomputed)
+    # each group's nodes and the ids of their operands, computed once (a gemm that
+    # absorbs a loop is recomputed)
     cached: dict[int, list[Node]] = {}
+    operand_ids: dict[int, set[int]] = {}
 
     def nodes_of(g: _Group) -> list[Node]:
         if id(g) not in cached:
             cached[id(g)] = g.nodes(analysis, mat)
         return cached[id(g)]
 
+    def reads(g: _Group, value: Value) -> bool:
+        if id(g) not in operand_ids:
+            operand_ids[id(g)] = {id(o) for n in nodes_of(g) for o in n.operands}
+        return id(value) in operand_ids[id(g)]
+
     for gemm in [g for g in groups if g.root is not None]:
         root = gemm.root
         users = analysis.consumers[id(root)]
         if id(root) in analysis.outputs or not users:
             continue
-        readers = [g for g in groups if g is not gemm
-                   and any(o is root for n in nodes_of(g) for o in n.operands)]
+        readers = [g for g in groups if g is not gemm and reads(g, root)]
         if len(readers) != 1 or readers[0].kind != "loop" or len(readers[0].values) != 1:
             continue
         loop = readers[0]
@@ -158,12 +243,13 @@ def _absorb_epilogues(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
             gemm.values = list(loop.values)
             groups.remove(loop)
             cached.pop(id(gemm), None)
+            operand_ids.pop(id(gemm), None)
 
 
 def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
     """Groups in dependence order, and the ids of materialized values."""
     analysis = _Analysis(region)
-    mat = analysis.boundary()
+    mat = _Materialized(analysis.boundary())
     while True:
         groups = _assign(analysis, mat)
         grown = set()
