@@ -235,12 +235,22 @@ def all_error_classes() -> dict[str, type[KilnError]]:
 _KILN_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+_IN_KILN: dict[str, bool] = {}  # code filename -> inside kiln's folder (abspath is ~1.5 us)
+
+
 def user_frame(skip_kiln: bool = True) -> types.FrameType | None:
     """The innermost stack frame outside kiln itself: the user's line."""
     frame = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not (skip_kiln and filename.startswith(_KILN_DIR + os.sep)):
+        if not skip_kiln:
+            return frame
+        name = frame.f_code.co_filename
+        inside = _IN_KILN.get(name)
+        if inside is None:
+            inside = os.path.abspath(name).startswith(_KILN_DIR + os.sep)
+            if os.path.isabs(name):  # a relative name's meaning follows the cwd
+                _IN_KILN[name] = inside
+        if not inside:
             return frame
         frame = frame.f_back
     return None
