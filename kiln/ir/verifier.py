@@ -29,13 +29,13 @@ def verify(graph: Graph) -> Graph:
     return graph
 
 
-def _exact(value):
+def exact_key(value):
     """`value` tagged with its type, all the way into tuples: 2, 2.0, True and
     sympy.Integer(2) are equal and hash alike in Python, but a type rule may accept one
     and reject another, so a memo key must tell them apart. Unhashable values (lists,
     arrays) raise TypeError: such a node is simply not memoized."""
     if type(value) is tuple:
-        return tuple, tuple(_exact(v) for v in value)
+        return tuple, tuple(exact_key(v) for v in value)
     hash(value)
     return type(value), value
 
@@ -85,7 +85,7 @@ def _verify_node(graph: Graph, node: Node, defined: set[int], region_where: str,
     if not node.regions:
         try:
             key = (node.op, tuple([(v.type.dtype, v.type.shape) for v in node.operands]),
-                   tuple([(k, _exact(v)) for k, v in sorted(node.attrs.items())]))
+                   tuple([(k, exact_key(v)) for k, v in sorted(node.attrs.items())]))
             known = memo.get(key)
         except TypeError:
             key = known = None
