@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated subset of " + ", ".join(VARIANTS))
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -130,24 +132,30 @@ def main() -> None:
                   else torch_worker(int(arg[0]), args.steps))
         print(json.dumps(result))
         return
-    results: dict = {v: [] for v in VARIANTS}
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    results: dict = {v: [] for v in variants}
     for _ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             results[variant].append(run_variant(variant, args.steps))
     medians = {v: [statistics.median(r["walls"]) * 1e3 for r in rs] for v, rs in results.items()}
     mins = {v: [min(r["walls"]) * 1e3 for r in rs] for v, rs in results.items()}
     print("| variant | step median per round (ms) | step minimum per round (ms) |")
     print("|---|---|---|")
-    for v in VARIANTS:
+    for v in variants:
         print(f"| {v} | {', '.join(f'{m:.2f}' for m in medians[v])} | "
               f"{', '.join(f'{m:.2f}' for m in mins[v])} |")
     print("\nsame-round ratios of medians (minimums):")
     for num, den in (("kiln-before", "kiln-after"), ("torch-1t", "kiln-after"),
-                     ("torch-2t", "kiln-after"), ("torch-1t", "kiln-after1t")):
+                     ("torch-2t", "kiln-after"), ("torch-1t", "kiln-after1t"),
+                     ("kiln-after1t", "kiln-after")):
+        if num not in results or den not in results:
+            continue
         print(f"- {num} / {den}: " + ", ".join(
             f"{a / b:.2f}x ({c / d:.2f}x)" for a, b, c, d in
             zip(medians[num], medians[den], mins[num], mins[den])))
     for v in ("kiln-before", "kiln-after"):
+        if v not in results:
+            continue
         best = min(results[v], key=lambda r: r["kernel_min_sum_ms"])
         print(f"\n## {v}: kernel minimums summed {best['kernel_min_sum_ms']:.2f} ms, "
               f"{best['launches']} launches per step, loss after 3 steps {best['loss3']:.6f}")
@@ -155,6 +163,8 @@ def main() -> None:
         for name, ms in best["top"][:args.top]:
             print(f"| {name} | {ms:.3f} | {ms / best['kernel_min_sum_ms']:.1%} |")
     for v in ("torch-1t",):
+        if v not in results:
+            continue
         best = min(results[v], key=lambda r: r["self_sum_ms"])
         print(f"\n## {v}: torch.profiler self CPU time summed {best['self_sum_ms']:.2f} ms per step")
         print("| op | self ms per step | calls per step |\n|---|---|---|")

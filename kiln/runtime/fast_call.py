@@ -25,8 +25,12 @@ known, so `FastPlan` decides them once:
 
 - an extern (an op run by its numpy reference: random_bits, sort, LAPACK) runs between
   native runs on the typed arrays of its slots, its results checked against their
-  buffers (a mismatch sends the call, and every later one, to the general path), and a
-  launch the runtime splits over its pool is the kernel's own call on typed arrays.
+  buffers (a mismatch sends the call, and every later one, to the general path);
+- a launch split over threads is a record of the native run too (the trampoline enters
+  the OpenMP region), once its split verdict is known (kiln/codegen/cpu/split_rule.py:
+  a candidate's first calls are timed serial and split); until then, and where libgomp
+  is missing, it is the kernel's own call on typed arrays, and the plan lays its runs out
+  again when every verdict is in (or the thread count changed).
 
 A plan applies to the CPU backend's programs of launches, views, constants and externs
 whose outputs are fresh buffers (control flow, collectives, an input, constant or view
@@ -51,7 +55,9 @@ import numpy as np
 from kiln.runtime import profiler as _profiler
 from kiln.runtime.allocator import default_allocator
 from kiln.runtime.device import allocator_for
-from kiln.runtime.threads import blas_single_thread
+from kiln.codegen.cpu import native_pool
+from kiln.codegen.cpu.split_rule import epoch as split_epoch
+from kiln.runtime.threads import blas_single_thread, get_num_threads, parallel_threads
 from kiln.runtime.executor import SMALL_OUTPUT_BYTES, _fresh
 from kiln.runtime.program import Collective, Constant, Extern, Launch, View
 
@@ -79,7 +85,7 @@ class FastPlan:
 
     __slots__ = ("_parts", "_outputs", "_returns", "_n_inputs", "_n_objects", "_lock",
                  "_one_blas", "_executable", "_fixed", "_arena", "_arena_key", "_track", "_broken",
-                 "_extern_returns", "__weakref__")
+                 "_extern_returns", "_sizes", "_pending", "_generation", "__weakref__")
 
     @classmethod
     def build(cls, executable, sizes: dict) -> "FastPlan | None":
@@ -101,13 +107,22 @@ class FastPlan:
         return plan if plan._parts is not None else None
 
     def __init__(self, executable, sizes: dict):
-        program = executable.program
         self._executable = executable
         self._lock = threading.Lock()
+        self._sizes = dict(sizes)
         self._fixed: list = []  # arrays whose ids are baked into the argument arrays
         self._arena = None  # the executor's arena this plan holds (intermediates)
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Decide every step's form (again, after `_release`): native runs, kernel
+        calls, externs, and the outputs to allocate."""
+        executable, sizes = self._executable, self._sizes
+        program = executable.program
         self._arena_key = ()
-        self._parts: list = []  # ("launches", [(fn, args, sizes, total)], fills, native) | ("extern", ...)
+        self._pending: list = []  # split states still measuring: the plan is laid out again
+        self._generation = split_epoch()
+        self._parts: list = []  # ("launches", [(fn, args, sizes, total, split)], fills, native) | ("extern", ...)
         self._outputs: list = []  # (object index, shape, dtype, nbytes): allocated per call
         self._track = allocator_for("cpu").track_new
         self._one_blas = False
@@ -202,7 +217,7 @@ class FastPlan:
             self._returns.append(kind[1])
         self._extern_returns = {typed[s][1] for s in program.outputs if s in extern_results}
         for part in self._parts:
-            if part[0] == "launches" and len(part[1]) > 1:
+            if part[0] == "launches" and (len(part[1]) > 1 or part[1][0][4] is not None):
                 part[3] = _launch_list(part[1], part[2], self._n_objects)
 
     def _launch(self, executable, step, sizes, where, typed) -> None:
@@ -210,11 +225,20 @@ class FastPlan:
         info = getattr(kernel, "launch_info", None)
         entry = None
         if info is not None and getattr(kernel, "_by_object", False):
-            values, total, parallel = info(sizes)
+            values, total, _ = info(sizes)
             entry = kernel._resolved.get(tuple(values))
-        if entry is None or parallel or entry[4] != 0:
-            # split over the pool (or no object entry): the kernel's own call decides, on
-            # the typed arrays of its slots, as the executor calls it
+        s = None if entry is None else entry[2]
+        split = None  # (split function's address, unit, most threads) of a split record
+        if s is not None and s.decided() and s.splits() and native_pool.usable():
+            most = get_num_threads() if s.max_threads is None else min(s.max_threads, get_num_threads())
+            split = ((native_pool.parallel_claim_address() if s.claim else native_pool.parallel_for_address()),
+                     s.unit, most)
+        if entry is None or (s is not None and split is None and (not s.decided() or s.splits())):
+            # no object entry, a split verdict still measured, or a split without
+            # libgomp: the kernel's own call, on the typed arrays of its slots, as the
+            # executor calls it
+            if s is not None and not s.decided():
+                self._pending.append(s)
             self._parts.append(("kernel", kernel, [typed[slot] for slot in step.args], dict(sizes)))
             return
         # BLAS at one thread around kernels that call it (the kernel's own call does so
@@ -232,7 +256,7 @@ class FastPlan:
             return
         if not self._parts or self._parts[-1][0] != "launches":
             self._parts.append(["launches", [], [], None])
-        self._parts[-1][1].append((kernel._fn, args, _int64s(values), total))
+        self._parts[-1][1].append((kernel._fn, args, _int64s(values), total, split))
         self._parts[-1][2].append(fills)
 
     def _extern(self, executable, program, step, sizes, where, typed, shape_of, dtype_of) -> None:
@@ -269,6 +293,12 @@ class FastPlan:
         if _profiler.ACTIVE is not None or self._broken or not self._lock.acquire(False):
             return None
         try:
+            if self._generation != split_epoch() or (
+                    self._pending and all(s.decided() for s in self._pending)):
+                self._release()  # verdicts in, or the thread count changed: lay out anew
+                self._lay_out()
+                if self._parts is None:
+                    return None
             objects = arrays + [None] * (self._n_objects - self._n_inputs)
             track = self._track
             for k, shape, dtype, nbytes in self._outputs:
@@ -305,12 +335,13 @@ class FastPlan:
                 continue
             _, launches, fills, native = part
             if native is not None:  # one native call runs every launch of the run
-                trampoline, table, n, bound, scratch, used = native
+                trampoline, table, n, bound, scratch, used, splits = native
                 for k in used:
                     bound[k] = id(objects[k])
-                trampoline(table, n, bound, scratch)
+                trampoline(table, n, bound, scratch,
+                           (parallel_threads() if native_pool.usable() else 1) if splits else 1)
                 continue
-            for (fn, args, sizes, total), fill in zip(launches, fills):
+            for (fn, args, sizes, total, _), fill in zip(launches, fills):  # one serial launch
                 for position, k in fill:
                     args[position] = id(objects[k])
                 fn(args, sizes, 0, total)
@@ -366,26 +397,27 @@ def _typed(g: tuple, objects: list) -> np.ndarray:
 
 
 def _launch_list(launches: list, fills: list, n_objects: int) -> tuple:
-    """(trampoline, list, n, objects, args, used object indexes): a run of launches in one
-    native call (launch_list.launch_trampoline); the list's words, per launch: the `.np`
-    entry's address, the argument count, the sizes' address, the loop count, then each
-    argument (an object's address, or -(k + 1) for the call's k-th object)."""
+    """(trampoline, list, n, objects, args, used object indexes, any split?): a run of
+    launches in one native call (launch_list.launch_trampoline); the list's words, per
+    launch: the `.np` entry's address, the argument count, the sizes' address, the loop
+    count, the split function's address (0: serial), its unit, the most threads, then
+    each argument (an object's address, or -(k + 1) for the call's k-th object)."""
     from kiln.codegen.cpu.launch_list import launch_trampoline
 
     words: list[int] = []
     widest = 1
     used: set[int] = set()
-    for (fn, args, sizes, total), fill in zip(launches, fills):
+    for (fn, args, sizes, total, split), fill in zip(launches, fills):
         values = [args[i] or 0 for i in range(len(args))]
         for position, k in fill:
             values[position] = -(k + 1)
             used.add(k)
         words += [ctypes.cast(fn, ctypes.c_void_p).value, len(values), ctypes.addressof(sizes),
-                  total, *values]
+                  total, *(split or (0, 1, 1)), *values]
         widest = max(widest, len(values))
     table = (ctypes.c_int64 * len(words))(*words)
     return (launch_trampoline(), table, len(launches), (ctypes.c_void_p * max(1, n_objects))(),
-            (ctypes.c_void_p * widest)(), tuple(sorted(used)))
+            (ctypes.c_void_p * widest)(), tuple(sorted(used)), any(l[4] is not None for l in launches))
 
 
 class _NotApplicable(Exception):

@@ -194,10 +194,12 @@ def set_num_threads(n: int) -> None:
 
     >>> kn.set_num_threads(1)   # e.g. one process per core
     """
-    global _num_threads
+    global _num_threads, _generation
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise KilnArgumentError(f"set_num_threads: n must be a positive int, got {n!r}",
                                 hint="kn.set_num_threads(2)")
+    if n != _num_threads:
+        _generation += 1  # split verdicts measured at the old count are measured again
     _num_threads = n
     with _blas_lock:
         if _blas_depth == 0:
@@ -307,3 +309,43 @@ def set_dynamic_threads(enabled: bool) -> None:
 
 def dynamic_threads() -> bool:
     return _dynamic
+
+
+# -- which launches split -----------------------------------------------------------------
+# Splitting a launch pays a region's fixed cost (waking the team, the join) and moves its
+# data to another core's cache; on this project's 2-CPU machines that measured 10-60 us a
+# launch, as much as a 32K-element kernel takes on one thread. So by default a launch the
+# cost model calls large enough is not split on trust: its first calls run serial and
+# split alternately, timed, and it splits from then on only where splitting was faster
+# (kiln/codegen/cpu/split_rule.py). "always" splits every such launch (the model alone),
+# "never" none; KILN_SPLIT sets the policy a process starts with.
+
+SPLIT_POLICIES = ("measure", "always", "never")
+_split_policy = os.environ.get("KILN_SPLIT", "measure")
+if _split_policy not in SPLIT_POLICIES:
+    _split_policy = "measure"
+_generation = 0  # bumped when the thread count changes: verdicts measured before are stale
+
+
+def set_split_policy(policy: str) -> None:
+    """How kiln decides to split a launch over threads: "measure" (the default: time the
+    first calls serial and split, keep the faster), "always" (every launch the cost model
+    calls large enough) or "never".
+
+    >>> set_split_policy("always")
+    """
+    global _split_policy, _generation
+    if policy not in SPLIT_POLICIES:
+        raise KilnArgumentError(f"set_split_policy: policy must be one of {', '.join(SPLIT_POLICIES)}, "
+                                f"got {policy!r}", hint='set_split_policy("measure")')
+    _split_policy = policy
+    _generation += 1
+
+
+def split_policy() -> str:
+    return _split_policy
+
+
+def threads_generation() -> int:
+    """A counter that changes whenever the thread count or the split policy does."""
+    return _generation

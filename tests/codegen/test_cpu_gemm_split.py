@@ -1,7 +1,8 @@
-"""A large single GEMM split into row panels over kiln's pool, one BLAS thread each:
+"""A large single GEMM split into row panels over kiln's threads, one BLAS thread each:
 the cost model's panels, results against numpy (epilogue, transposed operands, symbolic
-rows, one thread), and the claiming pool: every panel runs exactly once, errors surface,
-and a worker that never gets a core does not stall the call."""
+rows, one thread), claimed on OpenMP threads from native code (an atomic counter) or,
+without libgomp, by kiln's pool: every panel runs exactly once, errors surface, and a
+worker that never gets a core does not stall the call."""
 
 import threading
 
@@ -12,7 +13,9 @@ import kiln as kn
 
 from kiln.codegen.cpu import CpuBackend, CpuOptions
 from kiln.codegen.cpu import autotune
+from kiln.codegen.cpu import compiled as cc
 from kiln.codegen.cpu.compiled import WorkerPool
+from kiln.runtime import threads
 from kiln.codegen.kernel_ir import IN, OUT, Acc, BufferParam, Const, GemmKernel, Load, Op, loop_var
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import symbol
@@ -62,31 +65,47 @@ def test_panel_rows_split_a_large_product_only():
     assert autotune.panel_rows_for(512, 1024, 1024, threads=2, batch=8) == 512
 
 
+@pytest.fixture
+def split_always():
+    """Every candidate launch splits (the model alone), on 2 threads."""
+    before, policy = kn.get_num_threads(), threads.split_policy()
+    kn.set_num_threads(2)
+    threads.set_split_policy("always")
+    yield
+    kn.set_num_threads(before)
+    threads.set_split_policy(policy)
+
+
 @skip_if_no_blas
+@pytest.mark.parametrize("native", [True, False], ids=["openmp", "pool"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True)])
-def test_split_gemm_matches_numpy(monkeypatch, ta, tb):
+def test_split_gemm_matches_numpy(monkeypatch, split_always, ta, tb, native):
     # shrink the threshold so a test-sized product splits; 300 rows: a partial last panel
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
-    import kiln.codegen.cpu.compiled as compiled_module
-    monkeypatch.setattr(compiled_module, "SPLIT_MACS", 1 << 10)
+    monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)
     calls = []
     real = WorkerPool.run_claimed
     monkeypatch.setattr(WorkerPool, "run_claimed", lambda self, *a, **k: (calls.append(a[3]), real(self, *a, **k)))
+    claim = cc.parallel_claim()
+    if native and claim is None:
+        pytest.skip("needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
+    monkeypatch.setattr(cc, "parallel_claim", lambda: (
+        (lambda *a: (calls.append(a[3:]), claim(*a))) if native else None))
     g = big_gemm(300, 192, 160, ta=ta, tb=tb)
     plan = run(g, 300, threads=2, ta=ta, tb=tb)
     assert plan.panel_rows == 80 and int(plan.outer_extents[0]) == 4
-    if kn.get_num_threads() > 1:  # the four panels went to the claiming pool
-        assert calls == [[(0, 1), (1, 2), (2, 3), (3, 4)]]
+    # the four panels claimed one at a time: (total, unit, threads) by OpenMP's threads,
+    # or the ranges by kiln's pool
+    assert calls == [(4, 1, 2)] if native else calls == [[(0, 1), (1, 2), (2, 3), (3, 4)]]
     run(g, 300, threads=1, ta=ta, tb=tb)  # the same code with kiln on one thread
 
 
 @skip_if_no_blas
-def test_split_gemm_symbolic_rows(monkeypatch):
+def test_split_gemm_symbolic_rows(monkeypatch, split_always):
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
-    import kiln.codegen.cpu.compiled as compiled_module
-    monkeypatch.setattr(compiled_module, "SPLIT_MACS", 1 << 10)
+    monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)
     M = symbol("M")
     g = big_gemm(M, 192, 160, sizes=("M",))
     for m in (1, 17, 64, 333):

@@ -1,7 +1,9 @@
 """A kernel launch split over threads runs from native code on OpenMP threads
 (kiln/codegen/cpu/native_pool.py): the same cut of the range as kiln's pool, the same
 results as numpy, kiln's pool where libgomp is missing, and a forked child that still
-computes (libgomp's and the pool's threads do not survive `fork`)."""
+computes (libgomp's and the pool's threads do not survive `fork`). The split policy is
+"always" here (every launch the model calls large splits); test_cpu_split_rule.py tests
+the measured one."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 import kiln as kn
 from kiln.codegen.cpu import compiled as cc
 from kiln.codegen.cpu import native_pool
+from kiln.runtime import threads
 
 needs_gomp = pytest.mark.skipif(native_pool.parallel_for() is None,
                                 reason="needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
@@ -22,10 +25,18 @@ needs_gomp = pytest.mark.skipif(native_pool.parallel_for() is None,
 
 @pytest.fixture
 def two_threads():
-    before = kn.get_num_threads()
+    before, policy = kn.get_num_threads(), threads.split_policy()
     kn.set_num_threads(2)
+    threads.set_split_policy("always")
     yield
     kn.set_num_threads(before)
+    threads.set_split_policy(policy)
+
+
+def split_runs(f) -> list[bool]:
+    """For each native run of f's prepared calls: does it hold a split launch?"""
+    return [part[3][6] for call in f._fast.values() if call
+            for part in call.plan._parts if part[0] == "launches" and part[3] is not None]
 
 
 @pytest.fixture
@@ -65,9 +76,13 @@ def _check(f, n: int, seed: int) -> None:
 @pytest.mark.parametrize("n", [(1 << 20) + 37, 200_003, 1 << 18])
 def test_split_launch_runs_natively_and_matches_numpy(n, two_threads, launches):
     f = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)
-    for seed in range(3):  # the general path, then the prepared call
+    for seed in range(2):  # the general path (the second call prepares the fast one)
         _check(f, n, seed)
-    assert launches["native"] == 3 and launches["pool"] == 0
+    assert launches["native"] == 2 and launches["pool"] == 0
+    for seed in range(2, 4):  # prepared calls: the trampoline enters the region natively
+        _check(f, n, seed)
+    assert launches["native"] == 2 and launches["pool"] == 0
+    assert split_runs(f) == [True]
 
 
 def test_without_libgomp_the_pool_splits(monkeypatch, two_threads, launches):
@@ -77,6 +92,7 @@ def test_without_libgomp_the_pool_splits(monkeypatch, two_threads, launches):
     for seed in range(2):
         _check(f, (1 << 20) + 37, seed)
     assert launches["pool"] == 2
+    assert True not in split_runs(f)  # the prepared call's launch is the kernel's own call
 
 
 def _in_child(body) -> int:

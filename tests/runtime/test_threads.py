@@ -93,7 +93,9 @@ def _tanh_kernel():
 @pytest.fixture
 def pool_runs(monkeypatch):
     """The range lists of every parallel launch, in order: on kiln's pool, or over OpenMP
-    threads from native code (the same cut, `compiled.split`)."""
+    threads from native code (the same cut, `compiled.split`). Every launch the model
+    calls large splits (policy "always"; test_cpu_split_rule.py tests the measured one)."""
+    monkeypatch.setattr(threads, "_split_policy", "always")
     seen = []
     original = cc.WorkerPool.run
     native = cc.parallel_for()
@@ -211,25 +213,45 @@ def test_batched_gemm_matches_numpy_and_restores_blas(blas_seen, restore_threads
     assert getter() == 2
 
 
-def test_a_large_batched_gemm_is_split_over_the_pool_by_whole_items(pool_runs, restore_threads):
-    seen = pool_runs
+@pytest.fixture
+def claims(monkeypatch):
+    """(total, unit, threads) of every claimed split (a GEMM's batch items or panels), on
+    OpenMP threads or, without libgomp, as kiln's pool's claimed ranges."""
+    seen = []
+    native = cc.parallel_claim()
+    real = cc.WorkerPool.run_claimed
+
+    def pooled(self, fn, bufs, sizes, ranges, n):
+        seen.append((ranges[-1][1], ranges[0][1] - ranges[0][0], n))
+        return real(self, fn, bufs, sizes, ranges, n)
+
+    monkeypatch.setattr(cc.WorkerPool, "run_claimed", pooled)
+    if native is not None:
+        monkeypatch.setattr(cc, "parallel_claim", lambda: lambda *a: (seen.append(a[3:]), native(*a)))
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["measure", "always"])
+def test_a_large_batched_gemm_is_split_by_whole_items(claims, policy, restore_threads, monkeypatch):
+    """(32,64,128)x(32,128,64): 2^24 multiply-adds, split from its first call whatever the
+    measurement; (4,32,128)x(4,128,64): 2^20, a candidate the measurement decides (its
+    first call runs serial), split at once when the policy is "always"."""
+    monkeypatch.setattr(threads, "_split_policy", policy)
     rng = np.random.default_rng(2)
     f = kn.compile(lambda a, b: a @ b)
-    for batch, m, splits in ((32, 64, 2), (4, 32, 0)):  # 2^24 multiply-adds, and 2^20
+    for batch, m, splits in ((32, 64, True), (4, 32, policy == "always")):
         a = rng.standard_normal((batch, m, 128)).astype(np.float32)
         b = rng.standard_normal((batch, 128, 64)).astype(np.float32)
         for n in (2, 1):
             kn.set_num_threads(n)
-            seen.clear()
+            claims.clear()
             out = f(kn.tensor(a), kn.tensor(b)).numpy()
             np.testing.assert_allclose(out, np.matmul(a.astype(np.float64), b), rtol=1e-4, atol=1e-4)
-            want = splits if n == 2 else 0
-            assert len(seen) == (1 if want else 0)
-            if want:
-                ranges = seen[0]
-                assert len(ranges) == want and ranges[0][0] == 0 and ranges[-1][1] % batch == 0
-                per_item = ranges[-1][1] // batch
-                assert all(lo % per_item == 0 for lo, _ in ranges)  # whole batch items
+            if splits and n == 2:
+                (total, unit, used), = claims
+                assert total % batch == 0 and unit == total // batch and used == 2  # whole items
+            else:
+                assert claims == []
 
 
 def test_cgroup_files_are_read_v2_then_v1(tmp_path, monkeypatch):

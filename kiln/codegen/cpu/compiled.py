@@ -6,14 +6,21 @@ as small closures (no sympy per call). A call validates dtypes/shapes cheaply, f
 the two arrays, and either calls the function once or splits the flattened outer range
 over threads when the estimated work is large.
 
-A split launch runs on OpenMP threads entered once from native code
-(`native_pool.parallel_for`), where libgomp is present: a hand-off through kiln's Python
-`WorkerPool` costs 85-120 us back to back (each worker must take the GIL), which made a
-16384-element kernel 9x slower split than not. The pool stays for the GEMM splits (one
-BLAS thread each, panels claimed one at a time) and where libgomp is missing: its
-workers call kernels through `ctypes.CFUNCTYPE`, which releases the GIL, so they run in
-parallel; the caller runs the first range itself and waits for the rest. Both are
-restarted in a forked child (threads do not survive `fork`).
+Which launches split is measured, not assumed (`split_rule.Split`): the cost model names
+the candidates (loop kernels above `parallel_threshold` element-operations, batched
+GEMMs above `split_rule.BATCH_MACS` multiply-adds, single products cut into row panels
+above `autotune.SPLIT_MACS`), and each candidate splits only where its timed first calls
+showed splitting faster on this host.
+
+A split launch runs on OpenMP threads entered once from native code, where libgomp is
+present: `native_pool.parallel_for` (a static cut) for loop kernels, and
+`native_pool.parallel_claim` (panels or batch items claimed from an atomic counter, one
+BLAS thread each) for GEMMs. A hand-off through kiln's Python `WorkerPool` costs 85-120
+us back to back (each worker must take the GIL), which made a 16384-element kernel 9x
+slower split than not. The pool stays where libgomp is missing (and in a child forked
+after a region ran): its workers call kernels through `ctypes.CFUNCTYPE`, which releases
+the GIL, so they run in parallel; the caller runs the first range itself and waits for
+the rest. Both are restarted in a forked child (threads do not survive `fork`).
 """
 
 from __future__ import annotations
@@ -33,14 +40,10 @@ from kiln.errors import KilnArgumentError, KilnDTypeError, KilnShapeError
 from kiln.ir.shapes import dim_function, format_shape
 from kiln.codegen.cpu.mathlib import F32_FUNCS
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
-from kiln.runtime.threads import blas_single_thread, get_num_threads, parallel_threads
+from kiln.runtime.threads import blas_single_thread, get_num_threads
 from kiln.codegen.cpu.autotune import SPLIT_MACS
-from kiln.codegen.cpu.native_pool import parallel_for
-
-# a batched GEMM of at least this many multiply-adds (~0.3 ms on one core) is split over
-# kiln's pool; below it the hand-off (20-50 us on a loaded machine) would not pay:
-# bench_eager.py's (16,32,256)x(16,256,64) measured no faster split on 2 busy cores
-BATCH_SPLIT_FLOPS = 1 << 24
+from kiln.codegen.cpu.native_pool import parallel_claim, parallel_for
+from kiln.codegen.cpu.split_rule import BATCH_MACS, SURE_MACS, SURE_WORK, Split
 
 KERNEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
@@ -306,7 +309,7 @@ class CompiledKernel:
         else:
             self._work = _work_per_point(kernel)
         self._max_threads, self._threshold = threads, threshold
-        self._pool = pool(threads) if threads > 1 and self._work is not None else None
+        self._splittable = threads > 1 and self._work is not None
         self._gemm_dims = None
         if isinstance(kernel, GemmKernel):  # sizes of a product, to judge small/batched
             self._gemm_dims = [dim_function(d) for d in (kernel.batch, kernel.m, kernel.n, kernel.k)]
@@ -340,15 +343,18 @@ class CompiledKernel:
                                     hint="pass np.ascontiguousarray(x)")
 
     def _resolve(self, key: tuple):
-        """(shapes, loop count, parallel?) for one binding of the sizes, memoized: a
-        program calls a kernel with the same sizes over and over."""
+        """(shapes, loop count, split, one BLAS thread?) for one binding of the sizes,
+        memoized: a program calls a kernel with the same sizes over and over. `split` is
+        None (always serial) or the launch's `split_rule.Split` (a candidate)."""
         env = dict(zip(self._size_names, key))
         shapes = tuple(s if not s or isinstance(s[0], int) else tuple(c(env) for c in s)
                        for s in self._static_shapes)
         total = self._count(env)
-        parallel = (self._pool is not None and total > 1
-                    and total * self._work(env) >= self._threshold)
-        one_blas, batch_align = False, 0
+        split_state = None
+        work = total * self._work(env) if self._splittable and total > 1 else 0
+        if work >= self._threshold and work > 0:
+            split_state = Split(False, 64 if total >= 1024 else 1, self._max_threads, work >= SURE_WORK)
+        one_blas = False
         if self._gemm_dims is not None:
             batch, m, n, k = (int(f(env)) for f in self._gemm_dims)
             # every BLAS call kiln makes runs on one BLAS thread: kiln's pool is the
@@ -357,26 +363,49 @@ class CompiledKernel:
             # (2^21..2^23 multiply-adds) with 2 BLAS threads took 256-404 ms a step
             # against 14 ms with one (benchmarks/bench_stress.py)
             one_blas = self.calls_blas
-            if batch > 1 and total >= batch and batch * m * n * k >= BATCH_SPLIT_FLOPS:
-                # instead a large batch is split over kiln's pool, whole batch items per
-                # thread (B is packed once per item), one BLAS thread each
-                batch_align = total // batch
-            elif batch == 1 and total > 1 and m * n * k >= SPLIT_MACS:
+            macs = batch * m * n * k
+            if batch > 1 and total >= batch and macs >= BATCH_MACS:
+                # instead a batch is split over kiln's threads, whole batch items claimed
+                # one at a time (B is packed once per item), one BLAS thread each
+                split_state = Split(True, total // batch, None, macs >= SURE_MACS)
+            elif batch == 1 and total > 1 and macs >= SPLIT_MACS:
                 # one large product cut into row panels (autotune.panel_rows_for): kiln's
-                # threads claim them, one BLAS thread each (WorkerPool.run_claimed)
-                batch_align = -1
-        entry = (shapes, total, parallel, one_blas, batch_align)
+                # threads claim them, one BLAS thread each
+                split_state = Split(True, 1, None, macs >= SURE_MACS)
+        entry = (shapes, total, split_state, one_blas)
         if len(self._resolved) > 64:
             self._resolved.clear()
         self._resolved[key] = entry
         return entry
 
     def launch_info(self, sizes: dict) -> tuple[tuple[int, ...], int, bool]:
-        """(size values in the kernel's order, loop count, parallel?) for `sizes`: what a
-        native launch list needs to call the raw entry itself (kiln.runtime.capture)."""
+        """(size values in the kernel's order, loop count, split?) for `sizes`: what a
+        native launch list needs to call the raw entry itself (kiln.runtime.capture).
+        Split: a loop kernel the policy or its verdict splits, or one still unmeasured (a
+        captured plan runs no trials: the model's candidates keep their split there); a
+        GEMM's claimed split is the kernel's own call only."""
         key = tuple(sizes[name] for name in self._size_names)
         entry = self._resolved.get(key) or self._resolve(key)
-        return key, entry[1], entry[2]
+        s = entry[2]
+        return key, entry[1], s is not None and not s.claim and (s.splits() or not s.decided())
+
+    def _launch(self, s: Split, threads: int, bufs, csizes, total: int) -> None:
+        """One call of the kernel over [0, total) on `threads` threads (1: serial)."""
+        if threads <= 1:
+            self._fn(bufs, csizes, 0, total)
+        elif s.claim:
+            native = parallel_claim()
+            if native is not None:  # OpenMP threads claim units from an atomic counter
+                native(self._entry, bufs, csizes, total, s.unit, threads)
+            else:
+                units = [(lo, min(total, lo + s.unit)) for lo in range(0, total, s.unit)]
+                pool(threads).run_claimed(self._fn, bufs, csizes, units, threads)
+        else:
+            native = parallel_for()
+            if native is not None:  # OpenMP threads, entered once from native code
+                native(self._entry, bufs, csizes, total, s.unit, threads)
+            else:
+                pool(threads).run(self._fn, bufs, csizes, split(total, threads, s.unit))
 
     def __call__(self, arrays, sizes=None) -> None:
         if len(arrays) != self._n:
@@ -387,7 +416,7 @@ class CompiledKernel:
             raise KilnArgumentError(f"{self.name}: sizes must bind {', '.join(self._size_names)}; "
                                     f"got {sizes!r}") from None
         entry = self._resolved.get(key)
-        shapes, total, parallel, one_blas, batch_align = entry if entry is not None else self._resolve(key)
+        shapes, total, s, one_blas = entry if entry is not None else self._resolve(key)
         own = self._busy.acquire(False)
         bufs = self._bufs if own else (ctypes.c_void_p * max(1, self._n))()
         csizes = self._sizes if own else (ctypes.c_int64 * max(1, len(self._size_names)))()
@@ -403,25 +432,22 @@ class CompiledKernel:
                 bufs[i] = id(a) if self._by_object else a.ctypes.data
             if total <= 0:
                 return
-            threads = min(self._threads, parallel_threads()) if parallel else 1
-            if threads > 1:
-                align = 64 if total >= 1024 else 1
-                native = parallel_for()
-                if native is not None:  # OpenMP threads, entered once from native code
-                    native(self._entry, bufs, csizes, total, align, threads)
+            if s is None:
+                if one_blas:
+                    with blas_single_thread():
+                        self._fn(bufs, csizes, 0, total)
                 else:
-                    self._pool.run(self._fn, bufs, csizes, split(total, threads, align))
-            elif batch_align < 0 and parallel_threads() > 1:
-                n = parallel_threads()
-                pool(n).run_claimed(self._fn, bufs, csizes, [(i, i + 1) for i in range(total)], n)
-            elif batch_align > 0 and parallel_threads() > 1:
-                n = parallel_threads()
-                pool(n).run(self._fn, bufs, csizes, split(total, n, batch_align))
-            elif one_blas or batch_align < 0:
-                with blas_single_thread():
                     self._fn(bufs, csizes, 0, total)
+                return
+            threads, timed = s.next()
+            t0 = time.perf_counter_ns() if timed else 0
+            if one_blas:
+                with blas_single_thread():
+                    self._launch(s, threads, bufs, csizes, total)
             else:
-                self._fn(bufs, csizes, 0, total)
+                self._launch(s, threads, bufs, csizes, total)
+            if timed:
+                s.report(threads, time.perf_counter_ns() - t0)
         finally:
             if own:
                 self._busy.release()

@@ -185,21 +185,26 @@ class CpuLauncher(Launcher):
 
 
 # -- one trampoline for a prepared call's launches (kiln/runtime/fast_call.py) ---------------
-# `void launches(i64 *list, i64 n, i64 *objects, i64 *args)` runs n kernel launches from a
-# flat list: per launch the entry's address, its argument count, the address of its size
-# values, its loop count, then one word per argument: an object's address as is, or
-# -(k + 1) for the call's k-th object (an input or an output, bound per call). It calls
-# each kernel's `.np` entry (which reads the data pointer from the numpy object) with the
-# arguments gathered into `args`: one ctypes call for the whole program instead of one
-# per kernel (~0.6-1 us each).
+# `void launches(i64 *list, i64 n, i64 *objects, i64 *args, i32 threads)` runs n kernel
+# launches from a flat list: per launch the entry's address, its argument count, the
+# address of its size values, its loop count, a split function (0: serial; else
+# native_pool's kiln_parallel_for or kiln_parallel_claim), the split's unit (alignment
+# or claim unit), the launch's most threads, then one word per argument: an object's
+# address as is, or -(k + 1) for the call's k-th object (an input or an output, bound per
+# call). It calls each kernel's `.np` entry (which reads the data pointer from the numpy
+# object) with the arguments gathered into `args`, split over min(most, `threads`)
+# OpenMP threads where the launch has a split function and that is 2 or more: one ctypes
+# call for the whole program instead of one per kernel (~0.6-1 us each), split launches
+# included (through the Python call path they cost ~5-10 us each more).
+LAUNCH_WORDS = 7  # words of a launch before its arguments
 
 _LAUNCHES_IR = """
-define void @kiln_launches(ptr %list, i64 %n, ptr %objects, ptr %args) {
+define void @kiln_launches(ptr %list, i64 %n, ptr %objects, ptr %args, i32 %threads) {
 entry:
   br label %head
 head:
-  %i = phi i64 [ 0, %entry ], [ %i1, %call ]
-  %pos = phi i64 [ 0, %entry ], [ %next, %call ]
+  %i = phi i64 [ 0, %entry ], [ %i1, %after ]
+  %pos = phi i64 [ 0, %entry ], [ %next, %after ]
   %more = icmp slt i64 %i, %n
   br i1 %more, label %launch, label %exit
 launch:
@@ -214,7 +219,16 @@ launch:
   %pos3 = add i64 %pos, 3
   %p_tot = getelementptr i64, ptr %list, i64 %pos3
   %total = load i64, ptr %p_tot
-  %base = add i64 %pos, 4
+  %pos4 = add i64 %pos, 4
+  %p_sp = getelementptr i64, ptr %list, i64 %pos4
+  %split_i = load i64, ptr %p_sp
+  %pos5 = add i64 %pos, 5
+  %p_unit = getelementptr i64, ptr %list, i64 %pos5
+  %unit = load i64, ptr %p_unit
+  %pos6 = add i64 %pos, 6
+  %p_most = getelementptr i64, ptr %list, i64 %pos6
+  %most = load i64, ptr %p_most
+  %base = add i64 %pos, 7
   br label %ahead
 ahead:
   %j = phi i64 [ 0, %launch ], [ %j1, %aset ]
@@ -241,7 +255,22 @@ aset:
 call:
   %fn = inttoptr i64 %fn_i to ptr
   %sizes = inttoptr i64 %sizes_i to ptr
+  %t64 = sext i32 %threads to i64
+  %fewer = icmp slt i64 %most, %t64
+  %nt = select i1 %fewer, i64 %most, i64 %t64
+  %many = icmp sgt i64 %nt, 1
+  %has = icmp ne i64 %split_i, 0
+  %go = and i1 %many, %has
+  br i1 %go, label %split, label %serial
+split:
+  %sfn = inttoptr i64 %split_i to ptr
+  %nt32 = trunc i64 %nt to i32
+  call void %sfn(ptr %fn, ptr %args, ptr %sizes, i64 %total, i64 %unit, i32 %nt32)
+  br label %after
+serial:
   call void %fn(ptr %args, ptr %sizes, i64 0, i64 %total)
+  br label %after
+after:
   %i1 = add i64 %i, 1
   %next = add i64 %base, %nargs
   br label %head
@@ -250,7 +279,8 @@ exit:
 }
 """
 
-LAUNCHES_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
+LAUNCHES_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int32)
 _launches_engine: list = []
 
 

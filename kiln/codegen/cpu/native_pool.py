@@ -1,4 +1,5 @@
-"""Split one kernel launch over OpenMP threads from native code: `parallel_for`.
+"""Split one kernel launch over OpenMP threads from native code: `parallel_for` (a static
+cut of the range) and `parallel_claim` (units claimed from an atomic counter).
 
 A launch split over kiln's Python `WorkerPool` hands the worker its range through a
 queue and waits for it through another. Each hand-off needs the worker thread to take
@@ -76,6 +77,59 @@ done:
   ret void
 }
 
+; the claimed cut: each thread takes the next `unit` points from a shared counter until
+; none are left, so a thread that starts late (descheduled) takes fewer; for GEMM panels
+; and batch items, whose work per unit is large and even
+%cctx = type { ptr, ptr, ptr, i64, i64, i64 }
+
+define internal void @claim(ptr %c) {
+entry:
+  %fn.p = getelementptr %cctx, ptr %c, i32 0, i32 0
+  %fn = load ptr, ptr %fn.p
+  %bufs.p = getelementptr %cctx, ptr %c, i32 0, i32 1
+  %bufs = load ptr, ptr %bufs.p
+  %sizes.p = getelementptr %cctx, ptr %c, i32 0, i32 2
+  %sizes = load ptr, ptr %sizes.p
+  %total.p = getelementptr %cctx, ptr %c, i32 0, i32 3
+  %total = load i64, ptr %total.p
+  %unit.p = getelementptr %cctx, ptr %c, i32 0, i32 4
+  %unit = load i64, ptr %unit.p
+  %next.p = getelementptr %cctx, ptr %c, i32 0, i32 5
+  br label %head
+head:
+  %lo = atomicrmw add ptr %next.p, i64 %unit monotonic
+  %some = icmp slt i64 %lo, %total
+  br i1 %some, label %run, label %done
+run:
+  %e = add i64 %lo, %unit
+  %over = icmp sgt i64 %e, %total
+  %hi = select i1 %over, i64 %total, i64 %e
+  call void %fn(ptr %bufs, ptr %sizes, i64 %lo, i64 %hi)
+  br label %head
+done:
+  ret void
+}
+
+define void @kiln_parallel_claim(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit,
+                                 i32 %threads) {
+entry:
+  %c = alloca %cctx
+  %fn.p = getelementptr %cctx, ptr %c, i32 0, i32 0
+  store ptr %fn, ptr %fn.p
+  %bufs.p = getelementptr %cctx, ptr %c, i32 0, i32 1
+  store ptr %bufs, ptr %bufs.p
+  %sizes.p = getelementptr %cctx, ptr %c, i32 0, i32 2
+  store ptr %sizes, ptr %sizes.p
+  %total.p = getelementptr %cctx, ptr %c, i32 0, i32 3
+  store i64 %total, ptr %total.p
+  %unit.p = getelementptr %cctx, ptr %c, i32 0, i32 4
+  store i64 %unit, ptr %unit.p
+  %next.p = getelementptr %cctx, ptr %c, i32 0, i32 5
+  store i64 0, ptr %next.p
+  call void @GOMP_parallel(ptr @claim, ptr %c, i32 %threads, i32 0)
+  ret void
+}
+
 define void @kiln_parallel_for(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %align,
                                i32 %threads) {
 entry:
@@ -144,7 +198,9 @@ def _built() -> dict:
                 if openmp_runtime() is not None:
                     engine = jit.glue_module(_IR)
                     address = engine.address("kiln_parallel_for")
-                    built = {"fn": PARALLEL_FN(address), "address": address, "engine": engine}
+                    claim = engine.address("kiln_parallel_claim")
+                    built = {"fn": PARALLEL_FN(address), "address": address, "engine": engine,
+                             "claim": PARALLEL_FN(claim), "claim_address": claim}
                 _state["built"] = built
     return _state["built"]
 
@@ -157,5 +213,24 @@ def parallel_for():
 
 def parallel_for_address() -> int:
     """`kiln_parallel_for`'s address, for native code that calls it (a captured plan's
-    launch list); only where libgomp is present."""
+    launch list, a prepared call's trampoline); only where libgomp is present."""
     return _built()["address"]
+
+
+def parallel_claim():
+    """The native `kiln_parallel_claim(entry, bufs, sizes, total, unit, threads)`, or None
+    (as `parallel_for`): the threads claim `unit` points at a time from a shared atomic
+    counter until [0, total) is done (a GEMM's panels or batch items: a thread that got
+    its core late takes fewer)."""
+    return None if _forked else _built().get("claim")
+
+
+def parallel_claim_address() -> int:
+    """`kiln_parallel_claim`'s address (a prepared call's trampoline); with libgomp only."""
+    return _built()["claim_address"]
+
+
+def usable() -> bool:
+    """Can native code enter an OpenMP region in this process now (libgomp loaded, and
+    not a child forked after a region ran)?"""
+    return parallel_for() is not None

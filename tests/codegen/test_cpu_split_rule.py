@@ -1,0 +1,173 @@
+"""Which launches split over threads is measured per launch (kiln/codegen/cpu/split_rule.py):
+the verdict from timed serial and split calls (durations injected here, so the tests
+decide nothing by the clock), the policies, stale verdicts measured again, and end to end:
+a compiled program's results against numpy while its launches are measured, after the
+verdict (a prepared call's trampoline entering the region natively), with kn.set_num_threads,
+for the GEMMs claimed on OpenMP threads, and in a forked child."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.codegen.cpu import compiled as cc
+from kiln.codegen.cpu import native_pool, split_rule
+from kiln.codegen.cpu.split_rule import TRIALS, Split
+from kiln.errors import KilnArgumentError
+from kiln.runtime import threads
+
+from tests.codegen.test_cpu_native_pool import _in_child, split_runs
+
+needs_gomp = pytest.mark.skipif(native_pool.parallel_for() is None,
+                                reason="needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """2 threads, the measured policy, no other process's load counted."""
+    before, policy = kn.get_num_threads(), threads.split_policy()
+    kn.set_num_threads(2)
+    threads.set_split_policy("measure")
+    monkeypatch.setattr(threads, "_dynamic", False)
+    yield
+    kn.set_num_threads(before)
+    threads.set_split_policy(policy)
+
+
+def _measure(s: Split, serial_ns: int, split_ns: int) -> list[int]:
+    """Drive `s` through its trials with fixed durations; the thread counts it chose."""
+    chosen = []
+    for _ in range(2 * TRIALS + 1):
+        n, timed = s.next()
+        chosen.append(n)
+        if timed:
+            s.report(n, split_ns if n > 1 else serial_ns)
+    return chosen
+
+
+def test_the_first_call_is_serial_then_split_and_serial_alternate(two_threads):
+    s = Split(False, 64, 2)
+    chosen = _measure(s, serial_ns=100_000, split_ns=60_000)
+    assert chosen == [1] + [2, 1] * TRIALS  # warm-up, then alternating, timed
+    assert s.verdict is True and s.decided() and s.splits()
+    assert [s.next() for _ in range(3)] == [(2, False)] * 3  # decided: no more timing
+
+
+@pytest.mark.parametrize("split_ns,verdict", [(95_000, False), (89_000, True), (400_000, False)])
+def test_a_launch_splits_only_where_splitting_was_faster(two_threads, split_ns, verdict):
+    s = Split(False, 1, 2)
+    _measure(s, serial_ns=100_000, split_ns=split_ns)
+    assert s.verdict is verdict  # WIN = 0.9: 5% faster is not enough, 11% is
+    assert s.next() == ((2 if verdict else 1), False)
+
+
+def test_a_load_spike_in_one_trial_does_not_decide(two_threads):
+    s = Split(False, 1, 2)
+    durations = iter([2_500_000, 20_000, 21_000])  # one split waited a time slice for a core
+    for _ in range(2 * TRIALS + 1):
+        n, timed = s.next()
+        if timed:
+            s.report(n, next(durations) if n > 1 else 40_000)
+    assert s.verdict is True  # the best times decide
+
+
+def test_policies_and_large_launches(two_threads):
+    s = Split(False, 1, 2)
+    threads.set_split_policy("never")
+    assert s.next() == (1, False) and s.decided() and not s.splits()
+    threads.set_split_policy("always")
+    assert s.next() == (2, False) and s.decided() and s.splits()
+    threads.set_split_policy("measure")
+    assert s.next() == (1, False) and not s.decided()  # the warm-up call
+    sure = Split(True, 4, None, sure=True)  # far above a region's cost: split unmeasured
+    assert sure.next() == (2, False) and sure.decided() and sure.splits()
+    with pytest.raises(KilnArgumentError, match="set_split_policy"):
+        threads.set_split_policy("sometimes")
+
+
+def test_a_verdict_is_measured_again_when_threads_change_or_time_passes(two_threads, monkeypatch):
+    s = Split(False, 1, 2)
+    _measure(s, 100_000, 10_000)
+    assert s.verdict is True
+    kn.set_num_threads(1)
+    assert s.next() == (1, False)  # one thread: serial, nothing timed
+    kn.set_num_threads(2)
+    assert not s.decided() and s.next() == (1, False)  # stale: a new warm-up, then trials
+    _measure(s, 100_000, 10_000)
+    assert s.decided()
+    now = split_rule.time.monotonic()
+    monkeypatch.setattr(split_rule.time, "monotonic", lambda: now + split_rule.REMEASURE_S)
+    assert not s.decided()
+
+
+def _exp_program():
+    return kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)
+
+
+def _want(x):
+    return (np.exp(x.astype(np.float64)) * 2.0 + 1.0).astype(np.float32)
+
+
+def _fake_clock(monkeypatch, split_faster: bool) -> list:
+    """Every timed call reports split 10x faster (or slower) than serial; the calls seen."""
+    seen = []
+    real = Split.report
+
+    def report(self, n, ns):
+        seen.append(n)
+        real(self, n, 1_000 if (n > 1) == split_faster else 10_000)
+
+    monkeypatch.setattr(Split, "report", report)
+    return seen
+
+
+@needs_gomp
+@pytest.mark.parametrize("split_faster", [True, False])
+def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monkeypatch, split_faster):
+    seen = _fake_clock(monkeypatch, split_faster)
+    f = _exp_program()
+    n = (1 << 18) + 3  # 2^20 element-operations: a candidate, below SURE_WORK
+    rng = np.random.default_rng(0)
+    for call in range(2 * TRIALS + 4):
+        x = rng.standard_normal(n).astype(np.float32)
+        np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
+    assert sorted(seen) == [1] * TRIALS + [2] * TRIALS  # trials bounded, then decided
+    # the prepared call laid its launches out again once the verdict was in: the
+    # split launch is a record of its native run (entered by the trampoline), or serial
+    assert split_runs(f) == ([True] if split_faster else [])  # one serial launch: no list
+    kn.set_num_threads(1)  # one thread: the same results, nothing split or timed
+    x = rng.standard_normal(n).astype(np.float32)
+    np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
+    assert len(seen) == 2 * TRIALS
+
+
+@needs_gomp
+def test_claimed_gemm_splits_match_numpy_in_prepared_calls_and_a_forked_child(two_threads):
+    """Batched products split by whole batch items claimed on OpenMP threads (kiln's
+    micro-kernel for float32, BLAS for float64) and a large product's row panels: the
+    same results as numpy on the general path, in prepared calls (the trampoline's
+    claimed records), and in a child forked after the regions ran."""
+    threads.set_split_policy("always")
+    rng = np.random.default_rng(3)
+    cases = []
+    for dtype, tol in ((np.float32, 1e-4), (np.float64, 1e-10)):
+        a = rng.standard_normal((16, 32, 256)).astype(dtype)
+        b = rng.standard_normal((16, 256, 64)).astype(dtype)
+        cases.append((kn.compile(lambda a, b: a @ b), a, b, tol))
+    a = rng.standard_normal((1024, 128)).astype(np.float32)  # 2^24 multiply-adds: panels
+    b = rng.standard_normal((128, 128)).astype(np.float32)
+    cases.append((kn.compile(lambda a, b: kn.relu(a @ b)), a, b, 1e-4))
+
+    def check() -> bool:
+        for f, a, b, tol in cases:
+            want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+            if f is cases[-1][0]:
+                want = np.maximum(want, 0)
+            for _ in range(3):  # the general path, then prepared calls
+                np.testing.assert_allclose(f(kn.tensor(a), kn.tensor(b)).numpy(), want, rtol=tol, atol=tol)
+        return True
+
+    check()
+    assert all(split_runs(f) == [True] for f, *_ in cases)
+    assert _in_child(check) == 0
