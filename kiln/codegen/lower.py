@@ -34,19 +34,6 @@ class LoweringError(KilnError):
     title = "internal: a fusion group could not be lowered"
 
 
-# graph ops that lower to a Kernel IR template kind (kernel_ir.TEMPLATE_KINDS) rather than
-# a loop nest; a backend's templates() is keyed by the kind, never by these op names
-TEMPLATE_OF_OP = {"grouped_matmul": "grouped_gemm", "grouped_matmul_dw": "grouped_gemm_dw",
-                  "scaled_dot_product_attention": "attention"}
-
-
-def template_externs(backend) -> dict:
-    """Graph op -> the backend's implementation, for the template kinds it implements
-    (the runtime calls these instead of the op's numpy reference)."""
-    impls = backend.templates()
-    return {op: impls[kind] for op, kind in TEMPLATE_OF_OP.items() if kind in impls}
-
-
 def flat_index(index, shape) -> sympy.Expr:
     strides = row_major_strides(shape)
     return sympy.expand(sum((sympy.sympify(i) * s for i, s in zip(index, strides)), sympy.Integer(0)))

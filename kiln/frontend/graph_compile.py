@@ -144,7 +144,7 @@ def _program_key(program_cache, graph: Graph, target, mode: str, verified: bool)
 def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
                    verified: bool) -> CompiledGraph:
     from kiln.codegen.backends import get_backend
-    from kiln.codegen.lower import template_externs
+    from kiln.codegen.kernel_ir import template_externs
     from kiln.frontend import program_cache
     from kiln.runtime.executor import Executable
 

@@ -323,7 +323,8 @@ real = manager.Pipeline.run
 manager.Pipeline.run = lambda self, *a, **k: runs.append(1) or real(self, *a, **k)
 out = kn.compile(model)(X, W)
 ok = all(np.allclose(o.numpy(), r, rtol=2e-5, atol=2e-5) for o, r in zip(out, oracle(X, W)))
-print(json.dumps({{"ok": ok, "stats": program_cache.STATS, "pipelines": len(runs)}}))
+print(json.dumps({{"ok": ok, "stats": program_cache.STATS, "pipelines": len(runs),
+                  "lowering": "kiln.codegen.lower" in sys.modules}}))
 """
 
 
@@ -340,3 +341,5 @@ def test_a_new_process_loads_the_program(tmp_path):
     first, second = results
     assert first["ok"] and first["stats"]["stores"] == 1 and first["pipelines"] == 1
     assert second["ok"] and second["stats"]["hits"] == 1 and second["pipelines"] == 0
+    # a hit does not even import the lowering (kiln.codegen.lower: ~2 ms, 7 from source)
+    assert first["lowering"] and not second["lowering"]

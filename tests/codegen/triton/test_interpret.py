@@ -218,7 +218,7 @@ def test_grouped_matmul_and_its_gradient_run_the_persistent_kernel(triton_interp
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-4)
     used = triton_interp.request("eval", (
         "from kiln.codegen.backends import get_backend\n"
-        "from kiln.codegen.lower import template_externs\n"
+        "from kiln.codegen.kernel_ir import template_externs\n"
         "b = get_backend('cuda')\n"
         "result = [sorted(b.templates()), sorted(template_externs(b))]"))
     assert used == [["grouped_gemm", "grouped_gemm_dw"], ["grouped_matmul", "grouped_matmul_dw"]]
