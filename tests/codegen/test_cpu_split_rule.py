@@ -171,3 +171,13 @@ def test_claimed_gemm_splits_match_numpy_in_prepared_calls_and_a_forked_child(tw
     check()
     assert all(split_runs(f) == [True] for f, *_ in cases)
     assert _in_child(check) == 0
+
+
+def test_a_launch_that_cannot_be_measured_runs_serial(two_threads, monkeypatch):
+    s = Split(False, 1, 2)
+    monkeypatch.setattr(split_rule, "parallel_threads", lambda: 1)  # another process holds a CPU
+    for _ in range(split_rule.UNTRIED):
+        assert not s.decided() and s.next() == (1, False)
+    assert s.decided() and s.verdict is False  # a prepared call runs it natively, serial
+    monkeypatch.setattr(split_rule, "parallel_threads", lambda: 2)
+    assert s.next() == (1, False)  # until the next epoch

@@ -16,7 +16,8 @@ from then on it splits only where the best split time beat the best serial time 
 `WIN`. Best times, and alternating, keep a load spike from choosing; the verdict is kept
 per launch (kernel and sizes) until the thread count or the policy changes, or for
 `REMEASURE_S` at most (a verdict taken while another process held a core is not kept
-for ever): `epoch()`. A launch the model puts far above any region's cost (`sure`:
+for ever): `epoch()`. A launch that cannot be measured (no CPU idle for `UNTRIED` of its
+calls) runs serial until then. A launch the model puts far above any region's cost (`sure`:
 `SURE_WORK` element-operations, `SURE_MACS` multiply-adds, ~0.3-0.5 ms on one core)
 splits from its first call, unmeasured. `kiln.runtime.threads.set_split_policy("always"
 | "never")` replaces the measurement by the model alone, or by no splits.
@@ -42,6 +43,7 @@ BATCH_MACS = 1 << 20
 SURE_WORK = 1 << 23
 SURE_MACS = 1 << 24
 REMEASURE_S = 60.0  # verdicts are measured again after this long
+UNTRIED = 16  # calls that could not be measured (no idle CPU) before a serial verdict
 
 
 def epoch() -> tuple[int, int]:
@@ -57,7 +59,7 @@ class Split:
     and its verdict (None while measuring, then True or False)."""
 
     __slots__ = ("claim", "unit", "max_threads", "sure", "verdict", "_serial", "_split", "_warm",
-                 "_generation")
+                 "_untried", "_generation")
 
     def __init__(self, claim: bool, unit: int, max_threads: int | None, sure: bool = False):
         self.claim, self.unit, self.max_threads = claim, max(1, int(unit)), max_threads
@@ -69,6 +71,7 @@ class Split:
         self._serial: list[int] = []
         self._split: list[int] = []
         self._warm = False
+        self._untried = 0
         self._generation = epoch()
 
     def cap(self) -> int:
@@ -85,15 +88,18 @@ class Split:
         policy = split_policy()
         if policy == "never":
             return 1, False
+        if policy == "measure" and self._generation != epoch():
+            self._reset()
         n = self.cap()
-        if n <= 1:
-            return 1, False
         if policy == "always":
             return n, False
-        if self._generation != epoch():
-            self._reset()
         if self.verdict is not None:
             return (n if self.verdict else 1), False
+        if n <= 1:  # other processes hold the CPUs: nothing to measure
+            self._untried += 1
+            if self._untried >= UNTRIED:  # unmeasured: serial (measured again next epoch)
+                self.verdict = False
+            return 1, False
         if not self._warm:  # the first call: pages and caches, timed by nobody
             self._warm = True
             return 1, False
