@@ -74,6 +74,18 @@ for item in bench_cpu.workloads(quick={quick!r}):
     name = name if name not in calls else name + " 4096"
     compiled = kn.compile(fn)
     calls[name] = (lambda c, a: lambda: c(*a))(compiled, args)
+# kiln's micro-kernel GEMMs (cost model's choice for small float32 products), a block of
+# 20 calls per sample: bench_call.py --gemm-rows' shapes, an NT product, a bias epilogue
+import numpy as np
+rng = np.random.default_rng(0)
+def gemm_row(label, fn, *shapes):
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    compiled = kn.compile(fn)
+    calls[label] = lambda: [compiled(*arrays) for _ in range(20)]
+for b, m, n, k in [(64, 32, 32, 16), (16, 32, 64, 256), (1, 64, 64, 64), (1, 128, 128, 128), (1, 512, 192, 64)]:
+    gemm_row(f"micro {{b}}x{{m}}x{{n}}x{{k}} x20", lambda x, w: x @ w, (b, m, k), (b, k, n))
+gemm_row("micro NT 64x32x32x16 x20", lambda q, k: q @ k.transpose(1, 2), (64, 32, 16), (64, 32, 16))
+gemm_row("micro 512x192x64 +bias relu x20", lambda x, w, c: kn.relu(x @ w + c), (512, 64), (64, 192), (192,))
 for call in calls.values():
     call(); call()
 print(json.dumps(list(calls)), flush=True)

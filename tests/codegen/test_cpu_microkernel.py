@@ -142,3 +142,25 @@ def test_a_compiled_attention_score_product_runs_the_micro_kernel_and_matches_nu
                                    rtol=1e-4, atol=1e-4)
     (kernel,) = f.compiled_graphs()[0].executable.kernels.values()
     assert kernel.calls_blas is False  # the micro-kernel: no BLAS call, no BLAS thread toggle
+
+
+@pytest.mark.parametrize("ranges", [[(0, 12)], [(0, 1), (1, 6), (6, 12)], [(5, 12), (0, 5)],
+                                    [(i, i + 1) for i in range(12)][::-1]])
+def test_any_cut_of_the_row_blocks_computes_the_product(ranges):
+    """Every cut of the outer space [0, batch x row blocks) into ranges (as threads claim
+    them, in any order; cuts inside a batch item, partial last blocks) gives the product."""
+    import ctypes
+
+    m = 6 * MR - 3  # six row blocks per item, the last one partial; two items
+    g = gemm(2, m, NR + 5, 11)
+    ck = micro(g)
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((2, m, 11)).astype(np.float32)
+    b = rng.standard_normal((2, 11, NR + 5)).astype(np.float32)
+    out = np.full((2, m, NR + 5), np.nan, np.float32)
+    arrays = [a, b, out]
+    bufs = (ctypes.c_void_p * 3)(*[id(x) if ck._by_object else x.ctypes.data for x in arrays])
+    sizes = (ctypes.c_int64 * 1)()
+    for lo, hi in ranges:
+        ck._fn(bufs, sizes, lo, hi)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
