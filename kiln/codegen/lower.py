@@ -68,7 +68,10 @@ class _Gen:
         self.acc: tuple[int, tuple] | None = None  # gemm result value id, its index
 
     def __call__(self, value: Value, index: tuple):
-        key = (id(value), tuple(sympy.srepr(i) for i in index))
+        # each index entry keyed by its type and its value: sympy expressions hash and
+        # compare by structure (as their srepr text would, at a fraction of the cost), and
+        # the type keeps a Python int apart from the sympy Integer equal to it
+        key = (id(value), tuple((type(i), i) for i in index))
         if key not in self.memo:
             self.memo[key] = self._gen(value, tuple(index))
         return self.memo[key]
