@@ -15,13 +15,13 @@ from kiln.codegen.cpu import CpuBackend, CpuOptions
 from kiln.codegen.cpu import autotune
 from kiln.codegen.cpu import compiled as cc
 from kiln.codegen.cpu.compiled import WorkerPool
-from kiln.runtime import threads
 from kiln.codegen.kernel_ir import IN, OUT, Acc, BufferParam, Const, GemmKernel, Load, Op, loop_var
 from kiln.ir import dtypes as dt
 from kiln.ir.shapes import symbol
 from kiln.runtime.threads import blas_num_threads
 
 from tests.codegen.cpu_helpers import skip_if_no_blas
+from tests.codegen.test_cpu_native_pool import two_threads  # noqa: F401 (2 threads, policy "always")
 
 f32 = dt.float32
 gj = loop_var("gj")
@@ -65,21 +65,10 @@ def test_panel_rows_split_a_large_product_only():
     assert autotune.panel_rows_for(512, 1024, 1024, threads=2, batch=8) == 512
 
 
-@pytest.fixture
-def split_always():
-    """Every candidate launch splits (the model alone), on 2 threads."""
-    before, policy = kn.get_num_threads(), threads.split_policy()
-    kn.set_num_threads(2)
-    threads.set_split_policy("always")
-    yield
-    kn.set_num_threads(before)
-    threads.set_split_policy(policy)
-
-
 @skip_if_no_blas
 @pytest.mark.parametrize("native", [True, False], ids=["openmp", "pool"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True)])
-def test_split_gemm_matches_numpy(monkeypatch, split_always, ta, tb, native):
+def test_split_gemm_matches_numpy(monkeypatch, two_threads, ta, tb, native):
     # shrink the threshold so a test-sized product splits; 300 rows: a partial last panel
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
@@ -102,7 +91,7 @@ def test_split_gemm_matches_numpy(monkeypatch, split_always, ta, tb, native):
 
 
 @skip_if_no_blas
-def test_split_gemm_symbolic_rows(monkeypatch, split_always):
+def test_split_gemm_symbolic_rows(monkeypatch, two_threads):
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
     monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)

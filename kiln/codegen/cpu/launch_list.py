@@ -196,7 +196,11 @@ class CpuLauncher(Launcher):
 # OpenMP threads where the launch has a split function and that is 2 or more: one ctypes
 # call for the whole program instead of one per kernel (~0.6-1 us each), split launches
 # included (through the Python call path they cost ~5-10 us each more).
-LAUNCH_WORDS = 7  # words of a launch before its arguments
+# the words of a launch before its arguments
+_WORDS = ("fn_i", "nargs", "sizes_i", "total", "split_i", "unit", "most")
+_READ_WORDS = "\n".join(
+    f"  %pos{k} = add i64 %pos, {k}\n  %p_{w} = getelementptr i64, ptr %list, i64 %pos{k}\n"
+    f"  %{w} = load i64, ptr %p_{w}" for k, w in enumerate(_WORDS))
 
 _LAUNCHES_IR = """
 define void @kiln_launches(ptr %list, i64 %n, ptr %objects, ptr %args, i32 %threads) {
@@ -208,29 +212,10 @@ head:
   %more = icmp slt i64 %i, %n
   br i1 %more, label %launch, label %exit
 launch:
-  %p_fn = getelementptr i64, ptr %list, i64 %pos
-  %fn_i = load i64, ptr %p_fn
-  %pos1 = add i64 %pos, 1
-  %p_na = getelementptr i64, ptr %list, i64 %pos1
-  %nargs = load i64, ptr %p_na
-  %pos2 = add i64 %pos, 2
-  %p_sz = getelementptr i64, ptr %list, i64 %pos2
-  %sizes_i = load i64, ptr %p_sz
-  %pos3 = add i64 %pos, 3
-  %p_tot = getelementptr i64, ptr %list, i64 %pos3
-  %total = load i64, ptr %p_tot
-  %pos4 = add i64 %pos, 4
-  %p_sp = getelementptr i64, ptr %list, i64 %pos4
-  %split_i = load i64, ptr %p_sp
-  %pos5 = add i64 %pos, 5
-  %p_unit = getelementptr i64, ptr %list, i64 %pos5
-  %unit = load i64, ptr %p_unit
-  %pos6 = add i64 %pos, 6
-  %p_most = getelementptr i64, ptr %list, i64 %pos6
-  %most = load i64, ptr %p_most
-  %base = add i64 %pos, 7
+""" + _READ_WORDS + f"""
+  %base = add i64 %pos, {len(_WORDS)}
   br label %ahead
-ahead:
+""" + """ahead:
   %j = phi i64 [ 0, %launch ], [ %j1, %aset ]
   %amore = icmp slt i64 %j, %nargs
   br i1 %amore, label %aload, label %call

@@ -34,25 +34,49 @@ from kiln.codegen.cpu import jit
 PARALLEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int32)
 
-_IR = """
+# the region's context: the kernel entry and its arguments, the range's end, the unit
+# (the static cut's alignment, or the claim size) and the claim counter
+_FIELDS = (("fn", "ptr"), ("bufs", "ptr"), ("sizes", "ptr"), ("total", "i64"), ("unit", "i64"),
+           ("next", "i64"))
+
+
+def _fields(verb: str) -> str:
+    """IR that loads the context's fields in a region body ("load") or stores the entry's
+    arguments into it ("store"; the counter starts at 0)."""
+    lines = []
+    for k, (name, ty) in enumerate(_FIELDS):
+        lines.append(f"  %{name}.p = getelementptr %ctx, ptr %c, i32 0, i32 {k}")
+        if verb == "store":
+            lines.append(f"  store {ty} {'0' if name == 'next' else '%' + name}, ptr %{name}.p")
+        elif name != "next":
+            lines.append(f"  %{name} = load {ty}, ptr %{name}.p")
+    return "\n".join(lines)
+
+
+def _entry(name: str, body: str) -> str:
+    """`void name(fn, bufs, sizes, total, unit, threads)`: one OpenMP region running `body`."""
+    return f"""
+define void @{name}(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit, i32 %threads) {{
+entry:
+  %c = alloca %ctx
+{_fields("store")}
+  call void @GOMP_parallel(ptr @{body}, ptr %c, i32 %threads, i32 0)
+  ret void
+}}
+"""
+
+
+_IR = f"""
 declare void @GOMP_parallel(ptr, ptr, i32, i32)
 declare i32 @omp_get_thread_num()
 declare i32 @omp_get_num_threads()
 
-%ctx = type { ptr, ptr, ptr, i64, i64 }
+%ctx = type {{ ptr, ptr, ptr, i64, i64, i64 }}
 
-define internal void @share(ptr %c) {
+; the static cut: thread t runs chunk t of near-equal chunks, multiples of `unit`
+define internal void @share(ptr %c) {{
 entry:
-  %fn.p = getelementptr %ctx, ptr %c, i32 0, i32 0
-  %fn = load ptr, ptr %fn.p
-  %bufs.p = getelementptr %ctx, ptr %c, i32 0, i32 1
-  %bufs = load ptr, ptr %bufs.p
-  %sizes.p = getelementptr %ctx, ptr %c, i32 0, i32 2
-  %sizes = load ptr, ptr %sizes.p
-  %total.p = getelementptr %ctx, ptr %c, i32 0, i32 3
-  %total = load i64, ptr %total.p
-  %align.p = getelementptr %ctx, ptr %c, i32 0, i32 4
-  %align = load i64, ptr %align.p
+{_fields("load")}
   %tid32 = call i32 @omp_get_thread_num()
   %nt32 = call i32 @omp_get_num_threads()
   %tid = sext i32 %tid32 to i64
@@ -60,10 +84,10 @@ entry:
   %a = add i64 %total, %nt
   %b = sub i64 %a, 1
   %per = udiv i64 %b, %nt
-  %am1 = sub i64 %align, 1
+  %am1 = sub i64 %unit, 1
   %c1 = add i64 %per, %am1
-  %d = udiv i64 %c1, %align
-  %chunk = mul i64 %d, %align
+  %d = udiv i64 %c1, %unit
+  %chunk = mul i64 %d, %unit
   %lo = mul i64 %tid, %chunk
   %e = add i64 %lo, %chunk
   %over = icmp sgt i64 %e, %total
@@ -75,26 +99,14 @@ run:
   br label %done
 done:
   ret void
-}
+}}
 
-; the claimed cut: each thread takes the next `unit` points from a shared counter until
+; the claimed cut: each thread takes the next `unit` points from the shared counter until
 ; none are left, so a thread that starts late (descheduled) takes fewer; for GEMM panels
 ; and batch items, whose work per unit is large and even
-%cctx = type { ptr, ptr, ptr, i64, i64, i64 }
-
-define internal void @claim(ptr %c) {
+define internal void @claim(ptr %c) {{
 entry:
-  %fn.p = getelementptr %cctx, ptr %c, i32 0, i32 0
-  %fn = load ptr, ptr %fn.p
-  %bufs.p = getelementptr %cctx, ptr %c, i32 0, i32 1
-  %bufs = load ptr, ptr %bufs.p
-  %sizes.p = getelementptr %cctx, ptr %c, i32 0, i32 2
-  %sizes = load ptr, ptr %sizes.p
-  %total.p = getelementptr %cctx, ptr %c, i32 0, i32 3
-  %total = load i64, ptr %total.p
-  %unit.p = getelementptr %cctx, ptr %c, i32 0, i32 4
-  %unit = load i64, ptr %unit.p
-  %next.p = getelementptr %cctx, ptr %c, i32 0, i32 5
+{_fields("load")}
   br label %head
 head:
   %lo = atomicrmw add ptr %next.p, i64 %unit monotonic
@@ -108,46 +120,8 @@ run:
   br label %head
 done:
   ret void
-}
-
-define void @kiln_parallel_claim(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit,
-                                 i32 %threads) {
-entry:
-  %c = alloca %cctx
-  %fn.p = getelementptr %cctx, ptr %c, i32 0, i32 0
-  store ptr %fn, ptr %fn.p
-  %bufs.p = getelementptr %cctx, ptr %c, i32 0, i32 1
-  store ptr %bufs, ptr %bufs.p
-  %sizes.p = getelementptr %cctx, ptr %c, i32 0, i32 2
-  store ptr %sizes, ptr %sizes.p
-  %total.p = getelementptr %cctx, ptr %c, i32 0, i32 3
-  store i64 %total, ptr %total.p
-  %unit.p = getelementptr %cctx, ptr %c, i32 0, i32 4
-  store i64 %unit, ptr %unit.p
-  %next.p = getelementptr %cctx, ptr %c, i32 0, i32 5
-  store i64 0, ptr %next.p
-  call void @GOMP_parallel(ptr @claim, ptr %c, i32 %threads, i32 0)
-  ret void
-}
-
-define void @kiln_parallel_for(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %align,
-                               i32 %threads) {
-entry:
-  %c = alloca %ctx
-  %fn.p = getelementptr %ctx, ptr %c, i32 0, i32 0
-  store ptr %fn, ptr %fn.p
-  %bufs.p = getelementptr %ctx, ptr %c, i32 0, i32 1
-  store ptr %bufs, ptr %bufs.p
-  %sizes.p = getelementptr %ctx, ptr %c, i32 0, i32 2
-  store ptr %sizes, ptr %sizes.p
-  %total.p = getelementptr %ctx, ptr %c, i32 0, i32 3
-  store i64 %total, ptr %total.p
-  %align.p = getelementptr %ctx, ptr %c, i32 0, i32 4
-  store i64 %align, ptr %align.p
-  call void @GOMP_parallel(ptr @share, ptr %c, i32 %threads, i32 0)
-  ret void
-}
-"""
+}}
+{_entry("kiln_parallel_for", "share")}{_entry("kiln_parallel_claim", "claim")}"""
 
 
 @lru_cache(maxsize=None)
