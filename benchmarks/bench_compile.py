@@ -25,6 +25,7 @@ step's warm first call, which a user's installed kiln does not pay).
     .venv/bin/python benchmarks/bench_compile.py --profile cold   # cProfile of one first call
     .venv/bin/python benchmarks/bench_compile.py --breakdown 5    # CPU per piece of a warm call
     .venv/bin/python benchmarks/bench_compile.py --breakdown 5 --kiln NEW --baseline OLD  # alternating
+    .venv/bin/python benchmarks/bench_compile.py --breakdown 5 --serial --bytecode --kiln NEW --baseline OLD
     .venv/bin/python benchmarks/bench_compile.py --rounds 3 --warm 3 --bytecode --kiln NEW --baseline OLD
 """
 
@@ -180,19 +181,20 @@ def measure(rounds: int, warm: int = 1, tree: str | None = None, baseline: str |
     return out
 
 
-def breakdown(runs: int, tree: str | None, baseline: str | None = None) -> str:
+def breakdown(runs: int, tree: str | None, baseline: str | None = None, serial: bool = False) -> str:
     """Thread CPU milliseconds per piece of a warm first call (medians of `runs` fresh
     processes after one cold run), as a markdown table; with `baseline`, that tree's
-    warm runs alternate with `tree`'s (a same-run before/after column)."""
+    warm runs alternate with `tree`'s (a same-run before/after column). `serial`: one
+    kiln thread (no split launches: the pieces without OpenMP's spinning on a busy machine)."""
     trees = {"after": tree, "before": baseline} if baseline else {"CPU ms": tree}
     results: dict = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="bench-compile-") as caches:
         for name, where in trees.items():
             os.mkdir(os.path.join(caches, name))
-            run_once(os.path.join(caches, name), tree=where)
+            run_once(os.path.join(caches, name), serial, tree=where)
         for _ in range(runs):
             for name, where in trees.items():
-                results[name].append(run_once(os.path.join(caches, name), tree=where, breakdown=True))
+                results[name].append(run_once(os.path.join(caches, name), serial, tree=where, breakdown=True))
     if not all(r["stats"]["hits"] == 1 for rs in results.values() for r in rs):
         raise RuntimeError("a warm run missed the program cache (was kiln's source edited meanwhile?)")
     names = list(trees)[::-1]  # before, after
@@ -281,6 +283,8 @@ def main() -> int:
     parser.add_argument("--baseline", default="", help="another kiln snapshot, run as variant `baseline`")
     parser.add_argument("--breakdown", type=int, default=0,
                         help="print the CPU time of each piece of a warm first call (median of N runs)")
+    parser.add_argument("--serial", action="store_true",
+                        help="--breakdown with one kiln thread (kn.set_num_threads(1))")
     parser.add_argument("--bytecode", action="store_true",
                         help="compile each tree's kiln/ to bytecode first (as an installed package has it)")
     args = parser.parse_args()
@@ -288,7 +292,7 @@ def main() -> int:
         for tree in [args.kiln or None] + ([args.baseline] if args.baseline else []):
             compile_bytecode(tree)
     if args.breakdown:
-        print(breakdown(args.breakdown, args.kiln or None, args.baseline or None))
+        print(breakdown(args.breakdown, args.kiln or None, args.baseline or None, args.serial))
         return 0
     if args.profile:
         with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache:
