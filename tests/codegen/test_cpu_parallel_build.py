@@ -55,6 +55,34 @@ def test_parts_are_packed_and_run_like_numpy(kernels, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_kernels_emitted_once_join_into_the_one_module_text(kernels):
+    """The parallel build emits each kernel once and joins the texts of any grouping: the
+    join of all of them is the text one module emits (helpers such as the float32 exp and
+    tanh bodies defined once, loop metadata renumbered after the earlier kernels')."""
+    import re
+
+    from kiln.codegen.cpu.backend import _distinct
+
+    _, _, program = kernels
+    backend = CpuBackend(CpuOptions(threads=2))
+    taken: set = set()
+    legal = [backend.legalize(k) for k in program.kernels.values()]
+    plans = [backend._plan(k, taken) for k in _distinct(legal)[0]]
+    parts = backend._parts(plans)
+    joined = backend._joined(parts)
+    assert joined == backend._module_text(plans)
+    assert sum(re.findall(r"define internal float @(kiln\.\w+\.f32\w*)\(", backend._joined([p])) != []
+               for p in parts) >= 2  # several kernels carry the same helper...
+    names = re.findall(r"define internal float @(kiln\.\w+\.f32\w*)\(", joined)
+    assert names and len(names) == len(set(names))  # ...defined once in the join
+    ids = re.findall(r"^!(\d+) = ", joined, re.M)
+    assert len(ids) == len(set(ids)) and ids  # metadata numbers stay unique
+    from kiln.codegen.cpu import jit
+
+    for group in (parts[::2], parts[1::2]):  # any grouping parses as a module
+        jit.parse(backend._joined(group))
+
+
 def test_partition_balances_and_keeps_order():
     plans = list(range(10))
     groups = parallel_build.partition(plans, lambda p: (p + 1) * 100_000, 3)

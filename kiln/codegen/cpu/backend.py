@@ -34,7 +34,7 @@ from kiln.codegen.cpu.autotune import choose_gemm, gemm_outer_extents, measure_g
 from kiln.codegen.cpu.jit import require_blas
 from kiln.codegen.cpu.compiled import CompiledKernel
 from kiln.codegen.cpu.gemm import check_strides, emit_gemm, gemm_as_kernel
-from kiln.codegen.cpu.ir_builder import Module
+from kiln.codegen.cpu.ir_builder import Module, join_modules
 from kiln.codegen.cpu.llvm_emit import emit_kernel
 from kiln.codegen.cpu.microkernel import emit_micro_gemm, row_blocks
 from kiln.codegen.cpu.parallel_build import Engines, build_objects
@@ -152,15 +152,33 @@ class CpuBackend(Backend):
     def _module_text(self, plans: Sequence[_Plan]) -> str:
         module = Module(f32_math=self.options.f32_math)
         for p in plans:
-            if p.blas:
-                emit_gemm(module, p.kernel, p.symbol, p.panel_rows)
-            elif p.micro:
-                emit_micro_gemm(module, p.kernel, p.symbol)
-            elif isinstance(p.kernel, BatchKernel):
-                emit_batch(module, p.kernel, p.symbol)
-            else:
-                emit_kernel(module, p.kernel, p.symbol)
-        text = module.text()
+            self._emit(module, p)
+        return self._finish(module.text())
+
+    def _emit(self, module: Module, p: _Plan) -> None:
+        if p.blas:
+            emit_gemm(module, p.kernel, p.symbol, p.panel_rows)
+        elif p.micro:
+            emit_micro_gemm(module, p.kernel, p.symbol)
+        elif isinstance(p.kernel, BatchKernel):
+            emit_batch(module, p.kernel, p.symbol)
+        else:
+            emit_kernel(module, p.kernel, p.symbol)
+
+    def _parts(self, plans: Sequence[_Plan]) -> list[Module]:
+        """Each plan emitted into a module of its own, which join into one module text
+        (`_joined`) in any grouping without emitting the kernels again."""
+        parts = []
+        for p in plans:
+            module = Module(f32_math=self.options.f32_math)
+            self._emit(module, p)
+            parts.append(module)
+        return parts
+
+    def _joined(self, parts: Sequence[Module]) -> str:
+        return self._finish(join_modules(list(parts)))
+
+    def _finish(self, text: str) -> str:
         if self.options.vector_width:
             text = text.replace('!"llvm.loop.vectorize.enable", i1 true}',
                                 f'!"llvm.loop.vectorize.enable", i1 true, !"llvm.loop.vectorize.width", '
@@ -227,8 +245,9 @@ class CpuBackend(Backend):
         """Relocatable machine code of `kernels` compiled together (cache by content)."""
         taken: set = set()
         plans = [self._plan(k, taken) for k in _distinct(kernels)[0]]
-        # several LLVM modules compiled on threads at once (parallel_build.py)
-        return build_objects(plans, self._module_text, self.options.opt_level, self.options.threads)
+        # several LLVM modules compiled on threads at once (parallel_build.py), joined from
+        # the kernels' modules emitted once each (their texts also estimate the build cost)
+        return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
 
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list[CompiledKernel]:
         """CompiledKernels from bytes made by `object_code(kernels)` with these options."""

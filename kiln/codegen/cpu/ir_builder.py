@@ -8,6 +8,7 @@ literal (`1`, `0x3FF0000000000000`) and `ty` its LLVM type.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -86,8 +87,48 @@ class Module:
         return f"!{base}"
 
     def text(self) -> str:
-        parts = list(self.declarations.values()) + self.functions + self.metadata
-        return "\n".join(parts) + "\n"
+        return join_modules([self])
+
+
+_METADATA_REF = re.compile(r"!(\d+)")
+
+
+def _renumbered(text: str, offset: int) -> str:
+    return _METADATA_REF.sub(lambda m: f"!{int(m.group(1)) + offset}", text)
+
+
+def _defined_name(function: str) -> str:
+    """The symbol a `define ... @name(...)` text defines."""
+    head = function[:function.index("(")]
+    return head[head.rindex("@") + 1:]
+
+
+def join_modules(modules: list[Module]) -> str:
+    """The text of one module holding all of `modules` (emitted apart, in this order):
+    declarations once each, a helper function that several define only where it first
+    appears, every other function as it is, each module's metadata numbered after the
+    previous ones'. The text one Module would have had for the same kernels."""
+    if len(modules) == 1:
+        m = modules[0]
+        return "\n".join(list(m.declarations.values()) + m.functions + m.metadata) + "\n"
+    declarations: dict[str, str] = {}
+    functions: list[str] = []
+    defined: set[str] = set()
+    metadata: list[str] = []
+    for m in modules:
+        offset = len(metadata)
+        for name, line in m.declarations.items():
+            declarations.setdefault(name, line)
+        for f in m.functions:
+            if m.helpers and f.startswith("define"):
+                name = _defined_name(f)
+                if name in m.helpers:
+                    if name in defined:
+                        continue
+                    defined.add(name)
+            functions.append(_renumbered(f, offset) if offset and "!llvm.loop" in f else f)
+        metadata += [_renumbered(line, offset) for line in m.metadata] if offset else m.metadata
+    return "\n".join(list(declarations.values()) + functions + metadata) + "\n"
 
 
 class Fn:

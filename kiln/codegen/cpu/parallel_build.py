@@ -60,7 +60,8 @@ def partition(plans: Sequence, size: Callable[[object], int], parts: int) -> lis
 
 def build_objects(plans: Sequence, module_text: Callable[[Sequence], str], opt_level: int,
                   threads: int) -> bytes:
-    """One payload of object code for `plans` (`module_text(plans)` emits a module)."""
+    """One payload of object code for `plans` (`module_text(plans)` is the text of a module
+    holding them; the backend passes kernels already emitted, so that this is a join)."""
     from kiln.codegen.cpu import jit
 
     groups = partition(plans, lambda p: build_cost(module_text([p])), threads) \
