@@ -67,8 +67,8 @@ class RawMemory:
     A host segment of 2 MiB or more is mapped 2 MiB-aligned and advised to use
     transparent huge pages where the kernel offers them (Linux `madvise` mode): a
     program's first run touches its arena once, and 4 KiB pages cost one fault each (the
-    GPT training step's 10 MiB arena: ~2700 faults, ~2 ms of its first step, against
-    ~370 with huge pages). `KILN_HOST_HUGEPAGES=0` maps plain pages."""
+    GPT training step's 10 MiB arena: ~2750 faults, ~2.5 ms of its first step, against
+    ~260 with huge pages). `KILN_HOST_HUGEPAGES=0` maps plain pages."""
 
     def alloc(self, nbytes: int):
         if nbytes >= HUGE_PAGE and _huge_pages_wanted():
