@@ -43,7 +43,7 @@ BATCH_MACS = 1 << 20
 SURE_WORK = 1 << 23
 SURE_MACS = 1 << 24
 REMEASURE_S = 60.0  # verdicts are measured again after this long
-UNTRIED = 16  # calls that could not be measured (no idle CPU) before a serial verdict
+UNTRIED = 4  # calls that could not be measured (no idle CPU) before a serial verdict
 
 
 def epoch() -> tuple[int, int]:
