@@ -51,60 +51,23 @@ class _Materialized(set):
 
     version = 0
 
-    def _changed(self):
+
+def _counted(name: str):
+    """`set.<name>`, counting the change in `version` first."""
+    method = getattr(set, name)
+
+    def changed(self, *args):
         self.version += 1
+        return method(self, *args)
 
-    def add(self, item):
-        self._changed()
-        set.add(self, item)
+    changed.__name__ = name
+    return changed
 
-    def discard(self, item):
-        self._changed()
-        set.discard(self, item)
 
-    def remove(self, item):
-        self._changed()
-        set.remove(self, item)
-
-    def pop(self):
-        self._changed()
-        return set.pop(self)
-
-    def clear(self):
-        self._changed()
-        set.clear(self)
-
-    def update(self, *others):
-        self._changed()
-        set.update(self, *others)
-
-    def difference_update(self, *others):
-        self._changed()
-        set.difference_update(self, *others)
-
-    def intersection_update(self, *others):
-        self._changed()
-        set.intersection_update(self, *others)
-
-    def symmetric_difference_update(self, other):
-        self._changed()
-        set.symmetric_difference_update(self, other)
-
-    def __ior__(self, other):
-        self._changed()
-        return set.__ior__(self, other)
-
-    def __isub__(self, other):
-        self._changed()
-        return set.__isub__(self, other)
-
-    def __iand__(self, other):
-        self._changed()
-        return set.__iand__(self, other)
-
-    def __ixor__(self, other):
-        self._changed()
-        return set.__ixor__(self, other)
+for _name in ("add", "discard", "remove", "pop", "clear", "update", "difference_update",
+              "intersection_update", "symmetric_difference_update", "__ior__", "__isub__",
+              "__iand__", "__ixor__"):
+    setattr(_Materialized, _name, _counted(_name))
 
 
 class _Group:

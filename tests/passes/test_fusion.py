@@ -490,3 +490,46 @@ def test_a_reduction_group_is_split_when_its_values_depend_on_each_other_through
     np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-5)
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _training_step(x, w1, w2):
+    """A training step's graph: forward with layer_norm and softmax, backward through
+    both (reduction groups that get split), a gradient update."""
+    def loss(w1, w2):
+        h = kn.layer_norm(kn.gelu(x @ w1), (16,))
+        return kn.softmax(h @ w2, dim=-1).max(dim=-1)[0].sum()
+
+    value, (g1, g2) = kn.value_and_grad(loss, argnums=(0, 1))(w1, w2)
+    return value, w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+@pytest.mark.parametrize("name", ["transformer", "attention", "layer_norm", "while_loop", "training_step"])
+def test_remembered_group_nodes_plan_what_the_plain_planner_plans(name, monkeypatch):
+    """Planning remembers each group's node list until the group or the materialized set
+    changes (fusion._Materialized counts changes): the fused graph is the one planned with
+    a plain set, which recomputes every list."""
+    from kiln.passes import fusion
+    from tests.passes.examples import example
+
+    if name == "training_step":
+        args = (kn.randn(4, 8, seed=1), kn.randn(8, 16, seed=2) * 0.3, kn.randn(16, 16, seed=3) * 0.3)
+        graph = optimize(kn.trace(_training_step, *args))
+    else:
+        graph = optimize(example(name)[0])
+    remembered = str(fuse(graph))
+    monkeypatch.setattr(fusion, "_Materialized", set)
+    assert str(fuse(graph)) == remembered
+
+
+def test_materialized_set_counts_its_changes():
+    from kiln.passes.fusion import _Materialized
+
+    mat = _Materialized({1, 2})
+    start = mat.version
+    mat.add(3)
+    mat |= {4}
+    mat.discard(1)
+    mat -= {2}
+    mat.update({5})
+    assert mat == {3, 4, 5} and isinstance(mat, _Materialized) and mat.version == start + 5
+    assert type(mat - {3}) is set and mat.version == start + 5  # a copy changes nothing
