@@ -162,10 +162,11 @@ class Jitted:
 def glue_module(text: str) -> Jitted:
     """A small hand-written module (launch lists, trampolines: calls and branches) built
     at O1, which costs tens of milliseconds where O3 buys nothing. Keep the result alive
-    as long as its functions are called."""
-    mod = parse(text)
-    optimize(mod, 1)
-    return Jitted(mod, opt_level=1)
+    as long as its functions are called. Its object code comes from kiln's artifact
+    cache when an earlier process built the same text here (glue_cache.py)."""
+    from kiln.codegen.cpu import glue_cache
+
+    return glue_cache.glue_module(text, 1)
 
 
 # -- numpy's bundled OpenBLAS ------------------------------------------------------
