@@ -104,3 +104,15 @@ def test_malformed_object_list_is_refused(spoil):
     assert cache_elf.unpack_objects(blob) == [b"\x7fELF" + b"a" * 60, b"\x7fELF" + b"b" * 70]
     with pytest.raises(cache_elf.BadObject):
         cache_elf.unpack_objects(spoil(blob))
+
+
+def test_modules_parsed_on_the_build_threads_report_bad_ir():
+    """A build thread parses its module outside llvmlite's lock: a malformed module still
+    fails with LLVM's parse error, and good modules built at once give ELF objects."""
+    from kiln.codegen.cpu import jit
+
+    good = "define i32 @f(i32 %x) {\n  %y = add i32 %x, 1\n  ret i32 %y\n}\n"
+    objects = jit.object_codes([good, good.replace("@f", "@g")], 3)
+    assert len(objects) == 2 and all(o[:4] == b"\x7fELF" for o in objects)
+    with pytest.raises(RuntimeError, match="parsing error"):
+        jit.object_codes([good, "define void @h() {\n  ret i32 0\n}\n"], 3)

@@ -94,13 +94,29 @@ def _unlocked(name: str):
     return getattr(fn, "_cfn", None)
 
 
+def _parse_alone(text: str, context):
+    """`llvm.parse_assembly(text, context)` outside llvmlite's process-wide lock (a module
+    of the GPT step takes ~9 ms to parse: the second build thread waited that long)."""
+    parse = _unlocked("LLVMPY_ParseAssembly")
+    if parse is None:
+        return llvm.parse_assembly(text, context=context)
+    from llvmlite.binding.module import ModuleRef
+
+    with llvm.ffi.OutputString() as err:
+        mod = ModuleRef(parse(context, ctypes.c_char_p(text.encode("utf8")), err), context)
+        if err:
+            mod.close()
+            raise RuntimeError(f"LLVM IR parsing error\n{err}")
+    return mod
+
+
 def _compile_alone(text: str, opt_level: int) -> bytes:
     """Object code of one module in an LLVM context and target machine of its own: what
     `object_code(optimize(parse(text)))` makes, safe to run on several threads at once
     (the long calls, the pass pipeline and code generation, run outside llvmlite's lock)."""
     _init()
     context = llvm.create_context()
-    mod = llvm.parse_assembly(text, context=context)
+    mod = _parse_alone(text, context)
     mod.verify()
     tm = _new_target_machine(opt_level)
     pb, pm = _pipeline(mod, tm, opt_level)
