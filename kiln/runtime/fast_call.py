@@ -30,7 +30,9 @@ known, so `FastPlan` decides them once:
   the OpenMP region), once its split verdict is known (kiln/codegen/cpu/split_rule.py:
   a candidate's first calls are timed serial and split); until then, and where libgomp
   is missing, it is the kernel's own call on typed arrays, and the plan lays its runs out
-  again when every verdict is in (or the thread count changed).
+  again when every verdict is in (or the thread count changed). The plan then times its
+  whole run with and without its splits (the trampoline's thread count, 1 or more) and
+  keeps them only where the run is faster with them.
 
 A plan applies to the CPU backend's programs of launches, views, constants and externs
 whose outputs are fresh buffers (control flow, collectives, an input, constant or view
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -56,8 +59,8 @@ from kiln.runtime import profiler as _profiler
 from kiln.runtime.allocator import default_allocator
 from kiln.runtime.device import allocator_for
 from kiln.codegen.cpu import native_pool
-from kiln.codegen.cpu.split_rule import epoch as split_epoch
-from kiln.runtime.threads import blas_single_thread, get_num_threads, parallel_threads
+from kiln.codegen.cpu.split_rule import RETRY_S, RUN_WIN, Split, epoch as split_epoch
+from kiln.runtime.threads import blas_single_thread, get_num_threads
 from kiln.runtime.executor import SMALL_OUTPUT_BYTES, _fresh
 from kiln.runtime.program import Collective, Constant, Extern, Launch, View
 
@@ -85,7 +88,8 @@ class FastPlan:
 
     __slots__ = ("_parts", "_outputs", "_returns", "_n_inputs", "_n_objects", "_lock",
                  "_one_blas", "_executable", "_fixed", "_arena", "_arena_key", "_track", "_broken",
-                 "_extern_returns", "_sizes", "_pending", "_generation", "__weakref__")
+                 "_extern_returns", "_sizes", "_pending", "_provisional", "_recheck", "_generation",
+                 "_run_split", "__weakref__")
 
     @classmethod
     def build(cls, executable, sizes: dict) -> "FastPlan | None":
@@ -121,7 +125,10 @@ class FastPlan:
         program = executable.program
         self._arena_key = ()
         self._pending: list = []  # split states still measuring: the plan is laid out again
+        self._provisional: list = []  # serial verdicts given unmeasured (tried again later)
+        self._recheck = 0.0
         self._generation = split_epoch()
+        self._run_split = None  # the whole run's split verdict, where its launches split
         self._parts: list = []  # ("launches", [(fn, args, sizes, total, split)], fills, native) | ("extern", ...)
         self._outputs: list = []  # (object index, shape, dtype, nbytes): allocated per call
         self._track = allocator_for("cpu").track_new
@@ -219,6 +226,11 @@ class FastPlan:
         for part in self._parts:
             if part[0] == "launches" and (len(part[1]) > 1 or part[1][0][4] is not None):
                 part[3] = _launch_list(part[1], part[2], self._n_objects)
+        if any(part[0] == "launches" and part[3] is not None and part[3][6] for part in self._parts):
+            # each split launch won alone, timed while every candidate alternated; the run
+            # keeps them only where it measures faster whole with them than without (a
+            # thread asleep after a long serial stretch, data left in another core's cache)
+            self._run_split = Split(False, 1, None, win=RUN_WIN)
 
     def _launch(self, executable, step, sizes, where, typed) -> None:
         kernel = executable.kernels[step.kernel]
@@ -241,6 +253,8 @@ class FastPlan:
                 self._pending.append(s)
             self._parts.append(("kernel", kernel, [typed[slot] for slot in step.args], dict(sizes)))
             return
+        if s is not None and s.provisional:  # serial for now: measured again later
+            self._provisional.append(s)
         # BLAS at one thread around kernels that call it (the kernel's own call does so
         # for every GEMM; a micro-kernel calls no library)
         self._one_blas = self._one_blas or bool(entry[3] and getattr(kernel, "calls_blas", True))
@@ -294,7 +308,8 @@ class FastPlan:
             return None
         try:
             if self._generation != split_epoch() or (
-                    self._pending and all(s.decided() for s in self._pending)):
+                    self._pending and all(s.decided() for s in self._pending)) or (
+                    self._provisional and self._retry_due()):
                 self._release()  # verdicts in, or the thread count changed: lay out anew
                 self._lay_out()
                 if self._parts is None:
@@ -308,11 +323,15 @@ class FastPlan:
                 else:
                     out = self._new_output(shape, dtype, nbytes)
                 objects[k] = out
+            threads, timed = self._run_split.next() if self._run_split is not None else (1, False)
+            t0 = time.perf_counter_ns() if timed else 0
             if self._one_blas:
                 with blas_single_thread():
-                    done = self._call(objects)
+                    done = self._call(objects, threads)
             else:
-                done = self._call(objects)
+                done = self._call(objects, threads)
+            if timed:
+                self._run_split.report(threads, time.perf_counter_ns() - t0)
             if not done:
                 return None
             if self._extern_returns:
@@ -322,7 +341,16 @@ class FastPlan:
         finally:
             self._lock.release()
 
-    def _call(self, objects: list) -> bool:
+    def _retry_due(self) -> bool:
+        """Has a launch's unmeasured serial verdict expired (checked at most every
+        RETRY_S)? Then the plan lays out anew and the launch is measured again."""
+        now = time.monotonic()
+        if now < self._recheck:
+            return False
+        self._recheck = now + RETRY_S
+        return not all(s.decided() for s in self._provisional)
+
+    def _call(self, objects: list, threads: int) -> bool:
         for part in self._parts:
             if part[0] == "extern":
                 if not self._run_extern(part, objects):
@@ -338,8 +366,7 @@ class FastPlan:
                 trampoline, table, n, bound, scratch, used, splits = native
                 for k in used:
                     bound[k] = id(objects[k])
-                trampoline(table, n, bound, scratch,
-                           (parallel_threads() if native_pool.usable() else 1) if splits else 1)
+                trampoline(table, n, bound, scratch, threads if splits and native_pool.usable() else 1)
                 continue
             for (fn, args, sizes, total, _), fill in zip(launches, fills):  # one serial launch
                 for position, k in fill:

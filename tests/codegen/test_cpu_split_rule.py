@@ -109,16 +109,31 @@ def _want(x):
     return (np.exp(x.astype(np.float64)) * 2.0 + 1.0).astype(np.float32)
 
 
-def _fake_clock(monkeypatch, split_faster: bool) -> list:
-    """Every timed call reports split 10x faster (or slower) than serial; the calls seen."""
-    seen = []
+def _fake_clock(monkeypatch, split_faster: bool, run_split_faster: bool = True) -> dict:
+    """Every timed call reports split 10x faster (or slower) than serial, a launch's
+    (split_faster) and a prepared call's whole run's (run_split_faster); the thread
+    counts of the timed calls seen, per kind."""
+    seen = {"launch": [], "run": []}
     real = Split.report
 
     def report(self, n, ns):
-        seen.append(n)
-        real(self, n, 1_000 if (n > 1) == split_faster else 10_000)
+        kind = "run" if self.win == split_rule.RUN_WIN else "launch"
+        seen[kind].append(n)
+        faster = split_faster if kind == "launch" else run_split_faster
+        real(self, n, 1_000 if (n > 1) == faster else 10_000)
 
     monkeypatch.setattr(Split, "report", report)
+    return seen
+
+
+def _trampoline_threads(f, monkeypatch) -> list:
+    """The thread count each of f's prepared native runs is entered with, from now on."""
+    seen = []
+    for call in f._fast.values():
+        for part in call.plan._parts if call else ():
+            if part[0] == "launches" and part[3] is not None:
+                real = part[3][0]
+                part[3] = (lambda *a, real=real: (seen.append(a[4]), real(*a))[1],) + part[3][1:]
     return seen
 
 
@@ -132,14 +147,39 @@ def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monke
     for call in range(2 * TRIALS + 4):
         x = rng.standard_normal(n).astype(np.float32)
         np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
-    assert sorted(seen) == [1] * TRIALS + [2] * TRIALS  # trials bounded, then decided
+    assert sorted(seen["launch"]) == [1] * TRIALS + [2] * TRIALS  # trials bounded, then decided
     # the prepared call laid its launches out again once the verdict was in: the
     # split launch is a record of its native run (entered by the trampoline), or serial
     assert split_runs(f) == ([True] if split_faster else [])  # one serial launch: no list
     kn.set_num_threads(1)  # one thread: the same results, nothing split or timed
     x = rng.standard_normal(n).astype(np.float32)
     np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
-    assert len(seen) == 2 * TRIALS
+    assert len(seen["launch"]) == 2 * TRIALS
+
+
+@needs_gomp
+@pytest.mark.parametrize("run_faster", [True, False])
+def test_a_prepared_call_keeps_its_splits_only_where_its_whole_run_is_faster(two_threads, monkeypatch,
+                                                                                  run_faster):
+    seen = _fake_clock(monkeypatch, split_faster=True, run_split_faster=run_faster)
+    f = _exp_program()
+    n = (1 << 18) + 3
+    rng = np.random.default_rng(1)
+
+    def call():
+        x = rng.standard_normal(n).astype(np.float32)
+        np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
+
+    for _ in range(2 * TRIALS + 2):  # the launch's verdict: split
+        call()
+    assert split_runs(f) == [True]
+    for _ in range(2 * TRIALS + 1):  # the whole run's trials: a warm-up run, then alternating
+        call()
+    assert sorted(seen["run"]) == [1] * TRIALS + [2] * TRIALS
+    entered = _trampoline_threads(f, monkeypatch)
+    for _ in range(3):
+        call()
+    assert entered == [2 if run_faster else 1] * 3  # one thread: the trampoline runs every launch serial
 
 
 @needs_gomp
@@ -180,4 +220,17 @@ def test_a_launch_that_cannot_be_measured_runs_serial(two_threads, monkeypatch):
         assert not s.decided() and s.next() == (1, False)
     assert s.decided() and s.verdict is False  # a prepared call runs it natively, serial
     monkeypatch.setattr(split_rule, "parallel_threads", lambda: 2)
-    assert s.next() == (1, False)  # until the next epoch
+    assert s.next() == (1, False)  # until RETRY_S has passed
+
+
+def test_an_unmeasured_serial_verdict_is_tried_again(two_threads, monkeypatch):
+    s = Split(False, 1, 2)
+    monkeypatch.setattr(split_rule, "parallel_threads", lambda: 1)
+    for _ in range(split_rule.UNTRIED):
+        s.next()
+    assert s.decided() and s.provisional
+    now = split_rule.time.monotonic()
+    monkeypatch.setattr(split_rule.time, "monotonic", lambda: now + split_rule.RETRY_S + 0.1)
+    monkeypatch.setattr(split_rule, "parallel_threads", lambda: 2)
+    assert not s.decided()  # a prepared call lays its launches out again
+    assert s.next() == (1, False) and not s.provisional  # a new warm-up, then trials

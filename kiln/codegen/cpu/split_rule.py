@@ -17,7 +17,7 @@ from then on it splits only where the best split time beat the best serial time 
 per launch (kernel and sizes) until the thread count or the policy changes, or for
 `REMEASURE_S` at most (a verdict taken while another process held a core is not kept
 for ever): `epoch()`. A launch that cannot be measured (no CPU idle for `UNTRIED` of its
-calls) runs serial until then. A launch the model puts far above any region's cost (`sure`:
+calls) runs serial for `RETRY_S`, then is tried again. A launch the model puts far above any region's cost (`sure`:
 `SURE_WORK` element-operations, `SURE_MACS` multiply-adds, ~0.3-0.5 ms on one core)
 splits from its first call, unmeasured. `kiln.runtime.threads.set_split_policy("always"
 | "never")` replaces the measurement by the model alone, or by no splits.
@@ -44,6 +44,8 @@ SURE_WORK = 1 << 23
 SURE_MACS = 1 << 24
 REMEASURE_S = 60.0  # verdicts are measured again after this long
 UNTRIED = 4  # calls that could not be measured (no idle CPU) before a serial verdict
+RETRY_S = 1.0  # a launch that could not be measured is tried again after this long
+RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3% or more
 
 
 def epoch() -> tuple[int, int]:
@@ -58,12 +60,13 @@ class Split:
     unit or the cut's alignment), at most how many threads (None: kn.get_num_threads),
     and its verdict (None while measuring, then True or False)."""
 
-    __slots__ = ("claim", "unit", "max_threads", "sure", "verdict", "_serial", "_split", "_warm",
-                 "_untried", "_generation")
+    __slots__ = ("claim", "unit", "max_threads", "sure", "win", "verdict", "_serial", "_split",
+                 "_warm", "_untried", "_untried_at", "_generation")
 
-    def __init__(self, claim: bool, unit: int, max_threads: int | None, sure: bool = False):
+    def __init__(self, claim: bool, unit: int, max_threads: int | None, sure: bool = False,
+                 win: float = WIN):
         self.claim, self.unit, self.max_threads = claim, max(1, int(unit)), max_threads
-        self.sure = sure
+        self.sure, self.win = sure, win
         self._reset()
 
     def _reset(self) -> None:
@@ -72,7 +75,19 @@ class Split:
         self._split: list[int] = []
         self._warm = False
         self._untried = 0
+        self._untried_at = None  # when a serial verdict was given unmeasured
         self._generation = epoch()
+
+    def _stale(self) -> bool:
+        """Is the verdict to be measured anew: a new epoch, or given unmeasured (no idle
+        CPU) over RETRY_S ago?"""
+        return self._generation != epoch() or (
+            self._untried_at is not None and time.monotonic() - self._untried_at > RETRY_S)
+
+    @property
+    def provisional(self) -> bool:
+        """A serial verdict given because the launch could not be measured."""
+        return self._untried_at is not None
 
     def cap(self) -> int:
         """Threads the launch may use now: its compiled count, kn.set_num_threads and
@@ -88,7 +103,7 @@ class Split:
         policy = split_policy()
         if policy == "never":
             return 1, False
-        if policy == "measure" and self._generation != epoch():
+        if policy == "measure" and self._stale():
             self._reset()
         n = self.cap()
         if policy == "always":
@@ -97,8 +112,8 @@ class Split:
             return (n if self.verdict else 1), False
         if n <= 1:  # other processes hold the CPUs: nothing to measure
             self._untried += 1
-            if self._untried >= UNTRIED:  # unmeasured: serial (measured again next epoch)
-                self.verdict = False
+            if self._untried >= UNTRIED:  # unmeasured: serial, measured again after RETRY_S
+                self.verdict, self._untried_at = False, time.monotonic()
             return 1, False
         if not self._warm:  # the first call: pages and caches, timed by nobody
             self._warm = True
@@ -109,13 +124,13 @@ class Split:
         """A timed call's duration in nanoseconds (`threads` as `next` gave it)."""
         (self._split if threads > 1 else self._serial).append(int(ns))
         if self.verdict is None and len(self._split) >= TRIALS and len(self._serial) >= TRIALS:
-            self.verdict = min(self._split) < WIN * min(self._serial)
+            self.verdict = min(self._split) < self.win * min(self._serial)
 
     def decided(self) -> bool:
         """Is the launch's way of running fixed (a verdict, or a policy that needs none)?"""
         if split_policy() != "measure":
             return True
-        if self._generation != epoch():
+        if self._stale():
             return False
         return self.verdict is not None
 
