@@ -7,6 +7,7 @@ torch eager on one and two threads ("kiln-after1t": kiln after, `kn.set_num_thre
 variants round-robin, so load hits them alike.
 
     .venv/bin/python benchmarks/bench_gpt_step.py [--rounds 3] [--steps 30] [--top 10]
+        [--variants kiln-after,kiln-after1t,torch-2t]   # a subset, same round-robin
 
 Per variant: the step's wall-clock median and minimum over `steps` steps (after 3 warm-up
 steps), and for kiln a `kn.profile()` (each kernel's minimum per step) and for torch a
