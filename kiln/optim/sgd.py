@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kiln.errors import KilnArgumentError
 from kiln.frontend import pytree
+from kiln.optim.leaf_replay import map_leaves
 from kiln.optim.stateful import is_params_argument
 from kiln.optim.optimizer import (
     Optimizer, align, check_lr, learning_rate, leaves_of, new_step, scalar, step_count,
@@ -62,8 +63,8 @@ class SGD(Optimizer):
         lr = learning_rate(self.lr, step)
         bufs = tree_leaves(state["momentum_buffer"], spec, "SGD.update", "momentum_buffer") \
             if self.momentum else [None] * len(p_leaves)
-        new_p, new_b = [], []
-        for p, g, buf in zip(p_leaves, g_leaves, bufs):
+
+        def leaf(p, g, buf):
             g = to(g, p.dtype)
             if self.maximize:
                 g = -g
@@ -75,9 +76,12 @@ class SGD(Optimizer):
                     buf = buf * self.momentum + g * coef
                 else:
                     buf = buf * self.momentum + g
-                new_b.append(buf)
                 g = g + buf * self.momentum if self.nesterov else buf
-            new_p.append(p - g * scalar(lr, p.dtype))
+            return p - g * scalar(lr, p.dtype), buf
+
+        # traced: each (dtype, shape) of parameter traced once, its nodes replayed
+        done = map_leaves(leaf, list(zip(p_leaves, g_leaves, bufs)))
+        new_p, new_b = [p for p, _ in done], [b for _, b in done]
         new_state = {"step": step + 1}
         if self.momentum:
             new_state["momentum_buffer"] = pytree.unflatten(spec, new_b)

@@ -8,6 +8,7 @@ import pytest
 import kiln as kn
 from kiln import optim
 from kiln.optim import adam as adam_module
+from kiln.optim import sgd as sgd_module
 from kiln.optim import leaf_replay
 
 torch = pytest.importorskip("torch", reason="torch (CPU) is a test extra: pip install -e .[test]")
@@ -33,16 +34,22 @@ def problem(seed=0):
 
 
 CASES = [
-    ("adamw", lambda: optim.AdamW(lr=0.01, weight_decay=0.1),
+    ("adamw", adam_module, lambda: optim.AdamW(lr=0.01, weight_decay=0.1),
      lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
-    ("adam-l2-amsgrad-maximize", lambda: optim.Adam(lr=0.05, weight_decay=0.1, amsgrad=True,
-                                                    maximize=True),
+    ("adam-l2-amsgrad-maximize", adam_module,
+     lambda: optim.Adam(lr=0.05, weight_decay=0.1, amsgrad=True, maximize=True),
      lambda p: torch.optim.Adam(p, lr=0.05, weight_decay=0.1, amsgrad=True, maximize=True)),
+    ("sgd", sgd_module, lambda: optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    ("sgd-nesterov-l2", sgd_module, lambda: optim.SGD(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.1),
+     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.1)),
+    ("sgd-dampening-maximize", sgd_module,
+     lambda: optim.SGD(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01, maximize=True),
+     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01, maximize=True)),
 ]
 
 
-@pytest.mark.parametrize("name,make,make_torch", CASES, ids=[c[0] for c in CASES])
-def test_traced_update_is_the_plain_loops_graph_and_matches_torch(name, make, make_torch,
+@pytest.mark.parametrize("name,module,make,make_torch", CASES, ids=[c[0] for c in CASES])
+def test_traced_update_is_the_plain_loops_graph_and_matches_torch(name, module, make, make_torch,
                                                                   monkeypatch):
     p0, grads = problem()
     opt = make()
@@ -55,7 +62,7 @@ def test_traced_update_is_the_plain_loops_graph_and_matches_torch(name, make, ma
     replayed = kn.trace(opt.update, grads[0], state, params)
     assert len(replays) == 3  # w2, b2 and s2 replay w1, b1 and s1
     with monkeypatch.context() as m:
-        m.setattr(adam_module, "map_leaves", plain_map)
+        m.setattr(module, "map_leaves", plain_map)
         plain = kn.trace(opt.update, grads[0], state, params)
     assert str(replayed) == str(plain)
 
