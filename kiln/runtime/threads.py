@@ -293,11 +293,28 @@ def threads_beside(others: float, threads: int, cpus: int) -> int:
 
 def parallel_threads() -> int:
     """Threads kiln's next parallel region uses: `get_num_threads()`, fewer while other
-    processes keep CPUs busy (see above; `set_dynamic_threads(False)` turns that off)."""
+    processes keep CPUs busy (see above; `set_dynamic_threads(False)` turns that off), and
+    one during a back-off (`back_off`)."""
     n = get_num_threads()
     if n <= 1 or not _dynamic:
         return n
+    if _backoff_until and time.monotonic() < _backoff_until:
+        return 1
     return threads_beside(others_busy_cpus(), n, os.cpu_count() or n)
+
+
+# Load comes in bursts shorter than the sampling window: a region that started while the
+# CPUs looked idle then waits a time slice (ms) for a thread whose core another process
+# took. A split that took several times its best time says so at once: regions run on
+# one thread for BACKOFF_S (kiln/codegen/cpu/split_rule.py reports it).
+BACKOFF_S = 0.5
+_backoff_until = 0.0
+
+
+def back_off(seconds: float = BACKOFF_S) -> None:
+    """Parallel regions use one thread for the next `seconds` (dynamic threads only)."""
+    global _backoff_until
+    _backoff_until = time.monotonic() + seconds
 
 
 def set_dynamic_threads(enabled: bool) -> None:

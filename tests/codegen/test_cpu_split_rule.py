@@ -51,7 +51,7 @@ def test_the_first_call_is_serial_then_split_and_serial_alternate(two_threads):
     chosen = _measure(s, serial_ns=100_000, split_ns=60_000)
     assert chosen == [1] + [2, 1] * TRIALS  # warm-up, then alternating, timed
     assert s.verdict is True and s.decided() and s.splits()
-    assert [s.next() for _ in range(3)] == [(2, False)] * 3  # decided: no more timing
+    assert [s.next() for _ in range(3)] == [(2, True)] * 3  # decided: timed only to catch waits
 
 
 @pytest.mark.parametrize("split_ns,verdict", [(95_000, False), (89_000, True), (400_000, False)])
@@ -59,7 +59,7 @@ def test_a_launch_splits_only_where_splitting_was_faster(two_threads, split_ns, 
     s = Split(False, 1, 2)
     _measure(s, serial_ns=100_000, split_ns=split_ns)
     assert s.verdict is verdict  # WIN = 0.9: 5% faster is not enough, 11% is
-    assert s.next() == ((2 if verdict else 1), False)
+    assert s.next() == ((2, True) if verdict else (1, False))
 
 
 def test_a_load_spike_in_one_trial_does_not_decide(two_threads):
@@ -81,7 +81,7 @@ def test_policies_and_large_launches(two_threads):
     threads.set_split_policy("measure")
     assert s.next() == (1, False) and not s.decided()  # the warm-up call
     sure = Split(True, 4, None, sure=True)  # far above a region's cost: split unmeasured
-    assert sure.next() == (2, False) and sure.decided() and sure.splits()
+    assert sure.next() == (2, True) and sure.decided() and sure.splits()
     with pytest.raises(KilnArgumentError, match="set_split_policy"):
         threads.set_split_policy("sometimes")
 
@@ -118,7 +118,8 @@ def _fake_clock(monkeypatch, split_faster: bool, run_split_faster: bool = True) 
 
     def report(self, n, ns):
         kind = "run" if self.win == split_rule.RUN_WIN else "launch"
-        seen[kind].append(n)
+        if self.verdict is None:  # a trial (after the verdict, splits are timed too)
+            seen[kind].append(n)
         faster = split_faster if kind == "launch" else run_split_faster
         real(self, n, 1_000 if (n > 1) == faster else 10_000)
 
@@ -234,3 +235,23 @@ def test_an_unmeasured_serial_verdict_is_tried_again(two_threads, monkeypatch):
     monkeypatch.setattr(split_rule, "parallel_threads", lambda: 2)
     assert not s.decided()  # a prepared call lays its launches out again
     assert s.next() == (1, False) and not s.provisional  # a new warm-up, then trials
+
+
+def test_a_split_that_waited_for_a_core_backs_off(two_threads, monkeypatch):
+    """A split call several times slower than the launch's best split (another process
+    took the core in a burst the load sampling missed): regions run on one thread for
+    BACKOFF_S, then split again."""
+    monkeypatch.setattr(threads, "_dynamic", True)
+    monkeypatch.setattr(threads, "others_busy_cpus", lambda: 0.0)
+    monkeypatch.setattr(threads, "_backoff_until", 0.0)
+    s = Split(False, 1, 2)
+    _measure(s, serial_ns=100_000, split_ns=50_000)
+    n, timed = s.next()
+    assert (n, timed) == (2, True)
+    s.report(n, 120_000)  # slower, but within SLOW x best or SLOW_NS: no back-off
+    assert s.next() == (2, True)
+    s.report(2, 2_700_000)  # a time slice's wait
+    assert threads.parallel_threads() == 1 and s.next() == (1, False)
+    now = threads.time.monotonic()
+    monkeypatch.setattr(threads.time, "monotonic", lambda: now + threads.BACKOFF_S + 0.1)
+    assert threads.parallel_threads() == 2

@@ -19,7 +19,10 @@ per launch (kernel and sizes) until the thread count or the policy changes, or f
 for ever): `epoch()`. A launch that cannot be measured (no CPU idle for `UNTRIED` of its
 calls) runs serial for `RETRY_S`, then is tried again. A launch the model puts far above any region's cost (`sure`:
 `SURE_WORK` element-operations, `SURE_MACS` multiply-adds, ~0.3-0.5 ms on one core)
-splits from its first call, unmeasured. `kiln.runtime.threads.set_split_policy("always"
+splits from its first call, unmeasured. A split call after the verdict is timed too:
+one `SLOW` times its best split (a thread waited for a core another process took, in a
+burst shorter than the load sampling) makes regions back off to one thread for a while
+(`threads.back_off`). `kiln.runtime.threads.set_split_policy("always"
 | "never")` replaces the measurement by the model alone, or by no splits.
 
     >>> s = Split(claim=False, unit=64, max_threads=2)
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import time
 
-from kiln.runtime.threads import get_num_threads, parallel_threads, split_policy, threads_generation
+from kiln.runtime.threads import back_off, get_num_threads, parallel_threads, split_policy, threads_generation
 
 TRIALS = 3  # timed calls of each kind before the verdict
 WIN = 0.9  # split where its best time is below 0.9 x the best serial time
@@ -44,6 +47,10 @@ SURE_WORK = 1 << 23
 SURE_MACS = 1 << 24
 REMEASURE_S = 60.0  # verdicts are measured again after this long
 UNTRIED = 4  # calls that could not be measured (no idle CPU) before a serial verdict
+# a split call this many times slower than the launch's best split, and at least SLOW_NS
+# slower, waited for a core another process took: regions back off (threads.back_off)
+SLOW = 3.0
+SLOW_NS = 200_000
 RETRY_S = 1.0  # a launch that could not be measured is tried again after this long
 RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3% or more
 
@@ -108,8 +115,8 @@ class Split:
         n = self.cap()
         if policy == "always":
             return n, False
-        if self.verdict is not None:
-            return (n if self.verdict else 1), False
+        if self.verdict is not None:  # a split call is timed: `report` watches for waits
+            return (n, n > 1) if self.verdict else (1, False)
         if n <= 1:  # other processes hold the CPUs: nothing to measure
             self._untried += 1
             if self._untried >= UNTRIED:  # unmeasured: serial, measured again after RETRY_S
@@ -122,6 +129,11 @@ class Split:
 
     def report(self, threads: int, ns: int) -> None:
         """A timed call's duration in nanoseconds (`threads` as `next` gave it)."""
+        if self.verdict is not None:  # a split after the verdict: did it wait for a core?
+            best = min(self._split) if self._split else None
+            if threads > 1 and best is not None and ns > SLOW * best and ns > best + SLOW_NS:
+                back_off()
+            return
         (self._split if threads > 1 else self._serial).append(int(ns))
         if self.verdict is None and len(self._split) >= TRIALS and len(self._serial) >= TRIALS:
             self.verdict = min(self._split) < self.win * min(self._serial)
