@@ -193,7 +193,9 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
         with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
             compiled = compile_kernels(target, kernels, mode, objects)
         if objects:
-            program_cache.store(key, text, names, objects[0], program_cache.all_legal(target, kernels))
+            legal = program_cache.all_legal(target, kernels)
+            program_cache.store(key, text, names, objects[0], legal,
+                                program_cache.load_hints(target, kernels, legal))
     allocator = target.runtime_allocator()  # None: host memory; opencl: the device's SVM
     if device is not None:
         from kiln.runtime.device_programs import runtime_allocator

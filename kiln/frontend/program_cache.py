@@ -14,8 +14,11 @@ which graph a call traces to), so an equal key means an equal program.
 Entry (kind "programs" of kiln/codegen/artifact_cache.py, sealed with the cache's HMAC
 key like every entry): `u64 length | JSON | object code`. The JSON holds the program in
 the data-only format of kiln/codegen/program_codec.py (no pickle, no eval; spliced in as a
-JSON object, so the entry is parsed once), the kernel names in build order, and whether
-the backend's legalize pass left every kernel as it was (`legal`); the object code is the backend's relocatable ELF, checked by
+JSON object, so the entry is parsed once), the kernel names in build order, whether
+the backend's legalize pass left every kernel as it was (`legal`) and, when it did, the
+backend's load hints (`hints`: which kernels share code, each distinct loop kernel's
+per-stage work estimate; what a load would otherwise recompute by walking every kernel);
+the object code is the backend's relocatable ELF, checked by
 cache_elf before the loader sees it. Any entry that fails its tag, its structure, its
 decoding or its loading is removed and rebuilt: it fails closed.
 
@@ -104,8 +107,10 @@ def source_hash() -> str:
 
 
 def load(key: str):
-    """(program, kernel names, compiled kernels) from the entry under `key`, or None
-    (absent, refused, or not loadable: a refused entry is removed, the caller rebuilds)."""
+    """(program, kernel names, object code, legal) from the entry under `key`, or None
+    (absent, refused, or not loadable: a refused entry is removed, the caller rebuilds).
+    `legal`: False, True, or the entry's checked load hints (legal, with hints), as
+    `load_kernels` takes it."""
     from kiln.codegen import artifact_cache
     from kiln.codegen.program_codec import CodecError, decode_program
 
@@ -132,9 +137,10 @@ def load(key: str):
         if not all(isinstance(name, str) and name in program.kernels for name in names) \
                 or set(names) != set(program.kernels):
             raise CodecError("kernel names do not match the program")
+        hints = _hints([program.kernels[name] for name in names], head.get("hints"))
         objects = payload[8 + n:]
         artifact_cache.VALIDATORS["objects"](objects)
-        decoded.update(program=program, names=names, objects=objects, legal=head["legal"])
+        decoded.update(program=program, names=names, objects=objects, legal=(hints or True) if head["legal"] else False)
 
     before = artifact_cache.STATS["corrupt"]
     payload = artifact_cache.load(key, KIND, validate=validate)
@@ -169,27 +175,69 @@ def all_legal(target, kernels: list) -> bool:
     return all(target.legalize(k) is k for k in kernels)
 
 
-def store(key: str, text: str, names: list, objects: bytes, legal: bool = False) -> bool:
-    """Write the entry (`text` from `encode`; `legal` from `all_legal`); False when the
-    cache is disabled."""
+def _hints(kernels: list, hints) -> tuple | None:
+    """(distinct kernels, index, costs) from an entry's `hints`, the form checked (raises
+    ValueError: the entry is refused); None when the entry has none. The index is
+    `_distinct`'s: per kernel, the position of the first kernel with its code, numbered
+    in order of first appearance; a kernel shares code only with one of its own type."""
+    if hints is None:
+        return None
+    if not isinstance(hints, dict) or set(hints) != {"index", "costs"}:
+        raise ValueError("bad load hints")
+    index, costs = hints["index"], hints["costs"]
+    if not isinstance(index, list) or len(index) != len(kernels) or not isinstance(costs, list):
+        raise ValueError("bad load hints")
+    unique: list = []
+    for kernel, i in zip(kernels, index):
+        if type(i) is not int or not 0 <= i <= len(unique):
+            raise ValueError("bad load hints")
+        if i == len(unique):
+            unique.append(kernel)
+        elif type(unique[i]) is not type(kernel):
+            raise ValueError("bad load hints")
+    if len(costs) != len(unique) or not all(c is None or (isinstance(c, list) and len(c) < 1 << 16)
+                                            for c in costs):
+        raise ValueError("bad load hints")
+    return unique, index, costs
+
+
+def load_hints(target, kernels: list, legal: bool):
+    """The backend's load hints for `kernels` (JSON data), or None: the backend has
+    none, or a kernel is not legal as it is (a load legalizes, and hints describe the
+    kernels the backend compiles)."""
+    hints = getattr(target, "load_hints", None)
+    if not legal or hints is None:
+        return None
+    index, costs = hints(kernels)
+    return {"index": list(index), "costs": costs}
+
+
+def store(key: str, text: str, names: list, objects: bytes, legal: bool = False,
+          hints: dict | None = None) -> bool:
+    """Write the entry (`text` from `encode`; `legal` from `all_legal`; `hints` from
+    `load_hints`); False when the cache is disabled."""
     from kiln.codegen import artifact_cache
 
     # the program's JSON object is spliced in as is: the entry is parsed once on load
     head = ('{"names":' + json.dumps(list(names)) + ',"legal":' + json.dumps(bool(legal))
-            + ',"program":' + text + "}").encode()
+            + ',"hints":' + json.dumps(hints if legal else None) + ',"program":' + text + "}").encode()
     ok = artifact_cache.store(key, len(head).to_bytes(8, "little") + head + objects, KIND)
     STATS["stores"] += ok
     return ok
 
 
-def load_kernels(target, program, names: list, objects: bytes, legal: bool = False):
+def load_kernels(target, program, names: list, objects: bytes, legal=False):
     """The compiled kernels of a cached program, or None when the object code does not
     load (an entry from an incompatible build: the caller rebuilds and overwrites it).
-    `legal`: the entry's kernels were found legal for this backend when it was stored
-    (the key covers the backend's source and options, so they still are): the backend's
-    legalize pass, a walk of every kernel, is skipped."""
+    `legal` (truthy): the entry's kernels were found legal for this backend when it was
+    stored (the key covers the backend's source and options, so they still are): the
+    backend's legalize pass, a walk of every kernel, is skipped; a tuple is also the
+    entry's checked load hints (`_hints`), which the backend takes instead of walking
+    every kernel again."""
     try:
         kernels = [program.kernels[n] for n in names]
+        if isinstance(legal, tuple):
+            return target.load_built_object_code(kernels, objects, legal)
         if legal:
             return target.load_built_object_code(kernels, objects)
         return target.load_object_code(kernels, objects)

@@ -32,7 +32,7 @@ from kiln.codegen.cpu import jit
 from kiln.codegen.cpu.batch_emit import emit_batch
 from kiln.codegen.cpu.autotune import choose_gemm, gemm_outer_extents, measure_gemm
 from kiln.codegen.cpu.jit import require_blas
-from kiln.codegen.cpu.compiled import CompiledKernel
+from kiln.codegen.cpu.compiled import CompiledKernel, stage_costs
 from kiln.codegen.cpu.gemm import check_strides, emit_gemm, gemm_as_kernel
 from kiln.codegen.cpu.ir_builder import Module, join_modules
 from kiln.codegen.cpu.llvm_emit import emit_kernel
@@ -199,13 +199,14 @@ class CpuBackend(Backend):
         return str(mod) if stage == "optimized" else jit.assembly(mod, self.options.opt_level)
 
     # -- compilation ------------------------------------------------------------------
-    def _wrap(self, plans, owner) -> list[CompiledKernel]:
+    def _wrap(self, plans, owner, costs: list | None = None) -> list[CompiledKernel]:
         o = self.options
         out = [CompiledKernel(p.kernel, owner.address(p.symbol), owner,
                               object_address=owner.address(p.symbol + ".np"),
                               threads=1 if p.blas or p.micro else o.threads,
                               threshold=o.parallel_threshold, outer_extents=p.outer_extents,
-                              serial=p.blas or p.micro) for p in plans]
+                              serial=p.blas or p.micro, work_costs=costs[i] if costs else None)
+               for i, p in enumerate(plans)]
         for c, p in zip(out, plans):  # a prepared call (runtime/fast_call.py) sets BLAS to
             c.calls_blas = p.blas  # one thread only around kernels that call it
         return out
@@ -249,13 +250,24 @@ class CpuBackend(Backend):
         # the kernels' modules emitted once each (their texts also estimate the build cost)
         return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
 
-    def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list[CompiledKernel]:
-        """CompiledKernels from bytes made by `object_code(kernels)` with these options."""
-        unique, index = _distinct(kernels)
+    def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes,
+                               hints: tuple | None = None) -> list[CompiledKernel]:
+        """CompiledKernels from bytes made by `object_code(kernels)` with these options.
+        `hints`: (distinct kernels, index, costs) rebuilt from `load_hints` kept since
+        the build (the program cache checks their form; costs are checked here)."""
+        unique, index, costs = hints if hints is not None else (*_distinct(kernels), None)
         taken: set = set()
         plans = [self._plan(k, taken) for k in unique]
         # one object, or one per module built at once (parallel_build.py)
-        return _renamed(kernels, index, self._wrap(plans, Engines(blob, self.options.opt_level)))
+        return _renamed(kernels, index, self._wrap(plans, Engines(blob, self.options.opt_level), costs))
+
+    def load_hints(self, kernels: Sequence[AnyKernel]) -> tuple[list[int], list]:
+        """What a load of `kernels`' code recomputes, as plain data: each kernel's index
+        among the distinct ones (`_distinct`), each distinct one's `stage_costs` (None:
+        not a loop kernel)."""
+        unique, index = _distinct(kernels)
+        plans = [self._plan(k, set()) for k in unique]
+        return index, [stage_costs(p.kernel) if isinstance(p.kernel, Kernel) else None for p in plans]
 
 
 def _distinct(kernels: Sequence[AnyKernel]) -> tuple[list, list[int]]:

@@ -259,12 +259,20 @@ def _expr_cost(e) -> int:
     return cost
 
 
-def _work_per_point(kernel: Kernel):
-    """Closure: estimated element-operations per outer point."""
-    parts = []
-    for stage in kernel.stages:
-        extent = _product([dim_function(l.extent) for l in stage.loops])
-        parts.append((extent, _expr_cost(stage.value) + (0 if isinstance(stage, Reduce) else 1)))
+def stage_costs(kernel: Kernel) -> list[int]:
+    """Estimated element-operations per point of each stage: plain data, which a
+    program-cache entry keeps so that a load need not walk the expressions again."""
+    return [_expr_cost(s.value) + (0 if isinstance(s, Reduce) else 1) for s in kernel.stages]
+
+
+def _work_per_point(kernel: Kernel, costs: list | None = None):
+    """Closure: estimated element-operations per outer point (`costs`: `stage_costs`,
+    kept from when the kernel was built; ValueError unless one int >= 0 per stage)."""
+    if costs is None:
+        costs = stage_costs(kernel)
+    elif len(costs) != len(kernel.stages) or not all(type(c) is int and c >= 0 for c in costs):
+        raise ValueError(f"{kernel.name}: stage costs {costs!r} do not fit its stages")
+    parts = [(_product([dim_function(l.extent) for l in s.loops]), c) for s, c in zip(kernel.stages, costs)]
     return lambda env: sum(e(env) * c for e, c in parts)
 
 
@@ -280,7 +288,8 @@ class CompiledKernel:
     calls_blas = True
 
     def __init__(self, kernel, address: int, owner, *, threads: int, threshold: int,
-                 outer_extents: tuple, serial: bool = False, object_address: int = 0):
+                 outer_extents: tuple, serial: bool = False, object_address: int = 0,
+                 work_costs: list | None = None):
         self.kernel = kernel
         self.name = kernel.name
         self._owner = owner  # keeps the JIT engine (and so the code) alive
@@ -307,7 +316,7 @@ class CompiledKernel:
 
             self._work = batch_work(kernel)
         else:
-            self._work = _work_per_point(kernel)
+            self._work = _work_per_point(kernel, work_costs)
         self._max_threads, self._threshold = threads, threshold
         self._splittable = threads > 1 and self._work is not None
         self._gemm_dims = None
