@@ -107,7 +107,8 @@ def join_modules(modules: list[Module]) -> str:
     """The text of one module holding all of `modules` (emitted apart, in this order):
     declarations once each, a helper function that several define only where it first
     appears, every other function as it is, each module's metadata numbered after the
-    previous ones'. The text one Module would have had for the same kernels."""
+    previous ones'. The text one Module would have had for the same kernels (exactly so
+    while helpers hold no loop metadata; a dropped copy's would stay, unreferenced)."""
     if len(modules) == 1:
         m = modules[0]
         return "\n".join(list(m.declarations.values()) + m.functions + m.metadata) + "\n"
@@ -126,7 +127,7 @@ def join_modules(modules: list[Module]) -> str:
                     if name in defined:
                         continue
                     defined.add(name)
-            functions.append(_renumbered(f, offset) if offset and "!llvm.loop" in f else f)
+            functions.append(_renumbered(f, offset) if offset and _METADATA_REF.search(f) else f)
         metadata += [_renumbered(line, offset) for line in m.metadata] if offset else m.metadata
     return "\n".join(list(declarations.values()) + functions + metadata) + "\n"
 
