@@ -179,7 +179,7 @@ def _hints(kernels: list, hints) -> tuple | None:
     """(distinct kernels, index, costs) from an entry's `hints`, the form checked (raises
     ValueError: the entry is refused); None when the entry has none. The index is
     `_distinct`'s: per kernel, the position of the first kernel with its code, numbered
-    in order of first appearance; a kernel shares code only with one of its own type."""
+    in order of first appearance; a kernel shares code only with a `_twins` of it."""
     if hints is None:
         return None
     if not isinstance(hints, dict) or set(hints) != {"index", "costs"}:
@@ -193,12 +193,19 @@ def _hints(kernels: list, hints) -> tuple | None:
             raise ValueError("bad load hints")
         if i == len(unique):
             unique.append(kernel)
-        elif type(unique[i]) is not type(kernel):
+        elif not _twins(unique[i], kernel):
             raise ValueError("bad load hints")
     if len(costs) != len(unique) or not all(c is None or (isinstance(c, list) and len(c) < 1 << 16)
                                             for c in costs):
         raise ValueError("bad load hints")
     return unique, index, costs
+
+
+def _twins(a, b) -> bool:
+    """Whether `b` may run `a`'s code as far as a cheap look tells: the same kind of
+    kernel, buffers (count, dtypes, roles) and size names."""
+    return type(a) is type(b) and tuple(a.sizes) == tuple(b.sizes) and len(a.buffers) == len(b.buffers) \
+        and all(x.dtype == y.dtype and x.role == y.role for x, y in zip(a.buffers, b.buffers))
 
 
 def load_hints(target, kernels: list, legal: bool):

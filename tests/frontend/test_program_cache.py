@@ -218,9 +218,31 @@ def spoil_names(path):  # kernel names that are not the program's
     seal_entry(path, with_head(head, objects))
 
 
+def spoil_hints_order(path):  # a kernel index that is not numbered in first-appearance order
+    head, objects = read_entry(path)
+    head["hints"]["index"] = [i + 1 for i in head["hints"]["index"]]
+    seal_entry(path, with_head(head, objects))
+
+
+def spoil_hints_twins(path):  # every kernel said to share the first one's code
+    head, objects = read_entry(path)
+    head["hints"]["index"] = [0] * len(head["hints"]["index"])
+    head["hints"]["costs"] = head["hints"]["costs"][:1]
+    seal_entry(path, with_head(head, objects))
+
+
+def spoil_hints_costs(path):  # work estimates for one stage more than a loop kernel has
+    head, objects = read_entry(path)
+    costs = head["hints"]["costs"]
+    k = next(i for i, c in enumerate(costs) if c is not None)
+    costs[k] = costs[k] + [1]
+    seal_entry(path, with_head(head, objects))
+
+
 @pytest.mark.parametrize("spoil", [spoil_truncate, spoil_planted, spoil_not_json, spoil_foreign_class,
                                    spoil_forward_reference, spoil_objects, spoil_names,
-                                   spoil_program_as_text, spoil_legal_missing],
+                                   spoil_program_as_text, spoil_legal_missing, spoil_hints_order,
+                                   spoil_hints_twins],
                          ids=lambda f: f.__name__[6:])
 def test_bad_entry_is_refused_and_rebuilt(stats, monkeypatch, spoil):
     check(kn.compile(model)(X, W))
@@ -255,6 +277,65 @@ def test_legal_programs_load_without_legalizing_again(stats, monkeypatch, legal)
     check(kn.compile(model)(X, W))
     assert stats["hits"] == 1 and stats["corrupt"] == 0
     assert (len(calls) == 0) == legal and (legal or len(calls) >= len(head["names"]))
+
+
+def test_work_estimates_that_do_not_fit_the_kernels_are_refused(stats, monkeypatch):
+    """The form of the hints is checked on load; whether a loop kernel's estimates fit
+    its stages only the backend knows: the kernels do not load, the program is compiled
+    again and the entry replaced."""
+    check(kn.compile(model)(X, W))
+    spoil_hints_costs(entry_path())
+    counts = Counts(monkeypatch)
+    check(kn.compile(model)(X, W))
+    assert stats["corrupt"] == 1 and stats["stores"] == 2 and counts.n["pipeline"] == 1
+    check(kn.compile(model)(X, W))
+    assert stats["hits"] == 2 and stats["corrupt"] == 1
+
+
+def twin_layers(x, w1, w2):
+    """Two layers of the same shapes (kernels identical but for their names), a reduction."""
+    def layer(h, w):
+        return kn.tanh(h @ w) * 2 + 1
+
+    h = layer(layer(x, w1), w2)
+    return h, kn.exp(h).sum(dim=0)
+
+
+def twin_oracle(x, w1, w2):
+    h = np.tanh((np.tanh(x @ w1) * 2 + 1) @ w2) * 2 + 1
+    return h, np.exp(h).sum(0)
+
+
+def test_a_hit_takes_the_entrys_load_hints(stats, monkeypatch):
+    """The entry keeps which kernels share code and each loop kernel's work estimate;
+    a hit uses them instead of hashing every kernel and walking its expressions, and
+    computes the same numbers (the twins run their shared code)."""
+    from kiln.codegen.cpu import backend as cpu_backend
+    from kiln.codegen.cpu import compiled as cpu_compiled
+    from kiln.codegen.program_codec import decode_program
+
+    w1, w2 = (RNG.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
+    first = kn.compile(twin_layers)(X, w1, w2)
+    head, _ = read_entry(entry_path())
+    program = decode_program(head["program"])
+    kernels = [program.kernels[n] for n in head["names"]]
+    index = head["hints"]["index"]
+    assert index == cpu_backend._distinct(kernels)[1] and len(set(index)) < len(index)
+    cpu = get_backend("cpu")
+    unique = [kernels[index.index(i)] for i in range(len(set(index)))]
+    plans = [cpu._plan(k, set()) for k in unique]
+    assert head["hints"]["costs"] == [cpu_compiled.stage_costs(p.kernel)
+                                      if isinstance(p.kernel, cpu_compiled.Kernel) else None for p in plans]
+    assert any(c is not None for c in head["hints"]["costs"])
+    calls = []
+    for owner, name in ((cpu_backend, "_distinct"), (cpu_compiled, "stage_costs")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    again = kn.compile(twin_layers)(X, w1, w2)
+    assert stats["hits"] == 1 and stats["corrupt"] == 0 and calls == []
+    for got, want, before in zip(again, twin_oracle(X, w1, w2), first):
+        np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=2e-4)
+        np.testing.assert_array_equal(got.numpy(), before.numpy())
 
 
 def counting_verifier(monkeypatch) -> list:
