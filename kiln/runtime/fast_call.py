@@ -304,8 +304,9 @@ class FastPlan:
         """The outputs for `arrays` (C-contiguous, of the plan's signature), or None when
         this call must take the general path (the plan is busy on another thread, or a
         profile is recording)."""
-        if _profiler.ACTIVE is not None or self._broken or not self._lock.acquire(False):
-            return None
+        if _profiler.ACTIVE is not None or self._broken or self._parts is None \
+                or not self._lock.acquire(False):
+            return None  # (no parts: a layout after a verdict found the program unfit)
         try:
             if self._generation != split_epoch() or (
                     self._pending and all(s.decided() for s in self._pending)) or (
