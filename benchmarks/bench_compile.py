@@ -27,6 +27,7 @@ step's warm first call, which a user's installed kiln does not pay).
     .venv/bin/python benchmarks/bench_compile.py --breakdown 5 --kiln NEW --baseline OLD  # alternating
     .venv/bin/python benchmarks/bench_compile.py --breakdown 5 --serial --bytecode --kiln NEW --baseline OLD
     .venv/bin/python benchmarks/bench_compile.py --rounds 3 --warm 3 --bytecode --kiln NEW --baseline OLD
+    .venv/bin/python benchmarks/bench_compile.py --optimizer-trace 9   # optimizers' traced updates
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "cpu.md")
@@ -218,6 +220,46 @@ def breakdown(runs: int, tree: str | None, baseline: str | None = None, serial: 
     return "\n".join(lines)
 
 
+def optimizer_trace(runs: int) -> str:
+    """Thread CPU ms of tracing each optimizer's update over the GPT step's parameters, its
+    per-parameter body traced once per (dtype, shape) and replayed (leaf_replay.map_leaves)
+    against the plain loop, alternating in this process (medians of `runs`), as a markdown
+    table; the two graphs' texts are checked equal."""
+    import kiln as kn
+    from kiln import optim
+    from kiln.optim import adam, sgd
+
+    sys.path.insert(0, HERE)
+    import bench_train as bt
+
+    params = bt.kiln_gpt_step(compiled=False)[1]
+    grads = {k: kn.tensor(v.numpy() * 0.5) for k, v in params.items()}
+    plain = lambda body, columns: [tuple(body(*column)) for column in columns]  # noqa: E731
+    cases = [("SGD(momentum=0.9, nesterov, weight_decay)", sgd,
+              optim.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+             ("SGD(lr)", sgd, optim.SGD(lr=0.1)), ("AdamW", adam, optim.AdamW(lr=1e-3))]
+    lines = [f"| update traced ({len(params)} parameters) | plain loop (ms) | replayed (ms) | ratio |",
+             "|---|---|---|---|"]
+    for name, module, opt in cases:
+        state, real = opt.init(params), module.map_leaves
+        times: dict = {"plain": [], "replay": []}
+        texts = {}
+        try:
+            for _ in range(runs):
+                for which, fn in (("plain", plain), ("replay", real)):
+                    module.map_leaves = fn
+                    t = time.thread_time()
+                    texts[which] = str(kn.trace(opt.update, grads, state, params))
+                    times[which].append(time.thread_time() - t)
+        finally:
+            module.map_leaves = real
+        if texts["plain"] != texts["replay"]:
+            raise RuntimeError(f"{name}: the replayed graph differs from the plain loop's")
+        a, b = (statistics.median(times[w]) * 1e3 for w in ("plain", "replay"))
+        lines.append(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+    return "\n".join(lines)
+
+
 def compile_bytecode(tree: str | None) -> None:
     """Bytecode for every module of `tree`'s kiln/ (the working tree when None), written
     into its __pycache__ folders as an installed package has it."""
@@ -287,7 +329,12 @@ def main() -> int:
                         help="--breakdown with one kiln thread (kn.set_num_threads(1))")
     parser.add_argument("--bytecode", action="store_true",
                         help="compile each tree's kiln/ to bytecode first (as an installed package has it)")
+    parser.add_argument("--optimizer-trace", type=int, default=0, metavar="N",
+                        help="trace each optimizer's update N times, replayed vs plain loop, alternating")
     args = parser.parse_args()
+    if args.optimizer_trace:
+        print(optimizer_trace(args.optimizer_trace))
+        return 0
     if args.bytecode:
         for tree in [args.kiln or None] + ([args.baseline] if args.baseline else []):
             compile_bytecode(tree)
