@@ -67,9 +67,9 @@ def _codegen_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
 def _host_cpu() -> str:
-    from llvmlite import binding
+    """The host CPU as LLVM sees it (triple, name, features): asked once per process
+    (0.5 ms), shared with the glue modules' cache key."""
+    from kiln.codegen.cpu.glue_cache import host_cpu
 
-    return f"{binding.get_process_triple()}|{binding.get_host_cpu_name()}|" \
-           f"{binding.get_host_cpu_features().flatten()}"
+    return host_cpu()
