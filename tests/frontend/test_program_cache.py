@@ -292,30 +292,33 @@ def test_work_estimates_that_do_not_fit_the_kernels_are_refused(stats, monkeypat
     assert stats["hits"] == 2 and stats["corrupt"] == 1
 
 
-def twin_layers(x, w1, w2):
-    """Two layers of the same shapes (kernels identical but for their names), a reduction."""
+def twin_layers(x, w1, w2, a, b):
+    """Two layers of the same shapes (kernels identical but for their names), a reduction,
+    a BLAS product in row panels with an epilogue and one on kiln's micro-kernel."""
     def layer(h, w):
         return kn.tanh(h @ w) * 2 + 1
 
     h = layer(layer(x, w1), w2)
-    return h, kn.exp(h).sum(dim=0)
+    return h, kn.exp(h).sum(dim=0), kn.relu(a @ b + 1.0), a[:64, :128] @ b[:128, :64]
 
 
-def twin_oracle(x, w1, w2):
+def twin_oracle(x, w1, w2, a, b):
     h = np.tanh((np.tanh(x @ w1) * 2 + 1) @ w2) * 2 + 1
-    return h, np.exp(h).sum(0)
+    return h, np.exp(h).sum(0), np.maximum(a @ b + 1.0, 0), a[:64, :128] @ b[:128, :64]
 
 
 def test_a_hit_takes_the_entrys_load_hints(stats, monkeypatch):
-    """The entry keeps which kernels share code and each loop kernel's work estimate;
-    a hit uses them instead of hashing every kernel and walking its expressions, and
-    computes the same numbers (the twins run their shared code)."""
+    """The entry keeps which kernels share code and each loop kernel's work estimate; a
+    hit uses them instead of hashing every kernel and walking its expressions, and
+    computes the same numbers (the twins run their shared code; GEMMs on BLAS panels, on
+    kiln's micro-kernel and as loops)."""
     from kiln.codegen.cpu import backend as cpu_backend
     from kiln.codegen.cpu import compiled as cpu_compiled
     from kiln.codegen.program_codec import decode_program
 
     w1, w2 = (RNG.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
-    first = kn.compile(twin_layers)(X, w1, w2)
+    a, b = (RNG.standard_normal((256, 256)).astype(np.float32) for _ in range(2))
+    first = kn.compile(twin_layers)(X, w1, w2, a, b)
     head, _ = read_entry(entry_path())
     program = decode_program(head["program"])
     kernels = [program.kernels[n] for n in head["names"]]
@@ -327,14 +330,16 @@ def test_a_hit_takes_the_entrys_load_hints(stats, monkeypatch):
     assert head["hints"]["costs"] == [cpu_compiled.stage_costs(p.kernel)
                                       if isinstance(p.kernel, cpu_compiled.Kernel) else None for p in plans]
     assert any(c is not None for c in head["hints"]["costs"])
+    assert {"blas" if p.blas else "micro" if p.micro else "loop" for k, p in zip(unique, plans)
+            if isinstance(k, cpu_backend.GemmKernel)} == {"loop", "blas", "micro"}
     calls = []
     for owner, name in ((cpu_backend, "_distinct"), (cpu_compiled, "stage_costs")):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    again = kn.compile(twin_layers)(X, w1, w2)
+    again = kn.compile(twin_layers)(X, w1, w2, a, b)
     assert stats["hits"] == 1 and stats["corrupt"] == 0 and calls == []
-    for got, want, before in zip(again, twin_oracle(X, w1, w2), first):
-        np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=2e-4)
+    for got, want, before in zip(again, twin_oracle(X, w1, w2, a, b), first):
+        np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=2e-3)
         np.testing.assert_array_equal(got.numpy(), before.numpy())
 
 
