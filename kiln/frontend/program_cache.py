@@ -140,7 +140,8 @@ def load(key: str):
         hints = _hints([program.kernels[name] for name in names], head.get("hints"))
         objects = payload[8 + n:]
         artifact_cache.VALIDATORS["objects"](objects)
-        decoded.update(program=program, names=names, objects=objects, legal=(hints or True) if head["legal"] else False)
+        legal = (hints or True) if head["legal"] else False
+        decoded.update(program=program, names=names, objects=objects, legal=legal)
 
     before = artifact_cache.STATS["corrupt"]
     payload = artifact_cache.load(key, KIND, validate=validate)
