@@ -8,6 +8,7 @@ variants round-robin, so load hits them alike.
 
     .venv/bin/python benchmarks/bench_gpt_step.py [--rounds 3] [--steps 30] [--top 10]
         [--variants kiln-after,kiln-after1t,torch-2t]   # a subset, same round-robin
+        [--baseline /tmp/base]   # adds kiln-baseline: kiln-after on another tree
 
 Per variant: the step's wall-clock median and minimum over `steps` steps (after 3 warm-up
 steps), and for kiln a `kn.profile()` (each kernel's minimum per step) and for torch a
@@ -26,7 +27,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("kiln-before", "kiln-after", "kiln-after1t", "torch-1t", "torch-2t")
+VARIANTS = ("kiln-before", "kiln-after", "kiln-after1t", "kiln-baseline", "torch-1t", "torch-2t")
 
 
 def _undo_fixes() -> None:
@@ -106,13 +107,18 @@ def torch_worker(threads: int, steps: int) -> dict:
     return {"walls": walls, "top": rows, "self_sum_ms": sum(r[1] for r in rows)}
 
 
-def run_variant(variant: str, steps: int) -> dict:
-    env = dict(os.environ)
+def run_variant(variant: str, steps: int, baseline: str | None = None) -> dict:
+    """One variant in a fresh process with empty caches; "kiln-baseline" is kiln-after
+    run on the kiln tree at `baseline` (its root on PYTHONPATH), the others on this one."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(baseline) if variant == "kiln-baseline"
+               else os.path.dirname(HERE))
     root = tempfile.mkdtemp(prefix="gpt-step-")
     for var in ("KILN_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         env[var] = os.path.join(root, var.lower())
-    out = subprocess.run([sys.executable, __file__, "--worker", variant, "--steps", str(steps)],
-                         env=env, capture_output=True, text=True, timeout=600, check=True)
+    worker = "kiln-after" if variant == "kiln-baseline" else variant
+    out = subprocess.run([sys.executable, __file__, "--worker", worker, "--steps", str(steps)],
+                         env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True,
+                         timeout=600, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -123,6 +129,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma-separated subset of " + ", ".join(VARIANTS))
+    ap.add_argument("--baseline", help="another kiln tree's root: adds the variant kiln-baseline "
+                    "(e.g. `git archive <commit> | tar -x -C /tmp/base`)")
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -133,11 +141,12 @@ def main() -> None:
                   else torch_worker(int(arg[0]), args.steps))
         print(json.dumps(result))
         return
-    variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    variants = [v for v in VARIANTS if v in args.variants.split(",")
+                and (v != "kiln-baseline" or args.baseline)]
     results: dict = {v: [] for v in variants}
     for _ in range(args.rounds):
         for variant in variants:
-            results[variant].append(run_variant(variant, args.steps))
+            results[variant].append(run_variant(variant, args.steps, args.baseline))
     medians = {v: [statistics.median(r["walls"]) * 1e3 for r in rs] for v, rs in results.items()}
     mins = {v: [min(r["walls"]) * 1e3 for r in rs] for v, rs in results.items()}
     print("| variant | step median per round (ms) | step minimum per round (ms) |")
@@ -148,7 +157,7 @@ def main() -> None:
     print("\nsame-round ratios of medians (minimums):")
     for num, den in (("kiln-before", "kiln-after"), ("torch-1t", "kiln-after"),
                      ("torch-2t", "kiln-after"), ("torch-1t", "kiln-after1t"),
-                     ("kiln-after1t", "kiln-after")):
+                     ("kiln-after1t", "kiln-after"), ("kiln-baseline", "kiln-after")):
         if num not in results or den not in results:
             continue
         print(f"- {num} / {den}: " + ", ".join(
