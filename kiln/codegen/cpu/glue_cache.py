@@ -86,9 +86,8 @@ def entry_key(text: str, opt_level: int = 1) -> str:
 def host_cpu() -> str:
     """The host CPU as LLVM sees it, `triple|name|features`: object code built for one
     host is never loaded on another."""
-    jit._init()
-    return f"{llvm.get_process_triple()}|{llvm.get_host_cpu_name()}|" \
-           f"{llvm.get_host_cpu_features().flatten()}"
+    name, features = jit.host_cpu()
+    return f"{llvm.get_process_triple()}|{name}|{features}"
 
 
 @lru_cache(maxsize=1)
