@@ -183,19 +183,7 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
         if not build:
             return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
         names = list(program.kernels)
-        from kiln.progress import working  # a bar on a terminal when the build takes a while
-
-        kernels = [program.kernels[n] for n in names]
-        text = program_cache.encode(program) if key is not None else None
-        # with `text`, the program's entry holds its machine code: one entry, no per-kernel
-        # keys; without, the per-kernel-set object cache (a fingerprint of every kernel)
-        objects: list | None = [] if text is not None else None
-        with working(f"kiln: compiling {graph.name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"):
-            compiled = compile_kernels(target, kernels, mode, objects)
-        if objects:
-            legal = program_cache.all_legal(target, kernels)
-            program_cache.store(key, text, names, objects[0], legal,
-                                program_cache.load_hints(target, kernels, legal))
+        compiled = _build(target, graph.name, program, names, key, mode)
     allocator = target.runtime_allocator()  # None: host memory; opencl: the device's SVM
     if device is not None:
         from kiln.runtime.device_programs import runtime_allocator
@@ -212,6 +200,59 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
         result._redo = redo
         del result.optimized, result.stages
     return result
+
+
+def _build(target, name: str, program, names: list, key: str | None, mode: str) -> list:
+    """The compiled kernels of `program` (a whole-program cache miss), stored under `key`.
+
+    With a key, the program's entry holds its machine code: one entry, no per-kernel keys.
+    The entry's Python work (encoding the program and checking it decodes equal, the load
+    hints: ~50 ms of the GPT step) runs while LLVM's build threads compile
+    (build_overlap.py), not before them with a core idle. A program the entry's format
+    cannot hold (`uncacheable`) has its objects stored under a key derived from `key`
+    (kind `objects`, checked on load as every kernel object), found here by the next
+    process. Without a key: the per-kernel-set object cache (a fingerprint of every
+    kernel)."""
+    from kiln.codegen import artifact_cache
+    from kiln.codegen.build_overlap import Deferred, meanwhile
+    from kiln.frontend import program_cache
+    from kiln.progress import working  # a bar on a terminal when the build takes a while
+
+    kernels = [program.kernels[n] for n in names]
+    if key is None:
+        objects = None
+        entry = None
+    else:
+        objects = []
+        entry = Deferred(lambda: _entry(target, program, kernels))
+        alone = artifact_cache.content_key("uncacheable program", key)
+        blob = artifact_cache.load(alone)
+        if blob is not None:
+            try:
+                return target.load_object_code(kernels, blob)
+            except (KilnError, OSError, RuntimeError, ValueError):
+                pass  # an entry from an incompatible build: rebuild it below
+    with working(f"kiln: compiling {name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"), \
+            meanwhile(*([entry] if entry is not None else [])):
+        compiled = compile_kernels(target, kernels, mode, objects)
+    if objects:
+        text, legal, hints = entry.result()
+        if text is not None:
+            program_cache.store(key, text, names, objects[0], legal, hints)
+        else:
+            artifact_cache.store(alone, objects[0])
+    return compiled
+
+
+def _entry(target, program, kernels: list) -> tuple:
+    """(encoded program or None, all kernels legal, load hints) of the program's entry."""
+    from kiln.frontend import program_cache
+
+    text = program_cache.encode(program)
+    if text is None:
+        return None, False, None
+    legal = program_cache.all_legal(target, kernels)
+    return text, legal, program_cache.load_hints(target, kernels, legal)
 
 
 def graph_pipeline(target):

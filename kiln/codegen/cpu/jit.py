@@ -147,14 +147,18 @@ def _compile_alone(text: str, opt_level: int) -> bytes:
 
 def object_codes(texts: list[str], opt_level: int = 3, timeout: float = 3600.0) -> list[bytes]:
     """Object code of each module text, the modules compiled on threads at once (one per
-    module). Every wait is bounded by `timeout` seconds."""
+    module). Every wait is bounded by `timeout` seconds. While they compile, this thread
+    runs the Python work its caller left pending (build_overlap.py)."""
     if len(texts) == 1:
         return [_compile_alone(texts[0], opt_level)]
     from concurrent.futures import ThreadPoolExecutor
 
+    from kiln.codegen.build_overlap import run_pending
+
     pool = ThreadPoolExecutor(max_workers=len(texts), thread_name_prefix="kiln-llvm")
     try:
         futures = [pool.submit(_compile_alone, text, opt_level) for text in texts]
+        run_pending()  # keeps a task's error for its owner: the waits below still run
         return [f.result(timeout=timeout) for f in futures]
     finally:  # on an error or a timeout, do not wait for the other modules
         pool.shutdown(wait=False, cancel_futures=True)
