@@ -16,7 +16,7 @@ from typing import Any, Callable
 import sympy
 
 from kiln.errors import KilnError, KilnShapeSpecError
-from kiln.frontend.kernel_cache import compile_kernels
+from kiln.frontend.kernel_cache import compile_kernels, load_cached
 from kiln.ir.graph import Graph
 from kiln.ir.verifier import verify
 
@@ -226,12 +226,9 @@ def _build(target, name: str, program, names: list, key: str | None, mode: str) 
         objects = []
         entry = Deferred(lambda: _entry(target, program, kernels))
         alone = artifact_cache.content_key("uncacheable program", key)
-        blob = artifact_cache.load(alone)
-        if blob is not None:
-            try:
-                return target.load_object_code(kernels, blob)
-            except (KilnError, OSError, RuntimeError, ValueError):
-                pass  # an entry from an incompatible build: rebuild it below
+        cached = load_cached(target, kernels, alone)
+        if cached is not None:
+            return cached
     with working(f"kiln: compiling {name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"), \
             meanwhile(*([entry] if entry is not None else [])):
         compiled = compile_kernels(target, kernels, mode, objects)

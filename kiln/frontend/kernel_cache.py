@@ -37,15 +37,27 @@ def compile_kernels(target, kernels: list, mode: str = "default", objects: list 
 
     key = artifact_cache.content_key(__version__, _codegen_salt(), *target.cache_key(), _host_cpu(),
                                      *[kernel_fingerprint(k) for k in kernels])
-    blob = artifact_cache.load(key)
-    if blob is not None:
-        try:
-            return target.load_object_code(kernels, blob)
-        except (KilnError, OSError, RuntimeError, ValueError):
-            pass  # an entry from an incompatible build: rebuild it below
+    cached = load_cached(target, kernels, key)
+    if cached is not None:
+        return cached
     blob = target.object_code(kernels)
     artifact_cache.store(key, blob)
     return target.load_object_code(kernels, blob)
+
+
+def load_cached(target, kernels: list, key: str) -> list | None:
+    """Callables for `kernels` from the object code cached under `key`; None when there
+    is none or it does not load (an entry from an incompatible build: the caller
+    rebuilds it and stores the new code under the same key)."""
+    from kiln.codegen import artifact_cache
+
+    blob = artifact_cache.load(key)
+    if blob is None:
+        return None
+    try:
+        return target.load_object_code(kernels, blob)
+    except (KilnError, OSError, RuntimeError, ValueError):
+        return None
 
 
 def _codegen_salt() -> str:
