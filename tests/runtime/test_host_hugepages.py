@@ -46,7 +46,9 @@ def test_a_large_host_segment_is_aligned_and_advised(nbytes, monkeypatch):
 def test_hugepages_off_maps_plain_pages(monkeypatch):
     monkeypatch.setenv("KILN_HOST_HUGEPAGES", "0")
     handle, view, address = RawMemory().alloc(HUGE_PAGE)
-    assert "hg" not in _vm_flags(address)
+    # kiln maps nothing itself: an ordinary np.empty (whose heap mapping may carry 'hg'
+    # anyway: numpy advises huge pages for its own large arrays, and malloc reuses them)
+    assert view.base is None and address == view.ctypes.data
     view[:] = 1
     assert int(view.sum()) == HUGE_PAGE
 
