@@ -64,11 +64,13 @@ class RawMemory:
     """Where segments come from: host memory here; device kinds bring their own (the
     same three methods). `alloc` returns (handle, a writable uint8 numpy view, address).
 
-    A host segment of 2 MiB or more is mapped 2 MiB-aligned and advised to use
-    transparent huge pages where the kernel offers them (Linux `madvise` mode): a
-    program's first run touches its arena once, and 4 KiB pages cost one fault each (the
-    GPT training step's 10 MiB arena: ~2750 faults, ~2.5 ms of its first step, against
-    ~260 with huge pages). `KILN_HOST_HUGEPAGES=0` maps plain pages."""
+    With `KILN_HOST_HUGEPAGES=1`, a host segment of 2 MiB or more is mapped 2 MiB-aligned
+    and advised to use transparent huge pages where the kernel offers them (Linux
+    `madvise` mode): 4 KiB pages cost one fault each on a program's first run (the GPT
+    training step's 10 MiB arena: ~2750 faults against ~260; its warm first step 10.8 ->
+    9.2 ms). Off by default: right after a cold compile (LLVM has just used and freed
+    hundreds of MiB) the same first step stalled 30-94 ms in 4 of 6 runs with huge pages,
+    against 6.6-9.8 ms in 6 of 6 without (alternating fresh processes, 2026-12-02)."""
 
     def alloc(self, nbytes: int):
         if nbytes >= HUGE_PAGE and _huge_pages_wanted():
@@ -86,7 +88,7 @@ HUGE_PAGE = 2 << 20  # x86-64 and aarch64 (4 KiB base pages) transparent huge pa
 
 
 def _huge_pages_wanted() -> bool:
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KILN_HOST_HUGEPAGES", "1") != "0"
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KILN_HOST_HUGEPAGES", "0") == "1"
 
 
 def _huge_page_segment(nbytes: int):

@@ -1,6 +1,6 @@
 """Host segments of the caching allocator: 2 MiB-aligned mappings advised to use
-transparent huge pages (fewer first-touch faults), plain pages with
-KILN_HOST_HUGEPAGES=0; both hand out correct, writable, independent memory."""
+transparent huge pages (fewer first-touch faults) with KILN_HOST_HUGEPAGES=1, plain
+pages by default or with 0; both hand out correct, writable, independent memory."""
 
 import mmap
 import sys
@@ -31,7 +31,7 @@ def _vm_flags(address: int) -> list[str]:
 @linux_thp
 @pytest.mark.parametrize("nbytes", [HUGE_PAGE, 20 << 20, 3 * HUGE_PAGE + 4096])
 def test_a_large_host_segment_is_aligned_and_advised(nbytes, monkeypatch):
-    monkeypatch.delenv("KILN_HOST_HUGEPAGES", raising=False)
+    monkeypatch.setenv("KILN_HOST_HUGEPAGES", "1")
     handle, view, address = RawMemory().alloc(nbytes)
     assert view.dtype == np.uint8 and view.shape == (nbytes,) and view.flags.writeable
     assert address == view.ctypes.data and address % HUGE_PAGE == 0
@@ -43,8 +43,12 @@ def test_a_large_host_segment_is_aligned_and_advised(nbytes, monkeypatch):
 
 
 @linux_thp
-def test_hugepages_off_maps_plain_pages(monkeypatch):
-    monkeypatch.setenv("KILN_HOST_HUGEPAGES", "0")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_hugepages_off_maps_plain_pages(setting, monkeypatch):
+    if setting is None:  # the default
+        monkeypatch.delenv("KILN_HOST_HUGEPAGES", raising=False)
+    else:
+        monkeypatch.setenv("KILN_HOST_HUGEPAGES", setting)
     handle, view, address = RawMemory().alloc(HUGE_PAGE)
     # kiln maps nothing itself: an ordinary np.empty (whose heap mapping may carry 'hg'
     # anyway: numpy advises huge pages for its own large arrays, and malloc reuses them)
@@ -54,7 +58,7 @@ def test_hugepages_off_maps_plain_pages(monkeypatch):
 
 
 def test_small_requests_keep_plain_numpy_memory(monkeypatch):
-    monkeypatch.delenv("KILN_HOST_HUGEPAGES", raising=False)
+    monkeypatch.setenv("KILN_HOST_HUGEPAGES", "1")
     handle, view, address = RawMemory().alloc(64 << 10)
     assert view.shape == (64 << 10,) and address == view.ctypes.data
     assert view.base is None  # an ordinary np.empty
