@@ -111,6 +111,23 @@ def test_the_backends_parallel_build_runs_pending_work(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_multithreaded_build_readies_the_openmp_glue_meanwhile(monkeypatch):
+    from kiln.codegen.cpu import native_pool
+
+    monkeypatch.setattr(parallel_build, "MIN_PART_CHARS", 1)  # split even a small program
+    program = compile_graph(kn.trace(chain, X, W), "cpu", build=False).program
+    kernels = list(program.kernels.values())
+    seen = []
+    real = native_pool.prepare
+    monkeypatch.setattr(native_pool, "prepare", lambda: seen.append(build_threads()) or real())
+    CpuBackend(CpuOptions(threads=2)).object_code(kernels)
+    assert len(seen) == 1 and seen[0]  # once, while the build threads ran
+    if native_pool.openmp_runtime() is not None:
+        assert native_pool.usable()  # ready: the first split launch builds nothing
+    CpuBackend(CpuOptions(threads=1)).object_code(kernels)  # never splits: no glue wanted
+    assert len(seen) == 1
+
+
 @pytest.fixture
 def stats(monkeypatch):
     for k in program_cache.STATS:

@@ -38,6 +38,8 @@ from kiln.codegen.cpu.ir_builder import Module, join_modules
 from kiln.codegen.cpu.llvm_emit import emit_kernel
 from kiln.codegen.cpu.microkernel import emit_micro_gemm, row_blocks
 from kiln.codegen.cpu.parallel_build import Engines, build_objects
+from kiln.codegen.cpu import native_pool
+from kiln.codegen.build_overlap import Deferred, meanwhile
 from kiln.codegen.cpu.compiled import default_threads
 from kiln.codegen.cpu.scalar_ops import SCALAR_TABLE
 
@@ -247,8 +249,12 @@ class CpuBackend(Backend):
         taken: set = set()
         plans = [self._plan(k, taken) for k in _distinct(kernels)[0]]
         # several LLVM modules compiled on threads at once (parallel_build.py), joined from
-        # the kernels' modules emitted once each (their texts also estimate the build cost)
-        return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
+        # the kernels' modules emitted once each (their texts also estimate the build cost);
+        # meanwhile this thread readies the OpenMP glue the first split launch would build
+        if self.options.threads == 1:
+            return build_objects(self._parts(plans), self._joined, self.options.opt_level, 1)
+        with meanwhile(Deferred(native_pool.prepare)):
+            return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
 
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes,
                                hints: tuple | None = None) -> list[CompiledKernel]:
