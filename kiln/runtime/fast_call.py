@@ -308,7 +308,8 @@ class FastPlan:
                 or not self._lock.acquire(False):
             return None  # (no parts: a layout after a verdict found the program unfit)
         try:
-            if self._generation != split_epoch() or (
+            # (at one thread any layout runs serial: the trampoline's count caps every split)
+            if (self._generation != split_epoch() and get_num_threads() > 1) or (
                     self._pending and all(s.decided() for s in self._pending)) or (
                     self._provisional and self._retry_due()):
                 self._release()  # verdicts in, or the thread count changed: lay out anew

@@ -194,12 +194,10 @@ def set_num_threads(n: int) -> None:
 
     >>> kn.set_num_threads(1)   # e.g. one process per core
     """
-    global _num_threads, _generation
+    global _num_threads
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise KilnArgumentError(f"set_num_threads: n must be a positive int, got {n!r}",
                                 hint="kn.set_num_threads(2)")
-    if n != _num_threads:
-        _generation += 1  # split verdicts measured at the old count are measured again
     _num_threads = n
     with _blas_lock:
         if _blas_depth == 0:
@@ -341,7 +339,6 @@ SPLIT_POLICIES = ("measure", "always", "never")
 _split_policy = os.environ.get("KILN_SPLIT", "measure")
 if _split_policy not in SPLIT_POLICIES:
     _split_policy = "measure"
-_generation = 0  # bumped when the thread count changes: verdicts measured before are stale
 
 
 def set_split_policy(policy: str) -> None:
@@ -351,18 +348,20 @@ def set_split_policy(policy: str) -> None:
 
     >>> set_split_policy("always")
     """
-    global _split_policy, _generation
+    global _split_policy
     if policy not in SPLIT_POLICIES:
         raise KilnArgumentError(f"set_split_policy: policy must be one of {', '.join(SPLIT_POLICIES)}, "
                                 f"got {policy!r}", hint='set_split_policy("measure")')
     _split_policy = policy
-    _generation += 1
 
 
 def split_policy() -> str:
     return _split_policy
 
 
-def threads_generation() -> int:
-    """A counter that changes whenever the thread count or the split policy does."""
-    return _generation
+def threads_generation() -> tuple[int, str]:
+    """What split verdicts were measured under: the thread count and the split policy.
+    A value, not a counter: going back to a count finds the verdicts measured at it (a
+    program timed at one thread and at two, call by call, is not measured anew each
+    time)."""
+    return _num_threads, _split_policy

@@ -86,14 +86,18 @@ def test_policies_and_large_launches(two_threads):
         threads.set_split_policy("sometimes")
 
 
-def test_a_verdict_is_measured_again_when_threads_change_or_time_passes(two_threads, monkeypatch):
+def test_a_verdict_is_measured_again_at_another_thread_count_or_after_a_while(two_threads, monkeypatch):
     s = Split(False, 1, 2)
     _measure(s, 100_000, 10_000)
     assert s.verdict is True
     kn.set_num_threads(1)
     assert s.next() == (1, False)  # one thread: serial, nothing timed
-    kn.set_num_threads(2)
-    assert not s.decided() and s.next() == (1, False)  # stale: a new warm-up, then trials
+    assert s.decided() and not s.splits()  # nothing to measure at one thread
+    kn.set_num_threads(2)  # back at the count it was measured at: the verdict holds
+    assert s.decided() and s.splits() and s.next() == (2, True)
+    s.report(2, 10_000)
+    kn.set_num_threads(3)  # another count: stale, a new warm-up, then trials
+    assert not s.decided() and s.next() == (1, False)
     _measure(s, 100_000, 10_000)
     assert s.decided()
     now = split_rule.time.monotonic()
@@ -152,10 +156,18 @@ def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monke
     # the prepared call laid its launches out again once the verdict was in: the
     # split launch is a record of its native run (entered by the trampoline), or serial
     assert split_runs(f) == ([True] if split_faster else [])  # one serial launch: no list
-    kn.set_num_threads(1)  # one thread: the same results, nothing split or timed
-    x = rng.standard_normal(n).astype(np.float32)
-    np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
-    assert len(seen["launch"]) == 2 * TRIALS
+    from kiln.runtime.fast_call import FastPlan
+
+    layouts = []
+    real_lay_out = FastPlan._lay_out
+    monkeypatch.setattr(FastPlan, "_lay_out", lambda self: (layouts.append(1), real_lay_out(self))[1])
+    for call in range(6):  # one thread, then two, call by call (a benchmark's 1t column)
+        kn.set_num_threads(1 + call % 2)  # one thread: the same results, nothing split or timed
+        x = rng.standard_normal(n).astype(np.float32)
+        np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
+    # nothing measured again, and the plan runs its two-thread layout at one thread
+    assert len(seen["launch"]) == 2 * TRIALS and layouts == []
+    assert split_runs(f) == ([True] if split_faster else [])
 
 
 @needs_gomp

@@ -55,7 +55,7 @@ RETRY_S = 1.0  # a launch that could not be measured is tried again after this l
 RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3% or more
 
 
-def epoch() -> tuple[int, int]:
+def epoch() -> tuple:
     """Changes when verdicts go stale: the thread count or policy changed, or another
     REMEASURE_S passed. A prepared call lays its launches out again when it changes."""
     return threads_generation(), int(time.monotonic() // REMEASURE_S)
@@ -108,8 +108,8 @@ class Split:
         """(threads, timed) for the next call: threads 1 runs it serial; timed asks the
         caller to `report` the call's duration."""
         policy = split_policy()
-        if policy == "never":
-            return 1, False
+        if policy == "never" or get_num_threads() <= 1:  # nothing to split: the verdict
+            return 1, False  # measured at more threads is kept for when they are back
         if policy == "measure" and self._stale():
             self._reset()
         n = self.cap()
@@ -140,7 +140,7 @@ class Split:
 
     def decided(self) -> bool:
         """Is the launch's way of running fixed (a verdict, or a policy that needs none)?"""
-        if split_policy() != "measure":
+        if split_policy() != "measure" or get_num_threads() <= 1:
             return True
         if self._stale():
             return False
