@@ -358,10 +358,3 @@ def set_split_policy(policy: str) -> None:
 def split_policy() -> str:
     return _split_policy
 
-
-def threads_generation() -> tuple[int, str]:
-    """What split verdicts were measured under: the thread count and the split policy.
-    A value, not a counter: going back to a count finds the verdicts measured at it (a
-    program timed at one thread and at two, call by call, is not measured anew each
-    time)."""
-    return _num_threads, _split_policy

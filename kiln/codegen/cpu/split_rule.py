@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 
-from kiln.runtime.threads import back_off, get_num_threads, parallel_threads, split_policy, threads_generation
+from kiln.runtime.threads import back_off, get_num_threads, parallel_threads, split_policy
 
 TRIALS = 3  # timed calls of each kind before the verdict
 WIN = 0.9  # split where its best time is below 0.9 x the best serial time
@@ -56,9 +56,11 @@ RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3
 
 
 def epoch() -> tuple:
-    """Changes when verdicts go stale: the thread count or policy changed, or another
-    REMEASURE_S passed. A prepared call lays its launches out again when it changes."""
-    return threads_generation(), int(time.monotonic() // REMEASURE_S)
+    """What a verdict was measured under: the thread count, the policy and the current
+    REMEASURE_S window. A value, not a counter: back at a count, the verdicts measured at
+    it hold (a program called at one thread and at two, call by call, is not measured
+    anew each time). A prepared call lays its launches out again when it changes."""
+    return get_num_threads(), split_policy(), int(time.monotonic() // REMEASURE_S)
 
 
 class Split:
