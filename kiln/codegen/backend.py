@@ -135,7 +135,9 @@ class Backend:
     def build_object_code(self, kernels: Sequence[AnyKernel]) -> bytes:
         raise KilnBackendContractError(f"backend {self.name!r} has no object code (caches_object_code is False)")
 
-    def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes) -> list:
+    def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes, hints: tuple | None = None) -> list:
+        """Callables from `blob`; `hints`: what this backend's `load_hints` recorded at the
+        build (only backends that define `load_hints` get any)."""
         raise KilnBackendContractError(f"backend {self.name!r} has no object code (caches_object_code is False)")
 
     def compile(self, kernel: AnyKernel, measure: bool | None = None):

@@ -157,8 +157,8 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
     cached = program_cache.load(key) if key is not None else None
     compiled = None
     if cached is not None:  # a hit: no graph passes, no lowering, no per-kernel keys
-        program, names, blob, legal = cached
-        compiled = program_cache.load_kernels(target, program, names, blob, legal)
+        program, names, blob, legal, hints = cached
+        compiled = program_cache.load_kernels(target, program, names, blob, legal, hints)
     if compiled is not None:
         # Not verifying an unverified traced graph here is sound: an entry is stored only
         # after its graph was verified (below, before the passes ran, or before this call by

@@ -107,10 +107,10 @@ def source_hash() -> str:
 
 
 def load(key: str):
-    """(program, kernel names, object code, legal) from the entry under `key`, or None
-    (absent, refused, or not loadable: a refused entry is removed, the caller rebuilds).
-    `legal`: False, True, or the entry's checked load hints (legal, with hints), as
-    `load_kernels` takes it."""
+    """(program, kernel names, object code, legal, hints) from the entry under `key`, or
+    None (absent, refused, or not loadable: a refused entry is removed, the caller
+    rebuilds). `hints`: the entry's checked load hints (`_hints`) or None, as
+    `load_kernels` takes them."""
     from kiln.codegen import artifact_cache
     from kiln.codegen.program_codec import CodecError, decode_program
 
@@ -140,8 +140,8 @@ def load(key: str):
         hints = _hints([program.kernels[name] for name in names], head.get("hints"))
         objects = payload[8 + n:]
         artifact_cache.VALIDATORS["objects"](objects)
-        legal = (hints or True) if head["legal"] else False
-        decoded.update(program=program, names=names, objects=objects, legal=legal)
+        decoded.update(program=program, names=names, objects=objects, legal=head["legal"],
+                       hints=hints if head["legal"] else None)
 
     before = artifact_cache.STATS["corrupt"]
     payload = artifact_cache.load(key, KIND, validate=validate)
@@ -151,7 +151,7 @@ def load(key: str):
             STATS["corrupt"] += 1
         return None
     STATS["hits"] += 1
-    return decoded["program"], decoded["names"], decoded["objects"], decoded["legal"]
+    return decoded["program"], decoded["names"], decoded["objects"], decoded["legal"], decoded["hints"]
 
 
 def encode(program) -> str | None:
@@ -234,20 +234,19 @@ def store(key: str, text: str, names: list, objects: bytes, legal: bool = False,
     return ok
 
 
-def load_kernels(target, program, names: list, objects: bytes, legal=False):
+def load_kernels(target, program, names: list, objects: bytes, legal: bool = False,
+                 hints: tuple | None = None):
     """The compiled kernels of a cached program, or None when the object code does not
     load (an entry from an incompatible build: the caller rebuilds and overwrites it).
-    `legal` (truthy): the entry's kernels were found legal for this backend when it was
-    stored (the key covers the backend's source and options, so they still are): the
-    backend's legalize pass, a walk of every kernel, is skipped; a tuple is also the
+    `legal`: the entry's kernels were found legal for this backend when it was stored
+    (the key covers the backend's source and options, so they still are): the backend's
+    legalize pass, a walk of every kernel, is skipped. `hints` (only with `legal`): the
     entry's checked load hints (`_hints`), which the backend takes instead of walking
     every kernel again."""
     try:
         kernels = [program.kernels[n] for n in names]
-        if isinstance(legal, tuple):
-            return target.load_built_object_code(kernels, objects, legal)
         if legal:
-            return target.load_built_object_code(kernels, objects)
+            return target.load_built_object_code(kernels, objects, hints)
         return target.load_object_code(kernels, objects)
     except (KilnError, OSError, RuntimeError, ValueError, KeyError):
         STATS["corrupt"] += 1

@@ -251,9 +251,8 @@ class CpuBackend(Backend):
         # several LLVM modules compiled on threads at once (parallel_build.py), joined from
         # the kernels' modules emitted once each (their texts also estimate the build cost);
         # meanwhile this thread readies the OpenMP glue the first split launch would build
-        if self.options.threads == 1:
-            return build_objects(self._parts(plans), self._joined, self.options.opt_level, 1)
-        with meanwhile(Deferred(native_pool.prepare)):
+        glue = (Deferred(native_pool.prepare),) if self.options.threads > 1 else ()
+        with meanwhile(*glue):
             return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
 
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes,
