@@ -24,7 +24,7 @@ from kiln.ir import registry
 from kiln.ir.graph import Graph, Node, Region, Value
 from kiln.ir.shapes import broadcast_shapes, dims_equal, shapes_equal
 from kiln.ir.types import TensorType
-from kiln.ir.verifier import exact_key
+from kiln.ir.verifier import signature_key
 from kiln.ir.quiet_numpy import _QUIET, _extobj_contextvar as _ERRSTATE, float_fn, quiet_state
 
 Scalar = (bool, int, float, complex, np.bool_, np.integer, np.floating, np.complexfloating)
@@ -476,8 +476,7 @@ class GraphBuilder(Emitter):
         once and its result types (immutable) are shared. A rule that raises is never
         remembered: the next node of that signature raises too."""
         try:
-            key = (opdef.name, tuple([(x.type.dtype, x.type.shape) for x in operands]),
-                   tuple([(k, exact_key(v)) for k, v in attrs.items()]))
+            key = signature_key(opdef.name, operands, attrs)
             known = self._types.get(key)
         except TypeError:  # an unhashable attribute (a list, an array): not memoized
             return opdef.infer([x.type for x in operands], attrs)

@@ -40,6 +40,15 @@ def exact_key(value):
     return type(value), value
 
 
+def signature_key(op: str, operands, attrs: dict) -> tuple:
+    """A region-free node's type-rule signature: its op, its operands' dtypes and
+    shapes, and its attributes by `exact_key` (TypeError where one is unhashable). A type
+    rule is a pure function of these, so the verifier and the graph builder remember a
+    rule's result per signature."""
+    return (op, tuple([(v.type.dtype, v.type.shape) for v in operands]),
+            tuple([(k, exact_key(v)) for k, v in sorted(attrs.items())]))
+
+
 def _check_type(graph: Graph, t: TensorType, where: str) -> None:
     for d in t.shape:
         if type(d) is not int:
@@ -84,8 +93,7 @@ def _verify_node(graph: Graph, node: Node, defined: set[int], region_where: str,
     key = None
     if not node.regions:
         try:
-            key = (node.op, tuple([(v.type.dtype, v.type.shape) for v in node.operands]),
-                   tuple([(k, exact_key(v)) for k, v in sorted(node.attrs.items())]))
+            key = signature_key(node.op, node.operands, node.attrs)
             known = memo.get(key)
         except TypeError:
             key = known = None
