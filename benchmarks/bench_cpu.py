@@ -4,8 +4,8 @@ side by side in one run, on the workloads of the CPU pipeline issue.
     .venv/bin/python benchmarks/bench_cpu.py [--quick] [--out benchmarks/results/cpu.md]
 
 Peers are optional: torch and jax are measured when importable (`pip install
-torch==2.13.0 jax`). Every number is a median of repeated runs after a warm-up; the
-table also gives the machine's copy bandwidth and BLAS GFLOP/s as ceilings, and kiln's
+torch==2.13.0 jax`). Every implementation is warmed up alike, then all are timed
+round-robin in one process (medians and minimums); the table also gives the machine's copy bandwidth and BLAS GFLOP/s as ceilings, and kiln's
 cold and warm (new process, disk cache) compile times.
 """
 
@@ -15,6 +15,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -241,20 +242,56 @@ def fresh_caches() -> None:
         os.environ[var] = os.path.join(root, var.lower())
 
 
+def settle(fn, min_calls: int, budget_s: float) -> int:
+    """Warm-up: call `fn` at least `min_calls` times and until `budget_s` has passed (the
+    same rule for every implementation: caches, allocator, kiln's split measurement,
+    Inductor's and XLA's first runs). Returns the number of calls made."""
+    t0, n = time.perf_counter(), 0
+    while n < min_calls or (time.perf_counter() - t0 < budget_s and n < 200):
+        fn()
+        n += 1
+    return n
+
+
+def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict:
+    """{name: (median, minimum)} seconds per call: `rounds` rounds, every implementation
+    once per round in a shuffled order, each turn a block of calls lasting ~20 ms (one call
+    for slower ones), so a minute of machine noise hits every implementation alike."""
+    calls = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        calls[name] = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    times: dict = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            fn, n = fns[name], calls[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - t0) / n)
+    return {name: (float(np.median(v)), float(np.min(v))) for name, v in times.items()}
+
+
 def main() -> int:
     fresh_caches()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--only", help="comma-separated workload keys (chain, softmax, gemm, ...)")
     args = parser.parse_args()
-    repeat = 5 if args.quick else 9
+    rounds = 5 if args.quick else 11
     peers = {}
     if not args.no_peers:
         try:
             import torch
 
             torch.set_num_threads(os.cpu_count() or 1)
+            torch.set_grad_enabled(False)
             peers["torch"] = (torch, torch_fns())
         except ImportError:
             pass
@@ -264,55 +301,59 @@ def main() -> int:
             peers["jax"] = (jax, jax_fns())
         except ImportError:
             pass
+    only = set(args.only.split(",")) if args.only else None
     rows, notes = [], []
     for key, label, kfn, npfn, inputs, nbytes, flops in workloads(args.quick):
+        if only and key not in only:
+            continue
         kiln_fn = kn.compile(kfn)
         t0 = time.perf_counter()
         out = kiln_fn(*inputs)
-        first = time.perf_counter() - t0
+        first = {"kiln first call": time.perf_counter() - t0}
         expect = (npfn or kfn)(*[np.asarray(i) for i in inputs])
         expect = expect.numpy() if hasattr(expect, "numpy") else expect
         expect = np.asarray(expect, np.complex128 if np.iscomplexobj(expect) else np.float64)
         err = float(np.max(np.abs(out.numpy() - expect)) / max(1.0, float(np.max(np.abs(expect)))))
-        result = {"workload": label, "kiln": median_s(lambda: kiln_fn(*inputs), repeat),
-                  "kiln first call": first, "rel err": err}
         np_fn = npfn or (lambda *a: kfn(*[kn.asarray(x) for x in a]))
-        result["numpy"] = median_s(lambda: np_fn(*inputs), max(3, repeat // 2))
+        fns = {"kiln": lambda: kiln_fn(*inputs), "numpy": lambda: np_fn(*inputs)}
         if key in BARE_BLAS:  # the matrix products alone: what a free epilogue costs nothing over
-            result["BLAS alone"] = median_s(lambda: BARE_BLAS[key](*inputs), repeat)
+            fns["BLAS alone"] = lambda: BARE_BLAS[key](*inputs)
         if "torch" in peers:
-            torch, fns = peers["torch"]
+            torch, tfns = peers["torch"]
             tin = [torch.from_numpy(i) for i in inputs]
-            with torch.no_grad():
-                result["torch eager"] = median_s(lambda: fns[key](*tin), repeat)
+            fns["torch eager"] = lambda: tfns[key](*tin)
             if key in TORCH_COMPILE_SKIP:
                 notes.append(f"torch.compile not run on '{label}': {TORCH_COMPILE_SKIP[key]}")
             else:
-                with torch.no_grad():
-                    compiled = torch.compile(fns[key])
-                    t0 = time.perf_counter()
-                    compiled(*tin)
-                    result["torch.compile first call"] = time.perf_counter() - t0
-                    result["torch.compile"] = median_s(lambda: compiled(*tin), repeat)
+                compiled = torch.compile(tfns[key])
+                t0 = time.perf_counter()
+                compiled(*tin)
+                first["torch.compile first call"] = time.perf_counter() - t0
+                fns["torch.compile"] = lambda: compiled(*tin)
         if "jax" in peers:
-            jax, fns = peers["jax"]
+            jax, jfns = peers["jax"]
             jin = [jax.numpy.asarray(i) for i in inputs]
-            jitted = jax.jit(fns[key])
+            jitted = jax.jit(jfns[key])
             t0 = time.perf_counter()
             jitted(*jin).block_until_ready()
-            result["jax.jit first call"] = time.perf_counter() - t0
-            result["jax.jit"] = median_s(lambda: jitted(*jin).block_until_ready(), repeat)
+            first["jax.jit first call"] = time.perf_counter() - t0
+            fns["jax.jit"] = lambda: jitted(*jin).block_until_ready()
+        warm = {name: settle(fn, 1 if name == "numpy" else 5, 0.25) for name, fn in fns.items()}
+        timed = interleaved(fns, rounds)
+        result = {"workload": label, "rel err": err, "warm-up calls": warm, **first}
+        result.update({name: med for name, (med, _) in timed.items()})
+        result.update({f"{name} min": low for name, (_, low) in timed.items()})
         result["rate"] = (f"{nbytes / result['kiln'] / 1e9:.1f} GB/s" if nbytes
                           else f"{flops / result['kiln'] / 1e9:.0f} GFLOP/s")
         rows.append(result)
-        print(label, {k: (f"{v * 1e3:.3f} ms" if isinstance(v, float) and k not in ("rel err",) else v)
+        print(label, {k: (f"{v * 1e3:.3f} ms" if isinstance(v, float) and k != "rel err" else v)
                       for k, v in result.items() if k != "workload"}, flush=True)
-    copy_gbs, blas_gflops = ceilings(repeat)
+    copy_gbs, blas_gflops = ceilings(9)
     cold, warm = compile_times()
     imp = import_time()
     table = render(rows, copy_gbs, blas_gflops, cold, warm, imp, args)
     if notes:
-        table += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+        table += "\n" + "\n".join(f"- {n}" for n in sorted(set(notes))) + "\n"
     print(table)
     if args.out:
         write_section(args.out, "bench_cpu", table)
@@ -325,10 +366,11 @@ def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
     load = os.getloadavg()
     cols = ["kiln", "numpy", "torch eager", "torch.compile", "jax.jit"]
     blas = [r for r in rows if "BLAS alone" in r]
+    flags = "".join(f" --{a}" for a in ("quick",) if getattr(args, a)) + (f" --only {args.only}" if args.only else "")
     lines = [
         "## kiln.compile vs numpy, torch and jax (bench_cpu.py)",
         "",
-        f"- command: `.venv/bin/python benchmarks/bench_cpu.py{' --quick' if args.quick else ''}`",
+        f"- command: `.venv/bin/python benchmarks/bench_cpu.py{flags}`",
         f"- machine: {os.cpu_count()} cores, {cpu}; load average at the end {load[0]:.2f}",
         f"- date: {datetime.date.today().isoformat()}; numpy {np.__version__}"
         + "".join(f", {m} {__import__(m).__version__}" for m in ("torch", "jax") if m in sys.modules),
@@ -336,24 +378,31 @@ def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
         f"numpy float32 GEMM 2048^3 {blas_gflops:.0f} GFLOP/s",
         f"- compile: `import kiln` {imp * 1e3:.0f} ms; MLP compile cold {cold * 1e3:.0f} ms, "
         f"warm from the disk cache in a new process {warm * 1e3:.0f} ms",
+        "- method: after its first call, every implementation is warmed up alike (at least 5 "
+        "calls and 0.25 s), then all are timed round-robin in one process (shuffled order, "
+        "blocks of ~20 ms per turn)",
         "",
-        "Medians in milliseconds (lower is better); `x` is the best peer's time over kiln's.",
+        "Milliseconds per call, median (minimum) over the rounds (lower is better); `x` is the "
+        "best peer's time over kiln's, by medians (by minimums).",
         "",
         "| workload | " + " | ".join(cols) + " | kiln rate | best peer / kiln | kiln rel. error |",
         "|---" * (len(cols) + 4) + "|",
     ]
     for r in rows:
-        cells = [f"{r[c] * 1e3:.3f}" if c in r else "—" for c in cols]
-        peers = [r[c] for c in cols[1:] if c in r]
-        ratio = f"{min(peers) / r['kiln']:.2f}x" if peers else "—"
+        cells = [f"{r[c] * 1e3:.3f} ({r[c + ' min'] * 1e3:.3f})" if c in r else "—" for c in cols]
+        peers = [c for c in cols[1:] if c in r]
+        ratio = (f"{min(r[c] for c in peers) / r['kiln']:.2f}x "
+                 f"({min(r[c + ' min'] for c in peers) / r['kiln min']:.2f}x)") if peers else "—"
         lines.append(f"| {r['workload']} | " + " | ".join(cells)
                      + f" | {r['rate']} | {ratio} | {r['rel err']:.1e} |")
     if blas:
         lines += ["", "GEMM epilogues: kiln against the bare BLAS products (numpy float32 matmul "
-                  "alone, no bias or activation), same run:", "",
+                  "alone, no bias or activation), same run, median (minimum):", "",
                   "| workload | kiln (ms) | BLAS alone (ms) | BLAS / kiln |", "|---|---|---|---|"]
-        lines += [f"| {r['workload']} | {r['kiln'] * 1e3:.3f} | {r['BLAS alone'] * 1e3:.3f} | "
-                  f"{r['BLAS alone'] / r['kiln']:.2f}x |" for r in blas]
+        lines += [f"| {r['workload']} | {r['kiln'] * 1e3:.3f} ({r['kiln min'] * 1e3:.3f}) | "
+                  f"{r['BLAS alone'] * 1e3:.3f} ({r['BLAS alone min'] * 1e3:.3f}) | "
+                  f"{r['BLAS alone'] / r['kiln']:.2f}x ({r['BLAS alone min'] / r['kiln min']:.2f}x) |"
+                  for r in blas]
     lines += ["", "First-call times (trace + compile + run, every compile cache empty at the "
               "start), seconds:", "",
               "| workload | kiln | torch.compile | jax.jit |", "|---|---|---|---|"]
