@@ -30,9 +30,12 @@ known, so `FastPlan` decides them once:
   the OpenMP region), once its split verdict is known (kiln/codegen/cpu/split_rule.py:
   a candidate's first calls are timed serial and split); until then, and where libgomp
   is missing, it is the kernel's own call on typed arrays, and the plan lays its runs out
-  again when every verdict is in (or the thread count changed). The plan then times its
-  whole run with and without its splits (the trampoline's thread count, 1 or more) and
-  keeps them only where the run is faster with them.
+  again when every verdict is in (or the thread count changed, or a verdict is to be
+  measured again: split_rule's `_stale`, checked at most every RETRY_S). Where a run's
+  split launches include measured ones (not `sure`), the plan then times its whole run
+  with and without them (the trampoline's `loose` thread count, 1 or more; the sure ones
+  stay split in both) and keeps them only where the run is faster with them. A run whose
+  splits are all sure is not checked: it splits from its first native call.
 
 A plan applies to the CPU backend's programs of launches, views, constants and externs
 whose outputs are fresh buffers (control flow, collectives, an input, constant or view
@@ -88,7 +91,7 @@ class FastPlan:
 
     __slots__ = ("_parts", "_outputs", "_returns", "_n_inputs", "_n_objects", "_lock",
                  "_one_blas", "_executable", "_fixed", "_arena", "_arena_key", "_track", "_broken",
-                 "_extern_returns", "_sizes", "_pending", "_provisional", "_recheck", "_generation",
+                 "_extern_returns", "_sizes", "_pending", "_watch", "_recheck", "_generation",
                  "_run_split", "__weakref__")
 
     @classmethod
@@ -125,10 +128,10 @@ class FastPlan:
         program = executable.program
         self._arena_key = ()
         self._pending: list = []  # split states still measuring: the plan is laid out again
-        self._provisional: list = []  # serial verdicts given unmeasured (tried again later)
+        self._watch: list = []  # measured verdicts of native launches (measured again later)
         self._recheck = 0.0
         self._generation = split_epoch()
-        self._run_split = None  # the whole run's split verdict, where its launches split
+        self._run_split = None  # the whole run's split state, where its launches split
         self._parts: list = []  # ("launches", [(fn, args, sizes, total, split)], fills, native) | ("extern", ...)
         self._outputs: list = []  # (object index, shape, dtype, nbytes): allocated per call
         self._track = allocator_for("cpu").track_new
@@ -226,11 +229,15 @@ class FastPlan:
         for part in self._parts:
             if part[0] == "launches" and (len(part[1]) > 1 or part[1][0][4] is not None):
                 part[3] = _launch_list(part[1], part[2], self._n_objects)
-        if any(part[0] == "launches" and part[3] is not None and part[3][6] for part in self._parts):
-            # each split launch won alone, timed while every candidate alternated; the run
-            # keeps them only where it measures faster whole with them than without (a
-            # thread asleep after a long serial stretch, data left in another core's cache)
-            self._run_split = Split(False, 1, None, win=RUN_WIN)
+        natives = [part[3] for part in self._parts if part[0] == "launches" and part[3] is not None]
+        if any(native[6] for native in natives):
+            # each measured split launch won alone, timed while every candidate alternated;
+            # the run keeps them only where it measures faster whole with them than without
+            # (a thread asleep after a long serial stretch, data left in another core's
+            # cache). Sure splits are not in doubt: a run of only those is not measured
+            # (its state is `sure`: split, timed to catch a wait for a core)
+            self._run_split = Split(False, 1, None, sure=not any(native[7] for native in natives),
+                                    win=RUN_WIN)
 
     def _launch(self, executable, step, sizes, where, typed) -> None:
         kernel = executable.kernels[step.kernel]
@@ -244,7 +251,7 @@ class FastPlan:
         if s is not None and s.decided() and s.splits() and native_pool.usable():
             most = get_num_threads() if s.max_threads is None else min(s.max_threads, get_num_threads())
             split = ((native_pool.parallel_claim_address() if s.claim else native_pool.parallel_for_address()),
-                     s.unit, most)
+                     s.unit, most, int(s.sure))
         if entry is None or (s is not None and split is None and (not s.decided() or s.splits())):
             # no object entry, a split verdict still measured, or a split without
             # libgomp: the kernel's own call, on the typed arrays of its slots, as the
@@ -253,8 +260,8 @@ class FastPlan:
                 self._pending.append(s)
             self._parts.append(("kernel", kernel, [typed[slot] for slot in step.args], dict(sizes)))
             return
-        if s is not None and s.provisional:  # serial for now: measured again later
-            self._provisional.append(s)
+        if s is not None and not s.sure and split_epoch()[1] == "measure":
+            self._watch.append(s)  # measured (or serial for now): measured again later
         # BLAS at one thread around kernels that call it (the kernel's own call does so
         # for every GEMM; a micro-kernel calls no library)
         self._one_blas = self._one_blas or bool(entry[3] and getattr(kernel, "calls_blas", True))
@@ -311,7 +318,7 @@ class FastPlan:
             # (at one thread any layout runs serial: the trampoline's count caps every split)
             if (self._generation != split_epoch() and get_num_threads() > 1) or (
                     self._pending and all(s.decided() for s in self._pending)) or (
-                    self._provisional and self._retry_due()):
+                    self._watch and self._retry_due()):
                 self._release()  # verdicts in, or the thread count changed: lay out anew
                 self._lay_out()
                 if self._parts is None:
@@ -325,15 +332,22 @@ class FastPlan:
                 else:
                     out = self._new_output(shape, dtype, nbytes)
                 objects[k] = out
-            threads, timed = self._run_split.next() if self._run_split is not None else (1, False)
+            run_split = self._run_split
+            if run_split is not None:  # loose: the measured splits' threads (1: serial)
+                loose, timed = run_split.next()
+                # sure splits: the threads there are, in serial trials too
+                threads = loose if loose > 1 else run_split.cap()
+            else:
+                threads = loose = 1
+                timed = False
             t0 = time.perf_counter_ns() if timed else 0
             if self._one_blas:
                 with blas_single_thread():
-                    done = self._call(objects, threads)
+                    done = self._call(objects, threads, loose)
             else:
-                done = self._call(objects, threads)
+                done = self._call(objects, threads, loose)
             if timed:
-                self._run_split.report(threads, time.perf_counter_ns() - t0)
+                run_split.report(loose, time.perf_counter_ns() - t0)
             if not done:
                 return None
             if self._extern_returns:
@@ -344,15 +358,16 @@ class FastPlan:
             self._lock.release()
 
     def _retry_due(self) -> bool:
-        """Has a launch's unmeasured serial verdict expired (checked at most every
-        RETRY_S)? Then the plan lays out anew and the launch is measured again."""
+        """Is a native launch's verdict to be measured again (an unmeasured serial one
+        after RETRY_S, a measured one expired: split_rule's `_stale`; checked at most
+        every RETRY_S)? Then the plan lays out anew and the launch is measured again."""
         now = time.monotonic()
         if now < self._recheck:
             return False
         self._recheck = now + RETRY_S
-        return not all(s.decided() for s in self._provisional)
+        return not all(s.decided() for s in self._watch)
 
-    def _call(self, objects: list, threads: int) -> bool:
+    def _call(self, objects: list, threads: int, loose: int) -> bool:
         for part in self._parts:
             if part[0] == "extern":
                 if not self._run_extern(part, objects):
@@ -365,10 +380,13 @@ class FastPlan:
                 continue
             _, launches, fills, native = part
             if native is not None:  # one native call runs every launch of the run
-                trampoline, table, n, bound, scratch, used, splits = native
+                trampoline, table, n, bound, scratch, used, splits, _ = native
                 for k in used:
                     bound[k] = id(objects[k])
-                trampoline(table, n, bound, scratch, threads if splits and native_pool.usable() else 1)
+                if splits and native_pool.usable():
+                    trampoline(table, n, bound, scratch, threads, loose)
+                else:
+                    trampoline(table, n, bound, scratch, 1, 1)
                 continue
             for (fn, args, sizes, total, _), fill in zip(launches, fills):  # one serial launch
                 for position, k in fill:
@@ -426,11 +444,12 @@ def _typed(g: tuple, objects: list) -> np.ndarray:
 
 
 def _launch_list(launches: list, fills: list, n_objects: int) -> tuple:
-    """(trampoline, list, n, objects, args, used object indexes, any split?): a run of
-    launches in one native call (launch_list.launch_trampoline); the list's words, per
-    launch: the `.np` entry's address, the argument count, the sizes' address, the loop
-    count, the split function's address (0: serial), its unit, the most threads, then
-    each argument (an object's address, or -(k + 1) for the call's k-th object)."""
+    """(trampoline, list, n, objects, args, used object indexes, any split?, any measured
+    split?): a run of launches in one native call (launch_list.launch_trampoline); the
+    list's words, per launch: the `.np` entry's address, the argument count, the sizes'
+    address, the loop count, the split function's address (0: serial), its unit, the most
+    threads, whether the split is sure, then each argument (an object's address, or
+    -(k + 1) for the call's k-th object)."""
     from kiln.codegen.cpu.launch_list import launch_trampoline
 
     words: list[int] = []
@@ -442,11 +461,12 @@ def _launch_list(launches: list, fills: list, n_objects: int) -> tuple:
             values[position] = -(k + 1)
             used.add(k)
         words += [ctypes.cast(fn, ctypes.c_void_p).value, len(values), ctypes.addressof(sizes),
-                  total, *(split or (0, 1, 1)), *values]
+                  total, *(split or (0, 1, 1, 1)), *values]
         widest = max(widest, len(values))
     table = (ctypes.c_int64 * len(words))(*words)
     return (launch_trampoline(), table, len(launches), (ctypes.c_void_p * max(1, n_objects))(),
-            (ctypes.c_void_p * widest)(), tuple(sorted(used)), any(l[4] is not None for l in launches))
+            (ctypes.c_void_p * widest)(), tuple(sorted(used)), any(l[4] is not None for l in launches),
+            any(l[4] is not None and not l[4][3] for l in launches))
 
 
 class _NotApplicable(Exception):

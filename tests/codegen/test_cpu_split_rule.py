@@ -1,6 +1,7 @@
 """Which launches split over threads is measured per launch (kiln/codegen/cpu/split_rule.py):
 the verdict from timed serial and split calls (durations injected here, so the tests
-decide nothing by the clock), the policies, stale verdicts measured again, and end to end:
+decide nothing by the clock), at once where the first pair leaves no doubt, the
+policies, stale verdicts measured again (only where the load changed), and end to end:
 a compiled program's results against numpy while its launches are measured, after the
 verdict (a prepared call's trampoline entering the region natively), with kn.set_num_threads,
 for the GEMMs claimed on OpenMP threads, and in a forked child."""
@@ -48,18 +49,50 @@ def _measure(s: Split, serial_ns: int, split_ns: int) -> list[int]:
 
 def test_the_first_call_is_serial_then_split_and_serial_alternate(two_threads):
     s = Split(False, 64, 2)
-    chosen = _measure(s, serial_ns=100_000, split_ns=60_000)
+    chosen = _measure(s, serial_ns=100_000, split_ns=80_000)  # 0.8x: not decisive
     assert chosen == [1] + [2, 1] * TRIALS  # warm-up, then alternating, timed
     assert s.verdict is True and s.decided() and s.splits()
     assert [s.next() for _ in range(3)] == [(2, True)] * 3  # decided: timed only to catch waits
 
 
-@pytest.mark.parametrize("split_ns,verdict", [(95_000, False), (89_000, True), (400_000, False)])
+@pytest.mark.parametrize("split_ns,verdict", [(95_000, False), (89_000, True), (400_000, False),
+                                              (61_000, True), (129_000, False)])
 def test_a_launch_splits_only_where_splitting_was_faster(two_threads, split_ns, verdict):
     s = Split(False, 1, 2)
     _measure(s, serial_ns=100_000, split_ns=split_ns)
     assert s.verdict is verdict  # WIN = 0.9: 5% faster is not enough, 11% is
     assert s.next() == ((2, True) if verdict else (1, False))
+
+
+@pytest.mark.parametrize("serial_ns,split_ns,verdict", [
+    (100_000, 60_000, True),  # 0.6x: split at once
+    (20_000, 45_000, False),  # 2.25x, 25 us more: serial at once
+    (100_000, 130_000, False),
+])
+def test_a_wide_margin_decides_after_one_pair(two_threads, serial_ns, split_ns, verdict):
+    s = Split(False, 1, 2)
+    assert s.next() == (1, False)  # the warm-up
+    assert s.next() == (2, True)
+    s.report(2, split_ns)
+    assert s.verdict is None and s.next() == (1, True)
+    s.report(1, serial_ns)
+    assert s.verdict is verdict and s.decided()
+    assert s.next() == ((2, True) if verdict else (1, False))
+
+
+@pytest.mark.parametrize("serial_ns,split_ns", [
+    (100_000, 330_000),  # 3.3x: SLOW, it may have waited for a core
+    (150_000, 400_000),  # 2.7x, but 250 us more (SLOW_NS): a time slice's wait, maybe
+])
+def test_a_split_that_may_have_waited_for_a_core_does_not_decide_at_once(two_threads, serial_ns, split_ns):
+    s = Split(False, 1, 2)
+    s.next()  # the warm-up
+    for n in (2, 1):
+        assert s.next() == (n, True)
+        s.report(n, split_ns if n > 1 else serial_ns)
+    assert s.verdict is None  # measured on: the best times decide
+    _measure(s, serial_ns, serial_ns // 2)
+    assert s.verdict is True
 
 
 def test_a_load_spike_in_one_trial_does_not_decide(two_threads):
@@ -100,9 +133,15 @@ def test_a_verdict_is_measured_again_at_another_thread_count_or_after_a_while(tw
     assert not s.decided() and s.next() == (1, False)
     _measure(s, 100_000, 10_000)
     assert s.decided()
+    # REMEASURE_S later: measured again only where other processes' load changed since
     now = split_rule.time.monotonic()
     monkeypatch.setattr(split_rule.time, "monotonic", lambda: now + split_rule.REMEASURE_S)
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: s._load_at + 0.2)
+    assert s.decided() and s.verdict is True and s.next() == (2, True)  # kept
+    monkeypatch.setattr(split_rule.time, "monotonic", lambda: now + 2 * split_rule.REMEASURE_S + 1)
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: s._load_at + split_rule.LOAD_CHANGE)
     assert not s.decided()
+    assert s.next() == (2, True) and s.verdict is None  # a trial at once: no warm-up call
 
 
 def _exp_program():
@@ -113,10 +152,10 @@ def _want(x):
     return (np.exp(x.astype(np.float64)) * 2.0 + 1.0).astype(np.float32)
 
 
-def _fake_clock(monkeypatch, split_faster: bool, run_split_faster: bool = True) -> dict:
-    """Every timed call reports split 10x faster (or slower) than serial, a launch's
-    (split_faster) and a prepared call's whole run's (run_split_faster); the thread
-    counts of the timed calls seen, per kind."""
+def _fake_clock(monkeypatch, launch_ratio: float, run_ratio: float = 0.5) -> dict:
+    """Every timed call reports a serial time of 10 us and a split one `launch_ratio` x
+    that (a launch's) or `run_ratio` x (a prepared call's whole run); the thread counts of
+    the timed calls seen, per kind."""
     seen = {"launch": [], "run": []}
     real = Split.report
 
@@ -124,35 +163,38 @@ def _fake_clock(monkeypatch, split_faster: bool, run_split_faster: bool = True) 
         kind = "run" if self.win == split_rule.RUN_WIN else "launch"
         if self.verdict is None:  # a trial (after the verdict, splits are timed too)
             seen[kind].append(n)
-        faster = split_faster if kind == "launch" else run_split_faster
-        real(self, n, 1_000 if (n > 1) == faster else 10_000)
+        ratio = launch_ratio if kind == "launch" else run_ratio
+        real(self, n, int(10_000 * ratio) if n > 1 else 10_000)
 
     monkeypatch.setattr(Split, "report", report)
     return seen
 
 
 def _trampoline_threads(f, monkeypatch) -> list:
-    """The thread count each of f's prepared native runs is entered with, from now on."""
+    """(threads, loose) each of f's prepared native runs is entered with, from now on:
+    the threads of its sure splits and of its measured ones."""
     seen = []
     for call in f._fast.values():
         for part in call.plan._parts if call else ():
             if part[0] == "launches" and part[3] is not None:
                 real = part[3][0]
-                part[3] = (lambda *a, real=real: (seen.append(a[4]), real(*a))[1],) + part[3][1:]
+                part[3] = (lambda *a, real=real: (seen.append(a[4:6]), real(*a))[1],) + part[3][1:]
     return seen
 
 
 @needs_gomp
-@pytest.mark.parametrize("split_faster", [True, False])
-def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monkeypatch, split_faster):
-    seen = _fake_clock(monkeypatch, split_faster)
+@pytest.mark.parametrize("ratio,pairs", [(0.1, 1), (2.0, 1), (0.8, TRIALS), (10.0, TRIALS)])
+def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monkeypatch, ratio, pairs):
+    split_faster = ratio < 1
+    seen = _fake_clock(monkeypatch, ratio)
     f = _exp_program()
     n = (1 << 18) + 3  # 2^20 element-operations: a candidate, below SURE_WORK
     rng = np.random.default_rng(0)
     for call in range(2 * TRIALS + 4):
         x = rng.standard_normal(n).astype(np.float32)
         np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
-    assert sorted(seen["launch"]) == [1] * TRIALS + [2] * TRIALS  # trials bounded, then decided
+    # trials bounded (one pair where it decides), then decided
+    assert sorted(seen["launch"]) == [1] * pairs + [2] * pairs
     # the prepared call laid its launches out again once the verdict was in: the
     # split launch is a record of its native run (entered by the trampoline), or serial
     assert split_runs(f) == ([True] if split_faster else [])  # one serial launch: no list
@@ -166,15 +208,16 @@ def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monke
         x = rng.standard_normal(n).astype(np.float32)
         np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
     # nothing measured again, and the plan runs its two-thread layout at one thread
-    assert len(seen["launch"]) == 2 * TRIALS and layouts == []
+    assert len(seen["launch"]) == 2 * pairs and layouts == []
     assert split_runs(f) == ([True] if split_faster else [])
 
 
 @needs_gomp
-@pytest.mark.parametrize("run_faster", [True, False])
+@pytest.mark.parametrize("run_ratio,pairs", [(0.8, TRIALS), (1.05, TRIALS), (0.5, 1)])
 def test_a_prepared_call_keeps_its_splits_only_where_its_whole_run_is_faster(two_threads, monkeypatch,
-                                                                                  run_faster):
-    seen = _fake_clock(monkeypatch, split_faster=True, run_split_faster=run_faster)
+                                                                                  run_ratio, pairs):
+    run_faster = run_ratio < split_rule.RUN_WIN
+    seen = _fake_clock(monkeypatch, 0.1, run_ratio)
     f = _exp_program()
     n = (1 << 18) + 3
     rng = np.random.default_rng(1)
@@ -188,11 +231,31 @@ def test_a_prepared_call_keeps_its_splits_only_where_its_whole_run_is_faster(two
     assert split_runs(f) == [True]
     for _ in range(2 * TRIALS + 1):  # the whole run's trials: a warm-up run, then alternating
         call()
-    assert sorted(seen["run"]) == [1] * TRIALS + [2] * TRIALS
+    assert sorted(seen["run"]) == [1] * pairs + [2] * pairs
     entered = _trampoline_threads(f, monkeypatch)
     for _ in range(3):
         call()
-    assert entered == [2 if run_faster else 1] * 3  # one thread: the trampoline runs every launch serial
+    # loose 1: the trampoline runs the measured split serial
+    assert entered == [(2, 2 if run_faster else 1)] * 3
+
+
+@needs_gomp
+def test_a_run_of_sure_splits_is_not_measured(two_threads, monkeypatch):
+    """A launch far above a region's cost splits unmeasured, and a prepared call whose
+    split launches are all such runs no whole-run trials: every native run splits."""
+    seen = _fake_clock(monkeypatch, 10.0, 10.0)  # were anything measured, it would not split
+    f = _exp_program()
+    n = 1 << 20  # ~12 element-operations a point: above SURE_WORK
+    rng = np.random.default_rng(2)
+    entered = None
+    for call in range(8):
+        x = rng.standard_normal(n).astype(np.float32)
+        np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
+        if entered is None and split_runs(f) == [True]:  # the prepared call's plan is made
+            entered = _trampoline_threads(f, monkeypatch)
+    assert seen == {"launch": [], "run": []}
+    assert split_runs(f) == [True]
+    assert entered and all(e[0] == 2 for e in entered)
 
 
 @needs_gomp
@@ -246,7 +309,7 @@ def test_an_unmeasured_serial_verdict_is_tried_again(two_threads, monkeypatch):
     monkeypatch.setattr(split_rule.time, "monotonic", lambda: now + split_rule.RETRY_S + 0.1)
     monkeypatch.setattr(split_rule, "parallel_threads", lambda: 2)
     assert not s.decided()  # a prepared call lays its launches out again
-    assert s.next() == (1, False) and not s.provisional  # a new warm-up, then trials
+    assert s.next() == (2, True) and not s.provisional  # trials (its pages are warm)
 
 
 def test_a_split_that_waited_for_a_core_backs_off(two_threads, monkeypatch):
@@ -267,3 +330,26 @@ def test_a_split_that_waited_for_a_core_backs_off(two_threads, monkeypatch):
     now = threads.time.monotonic()
     monkeypatch.setattr(threads.time, "monotonic", lambda: now + threads.BACKOFF_S + 0.1)
     assert threads.parallel_threads() == 2
+
+
+@needs_gomp
+def test_the_whole_run_check_runs_only_its_measured_splits_serial(two_threads, monkeypatch):
+    """A run with a sure split and a measured one: the whole-run check's serial trials,
+    and a verdict against the measured split, keep the sure one split (the trampoline's
+    threads 2, loose 1); results as numpy throughout."""
+    seen = _fake_clock(monkeypatch, 0.1, 1.05)  # the launch wins alone, the run does not
+    f = kn.compile(lambda x, y: (kn.exp(x) * 2.0 + 1.0, kn.tanh(y) * 3.0))
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(1 << 20).astype(np.float32)  # sure
+    y = rng.standard_normal((1 << 18) + 3).astype(np.float32)  # a measured candidate
+    entered = None
+    for call in range(4 * TRIALS + 6):
+        a, b = f(kn.tensor(x), kn.tensor(y))
+        np.testing.assert_allclose(a.numpy(), _want(x), rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(b.numpy(), np.tanh(y.astype(np.float64)) * 3.0, rtol=2e-6, atol=1e-6)
+        if entered is None and seen["run"]:  # the run's trials began: watch them
+            entered = _trampoline_threads(f, monkeypatch)
+    assert sorted(seen["run"]) == [1] * TRIALS + [2] * TRIALS
+    assert entered and all(threads == 2 for threads, _ in entered)  # the sure split, always
+    assert [loose for _, loose in entered][-3:] == [1, 1, 1]  # the measured one: serial
+    assert 1 in [loose for _, loose in entered[:-3]]  # (and in the serial trials)

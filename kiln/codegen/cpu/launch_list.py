@@ -185,25 +185,28 @@ class CpuLauncher(Launcher):
 
 
 # -- one trampoline for a prepared call's launches (kiln/runtime/fast_call.py) ---------------
-# `void launches(i64 *list, i64 n, i64 *objects, i64 *args, i32 threads)` runs n kernel
-# launches from a flat list: per launch the entry's address, its argument count, the
-# address of its size values, its loop count, a split function (0: serial; else
-# native_pool's kiln_parallel_for or kiln_parallel_claim), the split's unit (alignment
-# or claim unit), the launch's most threads, then one word per argument: an object's
-# address as is, or -(k + 1) for the call's k-th object (an input or an output, bound per
-# call). It calls each kernel's `.np` entry (which reads the data pointer from the numpy
-# object) with the arguments gathered into `args`, split over min(most, `threads`)
-# OpenMP threads where the launch has a split function and that is 2 or more: one ctypes
-# call for the whole program instead of one per kernel (~0.6-1 us each), split launches
-# included (through the Python call path they cost ~5-10 us each more).
+# `void launches(i64 *list, i64 n, i64 *objects, i64 *args, i32 threads, i32 loose)` runs n
+# kernel launches from a flat list: per launch the entry's address, its argument count,
+# the address of its size values, its loop count, a split function (0: serial; else
+# native_pool's kiln_parallel_for or kiln_parallel_claim), the split's unit (alignment or
+# claim unit), the launch's most threads, whether its split is `sure` (1: far above a
+# region's cost, split_rule.SURE_*; 0: a measured verdict), then one word per argument:
+# an object's address as is, or -(k + 1) for the call's k-th object (an input or an
+# output, bound per call). It calls each kernel's `.np` entry (which reads the data
+# pointer from the numpy object) with the arguments gathered into `args`, split over
+# min(most, `threads`) OpenMP threads for a sure split and min(most, `loose`) for a
+# measured one, where the launch has a split function and that is 2 or more (a prepared
+# call's whole-run check runs its measured splits serial while the sure ones stay split):
+# one ctypes call for the whole program instead of one per kernel (~0.6-1 us each), split
+# launches included (through the Python call path they cost ~5-10 us each more).
 # the words of a launch before its arguments
-_WORDS = ("fn_i", "nargs", "sizes_i", "total", "split_i", "unit", "most")
+_WORDS = ("fn_i", "nargs", "sizes_i", "total", "split_i", "unit", "most", "sure")
 _READ_WORDS = "\n".join(
     f"  %pos{k} = add i64 %pos, {k}\n  %p_{w} = getelementptr i64, ptr %list, i64 %pos{k}\n"
     f"  %{w} = load i64, ptr %p_{w}" for k, w in enumerate(_WORDS))
 
 _LAUNCHES_IR = """
-define void @kiln_launches(ptr %list, i64 %n, ptr %objects, ptr %args, i32 %threads) {
+define void @kiln_launches(ptr %list, i64 %n, ptr %objects, ptr %args, i32 %threads, i32 %loose) {
 entry:
   br label %head
 head:
@@ -240,7 +243,9 @@ aset:
 call:
   %fn = inttoptr i64 %fn_i to ptr
   %sizes = inttoptr i64 %sizes_i to ptr
-  %t64 = sext i32 %threads to i64
+  %issure = icmp ne i64 %sure, 0
+  %cap = select i1 %issure, i32 %threads, i32 %loose
+  %t64 = sext i32 %cap to i64
   %fewer = icmp slt i64 %most, %t64
   %nt = select i1 %fewer, i64 %most, i64 %t64
   %many = icmp sgt i64 %nt, 1
@@ -265,7 +270,7 @@ exit:
 """
 
 LAUNCHES_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int32)
+                               ctypes.c_int32, ctypes.c_int32)
 _launches_engine: list = []
 
 

@@ -11,19 +11,25 @@ the element-operation model called large was split.
 So the model (`CpuOptions.parallel_threshold`, and for GEMMs the multiply-adds of
 `BATCH_MACS` / `autotune.SPLIT_MACS`) only names the candidates. A candidate's first
 call runs serial (it touches the pages and caches its data), then its calls alternate
-split and serial, each timed around the native call, until there are `TRIALS` of each;
-from then on it splits only where the best split time beat the best serial time by
-`WIN`. Best times, and alternating, keep a load spike from choosing; the verdict is kept
-per launch (kernel and sizes) until the thread count or the policy changes, or for
-`REMEASURE_S` at most (a verdict taken while another process held a core is not kept
-for ever): `epoch()`. A launch that cannot be measured (no CPU idle for `UNTRIED` of its
-calls) runs serial for `RETRY_S`, then is tried again. A launch the model puts far above any region's cost (`sure`:
-`SURE_WORK` element-operations, `SURE_MACS` multiply-adds, ~0.3-0.5 ms on one core)
-splits from its first call, unmeasured. A split call after the verdict is timed too:
-one `SLOW` times its best split (a thread waited for a core another process took, in a
-burst shorter than the load sampling) makes regions back off to one thread for a while
-(`threads.back_off`). `kiln.runtime.threads.set_split_policy("always"
-| "never")` replaces the measurement by the model alone, or by no splits.
+split and serial, each timed around the native call. The first pair decides where it
+leaves no doubt (`decisive`: the split took at most `QUICK_SPLIT` x the serial time, or
+at least `QUICK_SERIAL` x and not so much slower that it may have waited for a core);
+otherwise the trials go on until there are `TRIALS` of each, and the launch splits from
+then on only where the best split time beat the best serial time by `WIN`. Best times,
+and alternating, keep a load spike from choosing. A launch the model puts far above any
+region's cost (`sure`: `SURE_WORK` element-operations, `SURE_MACS` multiply-adds, ~0.3-0.5
+ms on one core) splits from its first call, unmeasured.
+
+The verdict is kept per launch (kernel and sizes) until the thread count or the policy
+changes (`epoch()`). After `REMEASURE_S` it is measured again only if the CPU time other
+processes take changed by `LOAD_CHANGE` CPUs or more since it was taken (a verdict
+taken in a quiet minute holds while the machine stays as it was), and then without a
+warm-up call. A launch that cannot be measured (no CPU idle for `UNTRIED` of its calls)
+runs serial for `RETRY_S`, then is tried again. A split call after the verdict is timed
+too: one `SLOW` times its best split (a thread waited for a core another process took,
+in a burst shorter than the load sampling) makes regions back off to one thread for a
+while (`threads.back_off`). `kiln.runtime.threads.set_split_policy("always" | "never")`
+replaces the measurement by the model alone, or by no splits.
 
     >>> s = Split(claim=False, unit=64, max_threads=2)
     >>> threads, timed = s.next()        # the call's thread count, and whether to time it
@@ -34,10 +40,17 @@ from __future__ import annotations
 
 import time
 
-from kiln.runtime.threads import back_off, get_num_threads, parallel_threads, split_policy
+from kiln.runtime.threads import back_off, get_num_threads, others_busy_cpus, parallel_threads, split_policy
 
-TRIALS = 3  # timed calls of each kind before the verdict
+TRIALS = 3  # timed calls of each kind before the verdict, where the first pair leaves doubt
 WIN = 0.9  # split where its best time is below 0.9 x the best serial time
+# the first timed pair decides at once where the split took at most QUICK_SPLIT x the
+# serial time, or at least QUICK_SERIAL x (and less than SLOW x and SLOW_NS more: a split
+# that much slower may have waited for a core, a load spike, and the trials go on).
+# Measured here (bench_split_warmup.py): splits that win do so by 0.5-0.6x (large
+# elementwise and reduction launches, GEMM panels), launches that lose by 1.4-3x.
+QUICK_SPLIT = 0.6
+QUICK_SERIAL = 1.3
 # a batched GEMM of at least this many multiply-adds (~20 us on one core) is a candidate
 # for splitting by whole batch items; the measurement decides
 BATCH_MACS = 1 << 20
@@ -45,7 +58,8 @@ BATCH_MACS = 1 << 20
 # ~0.5 ms: 8M element-operations of an `exp` chain measured 510 us on one thread)
 SURE_WORK = 1 << 23
 SURE_MACS = 1 << 24
-REMEASURE_S = 60.0  # verdicts are measured again after this long
+REMEASURE_S = 60.0  # a verdict this old is measured again, if the load changed since
+LOAD_CHANGE = 0.5  # CPUs of other processes' load that make a verdict worth measuring again
 UNTRIED = 4  # calls that could not be measured (no idle CPU) before a serial verdict
 # a split call this many times slower than the launch's best split, and at least SLOW_NS
 # slower, waited for a core another process took: regions back off (threads.back_off)
@@ -56,11 +70,26 @@ RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3
 
 
 def epoch() -> tuple:
-    """What a verdict was measured under: the thread count, the policy and the current
-    REMEASURE_S window. A value, not a counter: back at a count, the verdicts measured at
-    it hold (a program called at one thread and at two, call by call, is not measured
-    anew each time). A prepared call lays its launches out again when it changes."""
-    return get_num_threads(), split_policy(), int(time.monotonic() // REMEASURE_S)
+    """What a verdict was measured under: the thread count and the policy. A value, not a
+    counter: back at a count, the verdicts measured at it hold (a program called at one
+    thread and at two, call by call, is not measured anew each time). A prepared call
+    lays its launches out again when it changes."""
+    return get_num_threads(), split_policy()
+
+
+def decisive(serial_ns: int, split_ns: int) -> bool | None:
+    """The verdict one timed pair leaves no doubt about: True (split at most QUICK_SPLIT x
+    the serial time), False (at least QUICK_SERIAL x, but not so much slower that it may
+    have waited for a core), else None (measure on).
+
+    >>> decisive(100_000, 55_000), decisive(100_000, 80_000), decisive(20_000, 40_000)
+    (True, None, False)
+    """
+    if split_ns <= QUICK_SPLIT * serial_ns:
+        return True
+    if QUICK_SERIAL * serial_ns <= split_ns < SLOW * serial_ns and split_ns < serial_ns + SLOW_NS:
+        return False
+    return None
 
 
 class Split:
@@ -70,7 +99,7 @@ class Split:
     and its verdict (None while measuring, then True or False)."""
 
     __slots__ = ("claim", "unit", "max_threads", "sure", "win", "verdict", "_serial", "_split",
-                 "_warm", "_untried", "_untried_at", "_generation")
+                 "_warm", "_untried", "_untried_at", "_generation", "_decided_at", "_load_at", "_best")
 
     def __init__(self, claim: bool, unit: int, max_threads: int | None, sure: bool = False,
                  win: float = WIN):
@@ -78,20 +107,35 @@ class Split:
         self.sure, self.win = sure, win
         self._reset()
 
-    def _reset(self) -> None:
+    def _reset(self, warm: bool = False) -> None:
         self.verdict: bool | None = True if self.sure else None
         self._serial: list[int] = []
         self._split: list[int] = []
-        self._warm = False
+        self._best: int | None = None  # the best split time seen (trials and after)
+        self._warm = warm  # (measured again: the pages are touched, no warm-up call)
         self._untried = 0
         self._untried_at = None  # when a serial verdict was given unmeasured
+        self._decided_at = None  # when a measured verdict was taken, and the load then
+        self._load_at = 0.0
         self._generation = epoch()
 
+    def _expired(self) -> bool:
+        """Is a measured verdict over REMEASURE_S old and the load other processes put on
+        the machine changed by LOAD_CHANGE CPUs since? (Old but taken under today's
+        load: kept, for another REMEASURE_S.)"""
+        if self._decided_at is None or time.monotonic() - self._decided_at < REMEASURE_S:
+            return False
+        if abs(others_busy_cpus() - self._load_at) < LOAD_CHANGE:
+            self._decided_at = time.monotonic()
+            return False
+        return True
+
     def _stale(self) -> bool:
-        """Is the verdict to be measured anew: a new epoch, or given unmeasured (no idle
-        CPU) over RETRY_S ago?"""
+        """Is the verdict to be measured anew: a new epoch, an unmeasured verdict over
+        RETRY_S old, or a measured one expired (`_expired`)?"""
         return self._generation != epoch() or (
-            self._untried_at is not None and time.monotonic() - self._untried_at > RETRY_S)
+            self._untried_at is not None and time.monotonic() - self._untried_at > RETRY_S) or \
+            self._expired()
 
     @property
     def provisional(self) -> bool:
@@ -113,7 +157,9 @@ class Split:
         if policy == "never" or get_num_threads() <= 1:  # nothing to split: the verdict
             return 1, False  # measured at more threads is kept for when they are back
         if policy == "measure" and self._stale():
-            self._reset()
+            # a new epoch warms up again (another count, new caches); an expired verdict
+            # or a retried unmeasured one does not
+            self._reset(warm=self._generation == epoch())
         n = self.cap()
         if policy == "always":
             return n, False
@@ -131,14 +177,29 @@ class Split:
 
     def report(self, threads: int, ns: int) -> None:
         """A timed call's duration in nanoseconds (`threads` as `next` gave it)."""
+        ns = int(ns)
         if self.verdict is not None:  # a split after the verdict: did it wait for a core?
-            best = min(self._split) if self._split else None
-            if threads > 1 and best is not None and ns > SLOW * best and ns > best + SLOW_NS:
-                back_off()
+            best = self._best
+            if threads > 1:
+                if best is not None and ns > SLOW * best and ns > best + SLOW_NS:
+                    back_off()
+                elif best is None or ns < best:
+                    self._best = ns
             return
-        (self._split if threads > 1 else self._serial).append(int(ns))
-        if self.verdict is None and len(self._split) >= TRIALS and len(self._serial) >= TRIALS:
-            self.verdict = min(self._split) < self.win * min(self._serial)
+        if threads > 1:
+            self._split.append(ns)
+            self._best = ns if self._best is None else min(self._best, ns)
+        else:
+            self._serial.append(ns)
+        if len(self._split) == 1 and len(self._serial) == 1:
+            verdict = decisive(self._serial[0], self._split[0])
+        elif len(self._split) >= TRIALS and len(self._serial) >= TRIALS:
+            verdict = min(self._split) < self.win * min(self._serial)
+        else:
+            return
+        if verdict is not None:
+            self.verdict = verdict
+            self._decided_at, self._load_at = time.monotonic(), others_busy_cpus()
 
     def decided(self) -> bool:
         """Is the launch's way of running fixed (a verdict, or a policy that needs none)?"""
