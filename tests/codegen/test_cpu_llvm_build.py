@@ -153,3 +153,57 @@ def test_batch_members_have_no_abi_wrappers():
     got = kn.compile(f)(*args)
     for g, want in zip(got, (np.exp(args[0]), args[1].sum(1), np.tanh(args[2]) * 2)):
         np.testing.assert_allclose(g.numpy(), want, rtol=1e-6)
+
+
+def _function_asm(asm: str) -> dict[str, str]:
+    """Each function's instructions in an assembly listing (directives and comments out)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in asm.splitlines():
+        m = re.match(r"^([A-Za-z_][\w.$]*):", line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+        elif current is not None and line.strip() and not line.strip().startswith(("#", ".")):
+            current.append(line.strip())
+    return {name: "\n".join(lines) for name, lines in out.items()}
+
+
+def test_entries_are_built_without_optimization_and_bodies_are_unchanged():
+    """Exported entries (a kernel's ABI wrapper and its `.np` twin, a batch's entry) only
+    unpack pointers and call bodies: they are `optnone` (FastISel, no IR passes), which
+    saves LLVM ~0.8 ms per function. Oracle: the same module with optimized entries gives
+    every `.body` byte-identical machine code; the kernels still run like the evaluator."""
+    import kiln as kn
+    from kiln.codegen.build_program import build_program
+    from kiln.codegen.cpu import jit
+    from kiln.codegen.cpu.llvm_emit import WRAPPER_ATTRS
+    from kiln.codegen.kernel_ir import BatchKernel
+    from kiln.passes.batching import batch_kernels
+    from kiln.passes.fusion import fuse
+
+    def f(a, b, c):
+        return kn.exp(a), b.sum(dim=1), kn.tanh(c) * 2
+
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s).astype(np.float32) for s in [(8,), (4, 3), (5,)]]
+    program = build_program(batch_kernels(fuse(kn.trace(f, *args))))
+    (batch,) = [k for k in program.kernels.values() if isinstance(k, BatchKernel)]
+    for kernel in (_rows_kernel(3), batch):
+        text = CpuBackend().stage_text(kernel, "llvm")
+        entries = re.findall(r"^define void @([\w.]+)\(.*\) (.*) \{$", text, re.M)
+        assert len(entries) == 2 and all(attrs == WRAPPER_ATTRS for _, attrs in entries)
+        assert "optnone" in WRAPPER_ATTRS and "optnone" not in "".join(re.findall(r"^define internal .*$", text, re.M))
+        optimized = text.replace(f") {WRAPPER_ATTRS} {{", ") nounwind {")
+        built = []
+        for t in (text, optimized):
+            mod = jit.parse(t)
+            jit.optimize(mod)
+            built.append(_function_asm(jit.assembly(mod)))
+        bodies = [name for name in built[1] if name.endswith(".body")]
+        assert len(bodies) == (len(batch.members) if kernel is batch else 1)
+        for name in bodies:
+            assert built[0][name] == built[1][name], name
+    check(_rows_kernel(3), {}, rtol=1e-4, atol=1e-4)
+    got = kn.compile(f)(*args)
+    for g, want in zip(got, (np.exp(args[0]), args[1].sum(1), np.tanh(args[2]) * 2)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-6)

@@ -20,7 +20,7 @@ from typing import Callable
 from kiln.codegen.kernel_ir import BatchKernel, Kernel
 from kiln.codegen.cpu.index_emit import emit_index
 from kiln.codegen.cpu.ir_builder import Fn, Module, V, const
-from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET, emit_kernel
+from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET, WRAPPER_ATTRS, emit_kernel
 
 
 def member_symbol(symbol: str, k: int) -> str:
@@ -33,7 +33,7 @@ def emit_batch(module: Module, batch: BatchKernel, symbol: str) -> None:
         emit_kernel(module, member, member_symbol(symbol, k), wrappers=False)
     for suffix, deref in (("", False), (".np", True)):
         module.functions.append(_entry(module, batch, symbol, deref).define(
-            f"define void @{symbol}{suffix}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind"))
+            f"define void @{symbol}{suffix}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) {WRAPPER_ATTRS}"))
 
 
 def _entry(module: Module, batch: BatchKernel, symbol: str, deref: bool) -> Fn:

@@ -334,14 +334,23 @@ def wide_attrs() -> str:
     return '"min-legal-vector-width"="512" "prefer-vector-width"="512"' if vector_bits() >= 512 else ""
 
 
+# An exported entry (ABI wrapper, batch entry) only loads pointers and sizes and calls
+# bodies, once per launch: `optnone` has LLVM skip its IR passes and select its
+# instructions with FastISel, ~0.8 ms less per function (two per kernel: 57 kernels of
+# the GPT training step, 1.42 -> 1.33 CPU s built one by one), while every body's
+# machine code stays byte-identical (benchmarks/results/cpu.md, cold_compile).
+WRAPPER_ATTRS = "noinline optnone nounwind"
+
+
 def abi_wrapper(symbol: str, n_buffers: int, n_sizes: int) -> str:
     """The exported `void NAME(i8** buffers, i64* sizes, i64 begin, i64 end)`, plus
     `NAME.np`, the same taking numpy array *objects* (PyArrayObject*) instead of data
     pointers: it reads each array's `data` field itself, which saves the ~4 us per
-    array that `ndarray.ctypes.data` costs in the Python call path."""
+    array that `ndarray.ctypes.data` costs in the Python call path. Both are built
+    without optimization (`WRAPPER_ATTRS`)."""
     out = []
     for suffix, deref in (("", False), (".np", True)):
-        lines = [f"define void @{symbol}{suffix}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind {{"]
+        lines = [f"define void @{symbol}{suffix}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) {WRAPPER_ATTRS} {{"]
         args = []
         for i in range(n_buffers):
             lines.append(f"  %pp{i} = getelementptr inbounds ptr, ptr %bufs, i64 {i}")
