@@ -1,6 +1,7 @@
-"""A large single GEMM split into row panels over kiln's threads, one BLAS thread each:
-the cost model's panels, results against numpy (epilogue, transposed operands, symbolic
-rows, one thread), claimed on OpenMP threads from native code (an atomic counter) or,
+"""A large single GEMM split into tiles over kiln's threads, one BLAS thread each: the
+cost model's tiles (row panels, column panels or a 2-D grid by shape), results against
+numpy (epilogue, transposed operands, symbolic rows, one thread, bit-identical to the
+unsplit call), claimed on OpenMP threads from native code (an atomic counter) or,
 without libgomp, by kiln's pool: every panel runs exactly once, errors surface, and a
 worker that never gets a core does not stall the call."""
 
@@ -37,8 +38,7 @@ def big_gemm(m, n, k, *, ta=False, tb=False, sizes=()):
     return GemmKernel("big", bufs, tuple(sizes), "a", "b", "o", 1, m, n, k, a_str, b_str, epi)
 
 
-def run(g, m, threads, *, ta=False, tb=False, seed=0):
-    n, k = 192, 160
+def run(g, m, threads, *, ta=False, tb=False, seed=0, n=192, k=160):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
     b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
@@ -53,16 +53,21 @@ def run(g, m, threads, *, ta=False, tb=False, seed=0):
     return plan
 
 
-def test_panel_rows_split_a_large_product_only():
-    # small product or one thread: panels as before (up to 1024 rows, one call)
-    assert autotune.panel_rows_for(512, 64, 64, threads=2) == 512
-    assert autotune.panel_rows_for(512, 1024, 1024, threads=1) == 512
-    # large single product, 2 threads: 2 panels per thread, multiples of 16
-    rows = autotune.panel_rows_for(512, 1024, 1024, threads=2)
-    assert rows == 128 and 512 // rows == 2 * autotune.CHUNKS_PER_THREAD
-    # never below MIN_SPLIT_ROWS (B is re-packed per call), never for a batch
-    assert autotune.panel_rows_for(100, 4096, 4096, threads=2) == autotune.MIN_SPLIT_ROWS
-    assert autotune.panel_rows_for(512, 1024, 1024, threads=2, batch=8) == 512
+def test_panel_tiles_split_a_large_product_by_shape():
+    # small product, one thread or a batch: full-width panels (up to 1024 rows, one call)
+    assert autotune.panel_tiles_for(512, 64, 64, threads=2) == (512, 0)
+    assert autotune.panel_tiles_for(512, 1024, 1024, threads=1) == (512, 0)
+    assert autotune.panel_tiles_for(512, 1024, 1024, threads=2, batch=8) == (512, 0)
+    assert autotune.panel_rows_for(4096, 1024, 1024, threads=1) == 1024
+    # one tile per thread, along the dim that packs least (R*k*n + C*m*k elements):
+    # wide outputs (an MLP's 512 x 4096 hidden layer) in columns, tall ones in rows
+    assert autotune.panel_tiles_for(512, 4096, 1024, threads=2) == (512, 2048)
+    assert autotune.panel_tiles_for(512, 1000, 1024, threads=2) == (512, 512)  # 16-column multiples
+    assert autotune.panel_tiles_for(1024, 512, 512, threads=2) == (512, 0)
+    # four threads on a square product: a 2 x 2 grid (16M packed, 20M for 1 x 4)
+    assert autotune.panel_tiles_for(2048, 2048, 2048, threads=4) == (1024, 1024)
+    # too narrow for one tile per thread either way: row panels of MIN_SPLIT_ROWS
+    assert autotune.panel_tiles_for(100, 100, 1 << 20, threads=2) == (autotune.MIN_SPLIT_ROWS, 0)
 
 
 @skip_if_no_blas
@@ -83,11 +88,80 @@ def test_split_gemm_matches_numpy(monkeypatch, two_threads, ta, tb, native):
         (lambda *a: (calls.append(a[3:]), claim(*a))) if native else None))
     g = big_gemm(300, 192, 160, ta=ta, tb=tb)
     plan = run(g, 300, threads=2, ta=ta, tb=tb)
-    assert plan.panel_rows == 80 and int(plan.outer_extents[0]) == 4
-    # the four panels claimed one at a time: (total, unit, threads) by OpenMP's threads,
+    assert (plan.panel_rows, plan.panel_cols) == (160, 0) and int(plan.outer_extents[0]) == 2
+    # the two panels claimed one at a time: (total, unit, threads) by OpenMP's threads,
     # or the ranges by kiln's pool
-    assert calls == [(4, 1, 2)] if native else calls == [[(0, 1), (1, 2), (2, 3), (3, 4)]]
+    assert calls == [(2, 1, 2)] if native else calls == [[(0, 1), (1, 2)]]
     run(g, 300, threads=1, ta=ta, tb=tb)  # the same code with kiln on one thread
+    # a wide product: two column tiles (208 + 192 columns), the epilogue's bias by column
+    calls.clear()
+    g = big_gemm(120, 400, 200, ta=ta, tb=tb)  # above the micro-kernel's 2^23 multiply-adds
+    plan = run(g, 120, threads=2, ta=ta, tb=tb, n=400, k=200)
+    assert (plan.panel_rows, plan.panel_cols) == (128, 208) and int(plan.outer_extents[0]) == 2
+    assert calls == [(2, 1, 2)] if native else calls == [[(0, 1), (1, 2)]]
+
+
+@skip_if_no_blas
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_split_gemm_is_bit_identical_to_one_call(monkeypatch, two_threads, ta, tb):
+    """Tiles only cut m and n: every output sums k in BLAS's own order, so the split
+    product equals one whole BLAS call (numpy's, one BLAS thread) bit for bit, in a 2-D
+    grid with partial tiles too."""
+    from kiln.runtime.threads import blas_single_thread
+
+    monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
+    monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
+    monkeypatch.setattr(autotune, "MIN_SPLIT_COLS", 16)
+    monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)
+    m, n, k = 333, 250, 300
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    a_str = (0, 1, m) if ta else (0, k, 1)
+    b_str = (0, 1, k) if tb else (0, n, 1)
+    bufs = (BufferParam("a", f32, a.shape, IN), BufferParam("b", f32, b.shape, IN),
+            BufferParam("o", f32, (m, n), OUT))
+    g = GemmKernel("bare", bufs, (), "a", "b", "o", 1, m, n, k, a_str, b_str, Acc(f32))
+    with blas_single_thread():
+        want = np.matmul(a.T if ta else a, b.T if tb else b)
+    for threads in (2, 4, 6):  # 2 and 4 tiles (1 x 2, 2 x 2), 6: 2 x 3 with partial tiles
+        be = CpuBackend(CpuOptions(threads=threads))
+        plan = be._plan(g, set())
+        tiles = int(plan.outer_extents[0])
+        assert tiles == threads
+        ck = be._compile_plans([plan])[0]
+        out = np.full((m, n), np.nan, np.float32)
+        ck([a, b, out], {})
+        np.testing.assert_array_equal(out, want)
+
+
+@skip_if_no_blas
+@pytest.mark.parametrize("dtype", [dt.bfloat16, dt.float16, dt.float64])
+def test_split_gemm_packed_operands_and_residual(monkeypatch, two_threads, dtype):
+    """Column tiles where BLAS cannot take the operands as they are (low precision: each
+    tile packs its own columns of B) and an epilogue that reads the output (residual:
+    the product goes through scratch), against numpy in float64."""
+    monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
+    monkeypatch.setattr(autotune, "MIN_SPLIT_COLS", 16)
+    monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)
+    m, n, k = 90, 500, 230  # 2 column tiles of 256 + 244
+    npd = dtype.np_dtype
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal(s).astype(npd) for s in ((m, k), (n, k)))  # b stored transposed
+    o0 = rng.standard_normal((m, n)).astype(npd)
+    acc = dt.float64 if dtype == dt.float64 else f32
+    epi = Op("add", (Acc(acc), Op("convert", (Load("o", loop_var("gi") * n + gj, dtype),), acc)), acc)
+    bufs = (BufferParam("a", dtype, (m, k), IN), BufferParam("b", dtype, (n, k), IN),
+            BufferParam("o", dtype, (m, n), OUT))
+    g = GemmKernel("res", bufs, (), "a", "b", "o", 1, m, n, k, (0, k, 1), (0, 1, k), epi)
+    be = CpuBackend(CpuOptions(threads=2))
+    plan = be._plan(g, set())
+    assert plan.blas and (plan.panel_rows, plan.panel_cols, int(plan.outer_extents[0])) == (96, 256, 2)
+    out = o0.copy()
+    be._compile_plans([plan])[0]([a, b, out], {})
+    want = a.astype(np.float64) @ b.astype(np.float64).T + o0.astype(np.float64)
+    tol = 1e-10 if dtype == dt.float64 else 2e-2
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=tol, atol=tol * 8)
 
 
 @skip_if_no_blas
@@ -155,17 +229,22 @@ def test_claimed_does_not_wait_for_a_worker_without_a_core(pool):
 
 
 @skip_if_no_blas
-@pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 1), (1, 3), (3, 4)], [(3, 4), (0, 3)]])
-def test_any_cut_of_the_panels_computes_the_product(monkeypatch, ranges):
-    """Consecutive panels of one range go to BLAS as one call: every cut of [0, panels)
-    into ranges (as threads claim them, in any order) gives the same result."""
+@pytest.mark.parametrize("ranges", [[(0, 6)], [(0, 3), (3, 6)], [(0, 1), (1, 4), (4, 6)],
+                                    [(5, 6), (0, 2), (2, 5)]])
+def test_any_cut_of_the_tiles_computes_the_product(monkeypatch, ranges):
+    """Whole rows of tiles in one range go to BLAS as one call, lone tiles as their own:
+    every cut of a 3 x 2 grid's [0, 6) into ranges (as threads claim them, in any order)
+    gives the same result."""
     import ctypes
 
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
+    monkeypatch.setattr(autotune, "MIN_SPLIT_COLS", 16)
     g = big_gemm(300, 192, 160, ta=True)
-    be = CpuBackend(CpuOptions(threads=2))
-    ck = be._compile_plans([be._plan(g, set())])[0]
+    be = CpuBackend(CpuOptions(threads=6))
+    plan = be._plan(g, set())
+    assert (plan.panel_rows, plan.panel_cols, int(plan.outer_extents[0])) == (112, 96, 6)  # 3 x 2
+    ck = be._compile_plans([plan])[0]
     rng = np.random.default_rng(5)
     a, b = rng.standard_normal((160, 300)).astype(np.float32), rng.standard_normal((160, 192)).astype(np.float32)
     bias = rng.standard_normal(192).astype(np.float32)

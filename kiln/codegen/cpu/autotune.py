@@ -45,12 +45,13 @@ MICRO_CALL_S = 0.3e-6
 MICRO_FLOPS_512 = 100e9  # float32, 512-bit vectors, one thread (measured 100-150 on small
 # and batched shapes); scales with the width, float64 half
 MICRO_PACK_PER_S = 2e9  # elements packed (strided read, convert, contiguous write)
-# a single product of at least this many multiply-adds (~0.1 ms on one core) is split
-# into row panels over kiln's pool, one BLAS thread each; panels of at least
-# MIN_SPLIT_ROWS rows (B is re-packed per call: ~60/rows overhead, see panel_rows_for)
+# a single product of at least this many multiply-adds (~0.1 ms on one core) is cut into
+# one tile per kiln thread, rows or columns as panel_tiles_for chooses, each a one-thread
+# BLAS call; tiles of at least MIN_SPLIT_ROWS rows and MIN_SPLIT_COLS columns
 SPLIT_MACS = 1 << 23
 MIN_SPLIT_ROWS = 64
-CHUNKS_PER_THREAD = 2
+MIN_SPLIT_COLS = 64
+CHUNKS_PER_THREAD = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class GemmChoice:
     measured: bool = False
     kind: str = ""  # "blas", "micro" or "loop" (empty: from use_blas, for older callers)
     predicted_micro_s: float = float("inf")
+    panel_cols: int = 0  # columns per tile; 0: full rows (see panel_tiles_for)
 
     @property
     def variant(self) -> str:
@@ -76,19 +78,48 @@ def _static(d, assumed: int) -> int:
 
 
 def panel_rows_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1) -> int:
-    """Rows per BLAS call. Each call re-packs all of B (k*n), so a panel must be tall
-    enough to amortize that: packing ~8 bytes/element at ~10 GB/s vs 2*rows*k*n flops at
-    ~150 GFLOP/s is 60/rows overhead, i.e. ~6% at 1024 rows. Then the epilogue reads a
-    panel that sits in L2/L3 rather than DRAM. Clamped to [16, 1024], multiple of 16.
+    """Rows per BLAS call (the row part of `panel_tiles_for`)."""
+    return panel_tiles_for(m, n, k, threads, batch)[0]
 
-    A single product of at least SPLIT_MACS multiply-adds is cut into
-    `threads * CHUNKS_PER_THREAD` row panels, which kiln's pool threads claim one at a
-    time, each a one-thread BLAS call (compiled.py): OpenBLAS's own threads meet at a
-    barrier per block and stall when one of them is descheduled; kiln's do not."""
+
+def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1) -> tuple[int, int]:
+    """(rows, columns) of the tiles a BLAS GEMM runs in; columns 0 means full rows.
+
+    Unsplit (one thread, a batch, or a product below SPLIT_MACS): panels of up to 1024
+    rows, so the epilogue reads a panel that sits in L2/L3 rather than DRAM; consecutive
+    panels of one call go to BLAS as one call (gemm.MERGED_ROWS).
+
+    A single product of at least SPLIT_MACS multiply-adds is cut into one tile per
+    thread (`threads * CHUNKS_PER_THREAD`), which kiln's pool threads claim, each a
+    one-thread BLAS call (compiled.py): OpenBLAS's own threads meet at a barrier per
+    block and stall when one of them is descheduled; kiln's do not. Every call packs the
+    A rows and B columns it reads, so R x C tiles pack R*k*n + C*m*k elements: the grid
+    with the least is chosen (columns when n > m: an MLP's 512 x 4096 hidden layer),
+    tiles at least MIN_SPLIT_ROWS x MIN_SPLIT_COLS. Measured on 2 threads
+    (benchmarks/results/cpu.md, gemm_partition): 4 row panels cost 15-25% more CPU time
+    than 2 tiles, which were within 3-8% of one thread's single call."""
     rows = min(1024, max(16, m))
+    cols = 0
+    tiles = threads * CHUNKS_PER_THREAD
     if threads > 1 and batch == 1 and m * n * k >= SPLIT_MACS:
-        rows = min(rows, max(MIN_SPLIT_ROWS, -(-m // (threads * CHUNKS_PER_THREAD))))
-    return -(-rows // 16) * 16
+        best = None
+        for r in range(1, tiles + 1):
+            if tiles % r:
+                continue
+            c = tiles // r
+            if r > 1 and m < r * MIN_SPLIT_ROWS or c > 1 and n < c * MIN_SPLIT_COLS:
+                continue
+            packed = r * k * n + c * m * k
+            if best is None or packed < best[0]:
+                best = (packed, r, c)
+        if best is None:  # too narrow for a full grid: row panels of MIN_SPLIT_ROWS
+            rows = min(rows, MIN_SPLIT_ROWS)
+        else:
+            _, r, c = best
+            rows = min(rows, -(-m // r))
+            if c > 1:
+                cols = -(-(-(-n // c)) // 16) * 16
+    return -(-rows // 16) * 16, cols
 
 
 def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | None = None,
@@ -99,9 +130,9 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | No
     batch, m, n, k = (_static(d, assumed_dim) for d in (g.batch, g.m, g.n, g.k))
     esize = 8 if any(b.dtype.bits == 64 for b in g.buffers if b.name == g.a) else 4
     static_batch = sympy.sympify(g.batch).is_Integer
-    rows = panel_rows_for(m, n, k, threads, batch if static_batch else 2)
+    rows, cols = panel_tiles_for(m, n, k, threads, batch if static_batch else 2)
     flops = 2.0 * batch * m * n * k
-    panels = batch * max(1, -(-m // rows))
+    panels = batch * max(1, -(-m // rows)) * (max(1, -(-n // cols)) if cols else 1)
     peak = BLAS_FLOPS / (2 if esize == 8 else 1)
     packed = 0 if all(b.dtype.bits >= 32 for b in g.buffers if b.name in (g.a, g.b)) else 1
     blas_s = panels * BLAS_CALL_S + flops / peak + packed * batch * (m * k + k * n) * 4 / PACK_BYTES_PER_S
@@ -121,7 +152,8 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | No
     kind = min(costs, key=costs.get)
     if kind == "blas" and micro_capable(g) and micro_beats_blas(g, batch, m, n, k, esize):
         kind = "micro"
-    return GemmChoice(kind == "blas", rows, blas_s, loop_s, kind=kind, predicted_micro_s=micro_s)
+    return GemmChoice(kind == "blas", rows, blas_s, loop_s, kind=kind, predicted_micro_s=micro_s,
+                      panel_cols=cols)
 
 
 # Where kiln's micro-kernel beats OpenBLAS (one thread, round-robin, min us, this
@@ -200,9 +232,9 @@ def measure_gemm(g: GemmKernel, choice: GemmChoice, compile_variant, repeats: in
         times[kind] = best
     kind = min(times, key=times.get)
     return GemmChoice(kind == "blas", choice.panel_rows, times["blas"], times["loop"], True, kind,
-                      times.get("micro", float("inf")))
+                      times.get("micro", float("inf")), choice.panel_cols)
 
 
-def gemm_outer_extents(g: GemmKernel, use_blas: bool, panel_rows: int) -> tuple:
+def gemm_outer_extents(g: GemmKernel, use_blas: bool, panel_rows: int, panel_cols: int = 0) -> tuple:
     """The flattened outer space the compiled GEMM runs over (for the runtime)."""
-    return (panel_count(g, panel_rows),) if use_blas else (g.batch, g.m, g.n)
+    return (panel_count(g, panel_rows, panel_cols),) if use_blas else (g.batch, g.m, g.n)

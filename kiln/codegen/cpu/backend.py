@@ -90,6 +90,7 @@ class _Plan:
     blas: bool = False
     panel_rows: int = 0
     micro: bool = False  # kiln's register-blocked micro-kernel (microkernel.py)
+    panel_cols: int = 0  # a BLAS GEMM's columns per tile (0: full rows; autotune.panel_tiles_for)
 
 
 def _symbol(name: str, taken: set) -> str:
@@ -145,7 +146,8 @@ class CpuBackend(Backend):
         kind = variant or choice.variant
         if kind == "blas":
             require_blas()
-            return _Plan(k, symbol, gemm_outer_extents(k, True, choice.panel_rows), True, choice.panel_rows)
+            return _Plan(k, symbol, gemm_outer_extents(k, True, choice.panel_rows, choice.panel_cols), True,
+                         choice.panel_rows, panel_cols=choice.panel_cols)
         if kind == "micro":
             return _Plan(k, symbol, (row_blocks(k),), micro=True)
         loop = gemm_as_kernel(k)
@@ -159,7 +161,7 @@ class CpuBackend(Backend):
 
     def _emit(self, module: Module, p: _Plan) -> None:
         if p.blas:
-            emit_gemm(module, p.kernel, p.symbol, p.panel_rows)
+            emit_gemm(module, p.kernel, p.symbol, p.panel_rows, p.panel_cols)
         elif p.micro:
             emit_micro_gemm(module, p.kernel, p.symbol)
         elif isinstance(p.kernel, BatchKernel):

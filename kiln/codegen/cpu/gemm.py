@@ -1,13 +1,17 @@
-"""`GemmKernel` -> LLVM: OpenBLAS on row panels with the epilogue fused per panel.
+"""`GemmKernel` -> LLVM: OpenBLAS on tiles with the epilogue fused per tile.
 
-The flattened outer space (the ABI's [begin, end)) is batch x panels of `panel_rows`
-output rows. For each panel the generated code calls `cblas_?gemm` (64-bit ints) for
-those rows only, then immediately runs the epilogue over the panel while it is still in
-cache (`Acc` = the value BLAS just wrote), so bias/activation/residual/cast epilogues
-cost one pass over L2-resident data instead of a trip through DRAM. A single product
-(batch 1) cut into panels for kiln's threads gives BLAS the consecutive panels of one
-call's range as one call of up to MERGED_ROWS rows (B packed once per call), and an
-epilogue that is the bare product costs no pass at all.
+The flattened outer space (the ABI's [begin, end)) is batch x row panels of `panel_rows`
+rows x column panels of `panel_cols` columns (one, the full width, where panel_cols is
+0). For each tile the generated code calls `cblas_?gemm` (64-bit ints) for that block of
+the output only, then immediately runs the epilogue over it while it is still in cache
+(`Acc` = the value BLAS just wrote), so bias/activation/residual/cast epilogues cost one
+pass over L2-resident data instead of a trip through DRAM. A single product (batch 1)
+cut into tiles for kiln's threads (autotune.panel_tiles_for: row panels, column panels
+or a grid, by shape) gives BLAS the whole rows of tiles in one call's range as one call
+of up to MERGED_ROWS rows (B packed once per call), and a lone tile as a call of its
+own; an epilogue that is the bare product costs no pass at all. Tiles cut only m and n,
+so every output sums k in BLAS's own order: a split product is bit-identical to one
+call.
 
 Operand layouts come from the element strides: a unit k-stride is row-major (NoTrans),
 a unit row-stride is transposed (Trans, no copy); anything else, and every
@@ -65,8 +69,14 @@ def check_strides(g: GemmKernel) -> None:
                                  hint="strides are (batch, row, k) for a and (batch, k, col) for b, in elements")
 
 
-def panel_count(g: GemmKernel, panel_rows: int):
-    return g.batch * sympy.floor((sympy.sympify(g.m) + panel_rows - 1) / panel_rows)
+def panel_count(g: GemmKernel, panel_rows: int, panel_cols: int = 0):
+    """Tiles of the BLAS GEMM's outer space: batch x row panels x column panels (one
+    column panel, the full width, where panel_cols is 0)."""
+    rows = sympy.floor((sympy.sympify(g.m) + panel_rows - 1) / panel_rows)
+    if not panel_cols:
+        return g.batch * rows
+    cols = sympy.Max(1, sympy.floor((sympy.sympify(g.n) + panel_cols - 1) / panel_cols))
+    return g.batch * rows * cols
 
 
 def gemm_as_kernel(g: GemmKernel) -> Kernel:
@@ -107,8 +117,8 @@ class GemmEmitter:
     """The BLAS-panel GEMM; also the base of kiln's micro-kernel (microkernel.py), which
     shares the function frame, operand loads and the epilogue."""
 
-    def __init__(self, module: Module, g: GemmKernel, symbol: str, panel_rows: int):
-        self.module, self.g, self.symbol, self.mp = module, g, symbol, panel_rows
+    def __init__(self, module: Module, g: GemmKernel, symbol: str, panel_rows: int, panel_cols: int = 0):
+        self.module, self.g, self.symbol, self.mp, self.np = module, g, symbol, panel_rows, panel_cols
         self.acc = acc_dtype(g)
         if self.acc not in (dt.float32, dt.float64):
             raise KilnDTypeError(f"cpu backend: BLAS GEMM needs float operands, got {self.acc.name}; "
@@ -149,10 +159,18 @@ class GemmEmitter:
         g = self.g
         m, n, k = (self._ix(fn, d) for d in (g.m, g.n, g.k))
         mp = const("i64", self.mp)
-        npan = fn.bin("sdiv", fn.bin("add", m, const("i64", self.mp - 1)), mp)
-        # one product split into panels for kiln's threads (autotune.panel_rows_for):
-        # consecutive panels of one call's range go to BLAS as one call of up to
-        # MERGED_ROWS rows, so a thread that runs several (or all) of them packs B once
+        npr = fn.bin("sdiv", fn.bin("add", m, const("i64", self.mp - 1)), mp)
+        if self.np:  # column tiles of np columns (a single product split by shape)
+            ncols = const("i64", self.np)
+            npc = fn.bin("sdiv", fn.bin("add", n, const("i64", self.np - 1)), ncols)
+            npc = fn.select(fn.icmp("slt", npc, const("i64", 1)), const("i64", 1), npc)
+        else:
+            ncols, npc = n, const("i64", 1)
+        per_item = fn.bin("mul", npr, npc)
+        # one product split into tiles for kiln's threads (autotune.panel_tiles_for):
+        # consecutive whole rows of tiles in one call's range go to BLAS as one call of
+        # up to MERGED_ROWS rows, so a thread that runs several (or all) of them packs B
+        # once; a lone tile is one call of its own
         single = sympy.sympify(g.batch) == 1
         group = max(1, MERGED_ROWS // self.mp) if single else 1
         cap = const("i64", self.mp * group)
@@ -170,27 +188,33 @@ class GemmEmitter:
         tmp_c = None if direct_c else fn.call(
             "malloc", "ptr", [fn.bin("mul", fn.bin("add", fn.bin("mul", cap, n), const("i64", 1)), esz)])
         begin, end = V("%begin", "i64"), V("%end", "i64")
-        if group == 1:  # one BLAS call per panel
-            loop = CountedLoop(fn, begin, end, carried=[const("i64", -1)], vectorize=False)
-            p, (last_b,) = loop.begin()
-            bi = fn.bin("sdiv", p, npan)
-            i0 = fn.bin("mul", fn.bin("srem", p, npan), mp)
-            left = fn.bin("sub", m, i0)
-            rows = fn.select(fn.icmp("slt", left, mp), left, mp)
-        else:  # batch 1: panels [p, min(p + group, end)) in one call
-            gsz = const("i64", group)
-            ngroups = fn.bin("sdiv", fn.bin("add", fn.bin("sub", end, begin), const("i64", group - 1)), gsz)
-            loop = CountedLoop(fn, const("i64", 0), ngroups, carried=[const("i64", -1)], vectorize=False)
-            t, (last_b,) = loop.begin()
-            p = fn.bin("add", begin, fn.bin("mul", t, gsz))
-            p_end = fn.bin("add", p, gsz)
-            p_end = fn.select(fn.icmp("slt", p_end, end), p_end, end)
-            bi = const("i64", 0)
-            i0 = fn.bin("mul", p, mp)
-            stop = fn.bin("mul", p_end, mp)
-            stop = fn.select(fn.icmp("slt", stop, m), stop, m)
-            rows = fn.bin("sub", stop, i0)
-        # operand A: the panel's rows
+        # tiles p of [begin, end), row-major per batch item; a call that merged rows of
+        # tiles skips the tiles it covered (`skip`: the next tile still to run)
+        loop = CountedLoop(fn, begin, end, carried=[const("i64", -1), begin], vectorize=False)
+        p, (last_key, skip) = loop.begin()
+        run_it, latch = fn.new_label("tile"), fn.new_label("next")
+        todo = fn.icmp("sge", p, skip)
+        skipped = fn.block
+        fn.cbr(todo, run_it, latch)
+        fn.start_block(run_it)
+        bi = fn.bin("sdiv", p, per_item)
+        q = fn.bin("srem", p, per_item)
+        r, c = fn.bin("sdiv", q, npc), fn.bin("srem", q, npc)
+        i0 = fn.bin("mul", r, mp)
+        # whole rows of tiles from here on: one call over full rows, up to `group` of them
+        full = fn.bin("and", fn.icmp("eq", c, const("i64", 0)),
+                      fn.icmp("sle", fn.bin("add", p, npc), end))
+        whole = fn.bin("sdiv", fn.bin("sub", end, p), npc)
+        whole = fn.select(fn.icmp("slt", whole, const("i64", group)), whole, const("i64", group))
+        nrows = fn.select(full, whole, const("i64", 1))
+        stop = fn.bin("mul", fn.bin("add", r, nrows), mp)
+        stop = fn.select(fn.icmp("slt", stop, m), stop, m)
+        rows = fn.bin("sub", stop, i0)
+        j0 = fn.select(full, const("i64", 0), fn.bin("mul", c, ncols))
+        left = fn.bin("sub", n, j0)
+        cols = fn.select(full, n, fn.select(fn.icmp("slt", left, ncols), left, ncols))
+        next_skip = fn.select(full, fn.bin("add", p, fn.bin("mul", nrows, npc)), fn.bin("add", p, const("i64", 1)))
+        # operand A: the tile's rows
         if a_lay is None:
             self._pack(fn, tmp_a, g.a, g.a_strides, bi, i0, rows, k)
             a_ptr, trans_a, lda = tmp_a, CBLAS_NO_TRANS, k
@@ -199,22 +223,24 @@ class GemmEmitter:
                          fn.bin("mul", i0, self._ix(fn, g.a_strides[1])))
             a_ptr = fn.gep(self.acc_ty, self.buffers[g.a][0], off)
             trans_a, lda = (CBLAS_TRANS if a_lay[0] else CBLAS_NO_TRANS), self._ix(fn, a_lay[1])
-        # operand B: packed once per batch index
+        # operand B: the tile's columns, packed once per batch index and column tile
+        key = fn.bin("add", fn.bin("mul", bi, fn.bin("add", npc, const("i64", 1))), fn.select(full, npc, c))
         if b_lay is None:
-            new_b = fn.icmp("ne", bi, last_b)
             pack, after = fn.new_label("packb"), fn.new_label("packed")
-            fn.cbr(new_b, pack, after)
+            fn.cbr(fn.icmp("ne", key, last_key), pack, after)
             fn.start_block(pack)
-            self._pack(fn, tmp_b, g.b, g.b_strides, bi, const("i64", 0), k, n)
+            self._pack(fn, tmp_b, g.b, g.b_strides, bi, const("i64", 0), k, cols, j0)
             fn.br(after)
             fn.start_block(after)
-            b_ptr, trans_b, ldb = tmp_b, CBLAS_NO_TRANS, n
+            b_ptr, trans_b, ldb = tmp_b, CBLAS_NO_TRANS, cols
         else:
-            b_ptr = fn.gep(self.acc_ty, self.buffers[g.b][0], fn.bin("mul", bi, self._ix(fn, g.b_strides[0])))
             trans_b, ldb = (CBLAS_TRANS if b_lay[0] else CBLAS_NO_TRANS), self._ix(fn, b_lay[1])
+            b_off = fn.bin("add", fn.bin("mul", bi, self._ix(fn, g.b_strides[0])),
+                           fn.bin("mul", j0, ldb) if b_lay[0] else j0)
+            b_ptr = fn.gep(self.acc_ty, self.buffers[g.b][0], b_off)
         out_ptr = self.buffers[g.out][0]
-        c_off = fn.bin("mul", fn.bin("add", fn.bin("mul", bi, m), i0), n)
-        c_ptr = fn.gep(self.acc_ty, out_ptr, c_off) if direct_c else tmp_c
+        c_off = fn.bin("add", fn.bin("mul", fn.bin("add", fn.bin("mul", bi, m), i0), n), j0)
+        c_ptr = fn.gep(self.acc_ty, out_ptr, c_off) if direct_c else fn.gep(self.acc_ty, tmp_c, j0)
         one = lambda v: fn.select(fn.icmp("slt", v, const("i64", 1)), const("i64", 1), v)  # noqa: E731
 
         def at_least(v, floor):
@@ -223,39 +249,49 @@ class GemmEmitter:
         # BLAS wants ld >= the stored row length even where only one row is read: a
         # leading stride below that only occurs along a size-1 dim, where any value works
         lda = at_least(lda, rows if trans_a == CBLAS_TRANS else k)
-        ldb = at_least(ldb, k if trans_b == CBLAS_TRANS else n)
+        ldb = at_least(ldb, k if trans_b == CBLAS_TRANS else cols)
         has_k = fn.icmp("sgt", k, const("i64", 0))
         call, zero, done = fn.new_label("gemm"), fn.new_label("zero"), fn.new_label("epi")
         fn.cbr(has_k, call, zero)
         fn.start_block(call)
         fn.call(self.blas, "void", [
-            const("i32", CBLAS_ROW_MAJOR), const("i32", trans_a), const("i32", trans_b), rows, n, k,
+            const("i32", CBLAS_ROW_MAJOR), const("i32", trans_a), const("i32", trans_b), rows, cols, k,
             const(self.acc_ty, 1.0), a_ptr, one(lda), b_ptr, one(ldb), const(self.acc_ty, 0.0), c_ptr, one(n)])
         fn.br(done)
         fn.start_block(zero)  # k == 0: the product is all zeros
-        zl = CountedLoop(fn, const("i64", 0), fn.bin("mul", rows, n))
+        zr = CountedLoop(fn, const("i64", 0), rows, vectorize=False)
+        zi, _ = zr.begin()
+        zl = CountedLoop(fn, const("i64", 0), cols)
         z, _ = zl.begin()
-        fn.store(const(self.acc_ty, 0.0), fn.gep(self.acc_ty, c_ptr, z), self.esize)
+        fn.store(const(self.acc_ty, 0.0), fn.gep(self.acc_ty, c_ptr, fn.bin("add", fn.bin("mul", zi, n), z)),
+                 self.esize)
         zl.end()
+        zr.end()
         fn.br(done)
         fn.start_block(done)
         if not (direct_c and isinstance(g.epilogue, Acc)):  # BLAS wrote the result in place
-            self._epilogue(fn, c_ptr, n, bi, i0, rows, const("i64", 0), n, m, n)
-        loop.end([bi])
+            self._epilogue(fn, c_ptr, n, bi, i0, rows, j0, cols, m, n)
+        ran = fn.block
+        fn.br(latch)
+        fn.start_block(latch)
+        key_out = fn.emit(f"phi i64 [ {key.ref}, %{ran} ], [ {last_key.ref}, %{skipped} ]", "i64")
+        skip_out = fn.emit(f"phi i64 [ {next_skip.ref}, %{ran} ], [ {skip.ref}, %{skipped} ]", "i64")
+        loop.end([key_out, skip_out])
         for t in (tmp_a, tmp_b, tmp_c):
             if t is not None:
                 fn.call("free", "void", [t])
 
-    def _pack(self, fn, dst, name, strides, bi, r0, rows, cols):
-        """dst[r * cols + c] = convert(src[b, r0 + r, c]) in the operand's logical layout
-        (A: rows x k; B: k x n), as a dense row-major accumulator-dtype matrix."""
+    def _pack(self, fn, dst, name, strides, bi, r0, rows, cols, c0=None):
+        """dst[r * cols + c] = convert(src[b, r0 + r, c0 + c]) in the operand's logical
+        layout (A: rows x k; B: k x n), as a dense row-major accumulator-dtype matrix."""
         s0, s1, s2 = (self._ix(fn, s) for s in strides)
         outer = CountedLoop(fn, const("i64", 0), rows, vectorize=False)
         r, _ = outer.begin()
         inner = CountedLoop(fn, const("i64", 0), cols)
         c, _ = inner.begin()
+        col = c if c0 is None else fn.bin("add", c0, c)
         src = fn.bin("add", fn.bin("mul", bi, s0),
-                     fn.bin("add", fn.bin("mul", fn.bin("add", r0, r), s1), fn.bin("mul", c, s2)))
+                     fn.bin("add", fn.bin("mul", fn.bin("add", r0, r), s1), fn.bin("mul", col, s2)))
         value = self._load_operand(fn, name, src)
         fn.store(value, fn.gep(self.acc_ty, dst, fn.bin("add", fn.bin("mul", r, cols), c)), self.esize)
         inner.end()
@@ -291,6 +327,7 @@ class GemmEmitter:
         rl.end()
 
 
-def emit_gemm(module: Module, g: GemmKernel, symbol: str, panel_rows: int) -> None:
-    """Add the BLAS-panel GEMM `g` to `module` as exported function `symbol`."""
-    GemmEmitter(module, g, symbol, panel_rows).emit()
+def emit_gemm(module: Module, g: GemmKernel, symbol: str, panel_rows: int, panel_cols: int = 0) -> None:
+    """Add the BLAS GEMM `g` to `module` as exported function `symbol`: tiles of
+    `panel_rows` rows by `panel_cols` columns (0: the full width)."""
+    GemmEmitter(module, g, symbol, panel_rows, panel_cols).emit()
