@@ -90,3 +90,23 @@ def test_working_is_silent_for_short_work(monkeypatch, capsys):
     with kp.working("short"):
         pass
     assert "short" not in capsys.readouterr().err
+
+
+def test_no_tqdm_import_where_no_bar_can_show(tmp_path):
+    """Off a terminal a compile never imports tqdm (~17 ms of a cold compile); on one it
+    does, to draw the bar. A fresh process, as a user's first compile is."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, io, numpy as np, kiln as kn\n"
+            "from kiln import progress as kp\n"
+            "kn.compile(lambda x: (x * 2).sum())(np.ones((4, 4), np.float32))\n"
+            "print('tqdm' in sys.modules, end=' ')\n"
+            "class T(io.StringIO):\n    def isatty(self): return True\n"
+            "print(kp.enabled(T()), 'tqdm' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KILN_PROGRESS"}
+    env["KILN_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
