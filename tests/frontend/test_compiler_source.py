@@ -139,3 +139,36 @@ def test_installed_compiler_state_matches_its_files():
         h.update(rel.encode() + b"\0" + hashlib.sha256(open(path, "rb").read()).hexdigest().encode() + b"\n")
     assert state.digest == h.hexdigest()[:32]
     assert "kiln.passes.batching" in state.defaults and "ENABLED" in state.defaults["kiln.passes.batching"]
+
+
+def test_setting_lines_are_found_as_a_line_anchored_regex_finds_them():
+    """The defaults regex jumps from newline to newline; oracle: the plain `^...$` (re.M)
+    form over edge cases (first and last line without a newline, trailing blanks,
+    comments, CRLF, indented and lower-case names, `#` inside a value) and over every
+    compiler file of this kiln."""
+    import pathlib
+    import re
+
+    plain = re.compile(r"^([A-Z][A-Z0-9_]*) = (.+?)\s*(?:#.*)?$", re.M)
+
+    def oracle(text):
+        found = {}
+        for m in plain.finditer(text):
+            try:
+                import ast
+
+                value = ast.literal_eval(m.group(2))
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                continue
+            if type(value) in cs.SETTING_TYPES:
+                found[m.group(1)] = value
+        return found
+
+    cases = ["FIRST = 1\nx = 2\n  INDENTED = 3\nLAST = 'end'", "A = 2  \t# note\r\nB = 'x#y'  # c\n\nC = 1.5",
+             "D = (1, 2)\nE = True   \n\n\nF = 'a'#b\nlower = 4\nG_2 = -7\nH =8\n", "", "\n", "I = 1"]
+    root = pathlib.Path(cs.__file__).resolve().parents[1]
+    cases += [pathlib.Path(path).read_text(encoding="utf-8", errors="replace") for _, path, _ in cs._files(root)]
+    assert cs._literal_defaults(cases[0]) == {"FIRST": 1, "LAST": "end"}
+    assert cs._literal_defaults(cases[1]) == {"A": 2, "C": 1.5}
+    for text in cases:
+        assert cs._literal_defaults(text) == oracle(text)
