@@ -38,6 +38,15 @@ products where the 25% fewer flops matter more than those digits. A product of m
 with static shapes runs 4M as ONE real GEMM on the interleaved layout (`_interleaved_gemm`):
 A's memory as a real (m, 2k) matrix times a (2k, 2n) block of B's parts is the complex
 result's memory, so one BLAS call, no add/subtract kernel and no packing of A or C.
+
+On the CPU (`decompose_complex_blas`, the CPU backend's variant of this pass) a complex
+`matmul` of at least BLAS_MACS multiply-adds stays whole instead: it runs as one extern
+call of its reference, numpy's matmul, i.e. ONE `cblas_cgemm` (4M, the same OpenBLAS
+numpy ships) on the operands' own memory. The real forms above built B's (2k, 2n) pair
+block in a loop kernel whose innermost extent is 2 (2-4 ms of a 512^3 product's 5.5-8)
+and then ran 8mnk real flops, cgemm's count; the one call builds nothing
+(benchmarks/results/cpu.md, gemm_partition). Smaller products keep the real form, whose
+kernels fuse with their neighbours.
 """
 
 from __future__ import annotations
@@ -68,6 +77,43 @@ def decompose_complex(graph: Graph) -> Graph:
             and not any(v.type.dtype.is_complex for v in graph.inputs):
         return graph
     return dce(rebuild(graph, _rule))
+
+
+def decompose_complex_blas(graph: Graph) -> Graph:
+    """`decompose_complex` for a backend that calls BLAS on complex operands (the CPU):
+    a complex `matmul` of at least BLAS_MACS multiply-adds, or of symbolic size, stays
+    whole, one `cblas_cgemm` call (module doc); everything else as `decompose_complex`.
+
+    >>> decompose_complex_blas(kn.trace(lambda a, b: a @ b, a, b))   # 512 x 512 complex64: unchanged
+    """
+    if not any(v.type.dtype.is_complex for node in graph.walk() for v in node.results + node.operands) \
+            and not any(v.type.dtype.is_complex for v in graph.inputs):
+        return graph
+    return dce(rebuild(graph, _rule_blas))
+
+
+# a complex product below this many multiply-adds keeps the real form (fusible kernels):
+# a BLAS extern call costs ~10-20 us of Python around it
+BLAS_MACS = 1 << 15
+
+
+def _one_cgemm(node: Node) -> bool:
+    """A complex matmul of same-dtype complex operands worth one cgemm call."""
+    if node.op != "matmul" or len(node.operands) != 2:
+        return False
+    x, y = node.operands
+    if not (_is_c(x) and _is_c(y) and x.type.dtype == y.type.dtype):
+        return False
+    macs = 1
+    for d in tuple(node.results[0].shape) + tuple(x.shape[-1:]):
+        if not isinstance(d, int):
+            return True  # symbolic: no size to judge by, BLAS serves every one
+        macs *= d
+    return macs >= BLAS_MACS
+
+
+def _rule_blas(b: RewriteBuilder, node: Node):
+    return None if _one_cgemm(node) else _rule(b, node)
 
 
 def gemm_method() -> str:

@@ -7,7 +7,7 @@ import pytest
 
 import kiln as kn
 from kiln.ir.parser import parse_graph
-from kiln.passes.complex_decompose import decompose_complex
+from kiln.passes.complex_decompose import BLAS_MACS, decompose_complex, decompose_complex_blas
 from kiln.passes.dce import dce
 from kiln.passes.fusion import fuse
 from kiln.passes.pipeline import optimize
@@ -141,6 +141,46 @@ def test_the_3m_gemm_is_three_real_gemms(monkeypatch):
     assert [n.op for n in graph.nodes].count("matmul") == 3
     got = kn.compile(lambda a, b: a @ b)(a, b).numpy()
     np.testing.assert_allclose(got, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_keeps_a_large_complex_matmul_whole():
+    """The CPU's variant of the pass leaves a complex matmul of >= BLAS_MACS multiply-adds
+    whole (one cgemm call); a smaller one, and every other backend's, become real GEMMs."""
+    big = kn.trace(lambda a, b: a @ b * 2, _c(64, 32), _c(32, 64))
+    assert 64 * 32 * 64 >= BLAS_MACS
+    kept = decompose_complex_blas(big)
+    ops = [n.op for n in kept.nodes]
+    assert ops.count("matmul") == 1 and next(n for n in kept.nodes if n.op == "matmul").results[0].type.dtype.is_complex
+    assert "mul" in ops  # the product's consumer is still decomposed into real parts
+    small = decompose_complex_blas(kn.trace(lambda a, b: a @ b, _c(8, 16), _c(16, 4)))
+    assert all(not n.results[0].type.dtype.is_complex for n in small.nodes if n.op == "matmul")
+    assert all(not n.results[0].type.dtype.is_complex for n in decompose_complex(big).nodes if n.op == "matmul")
+
+
+@pytest.mark.parametrize("case", ["square", "batched", "a transposed", "b conj transposed", "rows of a batch"])
+def test_compiled_complex_matmul_is_one_cgemm_matching_numpy(case):
+    """Compiled on the CPU, a large complex matmul is numpy's own cgemm: bit-identical to
+    np.matmul where the operands are plain arrays, within float32 rounding otherwise."""
+    a, b = _c(96, 80, seed=5), _c(80, 112, seed=6)
+    fn, oracle, args, exact = {
+        "square": (lambda x, y: x @ y, lambda x, y: x @ y, (a, b), True),
+        "batched": (lambda x, y: x @ y, lambda x, y: x @ y, (_c(3, 40, 48, seed=7), _c(3, 48, 56, seed=8)), True),
+        "a transposed": (lambda x, y: x.mT @ y, lambda x, y: x.T @ y, (_c(80, 96, seed=9), b), False),
+        "b conj transposed": (lambda x, y: x @ y.conj().mT, lambda x, y: x @ y.conj().T,
+                              (a, _c(112, 80, seed=10)), False),
+        "rows of a batch": (lambda x, y: (x @ y) + 1j, lambda x, y: (x @ y) + 1j,
+                            (_c(4, 24, 80, seed=11), b), False),
+    }[case]
+    got = kn.compile(fn)(*args).numpy()
+    want = oracle(*args)
+    assert got.dtype == np.complex64 and got.shape == want.shape
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # the same against a float64 oracle: no digits lost to a 3M-style cancellation
+    want64 = oracle(*[x.astype(np.complex128) for x in args])
+    np.testing.assert_allclose(got, want64, rtol=1e-5, atol=1e-4)
 
 
 def _c(*shape, seed=0):

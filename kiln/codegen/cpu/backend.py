@@ -124,7 +124,11 @@ class CpuBackend(Backend):
         transposed operands in place (BLAS's transpose flag), never a copy."""
         from kiln.passes.fold_transpose import fold_transpose
 
+        from kiln.passes.complex_decompose import decompose_complex_blas
+
         passes = super().graph_passes(options)
+        # a large complex matmul stays whole: one cblas_cgemm call (complex_decompose.py)
+        passes = [(name, decompose_complex_blas if name == "complex" else fn) for name, fn in passes]
         at = next((i + 1 for i, (name, _) in enumerate(passes) if name == "canonicalize"), len(passes))
         return passes[:at] + [("fold_transpose", fold_transpose)] + passes[at:]
 
