@@ -3,7 +3,7 @@
 thread while they measure, for the workloads of bench_cpu.py, this tree against a
 baseline tree (e.g. `git archive <commit> | tar -x -C /tmp/before`).
 
-    .venv/bin/python benchmarks/bench_split_warmup.py --baseline /tmp/before [--rounds 3]
+    .venv/bin/python benchmarks/bench_split_warmup.py --baseline /tmp/before [--tree /tmp/after] [--rounds 3]
         [--calls 40] [--rows chain,softmax,layer_norm,gemm,mlp,ssq,newton]
 
 Every (tree, row) runs in a fresh process with empty caches, variants round-robin, so the
@@ -75,6 +75,7 @@ def summary(r: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", help="root of another kiln tree to compare against")
+    ap.add_argument("--tree", default=ROOT, help="the kiln tree measured as 'after' (default: this one)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of " + ", ".join(ROWS))
@@ -84,7 +85,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.calls)))
         return
     names = [r for r in ROWS if r in args.rows.split(",")]
-    variants = [("after", ROOT)] + ([("before", os.path.abspath(args.baseline))] if args.baseline else [])
+    variants = [("after", os.path.abspath(args.tree))] + ([("before", os.path.abspath(args.baseline))] if args.baseline else [])
     results: dict = {}
     loads = []
     for _ in range(args.rounds):

@@ -323,6 +323,8 @@ class FastPlan:
                 self._lay_out()
                 if self._parts is None:
                     return None
+            if self._run_split is not None:  # sleeping team workers wake while the first
+                native_pool.wake()  # launches run: spinning by the first split region
             objects = arrays + [None] * (self._n_objects - self._n_inputs)
             track = self._track
             for k, shape, dtype, nbytes in self._outputs:

@@ -16,7 +16,7 @@ import pytest
 
 import kiln as kn
 from kiln.codegen.cpu import compiled as cc
-from kiln.codegen.cpu import native_pool
+from kiln.codegen.cpu import native_pool, native_team
 from kiln.runtime import threads
 
 needs_gomp = pytest.mark.skipif(native_pool.parallel_for() is None,
@@ -127,7 +127,12 @@ def test_a_forked_child_still_computes_split_launches(native, monkeypatch, two_t
     _check(f, (1 << 20) + 37, 0)  # the parent's threads are running (or spinning)
 
     def child() -> bool:
-        assert native_pool.parallel_for() is None or not native  # OpenMP's team is gone
+        if native and native_pool._built().get("team"):  # kiln's team: the child's own
+            _check(f, (1 << 20) + 37, 1)
+            assert native_team._state["team"].pid == os.getpid()
+            assert all(t.is_alive() for t in native_team._state["team"].threads)
+        else:
+            assert native_pool.parallel_for() is None or not native  # OpenMP's team is gone
         _check(f, (1 << 20) + 37, 1)
         g = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)  # a new program too
         _check(g, (1 << 19) + 5, 2)

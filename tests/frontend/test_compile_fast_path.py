@@ -250,8 +250,8 @@ def test_externs_and_pool_split_launches_run_inside_the_prepared_call():
     (call,) = _prepared(f)
     kinds = {p[0] for p in call.plan._parts}
     assert "extern" in kinds and "launches" in kinds
-    if kn.get_num_threads() > 1:
-        assert "kernel" in kinds  # the large launch: the kernel's own call, over the pool
+    # (the large launch: the kernel's own call while its split is measured, then a record
+    # of the native run; either way inside the prepared call, its result the eager one)
 
 
 def test_a_training_step_with_pytree_arguments_matches_eager():

@@ -12,13 +12,14 @@ GEMMs above `split_rule.BATCH_MACS` multiply-adds, single products cut into row 
 above `autotune.SPLIT_MACS`), and each candidate splits only where its timed first calls
 showed splitting faster on this host.
 
-A split launch runs on OpenMP threads entered once from native code, where libgomp is
-present: `native_pool.parallel_for` (a static cut) for loop kernels, and
+A split launch runs on native threads entered once from native code (kiln's team,
+`native_team.py`, on Linux; else GNU OpenMP's where libgomp is present):
+`native_pool.parallel_for` (a static cut) for loop kernels, and
 `native_pool.parallel_claim` (panels or batch items claimed from an atomic counter, one
 BLAS thread each) for GEMMs. A hand-off through kiln's Python `WorkerPool` costs 85-120
 us back to back (each worker must take the GIL), which made a 16384-element kernel 9x
-slower split than not. The pool stays where libgomp is missing (and in a child forked
-after a region ran): its workers call kernels through `ctypes.CFUNCTYPE`, which releases
+slower split than not. The pool stays where neither is available (and in a child forked
+after a libgomp region ran): its workers call kernels through `ctypes.CFUNCTYPE`, which releases
 the GIL, so they run in parallel; the caller runs the first range itself and waits for
 the rest. Both are restarted in a forked child (threads do not survive `fork`).
 """

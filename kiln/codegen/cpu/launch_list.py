@@ -25,7 +25,7 @@ import numpy as np
 
 from kiln.codegen.cpu import jit
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
-from kiln.codegen.cpu.native_pool import openmp_runtime, parallel_for_address
+from kiln.codegen.cpu.native_pool import native_splits, openmp_runtime, parallel_for_address  # noqa: F401
 from kiln.runtime.capture import Copy, Launcher, Loop, NativeLaunch, Swap, Switch
 
 _PLAN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -153,7 +153,7 @@ class CpuLauncher(Launcher):
 
     def __init__(self):
         self._keep: list = []  # engines: the functions point into them
-        self.parallel = openmp_runtime() is not None
+        self.parallel = native_splits()
 
     def _build(self, text: str, name: str, fntype):
         engine = jit.glue_module(text)

@@ -1,21 +1,24 @@
-"""Split one kernel launch over OpenMP threads from native code: `parallel_for` (a static
-cut of the range) and `parallel_claim` (units claimed from an atomic counter).
+"""Split one kernel launch over threads from native code: `parallel_for` (a static cut of
+the range) and `parallel_claim` (units claimed from an atomic counter).
 
 A launch split over kiln's Python `WorkerPool` hands the worker its range through a
 queue and waits for it through another. Each hand-off needs the worker thread to take
 the GIL, and back to back (a training step launches ~120 kernels) a round trip measured
 85-120 us on this project's 2-vCPU machines, against 8 us after an idle pause: a
 16384-element `exp` kernel took 15 us on one thread and 140 us split over two. Here one
-ctypes call (the GIL released for its whole length) enters `kiln_parallel_for`, which
-runs `GOMP_parallel`: each OpenMP thread computes its share of [0, total) exactly as the
-pool cuts it (`compiled.split`: near-equal chunks, multiples of `align`) and calls the
-kernel's raw entry. libgomp's threads spin a short while between regions
-(`openmp_runtime` sets GOMP_SPINCOUNT), so a step's consecutive launches
-find them awake, and sleep after it.
+ctypes call (the GIL released for its whole length) enters the split function, which
+runs the kernel's raw entry on each share of [0, total), cut as the pool cuts it
+(`compiled.split`: near-equal chunks, multiples of `align`) or claimed `unit` at a time.
 
-Available when libgomp loads (`openmp_runtime`); otherwise, and in a child
-process forked after a region ran (libgomp's thread pool does not survive `fork`: the
-child would wait for threads it does not have), callers use the `WorkerPool`.
+Where the host has it (Linux), the split functions are kiln's own team
+(`native_team.py`): a region's caller waits only for units that a thread claimed, so a
+worker that sleeps, or whose core another process holds, never delays it. Elsewhere
+they run `GOMP_parallel` (GNU OpenMP), whose join waits for every thread of the team;
+libgomp's threads spin a short while between regions (`openmp_runtime` sets
+GOMP_SPINCOUNT), so a step's consecutive launches find them awake, and sleep after it.
+Without either, and in a child process forked after a libgomp region ran (its thread
+pool does not survive `fork`: the child would wait for threads it does not have),
+callers use the `WorkerPool`; a forked child starts a team of its own.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from functools import lru_cache
 
 import llvmlite.binding as llvm
 
-from kiln.codegen.cpu import jit
+from kiln.codegen.cpu import jit, native_team
+from kiln.runtime.threads import get_num_threads
 
 # parallel_for(kernel entry, bufs, sizes, total, align, threads)
 PARALLEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -156,51 +160,74 @@ _forked = False
 
 def _after_fork_in_child() -> None:
     global _forked
-    _forked = bool(_state.get("built"))  # the parent's regions may have started threads
+    # the parent's OpenMP regions may have started threads (kiln's team starts anew)
+    _forked = bool(_state.get("built")) and not _state["built"].get("team")
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _built() -> dict:
-    """{"fn": the ctypes function, "address": its entry, "engine": its code} of
-    `kiln_parallel_for`, built once per process (~10 ms); {} without libgomp."""
+    """{"fn", "claim": the ctypes split functions, "address", "claim_address": their
+    entries, "engine": their code, "team": True on kiln's own team}, built once per
+    process (~10 ms, ~2 ms from the cache): kiln's native team where the host has one
+    (native_team.available), else GNU OpenMP's; {} with neither."""
     if "built" not in _state:
         with _lock:
             if "built" not in _state:
                 built = {}
-                if openmp_runtime() is not None:
-                    engine = jit.glue_module(_IR)
-                    address = engine.address("kiln_parallel_for")
-                    claim = engine.address("kiln_parallel_claim")
+                names = None
+                if native_team.available():
+                    text, names = native_team.team_ir(), ("kiln_team_for", "kiln_team_claim")
+                elif openmp_runtime() is not None:
+                    text, names = _IR, ("kiln_parallel_for", "kiln_parallel_claim")
+                if names is not None:
+                    engine = jit.glue_module(text)
+                    address, claim = (engine.address(n) for n in names)
                     built = {"fn": PARALLEL_FN(address), "address": address, "engine": engine,
-                             "claim": PARALLEL_FN(claim), "claim_address": claim}
+                             "claim": PARALLEL_FN(claim), "claim_address": claim,
+                             "team": names[0] == "kiln_team_for"}
                 _state["built"] = built
-    return _state["built"]
+    built = _state["built"]
+    if built.get("team"):  # started at first use (and anew in a forked child), grown
+        native_team.publish(built["engine"], get_num_threads() - 1)  # with kn.set_num_threads
+    return built
+
+
+def native_splits() -> bool:
+    """Does this host split launches from native code (kiln's team or libgomp)?"""
+    return native_team.available() or openmp_runtime() is not None
 
 
 def prepare() -> None:
-    """Build (or load) the process's OpenMP glue now, if a split launch could want it:
+    """Build (or load) the process's split glue now, if a split launch could want it:
     a cold compile calls this while its LLVM threads build (`build_overlap`), so that
     the first step does not pay it (~15-20 ms built, ~4-10 ms from the cache)."""
     if not _forked:
         _built()
 
 
+def wake() -> None:
+    """Wake the team's sleeping workers (a prepared call with split launches, before its
+    first launch): they spin by its first split region. Nothing on libgomp."""
+    native_team.wake()
+
+
 def parallel_for():
-    """The native `kiln_parallel_for` (see `PARALLEL_FN`), or None: no libgomp, or this
-    process was forked (see the module docstring)."""
+    """The native `parallel_for` (see `PARALLEL_FN`): kiln's team's, or libgomp's; None
+    without either, or in a child forked after libgomp's regions ran (see the module
+    docstring)."""
     return None if _forked else _built().get("fn")
 
 
 def parallel_for_address() -> int:
-    """`kiln_parallel_for`'s address, for native code that calls it (a captured plan's
-    launch list, a prepared call's trampoline); only where libgomp is present."""
+    """`parallel_for`'s address, for native code that calls it (a captured plan's launch
+    list, a prepared call's trampoline); only where `native_splits()`."""
     return _built()["address"]
 
 
 def parallel_claim():
-    """The native `kiln_parallel_claim(entry, bufs, sizes, total, unit, threads)`, or None
+    """The native `parallel_claim(entry, bufs, sizes, total, unit, threads)`, or None
     (as `parallel_for`): the threads claim `unit` points at a time from a shared atomic
     counter until [0, total) is done (a GEMM's panels or batch items: a thread that got
     its core late takes fewer)."""
@@ -208,11 +235,11 @@ def parallel_claim():
 
 
 def parallel_claim_address() -> int:
-    """`kiln_parallel_claim`'s address (a prepared call's trampoline); with libgomp only."""
+    """`parallel_claim`'s address (a prepared call's trampoline); where `native_splits()`."""
     return _built()["claim_address"]
 
 
 def usable() -> bool:
-    """Can native code enter an OpenMP region in this process now (libgomp loaded, and
-    not a child forked after a region ran)?"""
+    """Can native code enter a split region in this process now (kiln's team, or
+    libgomp loaded and not a child forked after a region ran)?"""
     return parallel_for() is not None

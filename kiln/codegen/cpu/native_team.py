@@ -1,0 +1,482 @@
+"""kiln's own native thread team: split regions that never wait for a sleeping thread.
+
+A region on GNU OpenMP (`GOMP_parallel`) ends at a barrier that every thread of the team
+must reach. A thread that slept (libgomp's threads sleep ~0.3-1 ms after their last
+region) takes 0.1-2.5 ms to wake on this project's VMs, and a thread whose core another
+process holds waits a time slice: the region waits for it, whatever the work was. A
+program that alternates with other work (a training loop that also logs, loads data or
+runs another model) finds its threads asleep at every step and pays a wake-up for its
+first regions; bench_train's GPT row measured kiln 0.88x torch by median, 1.03x by
+minimum, for that reason.
+
+Here a region is a set of units claimed from one atomic word, and its caller waits only
+for units that a thread actually claimed:
+
+- the caller publishes the region (its fields, then the claim word: a 24-bit tag of the
+  region's sequence number, the unit count and the next unit), bumps the sequence word
+  (a futex), wakes sleeping workers, then claims and runs units itself;
+- a worker that sees a new sequence number claims units with compare-and-swap on the
+  claim word; a claim succeeds only while the word still carries its region's tag, so a
+  worker that arrives after the region ended (or never woke) claims nothing, runs
+  nothing, and nobody waits for it;
+- the caller returns once every unit is done: the units it ran and those that running
+  workers claimed (a count each worker adds to as it finishes a unit).
+
+A static cut (a loop kernel's range in near-equal chunks, multiples of `unit`) is one
+unit per thread, and `claim` mode is units of `unit` points (GEMM panels, batch items).
+With no worker awake, the caller runs every unit itself: the region costs what the
+serial call costs, plus a few atomic operations. Workers spin `SPIN_US` after their
+last region (`pause`), then sleep on the futex (a bounded wait: 100 ms, then they check
+again); `wake()` at the start of a prepared call bumps the sequence number so that
+sleeping workers wake while the first launches run serial. One caller at a time holds
+the team (a lock word); a second caller, concurrent on another Python thread, runs its
+region on its own thread.
+
+Linux only (futex; x86-64 and AArch64 syscall numbers); elsewhere `available()` is
+False and split launches use GNU OpenMP or kiln's Python pool. A child forked after the
+team started has no workers (threads do not survive `fork`): it starts a team of its own
+at its first split.
+
+    >>> team = native_team.team(threads=2)   # the process's team, workers started
+    >>> native_team.entry("kiln_team_for")   # fn(entry, bufs, sizes, total, unit, threads)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+import threading
+
+SPIN_US = int(os.environ.get("KILN_TEAM_SPIN_US", "1000"))  # a worker's spin after its last region
+MAX_UNITS = (1 << 20) - 1  # the claim word holds 20-bit unit counts
+_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+_PAUSE = {"x86_64": "call void @llvm.x86.sse2.pause()", "amd64": "call void @llvm.x86.sse2.pause()"}
+_WORDS = 80  # the team's memory, in i64 words (64 used, 64-byte aligned within)
+
+# word offsets in the team's memory (each contended word on a cache line of its own)
+SEQ, SLEEPERS, CLAIM, DONE, FIELDS, STOP, OWNER = 0, 8, 16, 24, 32, 48, 56
+FN, BUFS, SIZES, TOTAL, UNIT, NUNITS, MODE, NTHREADS = range(FIELDS, FIELDS + 8)
+
+
+def available() -> bool:
+    """Can this host run the team (Linux with a known futex syscall number)?"""
+    return sys.platform.startswith("linux") and platform.machine().lower() in _FUTEX \
+        and os.environ.get("KILN_NATIVE_TEAM", "1") != "0"
+
+
+def _w(k: int, var: str = "%t") -> str:
+    return f"getelementptr i64, ptr {var}, i64 {k}"
+
+
+def team_ir() -> str:
+    """The team's LLVM IR: `kiln_team_worker`, `kiln_team_for`, `kiln_team_claim`,
+    `kiln_team_wake` and `kiln_team_stop`, over the team whose address is in the global
+    `kiln_team_ptr` (null: every region runs serial on its caller)."""
+    machine = platform.machine().lower()
+    futex = _FUTEX[machine]
+    pause = _PAUSE.get(machine, "")
+    return f"""
+@kiln_team_ptr = internal global ptr null
+@kiln_team_wait = private constant [2 x i64] [i64 0, i64 100000000]
+declare i64 @syscall(i64, ...)
+declare i32 @clock_gettime(i32, ptr)
+{"declare void @llvm.x86.sse2.pause()" if pause else ""}
+
+define internal i64 @team_now() {{
+entry:
+  %ts = alloca [2 x i64]
+  call i32 @clock_gettime(i32 1, ptr %ts)
+  %s = load i64, ptr %ts
+  %pn = getelementptr i64, ptr %ts, i64 1
+  %ns = load i64, ptr %pn
+  %a = mul i64 %s, 1000000000
+  %r = add i64 %a, %ns
+  ret i64 %r
+}}
+
+; run unit %i of the region now published (its fields are read after the unit's claim)
+define internal void @team_unit(ptr %t, i64 %i) {{
+entry:
+  %pfn = {_w(FN)}
+  %fn = load ptr, ptr %pfn
+  %pb = {_w(BUFS)}
+  %bufs = load ptr, ptr %pb
+  %ps = {_w(SIZES)}
+  %sizes = load ptr, ptr %ps
+  %pt = {_w(TOTAL)}
+  %total = load i64, ptr %pt
+  %pu = {_w(UNIT)}
+  %unit = load i64, ptr %pu
+  %pn = {_w(NUNITS)}
+  %n = load i64, ptr %pn
+  %pm = {_w(MODE)}
+  %mode = load i64, ptr %pm
+  %a = add i64 %total, %n
+  %b = sub i64 %a, 1
+  %per = udiv i64 %b, %n
+  %um1 = sub i64 %unit, 1
+  %c = add i64 %per, %um1
+  %d = udiv i64 %c, %unit
+  %cut = mul i64 %d, %unit
+  %claimed = icmp ne i64 %mode, 0
+  %chunk = select i1 %claimed, i64 %unit, i64 %cut
+  %lo = mul i64 %i, %chunk
+  %e = add i64 %lo, %chunk
+  %over = icmp sgt i64 %e, %total
+  %hi = select i1 %over, i64 %total, i64 %e
+  %some = icmp slt i64 %lo, %hi
+  br i1 %some, label %run, label %done
+run:
+  call void %fn(ptr %bufs, ptr %sizes, i64 %lo, i64 %hi)
+  br label %done
+done:
+  %pd = {_w(DONE)}
+  atomicrmw add ptr %pd, i64 1 release
+  ret void
+}}
+
+; claim and run units of the region tagged %tag until none is left (or it is over)
+define internal void @team_work(ptr %t, i64 %tag) {{
+entry:
+  %pc = {_w(CLAIM)}
+  br label %head
+head:
+  %v = load atomic i64, ptr %pc acquire, align 8
+  %vtag = lshr i64 %v, 40
+  %mine = icmp eq i64 %vtag, %tag
+  br i1 %mine, label %check, label %exit
+check:
+  %nsh = lshr i64 %v, 20
+  %n = and i64 %nsh, {MAX_UNITS}
+  %i = and i64 %v, {MAX_UNITS}
+  %left = icmp ult i64 %i, %n
+  br i1 %left, label %take, label %exit
+take:
+  %v1 = add i64 %v, 1
+  %r = cmpxchg ptr %pc, i64 %v, i64 %v1 acq_rel acquire
+  %ok = extractvalue {{ i64, i1 }} %r, 1
+  br i1 %ok, label %run, label %head
+run:
+  call void @team_unit(ptr %t, i64 %i)
+  br label %head
+exit:
+  ret void
+}}
+
+; a worker: wait for a new region (spin %spin_ns, then sleep on the futex), take part
+; if its index is below the region's thread count, again until the team stops
+define void @kiln_team_worker(ptr %t, i64 %index, i64 %spin_ns) {{
+entry:
+  %lastp = alloca i32
+  %t0p = alloca i64
+  %kp = alloca i64
+  %pseq = {_w(SEQ)}
+  %pstop = {_w(STOP)}
+  %psl = {_w(SLEEPERS)}
+  %pnt = {_w(NTHREADS)}
+  %s0 = load atomic i32, ptr %pseq acquire, align 8
+  store i32 %s0, ptr %lastp
+  br label %wait
+wait:
+  %now0 = call i64 @team_now()
+  store i64 %now0, ptr %t0p
+  store i64 0, ptr %kp
+  br label %spin
+spin:
+  %last = load i32, ptr %lastp
+  %s = load atomic i32, ptr %pseq acquire, align 8
+  %new = icmp ne i32 %s, %last
+  br i1 %new, label %got, label %spin_stop
+spin_stop:
+  %stop = load atomic i64, ptr %pstop monotonic, align 8
+  %stopped = icmp ne i64 %stop, 0
+  br i1 %stopped, label %exit, label %relax
+relax:
+  {pause}
+  %k = load i64, ptr %kp
+  %k1 = add i64 %k, 1
+  store i64 %k1, ptr %kp
+  %m = and i64 %k1, 63
+  %tick = icmp eq i64 %m, 0
+  br i1 %tick, label %clock, label %spin
+clock:
+  %now = call i64 @team_now()
+  %t0 = load i64, ptr %t0p
+  %el = sub i64 %now, %t0
+  %long = icmp sgt i64 %el, %spin_ns
+  br i1 %long, label %sleep, label %spin
+sleep:
+  atomicrmw add ptr %psl, i64 1 seq_cst
+  %last2 = load i32, ptr %lastp
+  %s2 = load atomic i32, ptr %pseq seq_cst, align 8
+  %stop2 = load atomic i64, ptr %pstop seq_cst, align 8
+  %same = icmp eq i32 %s2, %last2
+  %run2 = icmp eq i64 %stop2, 0
+  %doze = and i1 %same, %run2
+  br i1 %doze, label %futex, label %woke
+futex:
+  %l64 = zext i32 %last2 to i64
+  %w = call i64 (i64, ...) @syscall(i64 {futex}, ptr %pseq, i64 128, i64 %l64, ptr @kiln_team_wait)
+  br label %woke
+woke:
+  atomicrmw sub ptr %psl, i64 1 seq_cst
+  %last3 = load i32, ptr %lastp
+  %s3 = load atomic i32, ptr %pseq acquire, align 8
+  %new3 = icmp ne i32 %s3, %last3
+  br i1 %new3, label %got, label %sleep_again
+sleep_again:
+  %stop3 = load atomic i64, ptr %pstop monotonic, align 8
+  %stopped3 = icmp ne i64 %stop3, 0
+  br i1 %stopped3, label %exit, label %sleep
+got:
+  %sg = load atomic i32, ptr %pseq acquire, align 8
+  store i32 %sg, ptr %lastp
+  %nt = load atomic i64, ptr %pnt monotonic, align 8
+  %me = add i64 %index, 1
+  %part = icmp slt i64 %me, %nt
+  br i1 %part, label %work, label %wait
+work:
+  %sz = zext i32 %sg to i64
+  %tag = and i64 %sz, 16777215
+  call void @team_work(ptr %t, i64 %tag)
+  br label %wait
+exit:
+  ret void
+}}
+
+; the caller's side of a region (mode 0: a static cut into `threads` chunks; 1: units of
+; `unit` points); serial where the team is missing or busy, or one unit would do
+define internal void @team_region(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit0, i32 %threads,
+                                  i64 %mode) {{
+entry:
+  %t = load atomic ptr, ptr @kiln_team_ptr acquire, align 8
+  %none = icmp eq ptr %t, null
+  %few = icmp sle i32 %threads, 1
+  %empty = icmp sle i64 %total, 0
+  %x1 = or i1 %none, %few
+  %x2 = or i1 %x1, %empty
+  br i1 %x2, label %serial, label %count
+count:
+  %nt = sext i32 %threads to i64
+  ; claim mode: units of `unit`, coarsened (whole multiples) to at most MAX_UNITS
+  %um1 = sub i64 %unit0, 1
+  %tu = add i64 %total, %um1
+  %nu0 = udiv i64 %tu, %unit0
+  %toomany = icmp ugt i64 %nu0, {MAX_UNITS}
+  %a1 = add i64 %total, {MAX_UNITS - 1}
+  %per = udiv i64 %a1, {MAX_UNITS}
+  %a2 = add i64 %per, %um1
+  %a3 = udiv i64 %a2, %unit0
+  %big = mul i64 %a3, %unit0
+  %cunit = select i1 %toomany, i64 %big, i64 %unit0
+  %cm1 = sub i64 %cunit, 1
+  %tc = add i64 %total, %cm1
+  %cn = udiv i64 %tc, %cunit
+  ; static cut: min(threads, units of `unit`)
+  %sfew = icmp slt i64 %nu0, %nt
+  %sn = select i1 %sfew, i64 %nu0, i64 %nt
+  %claimed = icmp ne i64 %mode, 0
+  %n = select i1 %claimed, i64 %cn, i64 %sn
+  %unit = select i1 %claimed, i64 %cunit, i64 %unit0
+  %one = icmp sle i64 %n, 1
+  br i1 %one, label %serial, label %lock
+lock:
+  %po = {_w(OWNER)}
+  %lk = cmpxchg ptr %po, i64 0, i64 1 acquire monotonic
+  %got = extractvalue {{ i64, i1 }} %lk, 1
+  br i1 %got, label %publish, label %serial
+publish:
+  %pfn = {_w(FN)}
+  store ptr %fn, ptr %pfn
+  %pb = {_w(BUFS)}
+  store ptr %bufs, ptr %pb
+  %ps = {_w(SIZES)}
+  store ptr %sizes, ptr %ps
+  %pt = {_w(TOTAL)}
+  store i64 %total, ptr %pt
+  %pu = {_w(UNIT)}
+  store i64 %unit, ptr %pu
+  %pn = {_w(NUNITS)}
+  store i64 %n, ptr %pn
+  %pm = {_w(MODE)}
+  store i64 %mode, ptr %pm
+  %pnt = {_w(NTHREADS)}
+  store atomic i64 %nt, ptr %pnt monotonic, align 8
+  %pd = {_w(DONE)}
+  store atomic i64 0, ptr %pd monotonic, align 8
+  %pseq = {_w(SEQ)}
+  %s = load atomic i32, ptr %pseq monotonic, align 8
+  %s1 = add i32 %s, 1
+  %sz = zext i32 %s1 to i64
+  %tag = and i64 %sz, 16777215
+  %th = shl i64 %tag, 40
+  %nh = shl i64 %n, 20
+  %v = or i64 %th, %nh
+  %pc = {_w(CLAIM)}
+  store atomic i64 %v, ptr %pc release, align 8
+  store atomic i32 %s1, ptr %pseq seq_cst, align 8
+  %psl = {_w(SLEEPERS)}
+  %sl = load atomic i64, ptr %psl seq_cst, align 8
+  %asleep = icmp sgt i64 %sl, 0
+  br i1 %asleep, label %wake, label %work
+wake:
+  %w = call i64 (i64, ...) @syscall(i64 {futex}, ptr %pseq, i64 129, i64 2147483647)
+  br label %work
+work:
+  call void @team_work(ptr %t, i64 %tag)
+  br label %join
+join:
+  %d = load atomic i64, ptr %pd acquire, align 8
+  %all = icmp uge i64 %d, %n
+  br i1 %all, label %unlock, label %jrelax
+jrelax:
+  {pause}
+  br label %join
+unlock:
+  store atomic i64 0, ptr %po release, align 8
+  ret void
+serial:
+  call void %fn(ptr %bufs, ptr %sizes, i64 0, i64 %total)
+  ret void
+}}
+
+define void @kiln_team_for(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit, i32 %threads) {{
+entry:
+  call void @team_region(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit, i32 %threads, i64 0)
+  ret void
+}}
+
+define void @kiln_team_claim(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit, i32 %threads) {{
+entry:
+  call void @team_region(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i64 %unit, i32 %threads, i64 1)
+  ret void
+}}
+
+; wake sleeping workers without a region (they find nothing to claim and spin again)
+define void @kiln_team_wake() {{
+entry:
+  %t = load atomic ptr, ptr @kiln_team_ptr acquire, align 8
+  %none = icmp eq ptr %t, null
+  br i1 %none, label %exit, label %look
+look:
+  %psl = {_w(SLEEPERS)}
+  %sl = load atomic i64, ptr %psl seq_cst, align 8
+  %asleep = icmp sgt i64 %sl, 0
+  br i1 %asleep, label %lock, label %exit
+lock:
+  %po = {_w(OWNER)}
+  %lk = cmpxchg ptr %po, i64 0, i64 1 acquire monotonic
+  %got = extractvalue {{ i64, i1 }} %lk, 1
+  br i1 %got, label %bump, label %exit
+bump:
+  %pseq = {_w(SEQ)}
+  %s = load atomic i32, ptr %pseq monotonic, align 8
+  %s1 = add i32 %s, 1
+  store atomic i32 %s1, ptr %pseq seq_cst, align 8
+  %w = call i64 (i64, ...) @syscall(i64 {futex}, ptr %pseq, i64 129, i64 2147483647)
+  store atomic i64 0, ptr %po release, align 8
+  br label %exit
+exit:
+  ret void
+}}
+
+; make %t the team regions run on (null: none, every region serial)
+define void @kiln_team_publish(ptr %t) {{
+entry:
+  store atomic ptr %t, ptr @kiln_team_ptr seq_cst, align 8
+  ret void
+}}
+
+; stop the workers of team %t (they return from kiln_team_worker)
+define void @kiln_team_stop(ptr %t) {{
+entry:
+  %pstop = {_w(STOP)}
+  store atomic i64 1, ptr %pstop seq_cst, align 8
+  %pseq = {_w(SEQ)}
+  %s = atomicrmw add ptr %pseq, i32 1 seq_cst
+  %w = call i64 (i64, ...) @syscall(i64 {futex}, ptr %pseq, i64 129, i64 2147483647)
+  ret void
+}}
+"""
+
+
+WORKER_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+VOID_FN = ctypes.CFUNCTYPE(None)
+STOP_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class Team:
+    """One team: its memory (64-byte aligned words) and its worker threads, each a
+    Python thread that calls the native `kiln_team_worker` once (the GIL released for
+    its whole life) and returns when the team stops."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._memory = (ctypes.c_int64 * _WORDS)()
+        self.address = (ctypes.addressof(self._memory) + 63) & ~63
+        self._worker = WORKER_FN(engine.address("kiln_team_worker"))
+        self._stop = STOP_FN(engine.address("kiln_team_stop"))
+        self.threads: list[threading.Thread] = []
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def grow(self, workers: int) -> None:
+        """Start workers until there are `workers` (a region's caller is one more thread)."""
+        with self._lock:
+            while len(self.threads) < workers:
+                index = len(self.threads)
+                t = threading.Thread(target=self._worker, args=(self.address, index, SPIN_US * 1000),
+                                     name=f"kiln-team-{index}", daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the workers (bounded wait); True when every one returned. The team must
+        no longer be the published one (`kiln_team_ptr`)."""
+        self._stop(self.address)
+        for t in self.threads:
+            t.join(timeout)
+        return not any(t.is_alive() for t in self.threads)
+
+
+_lock = threading.Lock()
+_state: dict = {}  # "team": the published Team; "publish", "wake": the glue's functions
+
+
+def publish(engine, workers: int) -> Team:
+    """The process's team on `engine`'s glue (built from `team_ir()`), with at least
+    `workers` workers started; made on first use, and again in a forked child."""
+    team = _state.get("team")
+    if team is None or team.pid != os.getpid():
+        with _lock:
+            team = _state.get("team")
+            if team is None or team.pid != os.getpid():
+                team = Team(engine)
+                set_team = STOP_FN(engine.address("kiln_team_publish"))
+                _state.update(team=team, publish=set_team, wake=VOID_FN(engine.address("kiln_team_wake")))
+                team.grow(workers)
+                set_team(team.address)
+                return team
+    if len(team.threads) < workers:
+        team.grow(workers)
+    return team
+
+
+def wake() -> None:
+    """Wake the team's sleeping workers now (a prepared call with split launches calls
+    this first: they are spinning by its first split region); nothing if none sleeps."""
+    fn = _state.get("wake")
+    if fn is not None and _state["team"].pid == os.getpid():
+        fn()
+
+
+def _after_fork_in_child() -> None:
+    # the team's workers did not come along: regions run serial until a new team starts
+    set_team = _state.get("publish")
+    if set_team is not None:
+        set_team(None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

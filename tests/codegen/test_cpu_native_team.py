@@ -1,0 +1,152 @@
+"""kiln's native thread team (kiln/codegen/cpu/native_team.py): a region's units are
+claimed from one atomic word and its caller waits only for units a thread claimed. Here
+a tiny native kernel adds 1 to out[i] for each i of its range, so every point must end
+at exactly 1 (a unit run twice, or skipped, shows): static cuts and claimed units, unit
+counts past the claim word's 20 bits, more threads asked than workers, a team with no
+worker at all (the caller runs every unit; nothing waits), concurrent callers, waking
+sleeping workers, stopping a team, and GNU OpenMP where the team is turned off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kiln.codegen.cpu import jit, native_pool, native_team
+
+pytestmark = pytest.mark.skipif(not native_team.available(),
+                                reason="kiln's native team needs Linux (futex) on x86-64 or AArch64")
+
+# fn(bufs, sizes, lo, hi): out = bufs[0] (int64), out[i] += 1 for i in [lo, hi)
+_KERNEL_IR = """
+define void @count(ptr %bufs, ptr %sizes, i64 %lo, i64 %hi) {
+entry:
+  %out = load ptr, ptr %bufs
+  br label %head
+head:
+  %i = phi i64 [ %lo, %entry ], [ %i1, %body ]
+  %more = icmp slt i64 %i, %hi
+  br i1 %more, label %body, label %exit
+body:
+  %p = getelementptr i64, ptr %out, i64 %i
+  %v = load i64, ptr %p
+  %v1 = add i64 %v, 1
+  store i64 %v1, ptr %p
+  %i1 = add i64 %i, 1
+  br label %head
+exit:
+  ret void
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    engine = jit.glue_module(_KERNEL_IR)
+    return engine, engine.address("count")
+
+
+def _run(kernel, split, total: int, unit: int, threads: int) -> np.ndarray:
+    out = np.zeros(max(total, 1), np.int64)
+    bufs = (native_pool.ctypes.c_void_p * 1)(out.ctypes.data)
+    sizes = (native_pool.ctypes.c_int64 * 1)(0)
+    split(kernel[1], bufs, sizes, total, unit, threads)
+    return out[:total]
+
+
+@pytest.mark.parametrize("mode", ["for", "claim"])
+@pytest.mark.parametrize("total,unit,threads", [
+    (1000, 64, 2), (1000, 1, 2), (7, 64, 2), (1, 1, 2), (100_003, 64, 3), (4096, 64, 8),
+    ((1 << 21) + 5, 1, 2),  # claimed: 2M units of 1 coarsened to < 2^20
+])
+def test_every_point_runs_exactly_once(kernel, mode, total, unit, threads):
+    native_pool._built()  # the team published, its workers started
+    split = native_pool.parallel_claim() if mode == "claim" else native_pool.parallel_for()
+    for _ in range(3):  # workers awake, then asleep or spinning: the same result
+        np.testing.assert_array_equal(_run(kernel, split, total, unit, threads), 1)
+
+
+def test_a_team_without_workers_never_waits(kernel):
+    """A region whose workers never arrive (here: none exists) is run by its caller,
+    unit by unit, and returns: nobody waits for a thread that did not come."""
+    built = native_pool._built()
+    engine = built["engine"]
+    lonely = native_team.Team(engine)  # no worker started
+    publish = native_team.STOP_FN(engine.address("kiln_team_publish"))
+    publish(lonely.address)
+    try:
+        for mode in ("fn", "claim"):
+            np.testing.assert_array_equal(_run(kernel, built[mode], 100_000, 64, 2), 1)
+    finally:
+        publish(native_team._state["team"].address)
+
+
+def test_concurrent_callers_each_get_their_result(kernel):
+    """Two Python threads splitting at once: one holds the team, the other runs its
+    region on its own thread (the team's lock word), both right."""
+    split = native_pool.parallel_for()
+    results, errors = [], []
+
+    def caller():
+        try:
+            for _ in range(50):
+                results.append(bool(np.all(_run(kernel, split, 50_000, 64, 2) == 1)))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    callers = [threading.Thread(target=caller) for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(60)
+    assert not errors and len(results) == 100 and all(results)
+
+
+def _word(team, k: int) -> int:
+    return native_pool.ctypes.c_int64.from_address(team.address + 8 * k).value
+
+
+def test_wake_bumps_the_sequence_of_sleeping_workers():
+    native_pool._built()
+    team = native_team._state["team"]
+    deadline = time.monotonic() + 10
+    while _word(team, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the workers spin SPIN_US after their last region, then sleep
+    assert _word(team, native_team.SLEEPERS) > 0
+    seq = _word(team, native_team.SEQ) & 0xFFFFFFFF
+    native_pool.wake()
+    assert _word(team, native_team.SEQ) & 0xFFFFFFFF == (seq + 1) & 0xFFFFFFFF
+
+
+def test_a_stopped_team_ends_its_threads(kernel):
+    engine = native_pool._built()["engine"]
+    spare = native_team.Team(engine)
+    spare.grow(2)
+    assert all(t.is_alive() for t in spare.threads)
+    assert spare.stop(timeout=10)
+    assert not any(t.is_alive() for t in spare.threads)
+
+
+def test_gnu_openmp_where_the_team_is_off():
+    """KILN_NATIVE_TEAM=0: split launches on libgomp's threads, as before the team."""
+    if native_pool.openmp_runtime() is None:
+        pytest.skip("needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
+    code = ("import numpy as np, kiln as kn\n"
+            "from kiln.runtime import threads\n"
+            "from kiln.codegen.cpu import native_pool\n"
+            "kn.set_num_threads(2); threads.set_dynamic_threads(False); threads.set_split_policy('always')\n"
+            "f = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)\n"
+            "x = np.random.default_rng(0).standard_normal((1 << 20) + 37).astype(np.float32)\n"
+            "for _ in range(3):\n"
+            "    np.testing.assert_allclose(f(kn.tensor(x)).numpy(),\n"
+            "        (np.exp(x.astype(np.float64)) * 2 + 1).astype(np.float32), rtol=2e-6, atol=1e-6)\n"
+            "assert native_pool._built()['team'] is False\n"
+            "print('ok')\n")
+    env = dict(os.environ, KILN_NATIVE_TEAM="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
