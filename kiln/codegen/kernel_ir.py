@@ -308,7 +308,9 @@ TEMPLATE_KINDS = ("gemm", "grouped_gemm", "grouped_gemm_dw", "attention")
 # graph ops that lower to a template kind rather than a loop nest; a backend's
 # templates() is keyed by the kind, never by these op names
 TEMPLATE_OF_OP = {"grouped_matmul": "grouped_gemm", "grouped_matmul_dw": "grouped_gemm_dw",
-                  "scaled_dot_product_attention": "attention"}
+                  "scaled_dot_product_attention": "attention",
+                  # a matmul left an extern step (the CPU's complex products: cpu/gemm_complex.py)
+                  "matmul": "gemm"}
 
 
 def template_externs(backend) -> dict:

@@ -40,11 +40,12 @@ A's memory as a real (m, 2k) matrix times a (2k, 2n) block of B's parts is the c
 result's memory, so one BLAS call, no add/subtract kernel and no packing of A or C.
 
 On the CPU (`decompose_complex_blas`, the CPU backend's variant of this pass) a complex
-`matmul` of at least BLAS_MACS multiply-adds stays whole instead: it runs as one extern
-call of its reference, numpy's matmul, i.e. ONE `cblas_cgemm` (4M, the same OpenBLAS
-numpy ships) on the operands' own memory. The real forms above built B's (2k, 2n) pair
-block in a loop kernel whose innermost extent is 2 (2-4 ms of a 512^3 product's 5.5-8)
-and then ran 8mnk real flops, cgemm's count; the one call builds nothing
+`matmul` of at least BLAS_MACS multiply-adds stays whole instead: an extern step that the
+CPU backend runs as `cblas_cgemm` calls (4M, the same OpenBLAS numpy ships) on the
+operands' own memory, one per output tile over kiln's threads
+(kiln/codegen/cpu/gemm_complex.py). The real forms above built B's (2k, 2n) pair block
+in a loop kernel whose innermost extent is 2 (2-4 ms of a 512^3 product's 5.5-8) and
+then ran 8mnk real flops, cgemm's count; the complex calls build nothing
 (benchmarks/results/cpu.md, gemm_partition). Smaller products keep the real form, whose
 kernels fuse with their neighbours.
 """
@@ -82,7 +83,7 @@ def decompose_complex(graph: Graph) -> Graph:
 def decompose_complex_blas(graph: Graph) -> Graph:
     """`decompose_complex` for a backend that calls BLAS on complex operands (the CPU):
     a complex `matmul` of at least BLAS_MACS multiply-adds, or of symbolic size, stays
-    whole, one `cblas_cgemm` call (module doc); everything else as `decompose_complex`.
+    whole, `cblas_cgemm` tiles on the CPU (module doc); the rest as `decompose_complex`.
 
     >>> decompose_complex_blas(kn.trace(lambda a, b: a @ b, a, b))   # 512 x 512 complex64: unchanged
     """

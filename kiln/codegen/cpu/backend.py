@@ -38,6 +38,7 @@ from kiln.codegen.cpu.ir_builder import Module, join_modules
 from kiln.codegen.cpu.llvm_emit import emit_kernel
 from kiln.codegen.cpu.microkernel import emit_micro_gemm, row_blocks
 from kiln.codegen.cpu.parallel_build import Engines, build_objects
+from kiln.codegen.cpu.stream_build import StreamingBuild
 from kiln.codegen.cpu import native_pool
 from kiln.codegen.build_overlap import Deferred, meanwhile
 from kiln.codegen.cpu.compiled import default_threads
@@ -131,6 +132,13 @@ class CpuBackend(Backend):
         passes = [(name, decompose_complex_blas if name == "complex" else fn) for name, fn in passes]
         at = next((i + 1 for i, (name, _) in enumerate(passes) if name == "canonicalize"), len(passes))
         return passes[:at] + [("fold_transpose", fold_transpose)] + passes[at:]
+
+    def templates(self) -> dict:
+        """An extern `matmul` (a complex product the `complex` pass kept whole) runs as
+        complex BLAS tiles over kiln's threads (gemm_complex.py), others as numpy's."""
+        from kiln.codegen.cpu.gemm_complex import run_matmul
+
+        return {"gemm": run_matmul}
 
     # -- planning and emission --------------------------------------------------------
     def _plan(self, k: AnyKernel, taken: set, variant: str | bool | None = None) -> _Plan:
@@ -261,6 +269,13 @@ class CpuBackend(Backend):
         with meanwhile(*glue):
             return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
 
+    def stream_build(self) -> StreamingBuild | None:
+        """A build fed kernels as they are lowered, LLVM started on the first ones while
+        the rest are (stream_build.py); None for one thread (nothing to overlap with)."""
+        if self.options.threads < 2:
+            return None
+        return StreamingBuild(self, native_pool.prepare)
+
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes,
                                hints: tuple | None = None) -> list[CompiledKernel]:
         """CompiledKernels from bytes made by `object_code(kernels)` with these options.
@@ -281,21 +296,24 @@ class CpuBackend(Backend):
         return index, [stage_costs(p.kernel) if isinstance(p.kernel, Kernel) else None for p in plans]
 
 
+def _anonymous(k: AnyKernel) -> AnyKernel:
+    """`k` less its name (and its batch members' names): kernels are frozen dataclasses,
+    so equal fields mean equal code."""
+    import dataclasses
+
+    if isinstance(k, BatchKernel):
+        members = tuple(dataclasses.replace(m, name=f"m{i}") for i, m in enumerate(k.members))
+        return dataclasses.replace(k, name="k", members=members)
+    return dataclasses.replace(k, name="k")
+
+
 def _distinct(kernels: Sequence[AnyKernel]) -> tuple[list, list[int]]:
     """(the kernels that differ in more than their name, each kernel's index among them).
     A model's repeated layers lower to identical kernels: compile each once."""
-    import dataclasses
-
-    def anonymous(k):  # kernels are frozen dataclasses: equal fields, equal code
-        if isinstance(k, BatchKernel):
-            members = tuple(dataclasses.replace(m, name=f"m{i}") for i, m in enumerate(k.members))
-            return dataclasses.replace(k, name="k", members=members)
-        return dataclasses.replace(k, name="k")
-
     first: dict = {}
     unique, index = [], []
     for k in kernels:
-        key = anonymous(k)
+        key = _anonymous(k)
         if key not in first:
             first[key] = len(unique)
             unique.append(k)
