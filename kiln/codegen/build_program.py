@@ -10,6 +10,8 @@ scatter, LAPACK, random bits, ...), so every graph kiln can trace also runs comp
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kiln.codegen.batch_lower import batch_launch
 from kiln.codegen.complex_stores import interleave_stores, interleaved_pairs
 from kiln.codegen.lower import SplitReduction, lower_fused
@@ -23,11 +25,18 @@ from kiln.runtime.program import (
 )
 
 
-def build_program(graph: Graph, prefix: str = "") -> Program:
-    """Lower `graph` (already through the graph passes and fusion, regions included)."""
+def build_program(graph: Graph, prefix: str = "", sink: Callable | None = None) -> Program:
+    """Lower `graph` (already through the graph passes and fusion, regions included).
+    `sink(kernel)`, when given, sees each kernel as soon as it is lowered, in the order
+    of the program's `kernels` (a backend may start building them: cpu/stream_build.py)."""
     slots: dict[int, int] = {}
     buffers: dict[int, BufferSpec] = {}
     kernels: dict = {}
+
+    def add_kernel(kernel, name: str | None = None) -> None:
+        kernels[kernel.name if name is None else name] = kernel
+        if sink is not None:
+            sink(kernel)
     steps: list = []
 
     def new_slot(spec: BufferSpec) -> int:
@@ -49,7 +58,7 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
         batch = batch_launch(graph.body.nodes, index, f"{prefix}{graph.name}", slot, lower_fused)
         if batch is not None:
             kernel, args, covered = batch
-            kernels[kernel.name] = kernel
+            add_kernel(kernel)
             steps.append(Launch(kernel.name, args))
             batched.update(covered)
             if index in batched:
@@ -61,8 +70,8 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
             lowered = lower_fused(node, name)
             if isinstance(lowered, SplitReduction):
                 scratch = tuple(new_slot(BufferSpec(b.dtype, b.shape)) for b in lowered.scratch)
-                kernels[lowered.partial.name] = lowered.partial
-                kernels[lowered.combine.name] = lowered.combine
+                add_kernel(lowered.partial)
+                add_kernel(lowered.combine)
                 steps.append(Launch(lowered.partial.name, ins + scratch))
                 steps.append(Launch(lowered.combine.name, scratch + outs))
             else:
@@ -72,7 +81,7 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
                     shape = tuple(node.results[re].type.shape) + (2,)
                     packed[at] = new_slot(BufferSpec(float32, shape))
                     outs = tuple(packed[at] if k == re else s for k, s in enumerate(outs) if k != im)
-                kernels[name] = lowered
+                add_kernel(lowered, name)
                 steps.append(Launch(name, ins + outs))
         elif index in packed:
             steps.append(View(packed[index], outs[0]))
@@ -84,8 +93,8 @@ def build_program(graph: Graph, prefix: str = "") -> Program:
             bodies = []
             for k, region in enumerate(node.regions):
                 sub = region_graph(region, f"{graph.name}_{node.op}{index}_{k}", graph)
-                body = build_program(sub, prefix=prefix)  # sub.name is unique
-                kernels.update(body.kernels)
+                body = build_program(sub, prefix=prefix, sink=sink)  # sub.name is unique
+                kernels.update(body.kernels)  # fed to the sink already, in this order
                 bodies.append(body)
             steps.append(Control(node.op, ins, outs, tuple(bodies)))
         elif registry.get(node.op).kind == COLLECTIVE:

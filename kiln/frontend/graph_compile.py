@@ -179,11 +179,17 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
         pipeline = graph_pipeline(target)
         optimized = pipeline.run(graph, dump=stages)
         seconds = {r.name: r.seconds for r in pipeline.records}
-        program = build_program(optimized)  # regions were optimized and fused with the graph
+        # an uncacheable program's machine code stored by an earlier process (see _build)
+        ready = _uncacheable_objects(key) if build and key is not None else None
+        # a cold build with a cache entry to make: LLVM may start on the first kernels
+        # while the rest are lowered (cpu/stream_build.py)
+        stream = getattr(target, "stream_build", lambda: None)() \
+            if ready is not None and ready[1] is None and mode == "default" and device is None else None
+        program = build_program(optimized, sink=stream.add if stream is not None else None)
         if not build:
             return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)
         names = list(program.kernels)
-        compiled = _build(target, graph.name, program, names, key, mode)
+        compiled = _build(target, graph.name, program, names, key, mode, stream, ready)
     allocator = target.runtime_allocator()  # None: host memory; opencl: the device's SVM
     if device is not None:
         from kiln.runtime.device_programs import runtime_allocator
@@ -202,7 +208,17 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
     return result
 
 
-def _build(target, name: str, program, names: list, key: str | None, mode: str) -> list:
+def _uncacheable_objects(key: str) -> tuple[str, bytes | None]:
+    """(the key of an uncacheable program's objects, derived from its program key; the
+    object code stored under it, or None)."""
+    from kiln.codegen import artifact_cache
+
+    alone = artifact_cache.content_key("uncacheable program", key)
+    return alone, artifact_cache.load(alone)
+
+
+def _build(target, name: str, program, names: list, key: str | None, mode: str, stream=None,
+           ready: tuple | None = None) -> list:
     """The compiled kernels of `program` (a whole-program cache miss), stored under `key`.
 
     With a key, the program's entry holds its machine code: one entry, no per-kernel keys.
@@ -212,7 +228,9 @@ def _build(target, name: str, program, names: list, key: str | None, mode: str) 
     cannot hold (`uncacheable`) has its objects stored under a key derived from `key`
     (kind `objects`, checked on load as every kernel object), found here by the next
     process. Without a key: the per-kernel-set object cache (a fingerprint of every
-    kernel)."""
+    kernel). `stream`: the backend's build already fed the kernels as they were lowered
+    (its early modules may be compiling); it makes the object code of a key's entry.
+    `ready`: `_uncacheable_objects(key)`, looked up before the lowering."""
     from kiln.codegen import artifact_cache
     from kiln.codegen.build_overlap import Deferred, meanwhile
     from kiln.frontend import program_cache
@@ -225,13 +243,13 @@ def _build(target, name: str, program, names: list, key: str | None, mode: str) 
     else:
         objects = []
         entry = Deferred(lambda: _entry(target, program, kernels))
-        alone = artifact_cache.content_key("uncacheable program", key)
-        cached = load_cached(target, kernels, alone)
+        alone, blob = ready if ready is not None else _uncacheable_objects(key)
+        cached = load_cached(target, kernels, alone, blob) if blob is not None else None
         if cached is not None:
             return cached
     with working(f"kiln: compiling {name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"), \
             meanwhile(*([entry] if entry is not None else [])):
-        compiled = compile_kernels(target, kernels, mode, objects)
+        compiled = compile_kernels(target, kernels, mode, objects, stream)
     if objects:
         text, legal, hints = entry.result()
         if text is not None:

@@ -13,11 +13,13 @@ import functools
 from kiln.errors import KilnError
 
 
-def compile_kernels(target, kernels: list, mode: str = "default", objects: list | None = None) -> list:
+def compile_kernels(target, kernels: list, mode: str = "default", objects: list | None = None,
+                    stream=None) -> list:
     """Callables for `kernels`, from the on-disk artifact cache when it has them.
     With `objects` (a list), the per-kernel-set cache is skipped: the code is built and
     its object code appended to `objects` (the whole-program cache stores it with the
-    program, program_cache.py, so no per-kernel keys are computed).
+    program, program_cache.py, so no per-kernel keys are computed); by `stream` when
+    the backend's streaming build was fed them (cpu/stream_build.py).
 
     max-autotune measures GEMM variants on this machine, so its choices are not cached."""
     if mode == "max-autotune":
@@ -28,7 +30,8 @@ def compile_kernels(target, kernels: list, mode: str = "default", objects: list 
     if not kernels or not target.caches_object_code:
         return target.compile_many(kernels)
     if objects is not None:
-        blob = target.object_code(kernels)
+        blob = stream.finish([target.legalize(k) for k in kernels]) if stream is not None \
+            else target.object_code(kernels)
         objects.append(blob)
         return target.load_object_code(kernels, blob)
     from kiln._version import __version__
@@ -45,13 +48,13 @@ def compile_kernels(target, kernels: list, mode: str = "default", objects: list 
     return target.load_object_code(kernels, blob)
 
 
-def load_cached(target, kernels: list, key: str) -> list | None:
-    """Callables for `kernels` from the object code cached under `key`; None when there
-    is none or it does not load (an entry from an incompatible build: the caller
-    rebuilds it and stores the new code under the same key)."""
+def load_cached(target, kernels: list, key: str, blob: bytes | None = None) -> list | None:
+    """Callables for `kernels` from the object code cached under `key` (`blob`: that
+    code, read already); None when there is none or it does not load (an entry from an
+    incompatible build: the caller rebuilds it and stores the new code under the same key)."""
     from kiln.codegen import artifact_cache
 
-    blob = artifact_cache.load(key)
+    blob = artifact_cache.load(key) if blob is None else blob
     if blob is None:
         return None
     try:

@@ -1,0 +1,104 @@
+"""A cold compile's LLVM build started while the program is still being lowered.
+
+Lowering a fused graph to Kernel IR and emitting each kernel's LLVM IR is single-threaded
+Python (the small GPT training step: ~0.1 s after fusion, sympy's first uses included),
+and the build threads (parallel_build.py) used to start only after the last kernel was
+emitted: one core idle for that long. `StreamingBuild` takes the kernels one by one as
+`build_program` lowers them (its `sink`), legalizes, plans and emits each at once, and
+hands a first module of them to an LLVM thread as soon as they add up to `CHUNK` of
+estimated build cost, and another whenever that thread is done and the lowering still
+runs; `finish` deals the rest over the backend's threads as the plain build does
+(`partition`, LPT on `build_cost`) and waits for all.
+
+What each kernel compiles to does not change: every kernel's functions and helpers stay
+internal to its module, so which module holds a kernel changes where code lies, not what
+it is (as for the plain build's modules). A program smaller than one chunk is built
+exactly as before. `finish` checks that the kernels it was fed are, in order, the
+distinct kernels of the program it is asked for (`_distinct`, which the load repeats):
+otherwise (a caller that fed other kernels) it builds them the plain way.
+
+    stream = backend.stream_build()
+    program = build_program(graph, sink=stream.add)
+    blob = stream.finish([program.kernels[n] for n in program.kernels])
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kiln.codegen import cache_elf
+from kiln.codegen.build_overlap import Deferred, meanwhile
+from kiln.codegen.cpu import jit
+from kiln.codegen.cpu.parallel_build import build_cost, build_objects, partition
+
+# estimated build cost (characters of IR, parallel_build.build_cost) of an early module:
+# ~0.1 s of LLVM here, about what is left of the lowering when the first kernels of a
+# large program are emitted (the GPT step: ~700 K in all, ~1.2 s of LLVM)
+CHUNK = 60_000
+
+
+class StreamingBuild:
+    """Kernels fed one by one (`add`), LLVM started on them early; `finish` -> payload."""
+
+    def __init__(self, backend, prepare=None):
+        self.backend = backend
+        self.prepare = prepare  # Python work to run while LLVM runs (the OpenMP glue)
+        self.first: dict = {}  # a kernel less its name -> its index among the distinct ones
+        self.unique: list = []  # the distinct legalized kernels, as first fed
+        self.parts: list = []  # each one's emitted module (backend._parts)
+        self.costs: list[int] = []
+        self.sent = 0  # parts[:sent] are in started builds
+        self.builds: list = []  # jit.Build of the early modules, in order
+        self.taken: set = set()
+
+    def add(self, kernel) -> None:
+        """Legalize, plan and emit `kernel` (unless it is a twin of one fed before); start
+        an early module when the emitted kernels add up to a chunk and none is running."""
+        from kiln.codegen.cpu.backend import _anonymous
+
+        legal = self.backend.legalize(kernel)
+        key = _anonymous(legal)
+        if key in self.first:
+            return
+        self.first[key] = len(self.unique)
+        self.unique.append(legal)
+        (part,) = self.backend._parts([self.backend._plan(legal, self.taken)])
+        self.parts.append(part)
+        self.costs.append(build_cost(self.backend._joined([part])))
+        if sum(self.costs[self.sent:]) >= CHUNK and not any(b.running() for b in self.builds):
+            end, size = self.sent, 0
+            while end < len(self.parts) and size < CHUNK:
+                size += self.costs[end]
+                end += 1
+            text = self.backend._joined(self.parts[self.sent:end])
+            self.builds.append(jit.Build(text, self.backend.options.opt_level))
+            self.sent = end
+
+    def matches(self, unique: Sequence) -> bool:
+        """Whether `unique` (the program's distinct legalized kernels) is what was fed."""
+        return len(unique) == len(self.unique) and all(a is b or a == b for a, b in zip(unique, self.unique))
+
+    def finish(self, kernels: Sequence) -> bytes:
+        """The object-code payload of `kernels` (legalized): the early modules and the rest
+        dealt over the backend's threads, waited for (bounded), in that order."""
+        from kiln.codegen.cpu.backend import _distinct
+
+        o = self.backend.options
+        unique = _distinct(kernels)[0]
+        glue = (Deferred(self.prepare),) if self.prepare is not None else ()
+        if not self.matches(unique):  # fed something else: the plain build of `kernels`
+            for b in self.builds:  # not left running beside it (bounded wait)
+                try:
+                    b.result()
+                except Exception:  # noqa: BLE001 - its modules are not used
+                    pass
+            return self.backend.build_object_code(kernels)
+        rest = self.parts[self.sent:]
+        with meanwhile(*glue):
+            if not self.builds:  # a program smaller than a chunk: the plain build
+                return build_objects(self.parts, self.backend._joined, o.opt_level, o.threads)
+            size = dict(zip(map(id, rest), self.costs[self.sent:]))
+            groups = partition(rest, lambda p: size[id(p)], o.threads) if rest else []
+            objects = jit.object_codes([self.backend._joined(g) for g in groups], o.opt_level,
+                                       started=self.builds)
+        return cache_elf.pack_objects(objects)

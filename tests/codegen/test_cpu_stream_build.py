@@ -1,0 +1,106 @@
+"""A cold compile's LLVM build started while the program is being lowered
+(cpu/stream_build.py): early modules start on build threads before `build_program`
+returns, the payload holds them and the rest, and the compiled program answers like
+numpy, cold and from the whole-program cache; a stream fed other kernels than the
+program's builds the plain way."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import kiln as kn
+from kiln.codegen import build_program as bp
+from kiln.codegen import cache_elf
+from kiln.codegen.cpu import jit, stream_build
+from kiln.codegen.cpu.backend import CpuBackend, CpuOptions
+from kiln.frontend import program_cache
+from kiln.frontend.graph_compile import compile_graph
+
+from tests.codegen.test_cpu_parallel_build import many_kernels, oracle
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 24)).astype(np.float32)
+    w = rng.standard_normal((24, 32)).astype(np.float32) / 5
+    return x, w
+
+
+@pytest.fixture
+def stats(monkeypatch):
+    for k in program_cache.STATS:
+        monkeypatch.setitem(program_cache.STATS, k, 0)
+    return program_cache.STATS
+
+
+def test_llvm_starts_while_lowering_and_the_program_runs(data, stats, monkeypatch):
+    x, w = data
+    if CpuBackend().options.threads < 2:
+        pytest.skip("one kiln thread on this machine: no build threads to start early")
+    monkeypatch.setattr(stream_build, "CHUNK", 1)  # every kernel is a chunk's worth
+    lowering = threading.Event()
+    real_build_program = bp.build_program
+
+    def watched(*a, **k):
+        lowering.set()
+        try:
+            return real_build_program(*a, **k)
+        finally:
+            lowering.clear()
+
+    import kiln.codegen.build_program as module
+
+    monkeypatch.setattr(module, "build_program", watched)
+    started, payloads = [], []
+    real_init = jit.Build.__init__
+
+    def spy(self, *a, **k):
+        started.append(lowering.is_set())
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(jit.Build, "__init__", spy)
+    real_store = program_cache.store
+    monkeypatch.setattr(program_cache, "store",
+                        lambda key, text, names, blob, *a: payloads.append(blob) or real_store(key, text, names, blob, *a))
+    for got, want in zip(kn.compile(many_kernels)(x, w), oracle(x, w)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+    assert stats["stores"] == 1 and started[0] and sum(started) >= 1
+    parts = cache_elf.unpack_objects(payloads[0])
+    assert len(parts) == len(started) >= 2  # the early modules and the rest, one object each
+    for got, want in zip(kn.compile(many_kernels)(x, w), oracle(x, w)):  # a new compile: the entry
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+    assert stats["hits"] == 1
+
+
+def test_a_small_program_is_built_as_before(data, monkeypatch):
+    """Under one chunk nothing starts early: the payload is the plain build's, byte for byte."""
+    x, w = data
+    monkeypatch.setattr(stream_build, "CHUNK", 10**9)
+    backend = CpuBackend(CpuOptions(threads=2))
+    stream = stream_build.StreamingBuild(backend)
+    program = bp.build_program(compile_graph(kn.trace(many_kernels, x, w), "cpu", build=False).optimized,
+                               sink=stream.add)
+    kernels = [backend.legalize(k) for k in program.kernels.values()]
+    assert stream.builds == [] and len(stream.unique) <= len(kernels)
+    assert stream.finish(kernels) == backend.build_object_code(kernels)
+
+
+def test_a_stream_fed_other_kernels_builds_the_plain_way(data, monkeypatch):
+    x, w = data
+    monkeypatch.setattr(stream_build, "CHUNK", 1)
+    backend = CpuBackend(CpuOptions(threads=2))
+    program = compile_graph(kn.trace(many_kernels, x, w), "cpu", build=False).program
+    kernels = [backend.legalize(k) for k in program.kernels.values()]
+    stream = stream_build.StreamingBuild(backend)
+    for k in kernels[:2]:  # fed only some of them: an early module starts
+        stream.add(k)
+    assert stream.builds and not stream.matches(kernels)
+    blob = stream.finish(kernels)
+    assert blob == backend.build_object_code(kernels)
+    from kiln.runtime.executor import Executable
+
+    compiled = dict(zip(program.kernels, backend.load_object_code(kernels, blob)))
+    for got, want in zip(Executable(program, compiled).run([x, w], {}), oracle(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
