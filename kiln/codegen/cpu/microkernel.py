@@ -9,7 +9,12 @@ miniature, written as LLVM IR with explicit vector types:
 - B is read in place, NR columns of a row as NR/W vector loads, when its columns are
   contiguous and of the accumulator dtype; otherwise (and for the partial last panel)
   it is packed once per batch item a call sees into column panels of NR (k rows of NR
-  contiguous values, zero-padded past n), converted to the accumulator dtype;
+  contiguous values, zero-padded past n), converted to the accumulator dtype: a row
+  at a time by masked vector loads (contiguous columns), W x W blocks transposed in
+  registers (unit k stride: B^T, attention's q @ k^T), masked gathers (other strides),
+  or element by element (low-precision B);
+- a last panel of at most W columns (n = 65: one) gets one vector of accumulators per
+  row instead of NR/W when B is read in place;
 - each outer point is a block of MR rows; for every panel the MR x NR tile accumulates
   in registers, MR * NR / W vector accumulators updated by one fused multiply-add per
   A value (read in place through its strides, broadcast) and B vector per k (12 ymm
@@ -112,8 +117,9 @@ class MicroEmitter(GemmEmitter):
         # packed panels: all of them, or only the partial last one when B is read in place
         first = fn.bin("sdiv", n, const("i64", nr)) if direct else const("i64", 0)
         packed = fn.bin("sub", npanels, first)
+        kpad = self._k_rows(fn, k)
         size = fn.bin("mul", fn.bin("mul", fn.bin("mul", fn.bin("add", packed, one),
-                                                     fn.bin("add", k, one)), const("i64", nr)), esz)
+                                                     fn.bin("add", kpad, one)), const("i64", nr)), esz)
         pack_b = fn.call("malloc", "ptr", [size])
         tile_buf = fn.emit(f"alloca [{mr * nr} x {self.ty}], align 64", "ptr", "tile")
         sb0, sb1 = self._ix(fn, g.b_strides[0]), self._ix(fn, g.b_strides[1])
@@ -135,29 +141,176 @@ class MicroEmitter(GemmEmitter):
         j0 = fn.bin("mul", jp, const("i64", nr))
         cleft = fn.bin("sub", n, j0)
         cols = fn.select(fn.icmp("slt", cleft, const("i64", nr)), cleft, const("i64", nr))
-        packed_base = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), k),
+        packed_base = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), kpad),
                                                      const("i64", nr)))
+        tiled = fn.new_label("tiled")
         if direct:
-            in_place, from_pack, tiled = (fn.new_label(h) for h in ("bdirect", "bpacked", "tiled"))
+            in_place, from_pack = fn.new_label("bdirect"), fn.new_label("bpacked")
             fn.cbr(fn.icmp("slt", jp, first), in_place, from_pack)
             fn.start_block(in_place)
             base = fn.gep(self.ty, self.buffers[g.b][0], fn.bin("add", fn.bin("mul", bi, sb0), j0))
             self._tile(fn, base, sb1, tile_buf, bi, i0, m, k)
             fn.br(tiled)
             fn.start_block(from_pack)
-            self._tile(fn, packed_base, const("i64", nr), tile_buf, bi, i0, m, k)
-            fn.br(tiled)
-            fn.start_block(tiled)
-        else:
-            self._tile(fn, packed_base, const("i64", nr), tile_buf, bi, i0, m, k)
+        # B read in place: the one packed panel is the partial last one, and where it has
+        # at most W columns one vector per row covers it (1 x 512x65x64: 39.0 -> 35.1 us;
+        # with every panel packed, a second tile variant measured no faster)
+        narrow = direct and self._narrow_last()
+        self._tile(fn, packed_base, const("i64", nr), tile_buf, bi, i0, m, k, vectors=1 if narrow else None)
+        fn.br(tiled)
+        fn.start_block(tiled)
         self._epilogue(fn, tile_buf, const("i64", self.nr), bi, i0, rows, j0, cols, m, n)
         panels.end()
         loop.end([bi])
         fn.call("free", "void", [pack_b])
 
+    def _narrow_last(self) -> bool:
+        """Has the product a last panel of at most W valid columns (static n only), which
+        one vector of accumulators per row covers (a vocabulary of 65: 1 column)?"""
+        import sympy
+
+        n = sympy.sympify(self.g.n)
+        return n.is_Integer and self.nr > self.w and 0 < int(n) % self.nr <= self.w
+
     def _pack_b(self, fn, dst, bi, k, n, first, npanels) -> None:
-        """dst[((jp - first) * k + kk) * NR + jj] = B[bi, kk, jp * NR + jj] for the panels
-        first <= jp < npanels, 0 past n."""
+        """dst[((jp - first) * K + kk) * NR + jj] = B[bi, kk, jp * NR + jj] for the panels
+        first <= jp < npanels, 0 past n (K: `_k_rows`). Operands of the accumulator dtype
+        move a vector at a time: a masked load per row for unit column strides, W x W
+        blocks transposed in registers for a unit k stride (`_pack_b_transposed`), a
+        masked gather otherwise; low-precision ones convert element by element."""
+        import sympy
+
+        if self.buffers[self.g.b][1].dtype != self.acc:
+            return self._pack_b_scalar(fn, dst, bi, k, n, first, npanels)
+        nr, w, vty = self.nr, self.w, self.vty
+        c = lambda v: const("i64", v)  # noqa: E731
+        s0, s1, s2 = (self._ix(fn, s) for s in self.g.b_strides)
+        unit = sympy.sympify(self.g.b_strides[2]) == 1
+        if self._transposes():
+            return self._pack_b_transposed(fn, dst, bi, k, n, first, npanels)
+        ivty, mty, pty = f"<{w} x i64>", f"<{w} x i1>", f"<{w} x ptr>"
+        lanes = "<" + ", ".join(f"i64 {i}" for i in range(w)) + ">"
+        sfx = f"v{w}{'f64' if self.esize == 8 else 'f32'}"
+        if unit:
+            intr = f"llvm.masked.load.{sfx}.p0"
+            self.module.declare(intr, f"declare {vty} @{intr}(ptr, i32 immarg, {mty}, {vty})")
+        else:
+            intr = f"llvm.masked.gather.{sfx}.v{w}p0"
+            self.module.declare(intr, f"declare {vty} @{intr}({pty}, i32 immarg, {mty}, {vty})")
+        jl = CountedLoop(fn, first, npanels, vectorize=False)
+        jp, _ = jl.begin()
+        j0 = fn.bin("mul", jp, c(nr))
+        base = fn.bin("add", fn.bin("mul", bi, s0), fn.bin("mul", j0, s2))
+        out = fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), self._k_rows(fn, k)), c(nr))
+        left = fn.bin("sub", n, j0)  # valid columns of this panel (>= NR: all)
+        masks, offsets = [], []
+        for v in range(nv := nr // w):
+            ins = fn.emit(f"insertelement {ivty} poison, i64 {fn.bin('sub', left, c(v * w)).ref}, i64 0", ivty)
+            splat = fn.emit(f"shufflevector {ivty} {ins.ref}, {ivty} poison, <{w} x i32> zeroinitializer", ivty)
+            masks.append(fn.emit(f"icmp sgt {ivty} {splat.ref}, {lanes}", mty))
+            if not unit:  # lane jj of vector v reads column j0 + v * W + jj
+                sins = fn.emit(f"insertelement {ivty} poison, i64 {s2.ref}, i64 0", ivty)
+                ssplat = fn.emit(f"shufflevector {ivty} {sins.ref}, {ivty} poison, <{w} x i32> zeroinitializer",
+                                 ivty)
+                cols = fn.emit(f"add {ivty} {lanes}, " + "<" + ", ".join([f"i64 {v * w}"] * w) + ">", ivty)
+                offsets.append(fn.emit(f"mul {ivty} {cols.ref}, {ssplat.ref}", ivty))
+        kl = CountedLoop(fn, c(0), k, vectorize=False)
+        kk, _ = kl.begin()
+        row = fn.gep(self.ty, self.buffers[self.g.b][0], fn.bin("add", base, fn.bin("mul", kk, s1)))
+        at = fn.bin("add", out, fn.bin("mul", kk, c(nr)))
+        for v in range(nv):
+            if unit:
+                src = fn.gep(self.ty, row, c(v * w))
+                value = fn.emit(f"call {vty} @{intr}(ptr {src.ref}, i32 {self.esize}, {mty} {masks[v].ref}, "
+                                f"{vty} zeroinitializer)", vty)
+            else:
+                ptrs = fn.emit(f"getelementptr {self.ty}, ptr {row.ref}, {ivty} {offsets[v].ref}", pty)
+                value = fn.emit(f"call {vty} @{intr}({pty} {ptrs.ref}, i32 {self.esize}, {mty} {masks[v].ref}, "
+                                f"{vty} zeroinitializer)", vty)
+            fn.store(value, fn.gep(self.ty, dst, fn.bin("add", at, c(v * w))), self.esize)
+        kl.end()
+        jl.end()
+
+    def _transposes(self) -> bool:
+        """Is B^T packed by in-register transposes: a unit k stride, the accumulator
+        dtype, and a batch (its items pack B once each, so packing is a large part of a
+        small product: attention's 64 x 32x32x16 q @ k^T 22.0 -> 19.8 us with them, 21.6
+        with gathers). A single product packs B once per call and gathers (the same
+        speed, and ~3 ms less LLVM time per kernel than the transposes' shuffles)."""
+        import sympy
+
+        g = self.g
+        return (sympy.sympify(g.b_strides[2]) != 1 and sympy.sympify(g.b_strides[1]) == 1
+                and self.buffers[g.b][1].dtype == self.acc and sympy.sympify(g.batch) != 1)
+
+    def _k_rows(self, fn, k):
+        """Rows per packed panel: k, rounded up to W where B^T is packed by W x W blocks."""
+        if self._transposes():
+            w = const("i64", self.w)
+            return fn.bin("mul", fn.bin("sdiv", fn.bin("add", k, const("i64", self.w - 1)), w), w)
+        return k
+
+    def _pack_b_transposed(self, fn, dst, bi, k, n, first, npanels) -> None:
+        """`_pack_b` for a unit k stride (B^T: attention's q @ k^T, x @ w.T): W columns of
+        W k values each are W masked vector loads, transposed in registers (log2 W rounds
+        of two-source shuffles) into W rows of the panel. Panels hold k rounded up to W
+        rows (the tile never reads past k)."""
+        nr, w, vty = self.nr, self.w, self.vty
+        c = lambda v: const("i64", v)  # noqa: E731
+        s0, s2 = self._ix(fn, self.g.b_strides[0]), self._ix(fn, self.g.b_strides[2])
+        ivty, mty = f"<{w} x i64>", f"<{w} x i1>"
+        lanes = "<" + ", ".join(f"i64 {i}" for i in range(w)) + ">"
+        intr = f"llvm.masked.load.v{w}{'f64' if self.esize == 8 else 'f32'}.p0"
+        self.module.declare(intr, f"declare {vty} @{intr}(ptr, i32 immarg, {mty}, {vty})")
+        kpad = self._k_rows(fn, k)
+        jl = CountedLoop(fn, first, npanels, vectorize=False)
+        jp, _ = jl.begin()
+        j0 = fn.bin("mul", jp, c(nr))
+        cols = fn.bin("sub", n, j0)
+        out = fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), kpad), c(nr))
+        kl = CountedLoop(fn, c(0), fn.bin("sdiv", kpad, c(w)), vectorize=False)
+        kb, _ = kl.begin()
+        k0 = fn.bin("mul", kb, c(w))
+        ins = fn.emit(f"insertelement {ivty} poison, i64 {fn.bin('sub', k, k0).ref}, i64 0", ivty)
+        kleft = fn.emit(f"shufflevector {ivty} {ins.ref}, {ivty} poison, <{w} x i32> zeroinitializer", ivty)
+        kmask = fn.emit(f"icmp sgt {ivty} {kleft.ref}, {lanes}", mty)
+        none = "zeroinitializer"
+        vl = CountedLoop(fn, c(0), c(nr // w), vectorize=False, unroll_nested=False)  # W-column blocks
+        v, _ = vl.begin()
+        vl.marks = (vl.marks[0] - 1, vl.marks[1])  # kept rolled: one transpose's code, not NR/W
+        vw = fn.bin("mul", v, c(w))
+        rows = []
+        for jj in range(w):  # column j0 + v W + jj: k values k0 .. k0 + W
+            col = fn.bin("add", vw, c(jj))
+            j = fn.bin("add", j0, col)
+            src = fn.gep(self.ty, self.buffers[self.g.b][0],
+                         fn.bin("add", fn.bin("add", fn.bin("mul", bi, s0), fn.bin("mul", j, s2)), k0))
+            inside = fn.icmp("slt", col, cols)
+            mask = fn.emit(f"select i1 {inside.ref}, {mty} {kmask.ref}, {mty} {none}", mty)
+            rows.append(fn.emit(f"call {vty} @{intr}(ptr {src.ref}, i32 {self.esize}, {mty} {mask.ref}, "
+                                f"{vty} zeroinitializer)", vty))
+        d = 1
+        while d < w:  # swap bit d of (row, lane): after every bit, rows[kk][jj] = B(k0 + kk, jj)
+            for i in range(w):
+                if i & d:
+                    continue
+                lo = [x if not x & d else w + x - d for x in range(w)]
+                hi = [x + d if not x & d else w + x for x in range(w)]
+                a, b = rows[i], rows[i + d]
+                rows[i] = fn.emit(f"shufflevector {vty} {a.ref}, {vty} {b.ref}, <{w} x i32> <"
+                                  + ", ".join(f"i32 {x}" for x in lo) + ">", vty)
+                rows[i + d] = fn.emit(f"shufflevector {vty} {a.ref}, {vty} {b.ref}, <{w} x i32> <"
+                                      + ", ".join(f"i32 {x}" for x in hi) + ">", vty)
+            d *= 2
+        for kk in range(w):
+            at = fn.bin("add", out, fn.bin("add", fn.bin("mul", fn.bin("add", k0, c(kk)), c(nr)), vw))
+            fn.store(rows[kk], fn.gep(self.ty, dst, at), self.esize)
+        vl.end()
+        kl.end()
+        jl.end()
+
+    def _pack_b_scalar(self, fn, dst, bi, k, n, first, npanels) -> None:
+        """`_pack_b` element by element, converting each to the accumulator dtype."""
         nr = self.nr
         s0, s1, s2 = (self._ix(fn, s) for s in self.g.b_strides)
         j_lo = fn.bin("mul", first, const("i64", nr))
@@ -185,13 +338,14 @@ class MicroEmitter(GemmEmitter):
         jl.end()
         kl.end()
 
-    def _tile(self, fn, b_base, b_row, tile_buf, bi, i0, m, k) -> None:
+    def _tile(self, fn, b_base, b_row, tile_buf, bi, i0, m, k, vectors: int | None = None) -> None:
         """tile[ii * NR + jj] = sum_kk A[bi, i0 + ii, kk] * B(kk, jj) with B's vector v of
         row kk at b_base + kk * b_row + v * W: MR x NR/W vector accumulators carried
-        through the k loop. A is read in place (rows past m repeat row m - 1; the epilogue
-        never stores them)."""
+        through the k loop (`vectors`: only the first that many of the NR/W, for a narrow
+        last panel). A is read in place (rows past m repeat row m - 1; the epilogue never
+        stores them)."""
         mr, nr, w, vty = self.mr, self.nr, self.w, self.vty
-        nv = nr // w
+        nv = vectors or nr // w
         sa0, sa1, sa2 = (self._ix(fn, s) for s in self.g.a_strides)
         last = fn.bin("sub", m, const("i64", 1))
         a_rows = []
