@@ -1,11 +1,11 @@
 """kiln's GEMM micro-kernel: how B reaches the register tile, against numpy (float64).
 
 A batch's B^T (unit k stride: attention's q @ k^T) is packed by W x W blocks transposed
-in registers, a single product's B^T (x @ w.T) and other strides by masked gathers, a partial panel of a row-major B by masked
-vector loads, low-precision B element by element; a last panel of at most W columns is
-covered by one vector per row. Each at the host's width and, by forcing the tile, at the
-AVX2 (256-bit) and SSE (128-bit) ones: edges of k and n around W and NR, k = 1 and 0,
-batches, float32/float64, epilogues."""
+in registers, a single product's B^T (x @ w.T) and other strides by masked gathers, a
+partial panel of a row-major B by masked vector loads, a low-precision B element by
+element; a last panel of at most W columns is covered by one vector per row. Each at the
+host's width and, by forcing the tile, at the AVX2 (256-bit) and SSE (128-bit) ones:
+edges of k and n around W and NR, k = 1 and 0, batches, float32/float64, epilogues."""
 
 import numpy as np
 import pytest

@@ -109,7 +109,6 @@ class MicroEmitter(GemmEmitter):
     def _body(self, fn: Fn) -> None:
         g, mr, nr = self.g, self.mr, self.nr
         m, n, k = (self._ix(fn, d) for d in (g.m, g.n, g.k))
-        one = const("i64", 1)
         esz = const("i64", self.esize)
         npanels = fn.bin("sdiv", fn.bin("add", n, const("i64", nr - 1)), const("i64", nr))
         nblocks = fn.bin("sdiv", fn.bin("add", m, const("i64", mr - 1)), const("i64", mr))
@@ -118,9 +117,12 @@ class MicroEmitter(GemmEmitter):
         first = fn.bin("sdiv", n, const("i64", nr)) if direct else const("i64", 0)
         packed = fn.bin("sub", npanels, first)
         kpad = self._k_rows(fn, k)
-        size = fn.bin("mul", fn.bin("mul", fn.bin("mul", fn.bin("add", packed, one),
-                                                     fn.bin("add", kpad, one)), const("i64", nr)), esz)
-        pack_b = fn.call("malloc", "ptr", [size])
+        # (64 bytes when nothing is packed: B read in place, n a multiple of NR)
+        size = fn.bin("add", fn.bin("mul", fn.bin("mul", fn.bin("mul", packed, kpad), const("i64", nr)), esz),
+                      const("i64", 64))
+        raw = fn.call("malloc", "ptr", [size])
+        skew = fn.bin("and", fn.bin("sub", const("i64", 0), fn.cast("ptrtoint", raw, "i64")), const("i64", 63))
+        pack_b = fn.gep("i8", raw, skew)  # 64-byte aligned panels
         tile_buf = fn.emit(f"alloca [{mr * nr} x {self.ty}], align 64", "ptr", "tile")
         sb0, sb1 = self._ix(fn, g.b_strides[0]), self._ix(fn, g.b_strides[1])
         loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), carried=[const("i64", -1)],
@@ -162,7 +164,7 @@ class MicroEmitter(GemmEmitter):
         self._epilogue(fn, tile_buf, const("i64", self.nr), bi, i0, rows, j0, cols, m, n)
         panels.end()
         loop.end([bi])
-        fn.call("free", "void", [pack_b])
+        fn.call("free", "void", [raw])
 
     def _narrow_last(self) -> bool:
         """Has the product a last panel of at most W valid columns (static n only), which
