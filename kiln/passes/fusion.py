@@ -25,6 +25,7 @@ make a cycle is undone. The result is the same graph with each group replaced by
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 import graphlib
@@ -279,21 +280,38 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
             sources[vid] = _source_groups({vid}, owner, analysis)
         return sources[vid]
 
+    upstream: dict[int, list] = {}  # group id -> the groups its reads come from, until the next merge
+
+    def sources_of(h: _Group) -> list:
+        got = upstream.get(id(h))
+        if got is None:
+            got, ids = [], set()
+            for vid in reads[id(h)]:
+                for g in source_groups(vid):
+                    if id(g) not in ids:
+                        ids.add(id(g))
+                        got.append(g)
+            upstream[id(h)] = got
+        return got
+
     def depends(a: _Group, b: _Group, direct_ok: bool = False) -> bool:
         """Does `a` read, through other groups or unfused nodes (a loop, a library call),
-        a value `b` makes? With `direct_ok`, `a` reading `b`'s buffer itself does not count."""
+        a value `b` makes? With `direct_ok`, `a` reading `b`'s buffer itself does not count.
+        (A walk over the groups each group reads from, kept until the next merge: the
+        ~700 questions of a training step's plan walk the same few hundred lists.)"""
+        if direct_ok:
+            first = [g for vid in reads[id(a)] if owner.get(vid) is not b for g in source_groups(vid)]
+        else:
+            first = sources_of(a)
         stack, seen = [a], {id(a)}
         while stack:
             current = stack.pop()
-            for vid in reads[id(current)]:
-                if direct_ok and current is a and owner.get(vid) is b:
-                    continue
-                for g in source_groups(vid):
-                    if g is b:
-                        return True
-                    if id(g) not in seen:
-                        seen.add(id(g))
-                        stack.append(g)
+            for g in first if current is a else sources_of(current):
+                if g is b:
+                    return True
+                if id(g) not in seen:
+                    seen.add(id(g))
+                    stack.append(g)
         return False
 
     def mergeable(h: _Group, g: _Group) -> bool:
@@ -303,10 +321,24 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
             return bool(reads[id(h)] & reads[id(g)]) and not depends(g, h) and not depends(h, g)
         return not depends(g, h, direct_ok=True) and not depends(h, g)
 
+    # only loop groups of one shape can merge: the hosts are looked up by shape (static
+    # shapes by value, symbolic ones always tried), in `out` order as a scan would
     out: list[_Group] = []
+    by_shape: dict[tuple, list] = defaultdict(list)  # static shape -> [(position, host)]
+    symbolic: list = []
     for g in groups:
-        host = next((h for h in out if mergeable(h, g)), None)
+        host = None
+        if g.kind == "loop":
+            shape = g.values[0].shape
+            static = all(isinstance(d, int) for d in shape)
+            found = heapq.merge(by_shape[shape], symbolic) if static else \
+                [(k, h) for k, h in enumerate(out) if h.kind == "loop"]
+            host = next((h for _, h in found if mergeable(h, g)), None)
         if host is None:
+            if g.kind == "loop":
+                shape = g.values[0].shape
+                entry = (len(out), g)
+                (by_shape[shape] if all(isinstance(d, int) for d in shape) else symbolic).append(entry)
             out.append(g)
             continue
         host.values += g.values
@@ -314,7 +346,15 @@ def _merge_horizontal(groups: list[_Group], analysis: _Analysis, mat: set[int]) 
         reads[id(host)] -= {id(v) for v in host.values}
         for v in g.values:
             owner[id(v)] = host
-        sources.clear()
+        # the same ids are owned as before, `g`'s by `host` now: what a value comes from
+        # is what it came from with `g` read as `host` (host's own reads changed: redone)
+        for table in (sources, upstream):
+            for key, found in table.items():
+                if any(x is g for x in found):
+                    found = [host if x is g else x for x in found]
+                    table[key] = found if table is sources else list({id(x): x for x in found}.values())
+        upstream.pop(id(host), None)
+        upstream.pop(id(g), None)
     return out
 
 
@@ -396,23 +436,41 @@ def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Gr
         except graphlib.CycleError as exc:
             cyclic = set(exc.args[1])
         split: list[_Group] = []
+        reads: dict = {}  # what each group reads, shared by this round's splits (`_split`)
         for k, g in enumerate(groups):
-            split.extend(_split(g, analysis, mat, by_group) if k in cyclic else [g])
+            split.extend(_split(g, analysis, mat, by_group, reads) if k in cyclic else [g])
         if len(split) == len(groups):
             raise KilnError("internal: fusion groups depend on each other in a cycle")
         groups = split
 
 
-def _split(g: _Group, analysis: _Analysis, mat: set[int], owner: dict) -> list[_Group]:
+def _split(g: _Group, analysis: _Analysis, mat: set[int], owner: dict,
+           reads: dict | None = None) -> list[_Group]:
     """`g` as two groups: the values that wait (through other groups or unfused nodes)
     on a value of `g`, and the rest, which then run first. Values that only the split
     leaves read from outside their new kernel get buffers."""
     own = {id(v) for v in g.values}
     group_inputs: dict[int, set[int]] = {}  # mat is fixed while splitting: each group once
 
+    shared = {} if reads is None else reads
+
     def inputs_of(h: _Group) -> set[int]:
+        # what `h` reads from outside its kernel, the values it computes inside that a
+        # group owns, and those of `g`'s values it computes inside: its other inner values
+        # lead only back to these (their producers are `h`'s nodes), so walking them finds
+        # nothing more. The part that does not depend on `g` is kept for the other splits
+        # of the round (`reads`, keyed by the group and its node list: a round's `owner`
+        # is fixed, and a changed cone is a new list)
         if id(h) not in group_inputs:
-            group_inputs[id(h)] = {id(o) for n in h.nodes(analysis, mat) for o in n.operands}
+            nodes = h.nodes(analysis, mat)
+            known = shared.get(id(h))
+            if known is None or known[0] is not nodes:
+                made = {id(r) for n in nodes for r in n.results}
+                operands = {id(o) for n in nodes for o in n.operands}
+                known = shared[id(h)] = (nodes, {i for i in operands if i not in made or i in owner},
+                                         operands & made)
+            inner = [i for i in own if i in known[2]]
+            group_inputs[id(h)] = known[1] | set(inner) if inner else known[1]
         return group_inputs[id(h)]
 
     def waits(v: Value) -> bool:
