@@ -1,7 +1,8 @@
 """The first calls of a compiled program, one by one: how many of them the split rule
 (kiln/codegen/cpu/split_rule.py) and the prepared call's whole-run check spend on one
-thread while they measure, for the workloads of bench_cpu.py, this tree against a
-baseline tree (e.g. `git archive <commit> | tar -x -C /tmp/before`).
+thread while they measure, for the workloads of bench_cpu.py and bench_train.py's
+small-GPT step, this tree against a baseline tree (e.g. `git archive <commit> | tar -x
+-C /tmp/before`).
 
     .venv/bin/python benchmarks/bench_split_warmup.py --baseline /tmp/before [--tree /tmp/after] [--rounds 3]
         [--calls 40] [--rows chain,softmax,layer_norm,gemm,mlp,ssq,newton]
@@ -11,7 +12,8 @@ load hits them alike. A process compiles the row's function, makes its first cal
 (compile and load), then times `calls` calls one by one. Per variant and round: the series
 of the first 16 calls (ms), the median of calls 2-10 (what bench_cpu.py's 9 timed calls
 after the first see), the median and minimum of the last 20, and the number of calls
-among the first 10 slower than 1.3x the last 20's median ("slow").
+among the first 10 slower than 1.3x the last 20's median ("slow"), and the number of calls
+that ran a serial trial of the split rule (a launch's, or a prepared call's whole run's).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ROWS = ("chain", "softmax", "layer_norm", "gemm", "mlp", "ssq", "newton")
+ROWS = ("chain", "softmax", "layer_norm", "gemm", "mlp", "ssq", "newton", "gpt")
 
 
 def worker(name: str, calls: int) -> dict:
@@ -37,21 +39,46 @@ def worker(name: str, calls: int) -> dict:
     import bench_cpu
     import kiln as kn
 
-    for key, label, fn, _np_fn, inputs, _bytes, _flops in bench_cpu.workloads(quick=False):
-        if key == name and "call overhead" not in label:
-            break
+    if name == "gpt":  # bench_train.py's small-GPT training step, its state carried
+        import bench_train
+
+        step, params, state, x, y, key = bench_train.kiln_gpt_step()
+        carry = [params, state]
+        label = bench_train.GPT_LABEL
+
+        def fn():
+            carry[0], carry[1], _ = step(carry[0], carry[1], x, y, key)
+
+        inputs = ()
     else:
-        raise SystemExit(f"no row {name!r}")
-    f = kn.compile(fn)
+        for key, label, fn, _np_fn, inputs, _bytes, _flops in bench_cpu.workloads(quick=False):
+            if key == name and "call overhead" not in label:
+                break
+        else:
+            raise SystemExit(f"no row {name!r}")
+    from kiln.codegen.cpu import split_rule
+
+    trials = [0]  # serial trials (a launch's or a whole run's) in the current call
+    real_report = split_rule.Split.report
+
+    def report(self, threads, ns):
+        if self.verdict is None and threads <= 1:
+            trials[0] += 1
+        return real_report(self, threads, ns)
+
+    split_rule.Split.report = report
+    f = fn if name == "gpt" else kn.compile(fn)
     t0 = time.perf_counter()
     f(*inputs)
     first = time.perf_counter() - t0
-    times = []
+    times, serial = [], []
     for _ in range(calls):
+        trials[0] = 0
         t0 = time.perf_counter()
         f(*inputs)
         times.append(time.perf_counter() - t0)
-    return {"label": label, "first": first, "times": times}
+        serial.append(trials[0])
+    return {"label": label, "first": first, "times": times, "serial": serial}
 
 
 def run(tree: str, name: str, calls: int) -> dict:
@@ -69,7 +96,8 @@ def summary(r: dict) -> dict:
     t = [x * 1e3 for x in r["times"]]
     settled = statistics.median(t[-20:])
     return {"series": t[:16], "first9": statistics.median(t[:9]), "settled": settled,
-            "min": min(t), "slow": sum(1 for x in t[:10] if x > 1.3 * settled)}
+            "min": min(t), "slow": sum(1 for x in t[:10] if x > 1.3 * settled),
+            "trials": sum(1 for k in r["serial"] if k)}
 
 
 def main() -> None:
@@ -95,15 +123,17 @@ def main() -> None:
                 results.setdefault((name, label), []).append(summary(run(tree, name, args.calls)))
     loads.append(os.getloadavg()[0])
     print(f"load average at each round's start and the end: {', '.join(f'{x:.2f}' for x in loads)}\n")
-    print("| row | variant | calls 2-10, median ms | last 20, median (min) ms | slow of first 10 |")
-    print("|---|---|---|---|---|")
+    print("| row | variant | calls 2-10, median ms | last 20, median (min) ms | slow of first 10 "
+          "| calls with a serial trial |")
+    print("|---|---|---|---|---|---|")
     for name in names:
         for label, _ in variants:
             rs = results[(name, label)]
             first9 = ", ".join(f"{r['first9']:.2f}" for r in rs)
             settled = ", ".join(f"{r['settled']:.2f} ({r['min']:.2f})" for r in rs)
             slow = ", ".join(str(r["slow"]) for r in rs)
-            print(f"| {name} | {label} | {first9} | {settled} | {slow} |")
+            trials = ", ".join(str(r["trials"]) for r in rs)
+            print(f"| {name} | {label} | {first9} | {settled} | {slow} | {trials} |")
     print("\nper-call series, first 16 calls after the first (ms), round 1:")
     for name in names:
         for label, _ in variants:

@@ -4,6 +4,7 @@ batch 16 x 32 tokens, cross-entropy): kiln compiled against the same step in kil
 mode, torch eager and torch.compile, side by side in one run.
 
     .venv/bin/python benchmarks/bench_train.py [--quick] [--out benchmarks/results/cpu.md]
+        [--only GPT] [--rounds 10] [--baseline /tmp/base]   # kiln on another tree, same run
 
 The kiln step is the one of examples/train_mlp.py: `kn.compile` of a function that calls
 `kn.value_and_grad` of a `functional_call` loss and `AdamW.update`, so forward, backward
@@ -284,13 +285,16 @@ def serve(impl: str, index: int, quick: bool) -> None:
 class Worker:
     """One `serve` process; `ask(line)` sends a command and reads its JSON answer."""
 
-    def __init__(self, impl: str, index: int, quick: bool):
+    def __init__(self, impl: str, index: int, quick: bool, baseline: str | None = None):
         import subprocess
 
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--index", str(index)]
+        # "kiln-baseline": kiln's worker with another tree's root first on PYTHONPATH
+        worker = "kiln" if impl == "kiln-baseline" else impl
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(baseline)) if impl == "kiln-baseline" else None
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--index", str(index)]
         self.impl = impl
         self.proc = subprocess.Popen(cmd + (["--quick"] if quick else []), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.info = self._read()
 
     def _read(self):
@@ -320,7 +324,7 @@ class Worker:
 PAUSE_S = 0.2  # between implementations: OpenBLAS's and OpenMP's threads spin a while after work
 
 
-def measure(impls: list[str], index: int, quick: bool) -> dict:
+def measure(impls: list[str], index: int, quick: bool, rounds: int = 0, baseline: str | None = None) -> dict:
     """Every implementation in its own process (their thread pools would fight in one),
     set up one after the other, then timed round-robin: each round runs a few steps of
     each in turn, so the machine's load falls on all of them alike."""
@@ -329,10 +333,10 @@ def measure(impls: list[str], index: int, quick: bool) -> dict:
     try:
         for impl in impls:
             try:
-                workers.append(Worker(impl, index, quick))
+                workers.append(Worker(impl, index, quick, baseline))
             except RuntimeError as exc:
                 row[f"{impl} error"] = str(exc)
-        rounds, per_round = (4, 3) if quick else (10, 3)
+        rounds, per_round = rounds or (4 if quick else 10), 3
         times: dict = {w.impl: [] for w in workers}
         for _ in range(rounds):
             for w in workers:
@@ -341,7 +345,8 @@ def measure(impls: list[str], index: int, quick: bool) -> dict:
         for w in workers:
             for key, value in w.info.items():
                 row[f"{w.impl} {key}" if key != "rel diff" else key] = value
-            name = {"kiln": "kiln compiled", "torch": "torch eager"}.get(w.impl, w.impl)
+            name = {"kiln": "kiln compiled", "torch": "torch eager",
+                    "kiln-baseline": "kiln baseline compiled"}.get(w.impl, w.impl)
             row[name] = float(np.median(times[w.impl]))
             row[f"{name} min"] = float(np.min(times[w.impl]))
             if w.impl == "kiln":
@@ -361,13 +366,16 @@ def main() -> int:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--only", default="", help="run the workloads whose label contains this")
+    parser.add_argument("--rounds", type=int, default=0, help="timed rounds (3 steps each; default 10)")
+    parser.add_argument("--baseline", help="another kiln tree's root: its compiled step timed in the "
+                        "same rounds (e.g. `git archive <commit> | tar -x -C /tmp/base`)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         serve(args.worker, args.index, args.quick)
         return 0
-    impls = ["kiln"]
+    impls = ["kiln"] + (["kiln-baseline"] if args.baseline else [])
     if not args.no_peers:
         try:
             import torch  # noqa: F401
@@ -383,11 +391,16 @@ def main() -> int:
                "flops": gpt_flops(batch) if d_in is None else
                3 * 2 * batch * (d_in * hidden + hidden * hidden + hidden * d_out)}
         row["load"] = os.getloadavg()[0]
-        row.update(measure(impls, index, args.quick))
+        row.update(measure(impls, index, args.quick, args.rounds, args.baseline))
         rows.append(row)
         print(render_row(row), flush=True)
     table = render(rows, args)
     print(table)
+    for r in rows:
+        if "kiln baseline compiled" in r:
+            print(f"{r['workload']}: kiln baseline ({args.baseline}) {r['kiln baseline compiled'] * 1e3:.3f} "
+                  f"ms median, {r['kiln baseline compiled min'] * 1e3:.3f} min; this tree "
+                  f"{r['kiln compiled'] * 1e3:.3f}, {r['kiln compiled min'] * 1e3:.3f}")
     if args.out:
         write_section(args.out, "bench_train", table)
     return 0
