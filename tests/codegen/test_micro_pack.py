@@ -131,8 +131,8 @@ def test_each_layout_takes_its_packer():
     wide = llvm_text(gemm(2, 8, 2 * w * 2 + w + 1, 24))  # last panel of W + 1 columns: both vectors
     mr = microkernel.rows_per_tile()
     fma = f"call <{w} x float> @llvm.fma.v{w}f32("
-    # in place (2 vectors per row) + the packed last panel (1 vector per row, or 2)
-    assert nn.count(fma) == mr * 2 + mr and wide.count(fma) == mr * 2 + mr * 2
+    # full panels (2 vectors per row) + the narrow last one (1 vector per row)
+    assert nn.count(fma) == mr * 2 + mr and wide.count(fma) == mr * 2  # one tile, in place or packed
     half = llvm_text(gemm(2, 8, 19, 24, d=dt.float16, tb=True))
     assert "llvm.masked" not in half
 
@@ -143,3 +143,46 @@ def test_k_not_a_multiple_of_the_transpose_block_keeps_panels_apart():
     w = microkernel.tile(4)[2]
     for k in (1, w - 1, w + 1, 2 * w + 1):
         check(gemm(3, 17, 5 * w + 3, k, tb=True), tb=True)
+
+
+def offset_copy(x: np.ndarray, floats: int) -> np.ndarray:
+    """x copied to memory starting `floats` elements past a 64-byte boundary."""
+    raw = np.empty(x.size + 32, x.dtype)
+    start = (-(raw.ctypes.data % 64) // x.itemsize + floats) % (64 // x.itemsize)
+    out = raw[start:start + x.size].reshape(x.shape)
+    out[...] = x
+    assert out.ctypes.data % 64 == (floats * x.itemsize) % 64
+    return out
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_misaligned_b_rows_repacked_where_many_row_blocks_share_them(width, offset):
+    """B of contiguous columns is read in place where its rows are 64-byte aligned and
+    packed (aligned) where they are not and REPACK_BLOCKS row blocks or more read it; per
+    batch item (an item stride of 7 x 33 floats alternates the items' alignment), with a
+    narrow last panel, and below the row-block bound (read in place, misaligned)."""
+    mr, nr, w = microkernel.tile(4)
+    rows = microkernel.REPACK_BLOCKS * mr
+    rng = np.random.default_rng(offset)
+    for batch, m, n, k in [(1, rows, 2 * nr, 9), (3, rows + 3, nr + 1, 7), (3, rows, 33, 7), (2, mr + 1, nr, 5),
+                           (2, rows, w + 2 * nr, 16)]:
+        a = rng.uniform(-1, 1, (batch, m, k)).astype(np.float32)
+        b = offset_copy(rng.uniform(-1, 1, (batch, k, n)).astype(np.float32), offset)
+        out = np.full((batch, m, n), np.nan, np.float32)
+        compiled(gemm(batch, m, n, k))([a, b, out], {})
+        np.testing.assert_allclose(out, product(a, b, False, False), rtol=1e-5, atol=1e-5)
+
+
+def test_symbolic_rows_decide_the_repack_at_run_time():
+    from tests.codegen.test_cpu_gemm import M
+
+    mr, nr, _ = microkernel.tile(4)
+    g = gemm(2, M, nr + 3, 6, sizes=("M",))
+    assert "ptrtoint" in llvm_text(g)  # the alignment test is emitted
+    for m in (1, mr * microkernel.REPACK_BLOCKS + 5):
+        rng = np.random.default_rng(m)
+        a = rng.uniform(-1, 1, (2, m, 6)).astype(np.float32)
+        b = offset_copy(rng.uniform(-1, 1, (2, 6, nr + 3)).astype(np.float32), 2)
+        out = np.full((2, m, nr + 3), np.nan, np.float32)
+        compiled(g)([a, b, out], {"M": m})
+        np.testing.assert_allclose(out, product(a, b, False, False), rtol=1e-5, atol=1e-5)

@@ -13,6 +13,9 @@ miniature, written as LLVM IR with explicit vector types:
   at a time by masked vector loads (contiguous columns), W x W blocks transposed in
   registers (unit k stride: B^T, attention's q @ k^T), masked gathers (other strides),
   or element by element (low-precision B);
+- a B item read in place whose rows are not 64-byte aligned (numpy's larger arrays start
+  16 bytes past a page) is packed whole instead, aligned, where at least REPACK_BLOCKS
+  row blocks read it (vector loads that split cache lines cost 8-14% there);
 - a last panel of at most W columns (n = 65: one) gets one vector of accumulators per
   row instead of NR/W when B is read in place;
 - each outer point is a block of MR rows; for every panel the MR x NR tile accumulates
@@ -42,6 +45,9 @@ from kiln.ir import dtypes as dt
 
 MR = 6  # rows per register tile (16 vector registers: AVX2)
 MR_AVX512 = 8  # with 32 vector registers
+# a B item whose rows are not 64-byte aligned is packed (aligned) when at least this many
+# row blocks read it; fewer read it in place, vector loads split across cache lines
+REPACK_BLOCKS = 16
 
 
 @lru_cache(maxsize=None)
@@ -106,64 +112,90 @@ class MicroEmitter(GemmEmitter):
         param = self.buffers[self.g.b][1]
         return sympy.sympify(self.g.b_strides[2]) == 1 and param.dtype == self.acc
 
+    def _repacks(self) -> bool:
+        """May a B that could be read in place be packed instead, because its rows are not
+        64-byte aligned (numpy's larger arrays start 16 bytes past a page boundary) and
+        enough row blocks share each packed item (static m >= REPACK_BLOCKS x MR, or
+        symbolic)? One thread, round-robin, us, B 16 bytes off: 512x64x192 79.9 in place,
+        70.3 packed; 128^3 28.9, 27.2; but 16 x 32x64x256 (4 row blocks an item) 120.7,
+        132.8."""
+        import sympy
+
+        m = sympy.sympify(self.g.m)
+        return self._direct_b() and (not m.is_Integer or int(m) >= REPACK_BLOCKS * self.mr)
+
     def _body(self, fn: Fn) -> None:
         g, mr, nr = self.g, self.mr, self.nr
         m, n, k = (self._ix(fn, d) for d in (g.m, g.n, g.k))
-        esz = const("i64", self.esize)
-        npanels = fn.bin("sdiv", fn.bin("add", n, const("i64", nr - 1)), const("i64", nr))
-        nblocks = fn.bin("sdiv", fn.bin("add", m, const("i64", mr - 1)), const("i64", mr))
-        direct = self._direct_b()
+        c = lambda v: const("i64", v)  # noqa: E731
+        esz = c(self.esize)
+        npanels = fn.bin("sdiv", fn.bin("add", n, c(nr - 1)), c(nr))
+        nblocks = fn.bin("sdiv", fn.bin("add", m, c(mr - 1)), c(mr))
+        direct, repacks = self._direct_b(), self._repacks()
         # packed panels: all of them, or only the partial last one when B is read in place
-        first = fn.bin("sdiv", n, const("i64", nr)) if direct else const("i64", 0)
-        packed = fn.bin("sub", npanels, first)
+        # (all of them again for an item whose rows are misaligned, where `repacks`)
+        in_place_panels = fn.bin("sdiv", n, c(nr)) if direct else c(0)
+        packed = fn.bin("sub", npanels, in_place_panels) if direct and not repacks else npanels
         kpad = self._k_rows(fn, k)
         # (64 bytes when nothing is packed: B read in place, n a multiple of NR)
-        size = fn.bin("add", fn.bin("mul", fn.bin("mul", fn.bin("mul", packed, kpad), const("i64", nr)), esz),
-                      const("i64", 64))
+        size = fn.bin("add", fn.bin("mul", fn.bin("mul", fn.bin("mul", packed, kpad), c(nr)), esz), c(64))
         raw = fn.call("malloc", "ptr", [size])
-        skew = fn.bin("and", fn.bin("sub", const("i64", 0), fn.cast("ptrtoint", raw, "i64")), const("i64", 63))
+        skew = fn.bin("and", fn.bin("sub", c(0), fn.cast("ptrtoint", raw, "i64")), c(63))
         pack_b = fn.gep("i8", raw, skew)  # 64-byte aligned panels
         tile_buf = fn.emit(f"alloca [{mr * nr} x {self.ty}], align 64", "ptr", "tile")
         sb0, sb1 = self._ix(fn, g.b_strides[0]), self._ix(fn, g.b_strides[1])
-        loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), carried=[const("i64", -1)],
+        loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), carried=[c(-1), in_place_panels],
                            vectorize=False)
-        p, (last_b,) = loop.begin()
+        p, (last_b, first_before) = loop.begin()
         bi = fn.bin("sdiv", p, nblocks)
-        i0 = fn.bin("mul", fn.bin("srem", p, nblocks), const("i64", mr))
+        i0 = fn.bin("mul", fn.bin("srem", p, nblocks), c(mr))
         left = fn.bin("sub", m, i0)
-        rows = fn.select(fn.icmp("slt", left, const("i64", mr)), left, const("i64", mr))
+        rows = fn.select(fn.icmp("slt", left, c(mr)), left, c(mr))
         pack, after = fn.new_label("packb"), fn.new_label("packed")
+        before = fn.block
         fn.cbr(fn.icmp("ne", bi, last_b), pack, after)
         fn.start_block(pack)
-        self._pack_b(fn, pack_b, bi, k, n, first, npanels)
+        first_item = in_place_panels
+        if repacks:  # this item's rows: aligned, or too few row blocks to repay a copy
+            addr = fn.cast("ptrtoint", fn.gep(self.ty, self.buffers[g.b][0], fn.bin("mul", bi, sb0)), "i64")
+            off = fn.bin("and", fn.bin("or", addr, fn.bin("mul", sb1, esz)), c(63))
+            keep = fn.bin("or", fn.icmp("eq", off, c(0)), fn.icmp("slt", nblocks, c(REPACK_BLOCKS)))
+            first_item = fn.select(keep, in_place_panels, c(0))
+        self._pack_b(fn, pack_b, bi, k, n, first_item, npanels)
+        packed_at = fn.block
         fn.br(after)
         fn.start_block(after)
-        panels = CountedLoop(fn, const("i64", 0), npanels, vectorize=False)
+        first = fn.emit(f"phi i64 [ {first_item.ref}, %{packed_at} ], [ {first_before.ref}, %{before} ]", "i64")
+        panels = CountedLoop(fn, c(0), npanels, vectorize=False)
         jp, _ = panels.begin()
-        j0 = fn.bin("mul", jp, const("i64", nr))
+        j0 = fn.bin("mul", jp, c(nr))
         cleft = fn.bin("sub", n, j0)
-        cols = fn.select(fn.icmp("slt", cleft, const("i64", nr)), cleft, const("i64", nr))
-        packed_base = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), kpad),
-                                                     const("i64", nr)))
+        cols = fn.select(fn.icmp("slt", cleft, c(nr)), cleft, c(nr))
+        packed_base = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), kpad), c(nr)))
         tiled = fn.new_label("tiled")
-        if direct:
-            in_place, from_pack = fn.new_label("bdirect"), fn.new_label("bpacked")
-            fn.cbr(fn.icmp("slt", jp, first), in_place, from_pack)
-            fn.start_block(in_place)
-            base = fn.gep(self.ty, self.buffers[g.b][0], fn.bin("add", fn.bin("mul", bi, sb0), j0))
-            self._tile(fn, base, sb1, tile_buf, bi, i0, m, k)
+        b_base, b_row = packed_base, c(nr)
+        if direct:  # one tile for in-place and packed panels: their base and row stride
+            in_place = fn.icmp("slt", jp, first)
+            at = fn.gep(self.ty, self.buffers[g.b][0], fn.bin("add", fn.bin("mul", bi, sb0), j0))
+            b_base = fn.emit(f"select i1 {in_place.ref}, ptr {at.ref}, ptr {packed_base.ref}", "ptr")
+            b_row = fn.select(in_place, sb1, c(nr))
+        if direct and self._narrow_last():
+            # a partial last panel of at most W columns: one vector per row covers it
+            # (1 x 512x65x64: 39.0 -> 35.1 us)
+            thin, full = fn.new_label("bthin"), fn.new_label("bfull")
+            fn.cbr(fn.icmp("eq", jp, in_place_panels), thin, full)
+            fn.start_block(full)
+            self._tile(fn, b_base, b_row, tile_buf, bi, i0, m, k)
             fn.br(tiled)
-            fn.start_block(from_pack)
-        # B read in place: the one packed panel is the partial last one, and where it has
-        # at most W columns one vector per row covers it (1 x 512x65x64: 39.0 -> 35.1 us;
-        # with every panel packed, a second tile variant measured no faster)
-        narrow = direct and self._narrow_last()
-        self._tile(fn, packed_base, const("i64", nr), tile_buf, bi, i0, m, k, vectors=1 if narrow else None)
+            fn.start_block(thin)
+            self._tile(fn, packed_base, c(nr), tile_buf, bi, i0, m, k, vectors=1)
+        else:
+            self._tile(fn, b_base, b_row, tile_buf, bi, i0, m, k)
         fn.br(tiled)
         fn.start_block(tiled)
-        self._epilogue(fn, tile_buf, const("i64", self.nr), bi, i0, rows, j0, cols, m, n)
+        self._epilogue(fn, tile_buf, c(self.nr), bi, i0, rows, j0, cols, m, n)
         panels.end()
-        loop.end([bi])
+        loop.end([bi, first])
         fn.call("free", "void", [raw])
 
     def _narrow_last(self) -> bool:
@@ -201,6 +233,7 @@ class MicroEmitter(GemmEmitter):
             self.module.declare(intr, f"declare {vty} @{intr}({pty}, i32 immarg, {mty}, {vty})")
         jl = CountedLoop(fn, first, npanels, vectorize=False)
         jp, _ = jl.begin()
+        rolled(jl)
         j0 = fn.bin("mul", jp, c(nr))
         base = fn.bin("add", fn.bin("mul", bi, s0), fn.bin("mul", j0, s2))
         out = fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), self._k_rows(fn, k)), c(nr))
@@ -218,6 +251,7 @@ class MicroEmitter(GemmEmitter):
                 offsets.append(fn.emit(f"mul {ivty} {cols.ref}, {ssplat.ref}", ivty))
         kl = CountedLoop(fn, c(0), k, vectorize=False)
         kk, _ = kl.begin()
+        rolled(kl)
         row = fn.gep(self.ty, self.buffers[self.g.b][0], fn.bin("add", base, fn.bin("mul", kk, s1)))
         at = fn.bin("add", out, fn.bin("mul", kk, c(nr)))
         for v in range(nv):
@@ -267,6 +301,7 @@ class MicroEmitter(GemmEmitter):
         kpad = self._k_rows(fn, k)
         jl = CountedLoop(fn, first, npanels, vectorize=False)
         jp, _ = jl.begin()
+        rolled(jl)
         j0 = fn.bin("mul", jp, c(nr))
         cols = fn.bin("sub", n, j0)
         out = fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), kpad), c(nr))
@@ -277,9 +312,9 @@ class MicroEmitter(GemmEmitter):
         kleft = fn.emit(f"shufflevector {ivty} {ins.ref}, {ivty} poison, <{w} x i32> zeroinitializer", ivty)
         kmask = fn.emit(f"icmp sgt {ivty} {kleft.ref}, {lanes}", mty)
         none = "zeroinitializer"
-        vl = CountedLoop(fn, c(0), c(nr // w), vectorize=False, unroll_nested=False)  # W-column blocks
+        vl = CountedLoop(fn, c(0), c(nr // w), vectorize=False)  # W-column blocks
         v, _ = vl.begin()
-        vl.marks = (vl.marks[0] - 1, vl.marks[1])  # kept rolled: one transpose's code, not NR/W
+        rolled(vl)  # one transpose's code, not NR/W
         vw = fn.bin("mul", v, c(w))
         rows = []
         for jj in range(w):  # column j0 + v W + jj: k values k0 .. k0 + W
@@ -376,6 +411,14 @@ class MicroEmitter(GemmEmitter):
             for v in range(nv):
                 at = const("i64", ii * nr + v * w)
                 fn.store(outs[ii * nv + v], fn.gep(self.ty, tile_buf, at), self.esize)
+
+
+def rolled(loop: CountedLoop) -> None:
+    """Keep a just-begun loop rolled (`llvm.loop.unroll.disable`): a packing loop unrolled
+    copies its vector moves many times over for no speed (CountedLoop disables unrolling
+    only for loops around loops; this marks the loop as one)."""
+    loop.unroll_nested = False
+    loop.marks = (loop.marks[0] - 1, loop.marks[1])
 
 
 def emit_micro_gemm(module: Module, g: GemmKernel, symbol: str) -> None:
