@@ -58,7 +58,21 @@ LABELS = {
     "dx": "dY @ W: 512x1024x1024",
     "dw": "dY^T @ X: 1024x1024x512 (A transposed)",
     "cgemm": "complex64 matmul 512^3",
+    "train": "training step, MLP 512 -> 1024 -> 1024 -> 512, batch 512 (bench_train.py)",
 }
+
+
+def train_step(impl: str):
+    """bench_train.py's large-MLP step (forward, backward, AdamW) for kiln or torch eager."""
+    sys.path.insert(0, HERE)
+    import bench_train
+    import kiln as kn
+
+    model = bench_train.MLP(512, 1024, 512, p=0.1)
+    x, y = kn.randn(512, 512, seed=1), kn.randn(512, 512, seed=2)
+    if impl.startswith("kiln"):
+        return bench_train.setup_kiln(model, x, y)[0]
+    return bench_train.setup_torch(model, x, y, use_compile=False)[0]
 
 
 def kiln_fns(kn):
@@ -101,6 +115,11 @@ def worker(impl: str, keys: list[str]) -> None:
     """Set up `keys` for `impl`, then answer 'KEY CALLS' lines with one JSON line each."""
     fns = {}
     for key in keys:
+        if key == "train":
+            if impl == "BLAS alone":
+                continue
+            fns[key] = train_step(impl)
+            continue
         xs = inputs(key)
         if impl.startswith("kiln"):
             import kiln as kn
@@ -113,9 +132,13 @@ def worker(impl: str, keys: list[str]) -> None:
             import torch
 
             torch.set_num_threads(os.cpu_count() or 1)
-            torch.set_grad_enabled(False)
             ts = [torch.from_numpy(x) for x in xs]
-            fns[key] = (lambda f=torch_fns(torch)[key], ts=ts: f(*ts))
+
+            def call(f=torch_fns(torch)[key], ts=ts):
+                with torch.no_grad():
+                    return f(*ts)
+
+            fns[key] = call
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 0.5:  # settle: caches, kiln's split trials
             fns[key]()
@@ -123,6 +146,9 @@ def worker(impl: str, keys: list[str]) -> None:
     for line in sys.stdin:
         key, calls = line.split()
         calls = int(calls)
+        if key not in fns:
+            print(json.dumps({"wall": float("nan"), "cpu": float("nan")}), flush=True)
+            continue
         c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(calls):
             fns[key]()
@@ -177,7 +203,8 @@ def main() -> int:
     res = {}
     try:
         for key in keys:
-            calls = {i: max(1, min(50, int(0.03 / max(ask(p, key, 1)["wall"], 1e-6)))) for i, p in procs.items()}
+            calls = {i: max(1, min(50, int(0.03 / max(np.nan_to_num(ask(p, key, 1)["wall"], nan=1.0), 1e-6))))
+                     for i, p in procs.items()}
             got = {i: [] for i in impls}
             order = list(impls)
             for _ in range(args.rounds):
@@ -215,9 +242,11 @@ def render(res: dict, impls: list, args, load0: float) -> str:
     out += [head + " | " + " | ".join(r[2] for r in ratios) + " |",
             "|---" * (2 + 2 * len(impls) + len(ratios)) + "|"]
     for key, row in res.items():
-        cells = [f"{row[i]['wall'][0] * 1e3:.2f} ({row[i]['wall'][1] * 1e3:.2f})" for i in impls]
-        cells += [f"{row[i]['cpu'][0] * 1e3:.2f}" for i in impls]
-        cells += [f"{row[a]['wall'][0] / row[b]['wall'][0]:.2f}x ({row[a]['wall'][1] / row[b]['wall'][1]:.2f}x)"
+        cells = ["—" if row[i]["wall"][0] != row[i]["wall"][0] else
+                 f"{row[i]['wall'][0] * 1e3:.2f} ({row[i]['wall'][1] * 1e3:.2f})" for i in impls]
+        cells += ["—" if row[i]["cpu"][0] != row[i]["cpu"][0] else f"{row[i]['cpu'][0] * 1e3:.2f}" for i in impls]
+        cells += ["—" if row[a]["wall"][0] != row[a]["wall"][0] else
+                  f"{row[a]['wall'][0] / row[b]['wall'][0]:.2f}x ({row[a]['wall'][1] / row[b]['wall'][1]:.2f}x)"
                   for a, b, _ in ratios]
         out.append(f"| {LABELS[key]} | {row['load']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
