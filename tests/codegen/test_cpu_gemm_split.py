@@ -165,6 +165,27 @@ def test_split_gemm_packed_operands_and_residual(monkeypatch, two_threads, dtype
 
 
 @skip_if_no_blas
+def test_an_unsplit_bare_product_is_one_call_of_every_row():
+    """Panels of 1024 rows exist for the epilogue's sake: the bare product in place runs
+    its 3 panels of 2100 rows as one BLAS call (no merge limit in its tile loop), an
+    epilogue keeps 1024-row calls; both match numpy."""
+    m, n, k = 2100, 64, 128  # above the micro-kernel's 2^23 multiply-adds
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    bufs = (BufferParam("a", f32, (m, k), IN), BufferParam("b", f32, (k, n), IN), BufferParam("o", f32, (m, n), OUT))
+    be = CpuBackend(CpuOptions(threads=1))
+    for epi, want in ((Acc(f32), a @ b), (Op("max", (Acc(f32), Const(0.0, f32)), f32), np.maximum(a @ b, 0))):
+        g = GemmKernel("whole", bufs, (), "a", "b", "o", 1, m, n, k, (0, k, 1), (0, n, 1), epi)
+        plan = be._plan(g, set())
+        assert plan.blas and plan.panel_rows == 1024 and int(plan.outer_extents[0]) == 3
+        text = be._module_text([plan])
+        assert (str(1 << 40) in text) == isinstance(epi, Acc)
+        out = np.full((m, n), np.nan, np.float32)
+        be._compile_plans([plan])[0]([a, b, out], {})
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+@skip_if_no_blas
 def test_split_gemm_symbolic_rows(monkeypatch, two_threads):
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)

@@ -172,14 +172,19 @@ class GemmEmitter:
         # up to MERGED_ROWS rows, so a thread that runs several (or all) of them packs B
         # once; a lone tile is one call of its own
         single = sympy.sympify(g.batch) == 1
-        group = max(1, MERGED_ROWS // self.mp) if single else 1
-        cap = const("i64", self.mp * group)
         params = {b.name: b for b in g.buffers}
         a_dt, b_dt, out_dt = params[g.a].dtype, params[g.b].dtype, params[g.out].dtype
         a_lay = _layout(g.a_strides, 1, 2) if a_dt == self.acc else None
         b_lay = _layout(g.b_strides, 1, 2) if b_dt == self.acc else None
         reads_out = any(isinstance(x, Load) and x.buffer == g.out for x in walk(g.epilogue))
         direct_c = out_dt == self.acc and not reads_out
+        group = max(1, MERGED_ROWS // self.mp) if single else 1
+        if single and direct_c and a_lay is not None and isinstance(g.epilogue, Acc):
+            # the bare product in place: no epilogue pass wants cache-sized panels and no
+            # scratch is sized by them, so whole rows of tiles are one call however many
+            # (B packed once: 2048^3 on one thread as 1 call, 3% less CPU than 2)
+            group = 1 << 40
+        cap = const("i64", self.mp * min(group, max(1, MERGED_ROWS // self.mp)))
         esz = const("i64", self.esize)
         tmp_a = fn.call("malloc", "ptr", [fn.bin("mul", fn.bin("mul", cap, fn.bin("add", k, const("i64", 1))), esz)]) \
             if a_lay is None else None
