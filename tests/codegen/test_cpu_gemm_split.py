@@ -68,6 +68,13 @@ def test_panel_tiles_split_a_large_product_by_shape():
     assert autotune.panel_tiles_for(2048, 2048, 2048, threads=4) == (1024, 1024)
     # too narrow for one tile per thread either way: row panels of MIN_SPLIT_ROWS
     assert autotune.panel_tiles_for(100, 100, 1 << 20, threads=2) == (autotune.MIN_SPLIT_ROWS, 0)
+    # a symbolic dim (costed at a guess of 256) is never cut finer than unsplit: m keeps
+    # 1024-row panels (not 2 of 128 rows, which a run at m = 8192 would make 64 of), a
+    # static wide n is still cut in columns; a symbolic n is not cut
+    assert autotune.panel_tiles_for(256, 4096, 1024, threads=2, static=(False, True)) == (1024, 2048)
+    assert autotune.panel_tiles_for(256, 100, 1 << 20, threads=2, static=(False, True)) == (1024, 0)
+    assert autotune.panel_tiles_for(1024, 256, 1024, threads=2, static=(True, False)) == (512, 0)
+    assert autotune.panel_tiles_for(256, 256, 1024, threads=2, static=(False, False)) == (1024, 0)
 
 
 @skip_if_no_blas
@@ -192,8 +199,9 @@ def test_split_gemm_symbolic_rows(monkeypatch, two_threads):
     monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)
     M = symbol("M")
     g = big_gemm(M, 192, 160, sizes=("M",))
-    for m in (1, 17, 64, 333):
-        run(g, m, threads=2, seed=m)
+    for m in (1, 17, 64, 333, 2100):  # 1024-row panels x 2 column tiles (n = 192)
+        plan = run(g, m, threads=2, seed=m)
+    assert (plan.panel_rows, plan.panel_cols) == (1024, 96)
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,8 @@ def panel_rows_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1) -> 
     return panel_tiles_for(m, n, k, threads, batch)[0]
 
 
-def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1) -> tuple[int, int]:
+def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1,
+                    static: tuple[bool, bool] = (True, True)) -> tuple[int, int]:
     """(rows, columns) of the tiles a BLAS GEMM runs in; columns 0 means full rows.
 
     Unsplit (one thread, a batch, or a product below SPLIT_MACS): panels of up to 1024
@@ -97,26 +98,35 @@ def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1) ->
     with the least is chosen (columns when n > m: an MLP's 512 x 4096 hidden layer),
     tiles at least MIN_SPLIT_ROWS x MIN_SPLIT_COLS. Measured on 2 threads
     (benchmarks/results/cpu.md, gemm_partition): 4 row panels cost 15-25% more CPU time
-    than 2 tiles, which were within 3-8% of one thread's single call."""
+    than 2 tiles, which were within 3-8% of one thread's single call.
+
+    Tile sizes are constants of the compiled code, so a symbolic dim (`static` is for m
+    and n) is never cut finer than unsplit: its size is a guess, and tiles sized for the
+    guess would multiply at a larger size (every one re-packing the other operand).
+    With m symbolic its panels keep 1024 rows (those of a large m are the parallelism)
+    and only a static n is cut in columns."""
     rows = min(1024, max(16, m))
     cols = 0
     tiles = threads * CHUNKS_PER_THREAD
     if threads > 1 and batch == 1 and m * n * k >= SPLIT_MACS:
+        if not static[0]:
+            rows = 1024
         best = None
         for r in range(1, tiles + 1):
             if tiles % r:
                 continue
             c = tiles // r
-            if r > 1 and m < r * MIN_SPLIT_ROWS or c > 1 and n < c * MIN_SPLIT_COLS:
+            if r > 1 and (m < r * MIN_SPLIT_ROWS or not static[0]) \
+                    or c > 1 and (n < c * MIN_SPLIT_COLS or not static[1]):
                 continue
             packed = r * k * n + c * m * k
             if best is None or packed < best[0]:
                 best = (packed, r, c)
         if best is None:  # too narrow for a full grid: row panels of MIN_SPLIT_ROWS
-            rows = min(rows, MIN_SPLIT_ROWS)
+            rows = min(rows, MIN_SPLIT_ROWS) if static[0] else rows
         else:
             _, r, c = best
-            rows = min(rows, -(-m // r))
+            rows = min(rows, -(-m // r)) if static[0] else rows
             if c > 1:
                 cols = -(-(-(-n // c)) // 16) * 16
     return -(-rows // 16) * 16, cols
@@ -130,7 +140,8 @@ def choose_gemm(g: GemmKernel, assumed_dim: int = 256, blas_available: bool | No
     batch, m, n, k = (_static(d, assumed_dim) for d in (g.batch, g.m, g.n, g.k))
     esize = 8 if any(b.dtype.bits == 64 for b in g.buffers if b.name == g.a) else 4
     static_batch = sympy.sympify(g.batch).is_Integer
-    rows, cols = panel_tiles_for(m, n, k, threads, batch if static_batch else 2)
+    static = tuple(sympy.sympify(d).is_Integer for d in (g.m, g.n))
+    rows, cols = panel_tiles_for(m, n, k, threads, batch if static_batch else 2, static)
     flops = 2.0 * batch * m * n * k
     panels = batch * max(1, -(-m // rows)) * (max(1, -(-n // cols)) if cols else 1)
     peak = BLAS_FLOPS / (2 if esize == 8 else 1)
