@@ -198,10 +198,10 @@ def test_split_gemm_symbolic_rows(monkeypatch, two_threads):
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
     monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)
     M = symbol("M")
-    g = big_gemm(M, 192, 160, sizes=("M",))
+    g = big_gemm(M, 192, 200, sizes=("M",))  # k = 200: BLAS, not the micro-kernel, at M ~ 256
     for m in (1, 17, 64, 333, 2100):  # 1024-row panels x 2 column tiles (n = 192)
-        plan = run(g, m, threads=2, seed=m)
-    assert (plan.panel_rows, plan.panel_cols) == (1024, 96)
+        plan = run(g, m, threads=2, seed=m, k=200)
+    assert plan.blas and (plan.panel_rows, plan.panel_cols) == (1024, 96)
 
 
 @pytest.fixture(scope="module")
