@@ -353,3 +353,22 @@ def test_the_whole_run_check_runs_only_its_measured_splits_serial(two_threads, m
     assert entered and all(threads == 2 for threads, _ in entered)  # the sure split, always
     assert [loose for _, loose in entered][-3:] == [1, 1, 1]  # the measured one: serial
     assert 1 in [loose for _, loose in entered[:-3]]  # (and in the serial trials)
+
+
+def test_a_split_trial_that_waited_for_a_core_backs_off(two_threads, monkeypatch):
+    """A split trial far slower than the launch's serial one (a time slice's wait for a
+    core): regions run on one thread for a while, so the next trials wait too."""
+    monkeypatch.setattr(threads, "_dynamic", True)
+    monkeypatch.setattr(threads, "others_busy_cpus", lambda: 0.0)
+    monkeypatch.setattr(threads, "_backoff_until", 0.0)
+    s = Split(False, 1, 2)
+    assert s.next() == (1, False)  # the warm-up
+    assert s.next() == (2, True)
+    s.report(2, 60_000)
+    assert s.next() == (1, True)
+    s.report(1, 50_000)
+    assert s.verdict is None and threads.parallel_threads() == 2  # 1.2x: no sign of a wait
+    assert s.next() == (2, True)
+    s.report(2, 2_500_000)  # 50x the serial time, 2.45 ms more
+    assert threads.parallel_threads() == 1 and s.verdict is None
+    assert s.next() == (1, False)  # no trial while regions back off

@@ -28,7 +28,8 @@ warm-up call. A launch that cannot be measured (no CPU idle for `UNTRIED` of its
 runs serial for `RETRY_S`, then is tried again. A split call after the verdict is timed
 too: one `SLOW` times its best split (a thread waited for a core another process took,
 in a burst shorter than the load sampling) makes regions back off to one thread for a
-while (`threads.back_off`). `kiln.runtime.threads.set_split_policy("always" | "never")`
+while (`threads.back_off`), and so does a split trial `SLOW` times the launch's best
+serial one (the other trials wait: a launch that cannot be measured runs serial). `kiln.runtime.threads.set_split_policy("always" | "never")`
 replaces the measurement by the model alone, or by no splits.
 
     >>> s = Split(claim=False, unit=64, max_threads=2)
@@ -189,6 +190,9 @@ class Split:
         if threads > 1:
             self._split.append(ns)
             self._best = ns if self._best is None else min(self._best, ns)
+            serial = min(self._serial) if self._serial else None
+            if serial is not None and ns > SLOW * serial and ns > serial + SLOW_NS:
+                back_off()  # a trial that waited for a core: no more trials for a while
         else:
             self._serial.append(ns)
         if len(self._split) == 1 and len(self._serial) == 1:
