@@ -175,16 +175,17 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
             verify(graph)
         from kiln.codegen.build_program import build_program  # a hit needs no lowering
 
+        # an uncacheable program's machine code stored by an earlier process (see _build)
+        ready = _uncacheable_objects(key) if build and key is not None else None
+        # a cold build with a cache entry to make: LLVM may start on the first kernels
+        # while the rest are lowered, and the backend may ready its native glue on another
+        # thread while the graph passes run (cpu/stream_build.py)
+        stream = getattr(target, "stream_build", lambda: None)() \
+            if ready is not None and ready[1] is None and mode == "default" and device is None else None
         stages = {}
         pipeline = graph_pipeline(target)
         optimized = pipeline.run(graph, dump=stages)
         seconds = {r.name: r.seconds for r in pipeline.records}
-        # an uncacheable program's machine code stored by an earlier process (see _build)
-        ready = _uncacheable_objects(key) if build and key is not None else None
-        # a cold build with a cache entry to make: LLVM may start on the first kernels
-        # while the rest are lowered (cpu/stream_build.py)
-        stream = getattr(target, "stream_build", lambda: None)() \
-            if ready is not None and ready[1] is None and mode == "default" and device is None else None
         program = build_program(optimized, sink=stream.add if stream is not None else None)
         if not build:
             return CompiledGraph(graph, optimized, program, None, make_binder(graph), stages, seconds)

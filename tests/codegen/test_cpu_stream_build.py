@@ -104,3 +104,34 @@ def test_a_stream_fed_other_kernels_builds_the_plain_way(data, monkeypatch):
     compiled = dict(zip(program.kernels, backend.load_object_code(kernels, blob)))
     for got, want in zip(Executable(program, compiled).run([x, w], {}), oracle(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_glue_is_readied_on_its_own_thread_before_the_build(data, monkeypatch):
+    """The stream starts the backend's native glue (native_pool.prepare) on a thread when
+    it is made (a compile makes it before the graph passes); finish() waits for it while
+    LLVM runs. A failing prepare leaves the build and its answers as they are."""
+    x, w = data
+    backend = CpuBackend(CpuOptions(threads=2))
+    program = compile_graph(kn.trace(many_kernels, x, w), "cpu", build=False).program
+    kernels = [backend.legalize(k) for k in program.kernels.values()]
+    from kiln.runtime.executor import Executable
+
+    for fails in (False, True):
+        seen, gate = [], threading.Event()
+
+        def prepare():
+            seen.append(threading.current_thread().name)
+            gate.wait(30)  # held until the kernels are fed: the thread runs beside the caller
+            if fails:
+                raise RuntimeError("no glue here")
+
+        stream = stream_build.StreamingBuild(backend, prepare)
+        for k in kernels:
+            stream.add(k)
+        assert stream.glue.is_alive()
+        gate.set()
+        blob = stream.finish(kernels)
+        assert not stream.glue.is_alive() and seen == ["kiln-glue"]
+        compiled = dict(zip(program.kernels, backend.load_object_code(kernels, blob)))
+        for got, want in zip(Executable(program, compiled).run([x, w], {}), oracle(x, w)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

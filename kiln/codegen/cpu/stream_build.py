@@ -8,7 +8,9 @@ emitted: one core idle for that long. `StreamingBuild` takes the kernels one by 
 hands a first module of them to an LLVM thread as soon as they add up to `CHUNK` of
 estimated build cost, and another whenever that thread is done and the lowering still
 runs; `finish` deals the rest over the backend's threads as the plain build does
-(`partition`, LPT on `build_cost`) and waits for all.
+(`partition`, LPT on `build_cost`) and waits for all. A compile makes the stream before
+its graph passes, and the stream starts the process's split glue (native_pool.prepare,
+~40 ms of LLVM, nearly all native) on a thread at once: the passes leave a core idle.
 
 What each kernel compiles to does not change: every kernel's functions and helpers stay
 internal to its module, so which module holds a kernel changes where code lies, not what
@@ -24,7 +26,8 @@ otherwise (a caller that fed other kernels) it builds them the plain way.
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 from kiln.codegen import cache_elf
 from kiln.codegen.build_overlap import Deferred, meanwhile
@@ -35,6 +38,16 @@ from kiln.codegen.cpu.parallel_build import build_cost, build_objects, partition
 # ~0.1 s of LLVM here, about what is left of the lowering when the first kernels of a
 # large program are emitted (the GPT step: ~700 K in all, ~1.2 s of LLVM)
 CHUNK = 60_000
+GLUE_WAIT_S = 60.0  # the glue thread builds one small module: a bound, never reached
+
+
+def _quietly(prepare: Callable[[], None]) -> None:
+    """`prepare()`, its error dropped: the first split launch builds the glue again and
+    reports it there (as a build_overlap task's unread error would be)."""
+    try:
+        prepare()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 class StreamingBuild:
@@ -42,7 +55,13 @@ class StreamingBuild:
 
     def __init__(self, backend, prepare=None):
         self.backend = backend
-        self.prepare = prepare  # Python work to run while LLVM runs (the OpenMP glue)
+        # the process's split glue (native_pool.prepare: ~40 ms of LLVM at O1, nearly
+        # all of it in native code) is built on a thread of its own from now on: the
+        # stream is made before the graph passes, which leave the other core idle
+        self.glue = threading.Thread(target=_quietly, args=(prepare,), name="kiln-glue") \
+            if prepare is not None else None
+        if self.glue is not None:
+            self.glue.start()
         self.first: dict = {}  # a kernel less its name -> its index among the distinct ones
         self.unique: list = []  # the distinct legalized kernels, as first fed
         self.parts: list = []  # each one's emitted module (backend._parts)
@@ -85,14 +104,16 @@ class StreamingBuild:
 
         o = self.backend.options
         unique = _distinct(kernels)[0]
-        glue = (Deferred(self.prepare),) if self.prepare is not None else ()
+        # the glue's thread, waited for while LLVM runs (a bounded wait)
+        glue = (Deferred(lambda: self.glue.join(GLUE_WAIT_S)),) if self.glue is not None else ()
         if not self.matches(unique):  # fed something else: the plain build of `kernels`
             for b in self.builds:  # not left running beside it (bounded wait)
                 try:
                     b.result()
                 except Exception:  # noqa: BLE001 - its modules are not used
                     pass
-            return self.backend.build_object_code(kernels)
+            with meanwhile(*glue):
+                return self.backend.build_object_code(kernels)
         rest = self.parts[self.sent:]
         with meanwhile(*glue):
             if not self.builds:  # a program smaller than a chunk: the plain build
