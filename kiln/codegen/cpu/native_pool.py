@@ -85,22 +85,8 @@ entry:
   %nt32 = call i32 @omp_get_num_threads()
   %tid = sext i32 %tid32 to i64
   %nt = sext i32 %nt32 to i64
-  %a = add i64 %total, %nt
-  %b = sub i64 %a, 1
-  %per = udiv i64 %b, %nt
-  %am1 = sub i64 %unit, 1
-  %c1 = add i64 %per, %am1
-  %d = udiv i64 %c1, %unit
-  %chunk = mul i64 %d, %unit
-  %lo = mul i64 %tid, %chunk
-  %e = add i64 %lo, %chunk
-  %over = icmp sgt i64 %e, %total
-  %hi = select i1 %over, i64 %total, i64 %e
-  %some = icmp slt i64 %lo, %hi
-  br i1 %some, label %run, label %done
-run:
-  call void %fn(ptr %bufs, ptr %sizes, i64 %lo, i64 %hi)
-  br label %done
+{native_team.cut_ir("%nt")}
+{native_team.range_ir("%tid", "%cut")}
 done:
   ret void
 }}

@@ -70,6 +70,32 @@ def _w(k: int, var: str = "%t") -> str:
     return f"getelementptr i64, ptr {var}, i64 {k}"
 
 
+def cut_ir(parts: str) -> str:
+    """IR lines defining %cut: the length of each of `parts` near-equal chunks of
+    [0, %total), a multiple of %unit (the pool's cut, `compiled.split`)."""
+    return f"""  %cut.a = add i64 %total, {parts}
+  %cut.b = sub i64 %cut.a, 1
+  %cut.per = udiv i64 %cut.b, {parts}
+  %cut.um1 = sub i64 %unit, 1
+  %cut.c = add i64 %cut.per, %cut.um1
+  %cut.d = udiv i64 %cut.c, %unit
+  %cut = mul i64 %cut.d, %unit"""
+
+
+def range_ir(index: str, chunk: str) -> str:
+    """IR lines that call %fn(%bufs, %sizes, lo, hi) on chunk `index` of length `chunk`
+    (clipped to %total; nothing when empty), then branch to %done."""
+    return f"""  %lo = mul i64 {index}, {chunk}
+  %e = add i64 %lo, {chunk}
+  %over = icmp sgt i64 %e, %total
+  %hi = select i1 %over, i64 %total, i64 %e
+  %some = icmp slt i64 %lo, %hi
+  br i1 %some, label %run, label %done
+run:
+  call void %fn(ptr %bufs, ptr %sizes, i64 %lo, i64 %hi)
+  br label %done"""
+
+
 def team_ir() -> str:
     """The team's LLVM IR: `kiln_team_worker`, `kiln_team_for`, `kiln_team_claim`,
     `kiln_team_wake` and `kiln_team_stop`, over the team whose address is in the global
@@ -113,24 +139,10 @@ entry:
   %n = load i64, ptr %pn
   %pm = {_w(MODE)}
   %mode = load i64, ptr %pm
-  %a = add i64 %total, %n
-  %b = sub i64 %a, 1
-  %per = udiv i64 %b, %n
-  %um1 = sub i64 %unit, 1
-  %c = add i64 %per, %um1
-  %d = udiv i64 %c, %unit
-  %cut = mul i64 %d, %unit
+{cut_ir("%n")}
   %claimed = icmp ne i64 %mode, 0
   %chunk = select i1 %claimed, i64 %unit, i64 %cut
-  %lo = mul i64 %i, %chunk
-  %e = add i64 %lo, %chunk
-  %over = icmp sgt i64 %e, %total
-  %hi = select i1 %over, i64 %total, i64 %e
-  %some = icmp slt i64 %lo, %hi
-  br i1 %some, label %run, label %done
-run:
-  call void %fn(ptr %bufs, ptr %sizes, i64 %lo, i64 %hi)
-  br label %done
+{range_ir("%i", "%chunk")}
 done:
   %pd = {_w(DONE)}
   atomicrmw add ptr %pd, i64 1 release
