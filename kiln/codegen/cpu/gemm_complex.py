@@ -33,13 +33,16 @@ ZGEMM = "scipy_cblas_zgemm64_"
 ENTRY = {np.dtype(np.complex64): ("kiln_cgemm_tiles", CGEMM, "float", 8),
          np.dtype(np.complex128): ("kiln_zgemm_tiles", ZGEMM, "double", 16)}
 # sizes[]: m n k lda ldb trans_a trans_b rows cols col_tiles a_batch b_batch (elements)
-N_SIZES = 12
+SIZE_NAMES = ("m", "n", "k", "lda", "ldb", "ta64", "tb64", "mp", "np", "npc", "sa", "sb")
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
 
 def _tile_function(name: str, blas: str, scalar: str, esize: int) -> str:
     """fn(bufs = [a, b, c], sizes, begin, end): tiles [begin, end) of batch x row panels
     x column panels, tile p -> one BLAS call for its block of c (row-major, ldc = n)."""
+    loads = "".join(f"  %p{v} = getelementptr i64, ptr %sizes, i64 {i}\n  %{v} = load i64, ptr %p{v}\n"
+                    for i, v in enumerate(SIZE_NAMES))
+    loads += "  %ta = trunc i64 %ta64 to i32\n  %tb = trunc i64 %tb64 to i32\n"
     return f"""
 @{name}.one = private unnamed_addr constant [2 x {scalar}] [{scalar} 1.0, {scalar} 0.0]
 @{name}.zero = private unnamed_addr constant [2 x {scalar}] zeroinitializer
@@ -52,32 +55,7 @@ entry:
   %pb = load ptr, ptr %bb
   %bc = getelementptr ptr, ptr %bufs, i64 2
   %pc = load ptr, ptr %bc
-  %m = load i64, ptr %sizes
-  %s1 = getelementptr i64, ptr %sizes, i64 1
-  %n = load i64, ptr %s1
-  %s2 = getelementptr i64, ptr %sizes, i64 2
-  %k = load i64, ptr %s2
-  %s3 = getelementptr i64, ptr %sizes, i64 3
-  %lda = load i64, ptr %s3
-  %s4 = getelementptr i64, ptr %sizes, i64 4
-  %ldb = load i64, ptr %s4
-  %s5 = getelementptr i64, ptr %sizes, i64 5
-  %ta64 = load i64, ptr %s5
-  %ta = trunc i64 %ta64 to i32
-  %s6 = getelementptr i64, ptr %sizes, i64 6
-  %tb64 = load i64, ptr %s6
-  %tb = trunc i64 %tb64 to i32
-  %s7 = getelementptr i64, ptr %sizes, i64 7
-  %mp = load i64, ptr %s7
-  %s8 = getelementptr i64, ptr %sizes, i64 8
-  %np = load i64, ptr %s8
-  %s9 = getelementptr i64, ptr %sizes, i64 9
-  %npc = load i64, ptr %s9
-  %s10 = getelementptr i64, ptr %sizes, i64 10
-  %sa = load i64, ptr %s10
-  %s11 = getelementptr i64, ptr %sizes, i64 11
-  %sb = load i64, ptr %s11
-  %mp1 = add i64 %m, %mp
+{loads}  %mp1 = add i64 %m, %mp
   %mp2 = sub i64 %mp1, 1
   %npr = sdiv i64 %mp2, %mp
   %per = mul i64 %npr, %npc
@@ -191,7 +169,7 @@ def blas_matmul(a: np.ndarray, b: np.ndarray, threads: int | None = None) -> np.
     cols = cols or n
     npc = -(-n // cols)
     total = batch * -(-m // rows) * npc
-    sizes = (ctypes.c_int64 * N_SIZES)(m, n, k, la[1], lb[1], CBLAS_TRANS if la[0] else CBLAS_NO_TRANS,
+    sizes = (ctypes.c_int64 * len(SIZE_NAMES))(m, n, k, la[1], lb[1], CBLAS_TRANS if la[0] else CBLAS_NO_TRANS,
                                        CBLAS_TRANS if lb[0] else CBLAS_NO_TRANS, rows, cols, npc,
                                        la[2], lb[2] if b.ndim > 2 else 0)
     bufs = (ctypes.c_void_p * 3)(a.ctypes.data, b.ctypes.data, out.ctypes.data)
