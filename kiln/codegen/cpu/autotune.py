@@ -97,8 +97,8 @@ def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1,
     A rows and B columns it reads, so R x C tiles pack R*k*n + C*m*k elements: the grid
     with the least is chosen (columns when n > m: an MLP's 512 x 4096 hidden layer),
     tiles at least MIN_SPLIT_ROWS x MIN_SPLIT_COLS. Measured on 2 threads
-    (benchmarks/results/cpu.md, gemm_partition): 4 row panels cost 15-25% more CPU time
-    than 2 tiles, which were within 3-8% of one thread's single call.
+    (benchmarks/results/cpu.md, gemm_partition): 4 row panels cost 10-31% more CPU time
+    than one thread's single call, the best 2 tiles 3-8%.
 
     Tile sizes are constants of the compiled code, so a symbolic dim (`static` is for m
     and n) is never cut finer than unsplit: its size is a guess, and tiles sized for the
