@@ -48,6 +48,7 @@ MR_AVX512 = 8  # with 32 vector registers
 # a B item whose rows are not 64-byte aligned is packed (aligned) when at least this many
 # row blocks read it; fewer read it in place, vector loads split across cache lines
 REPACK_BLOCKS = 16
+PREFETCH_ROWS = 8  # the tile's k loop prefetches B this many rows ahead
 
 
 @lru_cache(maxsize=None)
@@ -104,6 +105,7 @@ class MicroEmitter(GemmEmitter):
     def _declare(self, module: Module) -> None:
         self.fma = f"llvm.fma.v{self.w}{'f64' if self.esize == 8 else 'f32'}"
         module.declare(self.fma, f"declare {self.vty} @{self.fma}({self.vty}, {self.vty}, {self.vty})")
+        module.declare("llvm.prefetch.p0", "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
 
     def _direct_b(self) -> bool:
         """B rows can be read as vectors in place: unit column stride, accumulator dtype."""
@@ -397,6 +399,13 @@ class MicroEmitter(GemmEmitter):
         bvecs = [fn.load(vty, fn.gep(self.ty, b_base, fn.bin("add", brow, const("i64", v * w))), self.esize)
                  for v in range(nv)]
         koff = fn.bin("mul", kk, sa2)
+        # B's row PREFETCH_ROWS ahead into L1 (a prefetch past B's end does not fault):
+        # 16 x 32x64x256, B rows 256 bytes apart, 112 -> 104 us; other shapes within 3%
+        ahead = fn.bin("mul", fn.bin("add", kk, const("i64", PREFETCH_ROWS)), b_row)
+        for v in range(nv):  # (no `inbounds`: the address may lie past B)
+            at = fn.bin("add", ahead, const("i64", v * w))
+            where = fn.emit(f"getelementptr {self.ty}, ptr {b_base.ref}, i64 {at.ref}", "ptr")
+            fn.call("llvm.prefetch.p0", "void", [where, const("i32", 0), const("i32", 3), const("i32", 1)])
         new = []
         for ii in range(mr):
             a = self._load_operand(fn, self.g.a, fn.bin("add", a_rows[ii], koff))
