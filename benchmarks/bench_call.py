@@ -5,6 +5,7 @@ prepared call vs its general path vs torch eager).
 
     .venv/bin/python benchmarks/bench_call.py [--quick] [--no-peers] [--torch-compile] [--out FILE]
     .venv/bin/python benchmarks/bench_call.py --gemm-rows    # bench_gemm.py's small rows only
+    .venv/bin/python benchmarks/bench_call.py --micro-rows   # kiln's micro-kernel per thread vs torch
 
 Every implementation of a row is timed round-robin in this one process, in a shuffled
 order per round (a shared machine's load and a library's spinning threads fall on all
@@ -282,7 +283,15 @@ def main() -> int:
     parser.add_argument("--no-train", action="store_true", help="skip the training-step rows")
     parser.add_argument("--gemm-rows", action="store_true",
                         help="only print bench_gemm.py's small rows, measured as it does")
+    parser.add_argument("--micro-rows", action="store_true",
+                        help="only print bench_micro_gemm.py's tables (the micro-kernel per thread)")
     args = parser.parse_args()
+    if args.micro_rows:
+        import bench_micro_gemm
+
+        print("\n".join(bench_micro_gemm.one_thread(60, None)) + "\n")
+        print("\n".join(bench_micro_gemm.two_threads(180)))
+        return 0
     if args.gemm_rows:
         print(gemm_small_rows())
         return 0
