@@ -187,8 +187,8 @@ def gpt_step_kernels(rounds: int, baseline: str) -> list[str]:
         lines.append(f"| {g.batch}, {g.m}, {g.n}, {g.k}, {tuple(g.b_strides)} | {res['baseline'][0]:.1f} "
                      f"({res['baseline'][1]:.1f}) | {res['kiln'][0]:.1f} ({res['kiln'][1]:.1f}) | "
                      f"{res['baseline'][0] / res['kiln'][0]:.2f}x ({res['baseline'][1] / res['kiln'][1]:.2f}x) |")
-    lines.append(f"| sum of medians ({len(kernels)} distinct kernels) | {total['baseline']:.1f} | {total['kiln']:.1f} | "
-                 f"{total['baseline'] / total['kiln']:.2f}x |")
+    lines.append(f"| sum of medians ({len(kernels)} distinct kernels) | {total['baseline']:.1f} | "
+                 f"{total['kiln']:.1f} | {total['baseline'] / total['kiln']:.2f}x |")
     return lines
 
 
