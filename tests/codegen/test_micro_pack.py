@@ -155,22 +155,24 @@ def offset_copy(x: np.ndarray, floats: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("offset", [0, 1, 4])
-def test_misaligned_b_rows_repacked_where_many_row_blocks_share_them(width, offset):
+@pytest.mark.parametrize("offset,d", [(0, dt.float32), (1, dt.float32), (4, dt.float32), (1, dt.float64)])
+def test_misaligned_b_rows_repacked_where_many_row_blocks_share_them(width, offset, d):
     """B of contiguous columns is read in place where its rows are 64-byte aligned and
     packed (aligned) where they are not and REPACK_BLOCKS row blocks or more read it; per
     batch item (an item stride of 7 x 33 floats alternates the items' alignment), with a
     narrow last panel, and below the row-block bound (read in place, misaligned)."""
-    mr, nr, w = microkernel.tile(4)
+    npd = d.np_dtype
+    mr, nr, w = microkernel.tile(np.dtype(npd).itemsize)
     rows = microkernel.REPACK_BLOCKS * mr
     rng = np.random.default_rng(offset)
+    tol = 1e-12 if d == dt.float64 else 1e-5
     for batch, m, n, k in [(1, rows, 2 * nr, 9), (3, rows + 3, nr + 1, 7), (3, rows, 33, 7), (2, mr + 1, nr, 5),
                            (2, rows, w + 2 * nr, 16)]:
-        a = rng.uniform(-1, 1, (batch, m, k)).astype(np.float32)
-        b = offset_copy(rng.uniform(-1, 1, (batch, k, n)).astype(np.float32), offset)
-        out = np.full((batch, m, n), np.nan, np.float32)
-        compiled(gemm(batch, m, n, k))([a, b, out], {})
-        np.testing.assert_allclose(out, product(a, b, False, False), rtol=1e-5, atol=1e-5)
+        a = rng.uniform(-1, 1, (batch, m, k)).astype(npd)
+        b = offset_copy(rng.uniform(-1, 1, (batch, k, n)).astype(npd), offset)
+        out = np.full((batch, m, n), np.nan, npd)
+        compiled(gemm(batch, m, n, k, d=d))([a, b, out], {})
+        np.testing.assert_allclose(out, product(a, b, False, False), rtol=tol, atol=tol)
 
 
 def test_symbolic_rows_decide_the_repack_at_run_time():
