@@ -127,10 +127,8 @@ def test_column_stages_share_loops_where_independent():
     check(k, {}, rtol=1e-4, atol=1e-4)
 
 
-def test_batch_members_have_no_abi_wrappers():
-    """A batch's members are called by its entry only: their `.body` functions are
-    emitted, their exported wrappers (two per member, each unpacking every buffer) are
-    not. The batch still runs like numpy."""
+def _small_batch():
+    """(f, its arguments, the BatchKernel its three small independent kernels share)."""
     import kiln as kn
     from kiln.codegen.build_program import build_program
     from kiln.codegen.kernel_ir import BatchKernel
@@ -144,6 +142,16 @@ def test_batch_members_have_no_abi_wrappers():
     args = [rng.standard_normal(s).astype(np.float32) for s in [(8,), (4, 3), (5,)]]
     program = build_program(batch_kernels(fuse(kn.trace(f, *args))))
     (batch,) = [k for k in program.kernels.values() if isinstance(k, BatchKernel)]
+    return f, args, batch
+
+
+def test_batch_members_have_no_abi_wrappers():
+    """A batch's members are called by its entry only: their `.body` functions are
+    emitted, their exported wrappers (two per member, each unpacking every buffer) are
+    not. The batch still runs like numpy."""
+    import kiln as kn
+
+    f, args, batch = _small_batch()
     text = CpuBackend().stage_text(batch, "llvm")
     defined = re.findall(r"^define (?:internal )?void @([\w.]+)\(", text, re.M)
     members = [d for d in defined if "_m" in d]
@@ -174,20 +182,10 @@ def test_entries_are_built_without_optimization_and_bodies_are_unchanged():
     saves LLVM ~0.8 ms per function. Oracle: the same module with optimized entries gives
     every `.body` byte-identical machine code; the kernels still run like the evaluator."""
     import kiln as kn
-    from kiln.codegen.build_program import build_program
     from kiln.codegen.cpu import jit
     from kiln.codegen.cpu.llvm_emit import WRAPPER_ATTRS
-    from kiln.codegen.kernel_ir import BatchKernel
-    from kiln.passes.batching import batch_kernels
-    from kiln.passes.fusion import fuse
 
-    def f(a, b, c):
-        return kn.exp(a), b.sum(dim=1), kn.tanh(c) * 2
-
-    rng = np.random.default_rng(0)
-    args = [rng.standard_normal(s).astype(np.float32) for s in [(8,), (4, 3), (5,)]]
-    program = build_program(batch_kernels(fuse(kn.trace(f, *args))))
-    (batch,) = [k for k in program.kernels.values() if isinstance(k, BatchKernel)]
+    f, args, batch = _small_batch()
     for kernel in (_rows_kernel(3), batch):
         text = CpuBackend().stage_text(kernel, "llvm")
         entries = re.findall(r"^define void @([\w.]+)\(.*\) (.*) \{$", text, re.M)
