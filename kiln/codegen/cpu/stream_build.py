@@ -67,6 +67,7 @@ class StreamingBuild:
         self.parts: list = []  # each one's emitted module (backend._parts)
         self.costs: list[int] = []
         self.sent = 0  # parts[:sent] are in started builds
+        self.unsent = 0  # the build cost of parts[sent:]
         self.builds: list = []  # jit.Build of the early modules, in order
         self.taken: set = set()
 
@@ -84,14 +85,15 @@ class StreamingBuild:
         (part,) = self.backend._parts([self.backend._plan(legal, self.taken)])
         self.parts.append(part)
         self.costs.append(build_cost(self.backend._joined([part])))
-        if sum(self.costs[self.sent:]) >= CHUNK and not any(b.running() for b in self.builds):
+        self.unsent += self.costs[-1]
+        if self.unsent >= CHUNK and not any(b.running() for b in self.builds):
             end, size = self.sent, 0
             while end < len(self.parts) and size < CHUNK:
                 size += self.costs[end]
                 end += 1
             text = self.backend._joined(self.parts[self.sent:end])
             self.builds.append(jit.Build(text, self.backend.options.opt_level))
-            self.sent = end
+            self.sent, self.unsent = end, self.unsent - size
 
     def matches(self, unique: Sequence) -> bool:
         """Whether `unique` (the program's distinct legalized kernels) is what was fed."""
