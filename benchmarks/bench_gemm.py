@@ -341,8 +341,9 @@ def render(args, table, micro, libs, compile_t, load0) -> str:
              f"- date: {datetime.date.today().isoformat()}; numpy {np.__version__}", "",
              "Milliseconds, median (minimum) over the same repeats, one process, every "
              "implementation called once per round in a shuffled order (round-robin), so the "
-             "machine's load and other libraries' spinning threads fall on all alike. `kiln` and `bare BLAS` run with their default threads (kiln: its pool of "
-             f"{kn.get_num_threads()}, large products split in row panels, one BLAS thread each; numpy: "
+             "machine's load and other libraries' spinning threads fall on all alike. `kiln` and `bare BLAS` "
+             f"run with their default threads (kiln: its pool of {kn.get_num_threads()}, large products split "
+             "in one tile per thread (rows or columns by shape), one BLAS thread each; numpy: "
              "OpenBLAS's own threads), `1t` with one. `bare BLAS` is numpy's OpenBLAS doing the "
              "products alone (no bias, no activation). Ratios: minimum (median); above 1 kiln is "
              "faster. `best peer` is the fastest torch/jax variant against kiln's faster variant.", "",
