@@ -205,3 +205,28 @@ def test_entries_are_built_without_optimization_and_bodies_are_unchanged():
     got = kn.compile(f)(*args)
     for g, want in zip(got, (np.exp(args[0]), args[1].sum(1), np.tanh(args[2]) * 2)):
         np.testing.assert_allclose(g.numpy(), want, rtol=1e-6)
+
+
+def test_micro_gemm_text_is_weighted_in_the_build_cost():
+    """A micro-kernel GEMM's unrolled tile costs LLVM less per character than loop code
+    (the fit in parallel_build): its emitted module carries MICRO_TEXT_WEIGHT, and
+    module_cost weighs its length by it; other kernels' modules weigh 1."""
+    import kiln as kn
+    from kiln.codegen.cpu import parallel_build as pb
+    from kiln.codegen.kernel_ir import GemmKernel
+    from kiln.frontend.graph_compile import compile_graph
+
+    rng = np.random.default_rng(0)
+    x, w = (rng.standard_normal(s).astype(np.float32) for s in [(32, 16), (16, 24)])
+    program = compile_graph(kn.trace(lambda a, b: kn.relu(a @ b) + 1, x, w), "cpu", build=False).program
+    backend = CpuBackend()
+    kernels = [backend.legalize(k) for k in program.kernels.values()]
+    plans = [backend._plan(k, set(), "micro" if isinstance(k, GemmKernel) else None) for k in kernels]
+    assert any(p.micro for p in plans)
+    for plan, module in zip(plans, backend._parts(plans)):
+        text = backend._joined([module])
+        weight = pb.MICRO_TEXT_WEIGHT if plan.micro else 1.0
+        assert module.text_weight == weight
+        assert pb.module_cost(module, backend._joined) == pb.build_cost(text, weight) == \
+            int(len(text) * weight) + pb.CHARS_PER_VECTOR_LOOP * text.count(pb.VECTOR_HINT) + pb.CHARS_PER_KERNEL
+    assert 0 < pb.MICRO_TEXT_WEIGHT < 1

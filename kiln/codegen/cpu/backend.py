@@ -37,7 +37,7 @@ from kiln.codegen.cpu.gemm import check_strides, emit_gemm, gemm_as_kernel
 from kiln.codegen.cpu.ir_builder import Module, join_modules
 from kiln.codegen.cpu.llvm_emit import emit_kernel
 from kiln.codegen.cpu.microkernel import emit_micro_gemm, row_blocks
-from kiln.codegen.cpu.parallel_build import Engines, build_objects
+from kiln.codegen.cpu.parallel_build import MICRO_TEXT_WEIGHT, Engines, build_objects
 from kiln.codegen.cpu.stream_build import StreamingBuild
 from kiln.codegen.cpu import native_pool
 from kiln.codegen.build_overlap import Deferred, meanwhile
@@ -188,6 +188,8 @@ class CpuBackend(Backend):
         for p in plans:
             module = Module(f32_math=self.options.f32_math)
             self._emit(module, p)
+            if p.micro:
+                module.text_weight = MICRO_TEXT_WEIGHT
             parts.append(module)
         return parts
 

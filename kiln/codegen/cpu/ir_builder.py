@@ -58,6 +58,7 @@ class Module:
         self.declarations: dict[str, str] = {}
         self.metadata: list[str] = []
         self.helpers: set[str] = set()  # names of helper functions already defined
+        self.text_weight = 1.0  # LLVM's time per character of it (parallel_build.build_cost)
 
     def declare(self, name: str, signature: str) -> None:
         """`signature` is the full `declare ...` line."""

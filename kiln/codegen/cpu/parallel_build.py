@@ -24,22 +24,31 @@ from kiln.codegen import cache_elf
 # below this much IR a second module does not pay for its thread and its helpers
 MIN_PART_CHARS = 40_000
 
-# LLVM's time on a kernel, in characters of IR text: the text's length, plus this much per
-# loop the vectorizer is asked to widen (its analysis, the vector body, remainder and
+# LLVM's time on a kernel, in characters of IR text: the text's length (weighted: a
+# micro-kernel GEMM's unrolled register tile is cheaper per character), plus this much
+# per loop the vectorizer is asked to widen (its analysis, the vector body, remainder and
 # epilogue, their instruction selection), plus a fixed part per kernel (its functions).
-# Least squares over the GPT training step's 70 kernels, each built alone (O3 + codegen,
-# thread CPU time, 2026-12-02): cost ~ 5 ms + 1.75 ms per 1000 chars + 3.9 ms per
-# vectorized loop, within 35 ms of every kernel. Text length alone put the 14-reduction
-# AdamW kernel (~0.32 s, 69 K chars) at half the cost of a batch (~0.34 s, 174 K chars):
-# one module got 1.6 s and the other 0.7 s of work.
-CHARS_PER_VECTOR_LOOP = 2_200
-CHARS_PER_KERNEL = 3_000
+# Least squares over the GPT training step's 57 distinct kernels, each built alone (O3 +
+# codegen, thread CPU time, 2026-12-02, entries optnone): cost ~ 5.8 ms + 1.17 ms per 1000
+# chars (0.75 ms in a micro-kernel GEMM) + 3.5 ms per vectorized loop, within 32 ms of
+# every kernel. (Text length alone put the 14-reduction AdamW kernel at half the cost of a
+# batch: one module got 1.6 s and the other 0.7 s of work. The earlier fit, 5 ms + 1.75 ms
+# per 1000 chars + 3.9 ms per loop for every kind, left the step's two modules 0.57 and
+# 0.51 s: micro GEMMs counted for more than they cost.)
+CHARS_PER_VECTOR_LOOP = 3_000
+CHARS_PER_KERNEL = 5_000
+MICRO_TEXT_WEIGHT = 0.64  # a micro-kernel GEMM's characters (Module.text_weight)
 VECTOR_HINT = '!"llvm.loop.vectorize.enable", i1 true'
 
 
-def build_cost(text: str) -> int:
+def build_cost(text: str, text_weight: float = 1.0) -> int:
     """Estimated LLVM build time of one kernel's module text, in characters."""
-    return len(text) + CHARS_PER_VECTOR_LOOP * text.count(VECTOR_HINT) + CHARS_PER_KERNEL
+    return int(len(text) * text_weight) + CHARS_PER_VECTOR_LOOP * text.count(VECTOR_HINT) + CHARS_PER_KERNEL
+
+
+def module_cost(module, module_text: Callable[[Sequence], str]) -> int:
+    """`build_cost` of one kernel's emitted module (its `text_weight`, 1 for plain text)."""
+    return build_cost(module_text([module]), getattr(module, "text_weight", 1.0))
 
 
 def partition(plans: Sequence, size: Callable[[object], int], parts: int) -> list[list]:
@@ -64,7 +73,7 @@ def build_objects(plans: Sequence, module_text: Callable[[Sequence], str], opt_l
     holding them; the backend passes kernels already emitted, so that this is a join)."""
     from kiln.codegen.cpu import jit
 
-    groups = partition(plans, lambda p: build_cost(module_text([p])), threads) \
+    groups = partition(plans, lambda p: module_cost(p, module_text), threads) \
         if threads > 1 and len(plans) > 1 else [list(plans)]
     if len(groups) == 1:  # one module: the plain build, in the process's LLVM context
         mod = jit.parse(module_text(plans))

@@ -8,7 +8,8 @@ emitted: one core idle for that long. `StreamingBuild` takes the kernels one by 
 hands a first module of them to an LLVM thread as soon as they add up to `CHUNK` of
 estimated build cost, and another whenever that thread is done and the lowering still
 runs; `finish` deals the rest over the backend's threads as the plain build does
-(`partition`, LPT on `build_cost`) and waits for all. A compile makes the stream before
+(`partition`, LPT on `module_cost`) and waits for all. How many early modules there are,
+and so which module holds a kernel, depends on how fast the lowering runs beside them. A compile makes the stream before
 its graph passes, and the stream starts the process's split glue (native_pool.prepare,
 ~40 ms of LLVM, nearly all native) on a thread at once: the passes leave a core idle.
 
@@ -32,11 +33,13 @@ from typing import Callable, Sequence
 from kiln.codegen import cache_elf
 from kiln.codegen.build_overlap import Deferred, meanwhile
 from kiln.codegen.cpu import jit
-from kiln.codegen.cpu.parallel_build import build_cost, build_objects, partition
+from kiln.codegen.cpu.parallel_build import build_objects, module_cost, partition
 
-# estimated build cost (characters of IR, parallel_build.build_cost) of an early module:
-# ~0.1 s of LLVM here, about what is left of the lowering when the first kernels of a
-# large program are emitted (the GPT step: ~700 K in all, ~1.2 s of LLVM)
+# estimated build cost (characters of IR, parallel_build.module_cost) of an early module:
+# ~0.07 s of LLVM here. The GPT step (~850 K in all, ~1.2 s of LLVM) then starts two while
+# it is lowered, and its two last modules came out 23-35 ms of CPU apart in three runs
+# (at 90 K, one early module of ~0.12 s: 79-96 ms apart; the last-finishing thread runs
+# alone for that long)
 CHUNK = 60_000
 GLUE_WAIT_S = 60.0  # the glue thread builds one small module: a bound, never reached
 
@@ -84,7 +87,7 @@ class StreamingBuild:
         self.unique.append(legal)
         (part,) = self.backend._parts([self.backend._plan(legal, self.taken)])
         self.parts.append(part)
-        self.costs.append(build_cost(self.backend._joined([part])))
+        self.costs.append(module_cost(part, self.backend._joined))
         self.unsent += self.costs[-1]
         if self.unsent >= CHUNK and not any(b.running() for b in self.builds):
             end, size = self.sent, 0
