@@ -218,3 +218,18 @@ def test_swapped_and_damaged_glue_is_refused_and_rebuilt():
     assert_rebuilt(native_pool._IR)
     assert victim()["glue"]["hits"] == 2
 
+
+
+def test_a_miss_builds_outside_llvmlites_lock(monkeypatch):
+    """A miss compiles the glue in an LLVM context of its own, outside llvmlite's
+    process-wide lock (a cold compile builds it beside its LLVM build threads): the
+    locked global-context path is not used, the stored object is byte for byte what
+    that path makes, and it computes."""
+    mod = jit.parse(SUM_IR)
+    jit.optimize(mod, 1)
+    locked = jit.object_code(mod, 1)
+    for name in ("parse", "optimize", "object_code"):
+        monkeypatch.setattr(jit, name, lambda *a, _n=name: pytest.fail(f"jit.{_n} holds llvmlite's lock"))
+    jitted = glue_cache.glue_module(SUM_IR)
+    assert glue_sum(jitted, 3, 4) == 18
+    assert glue_cache._load(glue_cache.entry_key(SUM_IR)) == locked

@@ -62,9 +62,10 @@ def glue_module(text: str, opt_level: int = 1) -> jit.Jitted:
         except (RuntimeError, OSError, ValueError):
             STATS["refused"] += 1  # checked, yet not loadable: rebuilt and replaced below
     STATS["misses"] += 1
-    mod = jit.parse(text)
-    jit.optimize(mod, opt_level)
-    blob = jit.object_code(mod, opt_level)
+    # in an LLVM context and target machine of its own, outside llvmlite's process-wide
+    # lock (the native team's glue: ~35 ms of LLVM): a cold compile builds it on a thread
+    # beside its LLVM build threads, which would otherwise wait for the lock
+    blob = jit._compile_alone(text, opt_level)
     try:
         STATS["stores"] += artifact_cache.store(key, blob, KIND)
     except KilnCacheError:
