@@ -92,7 +92,7 @@ class FastPlan:
     __slots__ = ("_parts", "_outputs", "_returns", "_n_inputs", "_n_objects", "_lock",
                  "_one_blas", "_executable", "_fixed", "_arena", "_arena_key", "_track", "_broken",
                  "_extern_returns", "_sizes", "_pending", "_watch", "_recheck", "_generation",
-                 "_run_split", "__weakref__")
+                 "_run_split", "_sure", "__weakref__")
 
     @classmethod
     def build(cls, executable, sizes: dict) -> "FastPlan | None":
@@ -132,6 +132,7 @@ class FastPlan:
         self._recheck = 0.0
         self._generation = split_epoch()
         self._run_split = None  # the whole run's split state, where its launches split
+        self._sure = False  # does a native run hold a sure split?
         self._parts: list = []  # ("launches", [(fn, args, sizes, total, split)], fills, native) | ("extern", ...)
         self._outputs: list = []  # (object index, shape, dtype, nbytes): allocated per call
         self._track = allocator_for("cpu").track_new
@@ -230,6 +231,7 @@ class FastPlan:
             if part[0] == "launches" and (len(part[1]) > 1 or part[1][0][4] is not None):
                 part[3] = _launch_list(part[1], part[2], self._n_objects)
         natives = [part[3] for part in self._parts if part[0] == "launches" and part[3] is not None]
+        self._sure = any(native[8] for native in natives)
         if any(native[6] for native in natives):
             # each measured split launch won alone, timed while every candidate alternated;
             # the run keeps them only where it measures faster whole with them than without
@@ -323,8 +325,16 @@ class FastPlan:
                 self._lay_out()
                 if self._parts is None:
                     return None
-            if self._run_split is not None:  # sleeping team workers wake while the first
-                native_pool.wake()  # launches run: spinning by the first split region
+            run_split = self._run_split
+            if run_split is not None:  # loose: the measured splits' threads (1: serial)
+                loose, timed = run_split.next()
+                # sure splits: the threads there are, in serial trials too
+                threads = loose if loose > 1 else run_split.cap()
+                if loose > 1 or (threads > 1 and self._sure):  # a split will run: sleeping
+                    native_pool.wake()  # workers wake while the first launches run serial
+            else:
+                threads = loose = 1
+                timed = False
             objects = arrays + [None] * (self._n_objects - self._n_inputs)
             track = self._track
             for k, shape, dtype, nbytes in self._outputs:
@@ -334,14 +344,6 @@ class FastPlan:
                 else:
                     out = self._new_output(shape, dtype, nbytes)
                 objects[k] = out
-            run_split = self._run_split
-            if run_split is not None:  # loose: the measured splits' threads (1: serial)
-                loose, timed = run_split.next()
-                # sure splits: the threads there are, in serial trials too
-                threads = loose if loose > 1 else run_split.cap()
-            else:
-                threads = loose = 1
-                timed = False
             t0 = time.perf_counter_ns() if timed else 0
             if self._one_blas:
                 with blas_single_thread():
@@ -382,7 +384,7 @@ class FastPlan:
                 continue
             _, launches, fills, native = part
             if native is not None:  # one native call runs every launch of the run
-                trampoline, table, n, bound, scratch, used, splits, _ = native
+                trampoline, table, n, bound, scratch, used, splits = native[:7]
                 for k in used:
                     bound[k] = id(objects[k])
                 if splits and native_pool.usable():
@@ -447,7 +449,7 @@ def _typed(g: tuple, objects: list) -> np.ndarray:
 
 def _launch_list(launches: list, fills: list, n_objects: int) -> tuple:
     """(trampoline, list, n, objects, args, used object indexes, any split?, any measured
-    split?): a run of launches in one native call (launch_list.launch_trampoline); the
+    split?, any sure split?): a run of launches in one native call (launch_list.launch_trampoline); the
     list's words, per launch: the `.np` entry's address, the argument count, the sizes'
     address, the loop count, the split function's address (0: serial), its unit, the most
     threads, whether the split is sure, then each argument (an object's address, or
@@ -468,7 +470,8 @@ def _launch_list(launches: list, fills: list, n_objects: int) -> tuple:
     table = (ctypes.c_int64 * len(words))(*words)
     return (launch_trampoline(), table, len(launches), (ctypes.c_void_p * max(1, n_objects))(),
             (ctypes.c_void_p * widest)(), tuple(sorted(used)), any(l[4] is not None for l in launches),
-            any(l[4] is not None and not l[4][3] for l in launches))
+            any(l[4] is not None and not l[4][3] for l in launches),
+            any(l[4] is not None and l[4][3] for l in launches))
 
 
 class _NotApplicable(Exception):

@@ -372,3 +372,21 @@ def test_a_split_trial_that_waited_for_a_core_backs_off(two_threads, monkeypatch
     s.report(2, 2_500_000)  # 50x the serial time, 2.45 ms more
     assert threads.parallel_threads() == 1 and s.verdict is None
     assert s.next() == (1, False)  # no trial while regions back off
+
+
+@needs_gomp
+def test_a_prepared_call_wakes_the_team_only_when_it_splits(two_threads, monkeypatch):
+    """A prepared call with a split launch wakes sleeping workers as it starts, where it
+    will split; at one thread (another process holds the other CPU) it wakes nobody."""
+    wakes = []
+    monkeypatch.setattr(native_pool, "wake", lambda: wakes.append(1))
+    f = _exp_program()
+    x = np.random.default_rng(5).standard_normal(1 << 20).astype(np.float32)  # a sure split
+    for _ in range(4):
+        np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
+    assert split_runs(f) == [True] and wakes
+    wakes.clear()
+    monkeypatch.setattr(split_rule, "parallel_threads", lambda: 1)
+    for _ in range(3):
+        np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
+    assert wakes == []
