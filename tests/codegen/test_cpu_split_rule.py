@@ -131,8 +131,8 @@ def test_a_verdict_is_measured_again_at_another_thread_count_or_after_a_while(tw
     s.report(2, 10_000)
     kn.set_num_threads(3)  # another count: stale, a new warm-up, then trials
     assert not s.decided() and s.next() == (1, False)
-    _measure(s, 100_000, 10_000)
-    assert s.decided()
+    _measure(s, 100_000, 80_000)  # 0.8x: three pairs (a verdict on one pair: below)
+    assert s.decided() and s.verdict is True
     # REMEASURE_S later: measured again only where other processes' load changed since
     now = split_rule.time.monotonic()
     monkeypatch.setattr(split_rule.time, "monotonic", lambda: now + split_rule.REMEASURE_S)
@@ -390,3 +390,27 @@ def test_a_prepared_call_wakes_the_team_only_when_it_splits(two_threads, monkeyp
     for _ in range(3):
         np.testing.assert_allclose(f(kn.tensor(x)).numpy(), _want(x), rtol=2e-6, atol=1e-6)
     assert wakes == []
+
+
+def test_a_verdict_taken_on_one_pair_is_checked_once_more(two_threads, monkeypatch):
+    """A one-pair verdict is measured again after REMEASURE_S even at the same load (one
+    pair, no warm-up call); once a pair repeats it, it is kept while the load stays."""
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: 0.3)
+    clock = [split_rule.time.monotonic()]
+    monkeypatch.setattr(split_rule.time, "monotonic", lambda: clock[0])
+    s = Split(False, 1, 2)
+
+    def pair(split_ns: int, serial_ns: int) -> None:
+        for n in (2, 1):
+            assert s.next() == (n, True)
+            s.report(n, split_ns if n > 1 else serial_ns)
+
+    assert s.next() == (1, False)  # the warm-up
+    pair(50_000, 100_000)  # 0.5x: split on one pair
+    assert s.verdict is True and s.decided()
+    clock[0] += split_rule.REMEASURE_S
+    assert not s.decided()  # same load, but a one-pair verdict: measured again
+    pair(55_000, 100_000)  # no warm-up call; the same verdict: confirmed
+    assert s.verdict is True
+    clock[0] += split_rule.REMEASURE_S
+    assert s.decided() and s.next() == (2, True)  # kept: same load, confirmed

@@ -23,8 +23,9 @@ ms on one core) splits from its first call, unmeasured.
 The verdict is kept per launch (kernel and sizes) until the thread count or the policy
 changes (`epoch()`). After `REMEASURE_S` it is measured again only if the CPU time other
 processes take changed by `LOAD_CHANGE` CPUs or more since it was taken (a verdict
-taken in a quiet minute holds while the machine stays as it was), and then without a
-warm-up call. A launch that cannot be measured (no CPU idle for `UNTRIED` of its calls)
+taken in a quiet minute holds while the machine stays as it was), or if it was taken
+on one pair and not yet confirmed (so a pair a load spike decided is not kept for
+ever), and then without a warm-up call. A launch that cannot be measured (no CPU idle for `UNTRIED` of its calls)
 runs serial for `RETRY_S`, then is tried again. A split call after the verdict is timed
 too: one `SLOW` times its best split (a thread waited for a core another process took,
 in a burst shorter than the load sampling) makes regions back off to one thread for a
@@ -100,16 +101,22 @@ class Split:
     and its verdict (None while measuring, then True or False)."""
 
     __slots__ = ("claim", "unit", "max_threads", "sure", "win", "verdict", "_serial", "_split",
-                 "_warm", "_untried", "_untried_at", "_generation", "_decided_at", "_load_at", "_best")
+                 "_warm", "_untried", "_untried_at", "_generation", "_decided_at", "_load_at", "_best",
+                 "_quick", "_last")
 
     def __init__(self, claim: bool, unit: int, max_threads: int | None, sure: bool = False,
                  win: float = WIN):
         self.claim, self.unit, self.max_threads = claim, max(1, int(unit)), max_threads
         self.sure, self.win = sure, win
+        self._last = None  # the verdict measured before the last reset
+        self._decided_at = None
         self._reset()
 
     def _reset(self, warm: bool = False) -> None:
+        # (measured again at the same count: the verdict a new pair may confirm)
+        self._last = self.verdict if warm and self._decided_at is not None else None
         self.verdict: bool | None = True if self.sure else None
+        self._quick = False  # decided on one pair, not yet confirmed
         self._serial: list[int] = []
         self._split: list[int] = []
         self._best: int | None = None  # the best split time seen (trials and after)
@@ -121,12 +128,13 @@ class Split:
         self._generation = epoch()
 
     def _expired(self) -> bool:
-        """Is a measured verdict over REMEASURE_S old and the load other processes put on
-        the machine changed by LOAD_CHANGE CPUs since? (Old but taken under today's
-        load: kept, for another REMEASURE_S.)"""
+        """Is a measured verdict over REMEASURE_S old and either taken on one pair and not
+        yet confirmed, or the load other processes put on the machine changed by
+        LOAD_CHANGE CPUs since? (Old, confirmed and taken under today's load: kept, for
+        another REMEASURE_S.)"""
         if self._decided_at is None or time.monotonic() - self._decided_at < REMEASURE_S:
             return False
-        if abs(others_busy_cpus() - self._load_at) < LOAD_CHANGE:
+        if not self._quick and abs(others_busy_cpus() - self._load_at) < LOAD_CHANGE:
             self._decided_at = time.monotonic()
             return False
         return True
@@ -195,14 +203,17 @@ class Split:
                 back_off()  # a trial that waited for a core: no more trials for a while
         else:
             self._serial.append(ns)
-        if len(self._split) == 1 and len(self._serial) == 1:
+        quick = len(self._split) == 1 and len(self._serial) == 1
+        if quick:
             verdict = decisive(self._serial[0], self._split[0])
         elif len(self._split) >= TRIALS and len(self._serial) >= TRIALS:
             verdict = min(self._split) < self.win * min(self._serial)
         else:
             return
         if verdict is not None:
-            self.verdict = verdict
+            # one pair's verdict is measured again (one pair) after REMEASURE_S whatever
+            # the load, unless it repeats the verdict measured before
+            self.verdict, self._quick = verdict, quick and self._last is not verdict
             self._decided_at, self._load_at = time.monotonic(), others_busy_cpus()
 
     def decided(self) -> bool:
