@@ -6,8 +6,8 @@ region) takes 0.1-2.5 ms to wake on this project's VMs, and a thread whose core 
 process holds waits a time slice: the region waits for it, whatever the work was. A
 program that alternates with other work (a training loop that also logs, loads data or
 runs another model) finds its threads asleep at every step and pays a wake-up for its
-first regions; bench_train's GPT row measured kiln 0.88x torch by median, 1.03x by
-minimum, for that reason.
+first regions, and on a loaded machine every region waited ~2.2 ms for its second
+thread (benchmarks/results/cpu.md, split_warmup).
 
 Here a region is a set of units claimed from one atomic word, and its caller waits only
 for units that a thread actually claimed:
@@ -37,8 +37,9 @@ False and split launches use GNU OpenMP or kiln's Python pool. A child forked af
 team started has no workers (threads do not survive `fork`): it starts a team of its own
 at its first split.
 
-    >>> team = native_team.team(threads=2)   # the process's team, workers started
-    >>> native_team.entry("kiln_team_for")   # fn(entry, bufs, sizes, total, unit, threads)
+    >>> engine = jit.glue_module(team_ir())
+    >>> team = publish(engine, workers=1)    # the process's team, its worker started
+    >>> engine.address("kiln_team_for")      # fn(entry, bufs, sizes, total, unit, threads)
 """
 
 from __future__ import annotations
