@@ -150,3 +150,16 @@ def test_gnu_openmp_where_the_team_is_off():
     env = dict(os.environ, KILN_NATIVE_TEAM="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_team_grows_with_set_num_threads(kernel):
+    import kiln as kn
+
+    before = kn.get_num_threads()
+    kn.set_num_threads(max(3, before))
+    try:
+        split = native_pool.parallel_for()  # the team grown to kn.get_num_threads() - 1 workers
+        assert len(native_team._state["team"].threads) >= kn.get_num_threads() - 1
+        np.testing.assert_array_equal(_run(kernel, split, 100_003, 64, kn.get_num_threads()), 1)
+    finally:
+        kn.set_num_threads(before)
