@@ -12,7 +12,7 @@ import pytest
 import kiln as kn
 from kiln.codegen import build_program as bp
 from kiln.codegen import cache_elf
-from kiln.codegen.cpu import jit, stream_build
+from kiln.codegen.cpu import jit, parallel_build, stream_build
 from kiln.codegen.cpu.backend import CpuBackend, CpuOptions
 from kiln.frontend import program_cache
 from kiln.frontend.graph_compile import compile_graph
@@ -107,9 +107,11 @@ def test_a_stream_fed_other_kernels_builds_the_plain_way(data, monkeypatch):
 
 
 def test_the_glue_is_readied_on_its_own_thread_before_the_build(data, monkeypatch):
-    """The stream starts the backend's native glue (native_pool.prepare) on a thread when
-    it is made (a compile makes it before the graph passes); finish() waits for it while
-    LLVM runs. A failing prepare leaves the build and its answers as they are."""
+    """For a large graph the stream starts the backend's native glue (native_pool.prepare)
+    on a thread when it is made (a compile makes it before the graph passes); finish()
+    waits for it while LLVM runs. A failing prepare leaves the build and its answers as
+    they are. A small graph's stream starts no thread: the glue is built, as by the plain
+    build, only while a build of several modules runs."""
     x, w = data
     backend = CpuBackend(CpuOptions(threads=2))
     program = compile_graph(kn.trace(many_kernels, x, w), "cpu", build=False).program
@@ -125,7 +127,7 @@ def test_the_glue_is_readied_on_its_own_thread_before_the_build(data, monkeypatc
             if fails:
                 raise RuntimeError("no glue here")
 
-        stream = stream_build.StreamingBuild(backend, prepare)
+        stream = stream_build.StreamingBuild(backend, prepare, graph_nodes=stream_build.GLUE_NODES)
         for k in kernels:
             stream.add(k)
         assert stream.glue.is_alive()
@@ -135,3 +137,13 @@ def test_the_glue_is_readied_on_its_own_thread_before_the_build(data, monkeypatc
         compiled = dict(zip(program.kernels, backend.load_object_code(kernels, blob)))
         for got, want in zip(Executable(program, compiled).run([x, w], {}), oracle(x, w)):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(stream_build, "CHUNK", 10**9)  # no early module: the plain build
+    for parts in (1, 2):
+        monkeypatch.setattr(parallel_build, "MIN_PART_CHARS", 10**9 if parts == 1 else 1)
+        ran = []
+        small = stream_build.StreamingBuild(backend, lambda: ran.append(1), graph_nodes=stream_build.GLUE_NODES - 1)
+        assert small.glue is None
+        for k in kernels:
+            small.add(k)
+        blob = small.finish(kernels)
+        assert len(cache_elf.unpack_objects(blob)) == parts and ran == ([1] if parts > 1 else [])

@@ -273,12 +273,14 @@ class CpuBackend(Backend):
         with meanwhile(*glue):
             return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
 
-    def stream_build(self) -> StreamingBuild | None:
+    def stream_build(self, graph_nodes: int = 0) -> StreamingBuild | None:
         """A build fed kernels as they are lowered, LLVM started on the first ones while
-        the rest are (stream_build.py); None for one thread (nothing to overlap with)."""
+        the rest are (stream_build.py); None for one thread (nothing to overlap with).
+        `graph_nodes`: the traced graph's top-level nodes (a large one has the split glue
+        built on a thread while its graph passes run)."""
         if self.options.threads < 2:
             return None
-        return StreamingBuild(self, native_pool.prepare)
+        return StreamingBuild(self, native_pool.prepare, graph_nodes)
 
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes,
                                hints: tuple | None = None) -> list[CompiledKernel]:

@@ -42,6 +42,9 @@ from kiln.codegen.cpu.parallel_build import build_objects, module_cost, partitio
 # alone for that long)
 CHUNK = 60_000
 GLUE_WAIT_S = 60.0  # the glue thread builds one small module: a bound, never reached
+# top-level nodes of a traced graph from which its graph passes outlast the glue's build
+# (the GPT step: 1128 nodes, ~0.1 s of passes); a smaller program does not pay for it
+GLUE_NODES = 500
 
 
 def _quietly(prepare: Callable[[], None]) -> None:
@@ -56,13 +59,16 @@ def _quietly(prepare: Callable[[], None]) -> None:
 class StreamingBuild:
     """Kernels fed one by one (`add`), LLVM started on them early; `finish` -> payload."""
 
-    def __init__(self, backend, prepare=None):
+    def __init__(self, backend, prepare=None, graph_nodes: int = 0):
         self.backend = backend
+        self.prepare = prepare
         # the process's split glue (native_pool.prepare: ~40 ms of LLVM at O1, nearly
-        # all of it in native code) is built on a thread of its own from now on: the
-        # stream is made before the graph passes, which leave the other core idle
+        # all of it in native code) is built on a thread of its own from now on when the
+        # graph is large (the stream is made before the graph passes, which then leave
+        # the other core idle for longer than the glue takes); otherwise, as in the plain
+        # build, while a build of several modules runs
         self.glue = threading.Thread(target=_quietly, args=(prepare,), name="kiln-glue") \
-            if prepare is not None else None
+            if prepare is not None and graph_nodes >= GLUE_NODES else None
         if self.glue is not None:
             self.glue.start()
         self.first: dict = {}  # a kernel less its name -> its index among the distinct ones
@@ -109,8 +115,9 @@ class StreamingBuild:
 
         o = self.backend.options
         unique = _distinct(kernels)[0]
-        # the glue's thread, waited for while LLVM runs (a bounded wait)
-        glue = (Deferred(lambda: self.glue.join(GLUE_WAIT_S)),) if self.glue is not None else ()
+        # the glue's thread, waited for while LLVM runs (a bounded wait), or the glue built then
+        glue = (Deferred(lambda: self.glue.join(GLUE_WAIT_S)),) if self.glue is not None else \
+            (Deferred(self.prepare),) if self.prepare is not None else ()
         if not self.matches(unique):  # fed something else: the plain build of `kernels`
             for b in self.builds:  # not left running beside it (bounded wait)
                 try:
