@@ -413,23 +413,32 @@ def _order(groups: list[_Group], analysis: _Analysis, mat: set[int]) -> list[_Gr
     group graph and reports one cycle at a time; each group on it is split into the
     values that do not wait on the group and those that do (or, failing that, one group
     per value), until no cycle is left."""
+    # each group's operand ids and the ids its kernel computes, kept while its node list
+    # is the same (a round splits a few groups; the others' cones stay as they were)
+    operands_of: dict[int, tuple] = {}
     while True:
         deps: dict[int, set[int]] = {k: set() for k in range(len(groups))}
         owner = {id(v): k for k, g in enumerate(groups) for v in g.values}
         by_group = {vid: groups[k] for vid, k in owner.items()}
         index = {id(g): k for k, g in enumerate(groups)}
+        sources: dict[int, list] = {}  # this round's groups behind an unfused node's value
         for k, g in enumerate(groups):
             nodes = g.nodes(analysis, mat)
-            made = {id(r) for n in nodes for r in n.results}  # computed inside the kernel
-            for n in nodes:
-                for operand in n.operands:
-                    j = owner.get(id(operand))
-                    if j is not None and j != k and id(operand) in mat:
+            known = operands_of.get(id(g))
+            if known is None or known[0] is not nodes:
+                known = operands_of[id(g)] = (nodes, {id(r) for n in nodes for r in n.results},
+                                              {id(o) for n in nodes for o in n.operands})
+            _, made, operands = known  # made: computed inside the kernel
+            for vid in operands:
+                j = owner.get(vid)
+                if j is not None:
+                    if j != k and vid in mat:
                         deps[k].add(j)
-                    elif j is None and id(operand) not in made:  # made by an unfused node:
-                        # depend on what it reads
-                        deps[k].update(index[id(h)] for h in
-                                       _source_groups({id(operand)}, by_group, analysis))
+                elif vid not in made:  # made by an unfused node: depend on what it reads
+                    found = sources.get(vid)
+                    if found is None:
+                        found = sources[vid] = _source_groups({vid}, by_group, analysis)
+                    deps[k].update(index[id(h)] for h in found)
         try:
             order = list(graphlib.TopologicalSorter(deps).static_order())
             return [groups[k] for k in order]
