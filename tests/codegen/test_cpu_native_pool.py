@@ -1,7 +1,8 @@
-"""A kernel launch split over threads runs from native code on OpenMP threads
-(kiln/codegen/cpu/native_pool.py): the same cut of the range as kiln's pool, the same
-results as numpy, kiln's pool where libgomp is missing, and a forked child that still
-computes (libgomp's and the pool's threads do not survive `fork`). The split policy is
+"""A kernel launch split over threads runs from native code on kiln's native team (or
+OpenMP threads; kiln/codegen/cpu/native_pool.py): the same cut of the range as kiln's
+pool, the same results as numpy, kiln's pool where neither is available, and a forked
+child that still computes (the team's, libgomp's and the pool's threads do not survive
+`fork`: the child starts a team of its own). The split policy is
 "always" here (every launch the model calls large splits); test_cpu_split_rule.py tests
 the measured one."""
 
