@@ -70,7 +70,7 @@ entry:
 """
 
 
-_IR = f"""
+_GOMP_IR = f"""
 declare void @GOMP_parallel(ptr, ptr, i32, i32)
 declare i32 @omp_get_thread_num()
 declare i32 @omp_get_num_threads()
@@ -139,6 +139,9 @@ def openmp_runtime() -> str | None:
     return None
 
 
+# the split glue this process builds: kiln's team where the host has one, else libgomp's
+_IR = native_team.team_ir() if native_team.available() else _GOMP_IR
+
 _lock = threading.Lock()
 _state: dict = {}  # "built": see `_built`
 _forked = False
@@ -164,9 +167,10 @@ def _built() -> dict:
                 built = {}
                 names = None
                 if native_team.available():
-                    text, names = native_team.team_ir(), ("kiln_team_for", "kiln_team_claim")
+                    names = ("kiln_team_for", "kiln_team_claim")
                 elif openmp_runtime() is not None:
-                    text, names = _IR, ("kiln_parallel_for", "kiln_parallel_claim")
+                    names = ("kiln_parallel_for", "kiln_parallel_claim")
+                text = _IR
                 if names is not None:
                     engine = jit.glue_module(text)
                     address, claim = (engine.address(n) for n in names)
