@@ -65,7 +65,8 @@ def test_a_launch_splits_only_where_splitting_was_faster(two_threads, split_ns, 
 
 
 @pytest.mark.parametrize("serial_ns,split_ns,verdict", [
-    (100_000, 60_000, True),  # 0.6x: split at once
+    (400_000, 240_000, True),  # 0.6x of 0.4 ms: split at once
+    (100_000, 50_000, None),  # 0.5x of 0.1 ms: too short to trust one pair
     (20_000, 45_000, False),  # 2.25x, 25 us more: serial at once
     (100_000, 130_000, False),
 ])
@@ -76,8 +77,9 @@ def test_a_wide_margin_decides_after_one_pair(two_threads, serial_ns, split_ns, 
     s.report(2, split_ns)
     assert s.verdict is None and s.next() == (1, True)
     s.report(1, serial_ns)
-    assert s.verdict is verdict and s.decided()
-    assert s.next() == ((2, True) if verdict else (1, False))
+    assert s.verdict is verdict and s.decided() is (verdict is not None)
+    if verdict is not None:
+        assert s.next() == ((2, True) if verdict else (1, False))
 
 
 @pytest.mark.parametrize("serial_ns,split_ns", [
@@ -152,10 +154,11 @@ def _want(x):
     return (np.exp(x.astype(np.float64)) * 2.0 + 1.0).astype(np.float32)
 
 
-def _fake_clock(monkeypatch, launch_ratio: float, run_ratio: float = 0.5) -> dict:
-    """Every timed call reports a serial time of 10 us and a split one `launch_ratio` x
-    that (a launch's) or `run_ratio` x (a prepared call's whole run); the thread counts of
-    the timed calls seen, per kind."""
+def _fake_clock(monkeypatch, launch_ratio: float, run_ratio: float = 0.5, launch_serial: int = 10_000,
+                run_serial: int = 10_000) -> dict:
+    """Every timed call reports a serial time (`launch_serial` ns for a launch,
+    `run_serial` for a prepared call's whole run) and a split one `launch_ratio` x or
+    `run_ratio` x that; the thread counts of the timed calls seen, per kind."""
     seen = {"launch": [], "run": []}
     real = Split.report
 
@@ -163,8 +166,8 @@ def _fake_clock(monkeypatch, launch_ratio: float, run_ratio: float = 0.5) -> dic
         kind = "run" if self.win == split_rule.RUN_WIN else "launch"
         if self.verdict is None:  # a trial (after the verdict, splits are timed too)
             seen[kind].append(n)
-        ratio = launch_ratio if kind == "launch" else run_ratio
-        real(self, n, int(10_000 * ratio) if n > 1 else 10_000)
+        ratio, serial = (launch_ratio, launch_serial) if kind == "launch" else (run_ratio, run_serial)
+        real(self, n, int(serial * ratio) if n > 1 else serial)
 
     monkeypatch.setattr(Split, "report", report)
     return seen
@@ -183,10 +186,11 @@ def _trampoline_threads(f, monkeypatch) -> list:
 
 
 @needs_gomp
-@pytest.mark.parametrize("ratio,pairs", [(0.1, 1), (2.0, 1), (0.8, TRIALS), (10.0, TRIALS)])
-def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monkeypatch, ratio, pairs):
+@pytest.mark.parametrize("ratio,serial,pairs", [(0.1, 400_000, 1), (0.1, 10_000, TRIALS), (2.0, 10_000, 1),
+                                                (0.8, 10_000, TRIALS), (10.0, 10_000, TRIALS)])
+def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monkeypatch, ratio, serial, pairs):
     split_faster = ratio < 1
-    seen = _fake_clock(monkeypatch, ratio)
+    seen = _fake_clock(monkeypatch, ratio, launch_serial=serial)
     f = _exp_program()
     n = (1 << 18) + 3  # 2^20 element-operations: a candidate, below SURE_WORK
     rng = np.random.default_rng(0)
@@ -217,7 +221,7 @@ def test_a_compiled_program_is_right_while_measured_and_after(two_threads, monke
 def test_a_prepared_call_keeps_its_splits_only_where_its_whole_run_is_faster(two_threads, monkeypatch,
                                                                                   run_ratio, pairs):
     run_faster = run_ratio < split_rule.RUN_WIN
-    seen = _fake_clock(monkeypatch, 0.1, run_ratio)
+    seen = _fake_clock(monkeypatch, 0.1, run_ratio, launch_serial=400_000, run_serial=400_000)
     f = _exp_program()
     n = (1 << 18) + 3
     rng = np.random.default_rng(1)
@@ -406,11 +410,11 @@ def test_a_verdict_taken_on_one_pair_is_checked_once_more(two_threads, monkeypat
             s.report(n, split_ns if n > 1 else serial_ns)
 
     assert s.next() == (1, False)  # the warm-up
-    pair(50_000, 100_000)  # 0.5x: split on one pair
+    pair(200_000, 400_000)  # 0.5x of 0.4 ms: split on one pair
     assert s.verdict is True and s.decided()
     clock[0] += split_rule.REMEASURE_S
     assert not s.decided()  # same load, but a one-pair verdict: measured again
-    pair(55_000, 100_000)  # no warm-up call; the same verdict: confirmed
+    pair(220_000, 400_000)  # no warm-up call; the same verdict: confirmed
     assert s.verdict is True
     clock[0] += split_rule.REMEASURE_S
     assert s.decided() and s.next() == (2, True)  # kept: same load, confirmed

@@ -53,6 +53,10 @@ WIN = 0.9  # split where its best time is below 0.9 x the best serial time
 # elementwise and reduction launches, GEMM panels), launches that lose by 1.4-3x.
 QUICK_SPLIT = 0.6
 QUICK_SERIAL = 1.3
+# ... and splits at once only where the serial call took QUICK_MIN_NS or more: below, one
+# pair is noise (the small-GPT step, its ~40 launches of 20-150 us decided on one pair,
+# ran its rounds after a pause 1.15x slower by median than with three pairs)
+QUICK_MIN_NS = 300_000
 # a batched GEMM of at least this many multiply-adds (~20 us on one core) is a candidate
 # for splitting by whole batch items; the measurement decides
 BATCH_MACS = 1 << 20
@@ -81,13 +85,13 @@ def epoch() -> tuple:
 
 def decisive(serial_ns: int, split_ns: int) -> bool | None:
     """The verdict one timed pair leaves no doubt about: True (split at most QUICK_SPLIT x
-    the serial time), False (at least QUICK_SERIAL x, but not so much slower that it may
-    have waited for a core), else None (measure on).
+    a serial time of QUICK_MIN_NS or more), False (at least QUICK_SERIAL x, but not so
+    much slower that it may have waited for a core), else None (measure on).
 
-    >>> decisive(100_000, 55_000), decisive(100_000, 80_000), decisive(20_000, 40_000)
+    >>> decisive(400_000, 220_000), decisive(100_000, 55_000), decisive(20_000, 40_000)
     (True, None, False)
     """
-    if split_ns <= QUICK_SPLIT * serial_ns:
+    if split_ns <= QUICK_SPLIT * serial_ns and serial_ns >= QUICK_MIN_NS:
         return True
     if QUICK_SERIAL * serial_ns <= split_ns < SLOW * serial_ns and split_ns < serial_ns + SLOW_NS:
         return False
