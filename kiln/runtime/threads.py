@@ -298,7 +298,50 @@ def parallel_threads() -> int:
         return n
     if _backoff_until and time.monotonic() < _backoff_until:
         return 1
-    return threads_beside(others_busy_cpus(), n, os.cpu_count() or n)
+    beside = threads_beside(others_busy_cpus(), n, os.cpu_count() or n)
+    return n if beside < n and _idle_now() else beside
+
+
+# The busy time above is a window's: it says what other processes did in the last quarter
+# second, not what they do now. Processes that take turns with this one (a benchmark's
+# implementations in persistent processes, a data loader between steps) leave a window
+# that reads "busy" right after they stopped: a process whose turn came just after
+# another's 0.15 s burst got one thread for the next 0.25 s, on an idle machine
+# (bench_train's large MLP ran its steps at one thread: 55 against 28 ms). So where the
+# window would take threads away, the machine is looked at as it is: no other task
+# runnable at this instant (/proc/loadavg's running count is the caller alone) gives
+# back every thread for IDLE_NOW_S; a core taken after that shows in the next window,
+# and a split that waits for one backs off (`back_off`).
+IDLE_NOW_S = 0.05  # how long an instant with no other runnable task is trusted
+LOOK_S = 0.005  # the machine is looked at most this often
+_idle_until = 0.0
+_looked_at = 0.0
+
+
+def _runnable_now() -> int | None:
+    """Tasks runnable on the machine at this instant, the caller included (/proc/loadavg's
+    fourth field), or None where it cannot be read."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _idle_now() -> bool:
+    """No task but the caller runnable now, or seen so within the last IDLE_NOW_S."""
+    global _idle_until, _looked_at
+    now = time.monotonic()
+    if now < _idle_until:
+        return True
+    if now - _looked_at < LOOK_S:
+        return False
+    _looked_at = now
+    running = _runnable_now()
+    if running is not None and running <= 1:
+        _idle_until = now + IDLE_NOW_S
+        return True
+    return False
 
 
 # Load comes in bursts shorter than the sampling window: a region that started while the

@@ -307,6 +307,10 @@ def dynamic(monkeypatch):
     others = {"cpus": 0.0}
     monkeypatch.setattr(threads, "_dynamic", True)
     monkeypatch.setattr(threads, "others_busy_cpus", lambda: others["cpus"])
+    # the instant agrees with the window: the caller plus the busy CPUs' tasks runnable
+    monkeypatch.setattr(threads, "_runnable_now", lambda: 1 + round(others["cpus"]))
+    monkeypatch.setattr(threads, "_idle_until", 0.0)
+    monkeypatch.setattr(threads, "_looked_at", 0.0)
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
     return others
 
@@ -337,6 +341,34 @@ def test_a_launch_gives_up_a_thread_to_a_busy_process(dynamic, pool_runs, restor
     pool_runs.clear()
     kernel([x, np.empty_like(x)], {"B": 512})
     assert len(pool_runs) == 1
+
+
+def test_a_window_busy_with_a_process_that_stopped_keeps_the_threads(dynamic, monkeypatch, restore_threads):
+    """The window says another process kept a CPU busy, but nothing else is runnable now
+    (it took its turn and stopped): every thread, trusted for IDLE_NOW_S; runnable again
+    after that, the window's count."""
+    kn.set_num_threads(2)
+    clock = {"t": 100.0}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["t"])
+    running = {"n": 1}
+    monkeypatch.setattr(threads, "_runnable_now", lambda: running["n"])
+    dynamic["cpus"] = 1.0
+    assert threads.parallel_threads() == 2  # only the caller runnable now
+    running["n"] = 2
+    clock["t"] += threads.IDLE_NOW_S / 2
+    assert threads.parallel_threads() == 2  # the idle instant is still trusted
+    clock["t"] += threads.IDLE_NOW_S
+    assert threads.parallel_threads() == 1  # looked again: another task runnable
+    running["n"] = None
+    clock["t"] += threads.LOOK_S
+    assert threads.parallel_threads() == 1  # unreadable: the window decides
+    dynamic["cpus"] = 0.0
+    assert threads.parallel_threads() == 2
+
+
+def test_runnable_now_counts_the_caller():
+    n = threads._runnable_now()
+    assert n is None or n >= 1
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or not os.path.exists("/proc/stat"),
