@@ -253,10 +253,20 @@ def settle(fn, min_calls: int, budget_s: float) -> int:
     return n
 
 
+# each turn first runs its implementation untimed for TURN_WARM_S: the previous one's
+# threads spin on a while after its calls (OpenBLAS's workers ~0.1 s, OpenMP's), and after
+# a pause the cores are slow to come back; timed at once, whichever ran next shared its
+# cores with them (kiln's 2048^3 GEMM: 92 ms median against 59 minimum), and a pause
+# before each turn instead made every memory-bound row ~1.5x slower for all
+TURN_WARM_S = 0.12
+
+
 def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict:
     """{name: (median, minimum)} seconds per call: `rounds` rounds, every implementation
-    once per round in a shuffled order, each turn a block of calls lasting ~20 ms (one call
-    for slower ones), so a minute of machine noise hits every implementation alike."""
+    once per round in a shuffled order; a turn runs its implementation untimed for
+    TURN_WARM_S (at least one call), then times a block of calls lasting ~20 ms (one call
+    for slower ones), so a minute of machine noise hits every implementation alike and
+    none is timed beside another's spinning threads."""
     calls = {}
     for name, fn in fns.items():
         t0 = time.perf_counter()
@@ -269,6 +279,10 @@ def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict:
         rng.shuffle(order)
         for name in order:
             fn, n = fns[name], calls[name]
+            t0 = time.perf_counter()
+            fn()
+            while time.perf_counter() - t0 < TURN_WARM_S:
+                fn()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
@@ -284,7 +298,7 @@ def main() -> int:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--only", help="comma-separated workload keys (chain, softmax, gemm, ...)")
     args = parser.parse_args()
-    rounds = 5 if args.quick else 11
+    rounds = 5 if args.quick else 7
     peers = {}
     if not args.no_peers:
         try:
@@ -380,7 +394,7 @@ def render(rows, copy_gbs, blas_gflops, cold, warm, imp, args) -> str:
         f"warm from the disk cache in a new process {warm * 1e3:.0f} ms",
         "- method: after its first call, every implementation is warmed up alike (at least 5 "
         "calls and 0.25 s), then all are timed round-robin in one process (shuffled order, "
-        "blocks of ~20 ms per turn)",
+        f"each turn {TURN_WARM_S} s untimed, then a timed block of ~20 ms)",
         "",
         "Milliseconds per call, median (minimum) over the rounds (lower is better); `x` is the "
         "best peer's time over kiln's, by medians (by minimums).",
