@@ -1,10 +1,12 @@
 """The glue modules' object code in kiln's on-disk artifact cache.
 
-`jit.glue_module` builds kiln's small hand-written LLVM modules at O1: `kiln_parallel_for`
-and `kiln_parallel_claim` (native_pool.py), the prepared call's `kiln_launches`
-trampoline and a captured plan's `bind` (launch_list.py). Their text is the same in
-every process, yet each process paid parse + O1 + MCJIT for them on first use: 16 ms
-for the OpenMP entries (the first split launch of a process), 10 ms for the trampoline
+`jit.glue_module` builds kiln's small hand-written LLVM modules: the split entries
+(native_pool.py: kiln's native team's `kiln_team_for`/claim, or libgomp's
+`kiln_parallel_for`/`kiln_parallel_claim`), the prepared call's `kiln_launches`
+trampoline, a captured plan's `bind` (launch_list.py), the complex GEMM tiles
+(gemm_complex.py) and the Threefry bits (random_native.py). Their text is the same in
+every process, yet each process paid parse + optimization + MCJIT for them on first use:
+16 ms for the split entries (the first split launch of a process), 10 ms for the trampoline
 (a signature's second call), both inside a warm program's first calls. Here the O1
 object code of such a text is stored in kiln's artifact cache (kind "glue") and a later
 process loads it (~2 ms: read, authenticate, check, link).
