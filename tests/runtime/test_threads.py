@@ -348,6 +348,7 @@ def test_a_window_busy_with_a_process_that_stopped_keeps_the_threads(dynamic, mo
     (it took its turn and stopped): every thread, trusted for IDLE_NOW_S; runnable again
     after that, the window's count."""
     kn.set_num_threads(2)
+    monkeypatch.setattr(threads, "_backoff_until", 0.0)  # no back-off left by an earlier test
     clock = {"t": 100.0}
     monkeypatch.setattr(threads.time, "monotonic", lambda: clock["t"])
     running = {"n": 1}
