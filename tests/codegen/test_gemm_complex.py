@@ -1,5 +1,6 @@
 """Complex matmul as complex BLAS tiles over kiln's threads (cpu/gemm_complex.py): the
-tiles (rows, columns, batch items) against numpy's one cgemm/zgemm call bit for bit,
+tiles (rows, columns, batch items) against one cgemm/zgemm call of the same BLAS bit for
+bit (numpy's for OpenBLAS, one whole-product call for MKL), for every BLAS installed,
 operands read in place (transposed views, batch strides), the fallbacks (None where BLAS
 cannot take the operands), and the compiled extern step using it."""
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 import kiln as kn
-from kiln.codegen.cpu import gemm_complex
+from kiln.codegen.cpu import blas, gemm_complex
 from kiln.codegen.cpu.gemm_complex import blas_matmul
 from kiln.runtime.threads import blas_single_thread
 
@@ -22,14 +23,24 @@ def _c(*shape, dtype=np.complex64, seed=0):
     return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
 
 
-def _one_call(a, b):
-    with blas_single_thread():
-        return np.matmul(a, b)
+def _one_call(a, b, provider="openblas"):
+    """The product as one BLAS call per matrix: numpy's (OpenBLAS), or for MKL one tile
+    of the whole product on one thread."""
+    if provider == "openblas":
+        with blas_single_thread():
+            return np.matmul(a, b)
+    return blas_matmul(a, b, threads=1, provider=provider)
 
 
+PROVIDERS = [pytest.param(p, marks=pytest.mark.skipif(not blas.available(p), reason=f"BLAS {p!r} not installed"
+                                                      + (" (pip install 'kiln[mkl]')" if p == "mkl" else "")))
+             for p in blas.PROVIDERS]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
 @pytest.mark.parametrize("m,n,k", [(200, 96, 130), (72, 300, 130), (129, 131, 257)])
-def test_tiles_match_one_blas_call_bit_for_bit(monkeypatch, two_threads, dtype, m, n, k):
+def test_tiles_match_one_blas_call_bit_for_bit(monkeypatch, two_threads, dtype, m, n, k, provider):
     """Tall (row tiles), wide (column tiles) and odd sizes (partial tiles), split over two
     threads: bit-identical to numpy's single call, and right against complex128."""
     from kiln.codegen.cpu import native_pool
@@ -42,9 +53,9 @@ def test_tiles_match_one_blas_call_bit_for_bit(monkeypatch, two_threads, dtype, 
     a, b = _c(m, k, dtype=dtype, seed=1), _c(k, n, dtype=dtype, seed=2)
     assert 4 * m * n * k >= gemm_complex.SPLIT_MACS  # large enough to split
     for threads in (1, 2):
-        got = blas_matmul(a, b, threads=threads)
+        got = blas_matmul(a, b, threads=threads, provider=provider)
         assert got.dtype == dtype and got.shape == (m, n)
-        np.testing.assert_array_equal(got, _one_call(a, b))
+        np.testing.assert_array_equal(got, _one_call(a, b, provider))
     assert claimed == [(2, 1, 2)]  # two tiles (total, unit, threads), claimed by two threads
     want = a.astype(np.complex128) @ b.astype(np.complex128)
     tol = 1e-12 if dtype == np.complex128 else 1e-4
@@ -56,16 +67,20 @@ def test_transposed_views_are_read_in_place(two_threads, ta, tb):
     a = _c(130, 200, seed=3) if ta else _c(200, 130, seed=3)
     b = _c(150, 130, seed=4) if tb else _c(130, 150, seed=4)
     x, y = (a.T if ta else a), (b.T if tb else b)
-    np.testing.assert_array_equal(blas_matmul(x, y, threads=2), _one_call(x, y))
+    np.testing.assert_array_equal(blas_matmul(x, y, threads=2, provider="openblas"), _one_call(x, y))
+    if blas.available("mkl"):  # MKL reads the same views in place: equal to its contiguous copies'
+        np.testing.assert_array_equal(blas_matmul(x, y, threads=2, provider="mkl"),
+                                      _one_call(np.ascontiguousarray(x), np.ascontiguousarray(y), "mkl"))
 
 
 def test_batches_and_a_batch_of_rows(two_threads):
     a, b = _c(3, 50, 60, seed=5), _c(3, 60, 70, seed=6)
-    np.testing.assert_array_equal(blas_matmul(a, b, threads=2), _one_call(a, b))
+    np.testing.assert_array_equal(blas_matmul(a, b, threads=2, provider="openblas"), _one_call(a, b))
     rows = _c(2, 3, 40, 60, seed=7)  # contiguous batch rows against one matrix: one GEMM
-    np.testing.assert_array_equal(blas_matmul(rows, b[0], threads=2), _one_call(rows, b[0]))
+    np.testing.assert_array_equal(blas_matmul(rows, b[0], threads=2, provider="openblas"), _one_call(rows, b[0]))
     strided = _c(4, 40, 60, seed=8)[::2]  # a batch stride of two matrices
-    np.testing.assert_array_equal(blas_matmul(strided, b[0], threads=2), _one_call(strided, b[0]))
+    np.testing.assert_array_equal(blas_matmul(strided, b[0], threads=2, provider="openblas"),
+                                  _one_call(strided, b[0]))
     np.testing.assert_array_equal(blas_matmul(_c(0, 60), b[0]), np.zeros((0, 70), np.complex64))
     np.testing.assert_array_equal(blas_matmul(_c(5, 0), _c(0, 7)), np.zeros((5, 7), np.complex64))
 
@@ -86,5 +101,5 @@ def test_compiled_complex_matmul_runs_the_tiles(monkeypatch):
     monkeypatch.setattr(gemm_complex, "blas_matmul", lambda a, b, threads=None: calls.append(a.shape) or real(a, b))
     a, b = _c(64, 48, seed=9), _c(48, 40, seed=10)
     got = kn.compile(lambda x, y: (x @ y) * 2)(a, b).numpy()
-    np.testing.assert_array_equal(got, _one_call(a, b) * np.complex64(2))
+    np.testing.assert_array_equal(got, _one_call(a, b, blas.default_name()) * np.complex64(2))
     assert calls == [(64, 48)]

@@ -59,7 +59,9 @@ class CpuOptions(Options):
     "native" (float32 polynomials, ~2 ulp, full vector width) or "double" (float64
     internally, correctly rounded, half the width); None takes the process default that
     `mathlib.float32_math` sets (resolved when the options are made, so the value, not
-    a global, is in the cache key)."""
+    a global, is in the cache key). blas: the BLAS that GEMMs call, "mkl" or "openblas"
+    (blas.py); None or "auto" takes the process's (`KILN_BLAS`, else MKL on Intel CPUs
+    where it is installed), resolved when the options are made."""
 
     opt_level: int = 3
     threads: int = field(default_factory=default_threads)
@@ -67,6 +69,7 @@ class CpuOptions(Options):
     vector_width: int = 0
     mode: str = "default"
     f32_math: str | None = None
+    blas: str | None = None
 
     def __post_init__(self):
         if self.f32_math is None:
@@ -75,6 +78,10 @@ class CpuOptions(Options):
             object.__setattr__(self, "f32_math", default_f32_math())
         if self.f32_math not in ("native", "double"):
             raise KilnArgumentError(f"CpuOptions: f32_math must be 'native' or 'double', got {self.f32_math!r}")
+        from kiln.codegen.cpu import blas
+
+        object.__setattr__(self, "blas", blas.default_name() if self.blas is None
+                           else blas.resolve(blas.check_name(self.blas, "CpuOptions: blas")))
         if self.mode not in ("default", "max-autotune"):
             raise KilnArgumentError(f"CpuOptions: mode must be 'default' or 'max-autotune', got {self.mode!r}")
         if not 0 <= self.opt_level <= 3 or self.threads < 1:
@@ -159,7 +166,7 @@ class CpuBackend(Backend):
             variant = "blas" if variant else "loop"
         kind = variant or choice.variant
         if kind == "blas":
-            require_blas()
+            require_blas(self.options.blas)
             return _Plan(k, symbol, gemm_outer_extents(k, True, choice.panel_rows, choice.panel_cols), True,
                          choice.panel_rows, panel_cols=choice.panel_cols)
         if kind == "micro":
@@ -175,7 +182,7 @@ class CpuBackend(Backend):
 
     def _emit(self, module: Module, p: _Plan) -> None:
         if p.blas:
-            emit_gemm(module, p.kernel, p.symbol, p.panel_rows, p.panel_cols)
+            emit_gemm(module, p.kernel, p.symbol, p.panel_rows, p.panel_cols, self.options.blas)
         elif p.micro:
             emit_micro_gemm(module, p.kernel, p.symbol)
         elif isinstance(p.kernel, BatchKernel):

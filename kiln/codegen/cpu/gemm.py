@@ -1,4 +1,5 @@
-"""`GemmKernel` -> LLVM: OpenBLAS on tiles with the epilogue fused per tile.
+"""`GemmKernel` -> LLVM: BLAS (MKL or OpenBLAS, blas.py) on tiles with the epilogue
+fused per tile.
 
 The flattened outer space (the ABI's [begin, end)) is batch x row panels of `panel_rows`
 rows x column panels of `panel_cols` columns (one, the full width, where panel_cols is
@@ -32,7 +33,7 @@ from kiln.ir import dtypes as dt
 from kiln.ir.dtypes import DType
 
 from kiln.codegen.cpu import dtype_map
-from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS, DGEMM, SGEMM
+from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS
 from kiln.codegen.cpu.index_emit import emit_index
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
 from kiln.codegen.cpu.llvm_emit import ExprEmitter, abi_wrapper
@@ -117,8 +118,10 @@ class GemmEmitter:
     """The BLAS-panel GEMM; also the base of kiln's micro-kernel (microkernel.py), which
     shares the function frame, operand loads and the epilogue."""
 
-    def __init__(self, module: Module, g: GemmKernel, symbol: str, panel_rows: int, panel_cols: int = 0):
+    def __init__(self, module: Module, g: GemmKernel, symbol: str, panel_rows: int, panel_cols: int = 0,
+                 blas: str | None = None):
         self.module, self.g, self.symbol, self.mp, self.np = module, g, symbol, panel_rows, panel_cols
+        self.blas_name = blas  # blas.py's provider (None: the process's)
         self.acc = acc_dtype(g)
         if self.acc not in (dt.float32, dt.float64):
             raise KilnDTypeError(f"cpu backend: BLAS GEMM needs float operands, got {self.acc.name}; "
@@ -127,7 +130,9 @@ class GemmEmitter:
         self.esize = 8 if self.acc == dt.float64 else 4
 
     def _declare(self, module: Module) -> None:
-        blas = DGEMM if self.acc == dt.float64 else SGEMM
+        from kiln.codegen.cpu import blas as providers
+
+        blas = providers.load(self.blas_name).gemm("d" if self.acc == dt.float64 else "s")
         module.declare(blas, f"declare void @{blas}(i32, i32, i32, i64, i64, i64, {self.acc_ty}, ptr, "
                              f"i64, ptr, i64, {self.acc_ty}, ptr, i64)")
         self.blas = blas
@@ -332,7 +337,9 @@ class GemmEmitter:
         rl.end()
 
 
-def emit_gemm(module: Module, g: GemmKernel, symbol: str, panel_rows: int, panel_cols: int = 0) -> None:
+def emit_gemm(module: Module, g: GemmKernel, symbol: str, panel_rows: int, panel_cols: int = 0,
+              blas: str | None = None) -> None:
     """Add the BLAS GEMM `g` to `module` as exported function `symbol`: tiles of
-    `panel_rows` rows by `panel_cols` columns (0: the full width)."""
-    GemmEmitter(module, g, symbol, panel_rows, panel_cols).emit()
+    `panel_rows` rows by `panel_cols` columns (0: the full width), calling BLAS `blas`
+    (blas.py; None: the process's)."""
+    GemmEmitter(module, g, symbol, panel_rows, panel_cols, blas).emit()

@@ -3,13 +3,13 @@
 On the CPU a large complex `matmul` stays whole through the `complex` pass
 (complex_decompose.decompose_complex_blas) and runs as an extern step; the CPU backend's
 `templates()["gemm"]` (this module's `run_matmul`) takes it there: ONE complex BLAS call
-per tile of the output on the operands' own memory (4M, the same OpenBLAS numpy ships;
-no pair block, no real-part copies), the tiles chosen as for a real product
+per tile of the output on the operands' own memory (4M, the process's BLAS: MKL or
+numpy's OpenBLAS, blas.py; no pair block, no real-part copies), the tiles chosen as for a real product
 (autotune.panel_tiles_for: one per thread, rows or columns by shape) and claimed by
-kiln's OpenMP threads, each a one-thread BLAS call. numpy's matmul would make the same
+kiln's OpenMP threads, each a one-thread BLAS call. numpy's matmul makes the same
 product one multi-threaded OpenBLAS call, whose threads meet at a barrier per block and
 stall when one is descheduled (issue 22); tiles only cut m and n, so the result is
-bit-identical to one cgemm call.
+bit-identical to one cgemm call of the same BLAS.
 
 The tile loop is a small hand-written LLVM function (the glue cache keeps its object
 code across processes) with the compiled-kernel ABI `fn(bufs, sizes, begin, end)`, so
@@ -26,12 +26,10 @@ from functools import lru_cache
 import numpy as np
 
 from kiln.codegen.cpu.autotune import SPLIT_MACS, panel_tiles_for
-from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS, ensure_blas_loaded
+from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS
 
-CGEMM = "scipy_cblas_cgemm64_"
-ZGEMM = "scipy_cblas_zgemm64_"
-ENTRY = {np.dtype(np.complex64): ("kiln_cgemm_tiles", CGEMM, "float", 8),
-         np.dtype(np.complex128): ("kiln_zgemm_tiles", ZGEMM, "double", 16)}
+ENTRY = {np.dtype(np.complex64): ("kiln_cgemm_tiles", "c", "float", 8),
+         np.dtype(np.complex128): ("kiln_zgemm_tiles", "z", "double", 16)}
 # sizes[]: m n k lda ldb trans_a trans_b rows cols col_tiles a_batch b_batch (elements)
 SIZE_NAMES = ("m", "n", "k", "lda", "ldb", "ta64", "tb64", "mp", "np", "npc", "sa", "sb")
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -107,12 +105,14 @@ exit:
 
 
 @lru_cache(maxsize=None)
-def _tiles(dtype: np.dtype):
-    """(the jitted module, the tile function's address) for a complex dtype."""
+def _tiles(dtype: np.dtype, provider: str):
+    """(the jitted module, the tile function's address) for a complex dtype, calling BLAS
+    `provider` (blas.py)."""
+    from kiln.codegen.cpu import blas
     from kiln.codegen.cpu.glue_cache import glue_module
 
-    name, blas, scalar, esize = ENTRY[dtype]
-    jitted = glue_module(_tile_function(name, blas, scalar, esize), 1)
+    name, letter, scalar, esize = ENTRY[dtype]
+    jitted = glue_module(_tile_function(name, blas.load(provider).gemm(letter), scalar, esize), 1)
     return jitted, jitted.address(name)
 
 
@@ -140,10 +140,15 @@ def _matrix_layout(x: np.ndarray):
     return lay + (x.strides[len(batch) - 1] // e if int(np.prod(batch)) > 1 else 0,)
 
 
-def blas_matmul(a: np.ndarray, b: np.ndarray, threads: int | None = None) -> np.ndarray | None:
+def blas_matmul(a: np.ndarray, b: np.ndarray, threads: int | None = None,
+                provider: str | None = None) -> np.ndarray | None:
     """a @ b by complex BLAS tiles over kiln's threads, or None when the operands are not
-    same-dtype complex matrices BLAS can take as they are (the caller runs numpy's)."""
-    if a.dtype != b.dtype or a.dtype not in ENTRY or a.ndim < 2 or b.ndim < 2 or not ensure_blas_loaded():
+    same-dtype complex matrices BLAS can take as they are (the caller runs numpy's).
+    `provider`: the BLAS (blas.py), None for the process's."""
+    from kiln.codegen.cpu import blas
+
+    provider = provider or blas.default_name()
+    if a.dtype != b.dtype or a.dtype not in ENTRY or a.ndim < 2 or b.ndim < 2 or not blas.available(provider):
         return None
     if b.ndim > 2 and a.shape[:-2] != b.shape[:-2] or b.ndim > a.ndim or a.shape[-1] != b.shape[-2]:
         return None  # broadcast batch dims: numpy's loop
@@ -173,7 +178,7 @@ def blas_matmul(a: np.ndarray, b: np.ndarray, threads: int | None = None) -> np.
                                        CBLAS_TRANS if lb[0] else CBLAS_NO_TRANS, rows, cols, npc,
                                        la[2], lb[2] if b.ndim > 2 else 0)
     bufs = (ctypes.c_void_p * 3)(a.ctypes.data, b.ctypes.data, out.ctypes.data)
-    _, address = _tiles(a.dtype)
+    _, address = _tiles(a.dtype, provider)
     with blas_single_thread():
         claim = None
         if threads > 1 and total > 1 and macs >= SPLIT_MACS:

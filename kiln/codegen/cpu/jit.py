@@ -5,25 +5,19 @@ asm printer, optimize with the new pass manager (loop + SLP vectorization on), J
 MCJIT. Object code can be emitted and loaded back (`load_object`), which is the hook the
 runtime uses to cache compiled kernels on disk by content hash.
 
-External code the JIT'd functions call lives here too: numpy's wheels ship
-`numpy.libs/libscipy_openblas64_*.so` exporting CBLAS with 64-bit integers under a
-suffix (`scipy_cblas_sgemm64_`); loading it permanently into LLVM's symbol space lets
-generated GEMMs call it directly (no Python in the GEMM path).
+External code the JIT'd functions call is loaded by blas.py (MKL or numpy's OpenBLAS,
+CBLAS with 64-bit integers) into LLVM's symbol space, so generated GEMMs call it
+directly (no Python in the GEMM path); the helpers here keep their old names.
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import threading
 from functools import lru_cache
 from typing import Sequence
 
 import llvmlite.binding as llvm
-import numpy as np
-
-from kiln.errors import KilnDeviceError
 
 
 _lock = threading.Lock()
@@ -223,40 +217,28 @@ def glue_module(text: str) -> Jitted:
     return glue_cache.glue_module(text, 1)
 
 
-# -- numpy's bundled OpenBLAS ------------------------------------------------------
+# -- BLAS (blas.py: Intel MKL where installed, else numpy's bundled OpenBLAS) ------
 
-SGEMM = "scipy_cblas_sgemm64_"
-DGEMM = "scipy_cblas_dgemm64_"
 CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 101, 111, 112
 
 
 def find_openblas() -> str | None:
     """Path of numpy's bundled OpenBLAS, or None (e.g. a numpy built against MKL)."""
-    root = os.path.dirname(os.path.abspath(np.__file__))
-    patterns = [os.path.join(root, "..", "numpy.libs", "libscipy_openblas*.so*"),
-                os.path.join(root, ".libs", "libscipy_openblas*.so*"),
-                os.path.join(root, ".dylibs", "libscipy_openblas*.dylib")]
-    for pattern in patterns:
-        hits = sorted(glob.glob(pattern))
-        if hits:
-            return os.path.realpath(hits[0])
-    return None
+    from kiln.codegen.cpu import blas
+
+    return blas.find_openblas()
 
 
-@lru_cache(maxsize=None)
 def ensure_blas_loaded() -> bool:
-    """Load OpenBLAS into the process and LLVM's symbol table; False if absent."""
-    path = find_openblas()
-    if path is None:
-        return False
-    lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    llvm.load_library_permanently(path)
-    return hasattr(lib, SGEMM) and hasattr(lib, DGEMM)
+    """Load the process's BLAS (blas.default_name) into the process and LLVM's symbol
+    table; False if it is absent."""
+    from kiln.codegen.cpu import blas
+
+    return blas.available()
 
 
-def require_blas() -> None:
-    if not ensure_blas_loaded():
-        raise KilnDeviceError("cpu backend: GEMM needs numpy's bundled OpenBLAS "
-                              "(libscipy_openblas64_), which was not found",
-                              hint="install numpy from its official wheels, or let the "
-                                   "autotuner pick the generated GEMM (small sizes)")
+def require_blas(name: str | None = None) -> None:
+    """BLAS `name` (default: the process's) loaded, or a numbered device error."""
+    from kiln.codegen.cpu import blas
+
+    blas.load(name)
