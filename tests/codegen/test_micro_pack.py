@@ -126,15 +126,19 @@ def test_each_layout_takes_its_packer():
     assert "llvm.masked.load" in nt and "shufflevector" in nt and "masked.gather" not in nt
     single = llvm_text(gemm(1, 8, 40, 24, tb=True))  # B packed once per call: gathers
     assert "llvm.masked.gather" in single and "llvm.masked.load" not in single
-    nn = llvm_text(gemm(2, 8, 2 * w * 2 + 1, 24))  # two full panels in place, one of 1 column
-    assert "llvm.masked.load" in nn and "masked.gather" not in nn
-    wide = llvm_text(gemm(2, 8, 2 * w * 2 + w + 1, 24))  # last panel of W + 1 columns: both vectors
     mr = microkernel.rows_per_tile()
+    # two full panels in place, one of 1 column (one row block an item: no copying tile)
+    nn = llvm_text(gemm(2, mr, 2 * w * 2 + 1, 24))
+    assert "llvm.masked.load" in nn and "masked.gather" not in nn
+    wide = llvm_text(gemm(2, mr, 2 * w * 2 + w + 1, 24))  # last panel of W + 1 columns: both vectors
     fma = f"call <{w} x float> @llvm.fma.v{w}f32("
     # full panels (2 vectors per row) + the narrow last one (1 vector per row)
     assert nn.count(fma) == mr * 2 + mr and wide.count(fma) == mr * 2  # one tile, in place or packed
     half = llvm_text(gemm(2, 8, 19, 24, d=dt.float16, tb=True))
     assert "llvm.masked" not in half
+    # more row blocks an item: a third tile, which also stores B (the misaligned copy)
+    copying = llvm_text(gemm(2, 2 * mr, 2 * w * 2, 24))
+    assert copying.count(fma) == mr * 2 * 2 and "ptrtoint" in copying
 
 
 def test_k_not_a_multiple_of_the_transpose_block_keeps_panels_apart():
@@ -155,19 +159,29 @@ def offset_copy(x: np.ndarray, floats: int) -> np.ndarray:
     return out
 
 
+def run_ranges(ck, arrays, ranges, sizes=()):
+    """Call the kernel's entry on each [lo, hi) of `ranges` (as claiming threads do)."""
+    import ctypes
+
+    bufs = (ctypes.c_void_p * len(arrays))(*[id(x) if ck._by_object else x.ctypes.data for x in arrays])
+    csizes = (ctypes.c_int64 * max(1, len(sizes)))(*sizes)
+    for lo, hi in ranges:
+        ck._fn(bufs, csizes, lo, hi)
+
+
 @pytest.mark.parametrize("offset,d", [(0, dt.float32), (1, dt.float32), (4, dt.float32), (1, dt.float64)])
-def test_misaligned_b_rows_repacked_where_many_row_blocks_share_them(width, offset, d):
-    """B of contiguous columns is read in place where its rows are 64-byte aligned and
-    packed (aligned) where they are not and REPACK_BLOCKS row blocks or more read it; per
-    batch item (an item stride of 7 x 33 floats alternates the items' alignment), with a
-    narrow last panel, and below the row-block bound (read in place, misaligned)."""
+def test_misaligned_b_rows_copied_by_the_first_row_block(width, offset, d):
+    """B of contiguous columns is read in place where its rows are 64-byte aligned; where
+    they are not, the first row block of an item copies it (aligned) as it reads it and
+    the item's later blocks read the copy: per batch item (an item stride of 7 x 33
+    floats alternates the items' alignment), with a partial and a narrow last panel, one
+    row block per item (nothing to copy for), and k = 1."""
     npd = d.np_dtype
     mr, nr, w = microkernel.tile(np.dtype(npd).itemsize)
-    rows = microkernel.REPACK_BLOCKS * mr
     rng = np.random.default_rng(offset)
     tol = 1e-12 if d == dt.float64 else 1e-5
-    for batch, m, n, k in [(1, rows, 2 * nr, 9), (3, rows + 3, nr + 1, 7), (3, rows, 33, 7), (2, mr + 1, nr, 5),
-                           (2, rows, w + 2 * nr, 16)]:
+    for batch, m, n, k in [(1, 4 * mr, 2 * nr, 9), (3, 3 * mr + 3, nr + 1, 7), (3, 2 * mr, 33, 7),
+                           (2, mr, nr, 5), (2, mr + 1, w + 2 * nr, 16), (2, 2 * mr, nr, 1)]:
         a = rng.uniform(-1, 1, (batch, m, k)).astype(npd)
         b = offset_copy(rng.uniform(-1, 1, (batch, k, n)).astype(npd), offset)
         out = np.full((batch, m, n), np.nan, npd)
@@ -175,13 +189,34 @@ def test_misaligned_b_rows_repacked_where_many_row_blocks_share_them(width, offs
         np.testing.assert_allclose(out, product(a, b, False, False), rtol=tol, atol=tol)
 
 
-def test_symbolic_rows_decide_the_repack_at_run_time():
+@pytest.mark.parametrize("ranges", [[(0, 12)], [(0, 1), (1, 12)], [(0, 5), (5, 6), (6, 12)],
+                                    [(11, 12), (3, 7), (0, 3), (7, 11)], [(k, k + 1) for k in range(12)]])
+def test_misaligned_copy_for_any_cut_of_the_row_blocks(ranges):
+    """Threads claim ranges of row blocks that start and end inside an item: a range
+    copies an item's misaligned B only where it runs two or more of its blocks, and a
+    block that starts a range mid-item reads B in place (the copy is that call's own);
+    every cut, in any order, gives the product of one whole call, bit for bit."""
+    mr, nr, _ = microkernel.tile(4)
+    batch, m, n, k = 3, 4 * mr, 2 * nr + 3, 37  # 4 row blocks an item, 12 in all
+    ck = compiled(gemm(batch, m, n, k))
+    rng = np.random.default_rng(7)
+    a = rng.uniform(-1, 1, (batch, m, k)).astype(np.float32)
+    b = offset_copy(rng.uniform(-1, 1, (batch, k, n)).astype(np.float32), 4)
+    whole = np.full((batch, m, n), np.nan, np.float32)
+    run_ranges(ck, [a, b, whole], [(0, 12)])
+    np.testing.assert_allclose(whole, product(a, b, False, False), rtol=1e-5, atol=1e-5)
+    out = np.full((batch, m, n), np.nan, np.float32)
+    run_ranges(ck, [a, b, out], ranges)
+    np.testing.assert_array_equal(out, whole)
+
+
+def test_symbolic_rows_decide_the_copy_at_run_time():
     from tests.codegen.test_cpu_gemm import M
 
     mr, nr, _ = microkernel.tile(4)
     g = gemm(2, M, nr + 3, 6, sizes=("M",))
     assert "ptrtoint" in llvm_text(g)  # the alignment test is emitted
-    for m in (1, mr * microkernel.REPACK_BLOCKS + 5):
+    for m in (1, mr, 3 * mr + 5):
         rng = np.random.default_rng(m)
         a = rng.uniform(-1, 1, (2, m, 6)).astype(np.float32)
         b = offset_copy(rng.uniform(-1, 1, (2, 6, nr + 3)).astype(np.float32), 2)

@@ -14,8 +14,9 @@ miniature, written as LLVM IR with explicit vector types:
   registers (unit k stride: B^T, attention's q @ k^T), masked gathers (other strides),
   or element by element (low-precision B);
 - a B item read in place whose rows are not 64-byte aligned (numpy's larger arrays start
-  16 bytes past a page) is packed whole instead, aligned, where at least REPACK_BLOCKS
-  row blocks read it (vector loads that split cache lines cost 8-14% there);
+  16 bytes past a page; vector loads that split cache lines cost 15-20%) is copied,
+  aligned, by the first row block of the item a call runs: its tiles store the B vectors
+  they load into the pack buffer, and the item's later row blocks read that copy;
 - a last panel of at most W columns (n = 65: one) gets one vector of accumulators per
   row instead of NR/W when B is read in place; the k loop prefetches B's rows
   PREFETCH_ROWS ahead;
@@ -46,9 +47,6 @@ from kiln.ir import dtypes as dt
 
 MR = 6  # rows per register tile (16 vector registers: AVX2)
 MR_AVX512 = 8  # with 32 vector registers
-# a B item whose rows are not 64-byte aligned is packed (aligned) when at least this many
-# row blocks read it; fewer read it in place, vector loads split across cache lines
-REPACK_BLOCKS = 16
 PREFETCH_ROWS = 8  # the tile's k loop prefetches B this many rows ahead
 
 
@@ -115,17 +113,14 @@ class MicroEmitter(GemmEmitter):
         param = self.buffers[self.g.b][1]
         return sympy.sympify(self.g.b_strides[2]) == 1 and param.dtype == self.acc
 
-    def _repacks(self) -> bool:
-        """May a B that could be read in place be packed instead, because its rows are not
-        64-byte aligned (numpy's larger arrays start 16 bytes past a page boundary) and
-        enough row blocks share each packed item (static m >= REPACK_BLOCKS x MR, or
-        symbolic)? One thread, round-robin, us, B 16 bytes off: 512x64x192 79.9 in place,
-        70.3 packed; 128^3 28.9, 27.2; but 16 x 32x64x256 (4 row blocks an item) 120.7,
-        132.8."""
+    def _copies(self) -> bool:
+        """May a B read in place be copied, aligned, while the first row block of an item
+        reads it (`_body`)? B read in place, and more than one row block per item (static
+        m > MR, or symbolic)."""
         import sympy
 
         m = sympy.sympify(self.g.m)
-        return self._direct_b() and (not m.is_Integer or int(m) >= REPACK_BLOCKS * self.mr)
+        return self._direct_b() and (not m.is_Integer or int(m) > self.mr)
 
     def _body(self, fn: Fn) -> None:
         g, mr, nr = self.g, self.mr, self.nr
@@ -134,22 +129,26 @@ class MicroEmitter(GemmEmitter):
         esz = c(self.esize)
         npanels = fn.bin("sdiv", fn.bin("add", n, c(nr - 1)), c(nr))
         nblocks = fn.bin("sdiv", fn.bin("add", m, c(mr - 1)), c(mr))
-        direct, repacks = self._direct_b(), self._repacks()
+        direct, copies = self._direct_b(), self._copies()
         # packed panels: all of them, or only the partial last one when B is read in place
-        # (all of them again for an item whose rows are misaligned, where `repacks`)
+        # (all of them again where an item's misaligned rows are copied, `copies`)
         in_place_panels = fn.bin("sdiv", n, c(nr)) if direct else c(0)
-        packed = fn.bin("sub", npanels, in_place_panels) if direct and not repacks else npanels
+        packed = fn.bin("sub", npanels, in_place_panels) if direct and not copies else npanels
         kpad = self._k_rows(fn, k)
+        panel_size = fn.bin("mul", kpad, c(nr))
         # (64 bytes when nothing is packed: B read in place, n a multiple of NR)
-        size = fn.bin("add", fn.bin("mul", fn.bin("mul", fn.bin("mul", packed, kpad), c(nr)), esz), c(64))
+        size = fn.bin("add", fn.bin("mul", fn.bin("mul", packed, panel_size), esz), c(64))
         raw = fn.call("malloc", "ptr", [size])
         skew = fn.bin("and", fn.bin("sub", c(0), fn.cast("ptrtoint", raw, "i64")), c(63))
         pack_b = fn.gep("i8", raw, skew)  # 64-byte aligned panels
         tile_buf = fn.emit(f"alloca [{mr * nr} x {self.ty}], align 64", "ptr", "tile")
         sb0, sb1 = self._ix(fn, g.b_strides[0]), self._ix(fn, g.b_strides[1])
-        loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), carried=[c(-1), in_place_panels],
+        end = V("%end", "i64")
+        # carried: the item last seen, the first packed panel of its next row blocks, and
+        # the panel at the pack buffer's start (0 where an item's panels are all copied)
+        loop = CountedLoop(fn, V("%begin", "i64"), end, carried=[c(-1), in_place_panels, in_place_panels],
                            vectorize=False)
-        p, (last_b, first_before) = loop.begin()
+        p, (last_b, first_before, origin_before) = loop.begin()
         bi = fn.bin("sdiv", p, nblocks)
         i0 = fn.bin("mul", fn.bin("srem", p, nblocks), c(mr))
         left = fn.bin("sub", m, i0)
@@ -158,23 +157,41 @@ class MicroEmitter(GemmEmitter):
         before = fn.block
         fn.cbr(fn.icmp("ne", bi, last_b), pack, after)
         fn.start_block(pack)
-        first_item = in_place_panels
-        if repacks:  # this item's rows: aligned, or too few row blocks to repay a copy
+        no = const("i1", 0)
+        copy_now, origin = no, in_place_panels
+        if copies:
+            # an item whose rows are not 64-byte aligned (numpy's larger arrays start 16
+            # bytes past a page): vector loads of them split cache lines (16 x 32x64x256:
+            # 108 us against 92 aligned, one thread). Where another row block of the item
+            # follows in this call, this block's tiles store what they load into the pack
+            # buffer (aligned) and the following blocks read that copy
             addr = fn.cast("ptrtoint", fn.gep(self.ty, self.buffers[g.b][0], fn.bin("mul", bi, sb0)), "i64")
             off = fn.bin("and", fn.bin("or", addr, fn.bin("mul", sb1, esz)), c(63))
-            keep = fn.bin("or", fn.icmp("eq", off, c(0)), fn.icmp("slt", nblocks, c(REPACK_BLOCKS)))
-            first_item = fn.select(keep, in_place_panels, c(0))
-        self._pack_b(fn, pack_b, bi, k, n, first_item, npanels)
+            item_end = fn.bin("mul", fn.bin("add", bi, c(1)), nblocks)
+            stop = fn.select(fn.icmp("slt", end, item_end), end, item_end)
+            more = fn.icmp("sgt", fn.bin("sub", stop, p), c(1))
+            copy_now = fn.bin("and", fn.icmp("ne", off, c(0)), more)
+            origin = fn.select(copy_now, c(0), in_place_panels)
+        # the partial last panel (all panels where B is packed), at its place from `origin`
+        dst = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("sub", in_place_panels, origin), panel_size))
+        self._pack_b(fn, dst, bi, k, n, in_place_panels, npanels)
+        next_first = fn.select(copy_now, c(0), in_place_panels) if copies else in_place_panels
         packed_at = fn.block
         fn.br(after)
         fn.start_block(after)
-        first = fn.emit(f"phi i64 [ {first_item.ref}, %{packed_at} ], [ {first_before.ref}, %{before} ]", "i64")
+
+        def phi(ty, new, old):
+            return fn.emit(f"phi {ty} [ {new.ref}, %{packed_at} ], [ {old.ref}, %{before} ]", ty)
+        first = phi("i64", in_place_panels, first_before)  # this block reads in place below it
+        copying = phi("i1", copy_now, no)
+        origin = phi("i64", origin, origin_before)
+        carry_first = phi("i64", next_first, first_before)
         panels = CountedLoop(fn, c(0), npanels, vectorize=False)
         jp, _ = panels.begin()
         j0 = fn.bin("mul", jp, c(nr))
         cleft = fn.bin("sub", n, j0)
         cols = fn.select(fn.icmp("slt", cleft, c(nr)), cleft, c(nr))
-        packed_base = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("mul", fn.bin("sub", jp, first), kpad), c(nr)))
+        packed_base = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("sub", jp, origin), panel_size))
         tiled = fn.new_label("tiled")
         b_base, b_row = packed_base, c(nr)
         if direct:  # one tile for in-place and packed panels: their base and row stride
@@ -182,6 +199,13 @@ class MicroEmitter(GemmEmitter):
             at = fn.gep(self.ty, self.buffers[g.b][0], fn.bin("add", fn.bin("mul", bi, sb0), j0))
             b_base = fn.emit(f"select i1 {in_place.ref}, ptr {at.ref}, ptr {packed_base.ref}", "ptr")
             b_row = fn.select(in_place, sb1, c(nr))
+        if copies:  # the first of an item's misaligned blocks: read in place, copy aligned
+            copy_tile, plain = fn.new_label("bcopy"), fn.new_label("bplain")
+            fn.cbr(fn.bin("and", copying, in_place), copy_tile, plain)
+            fn.start_block(copy_tile)
+            self._tile(fn, at, sb1, tile_buf, bi, i0, m, k, copy_to=packed_base)
+            fn.br(tiled)
+            fn.start_block(plain)
         if direct and self._narrow_last():
             # a partial last panel of at most W columns: one vector per row covers it
             # (1 x 512x65x64: 39.0 -> 35.1 us)
@@ -198,7 +222,7 @@ class MicroEmitter(GemmEmitter):
         fn.start_block(tiled)
         self._epilogue(fn, tile_buf, c(self.nr), bi, i0, rows, j0, cols, m, n)
         panels.end()
-        loop.end([bi, first])
+        loop.end([bi, carry_first, origin])
         fn.call("free", "void", [raw])
 
     def _narrow_last(self) -> bool:
@@ -378,12 +402,14 @@ class MicroEmitter(GemmEmitter):
         jl.end()
         kl.end()
 
-    def _tile(self, fn, b_base, b_row, tile_buf, bi, i0, m, k, vectors: int | None = None) -> None:
+    def _tile(self, fn, b_base, b_row, tile_buf, bi, i0, m, k, vectors: int | None = None,
+              copy_to: V | None = None) -> None:
         """tile[ii * NR + jj] = sum_kk A[bi, i0 + ii, kk] * B(kk, jj) with B's vector v of
         row kk at b_base + kk * b_row + v * W: MR x NR/W vector accumulators carried
         through the k loop (`vectors`: only the first that many of the NR/W, for a narrow
         last panel). A is read in place (rows past m repeat row m - 1; the epilogue never
-        stores them)."""
+        stores them). `copy_to`: B's vectors are also stored there as a packed panel
+        (row kk at copy_to + kk * NR, 64-byte aligned), for the item's next row blocks."""
         mr, nr, w, vty = self.mr, self.nr, self.w, self.vty
         nv = vectors or nr // w
         sa0, sa1, sa2 = (self._ix(fn, s) for s in self.g.a_strides)
@@ -399,6 +425,11 @@ class MicroEmitter(GemmEmitter):
         brow = fn.bin("mul", kk, b_row)
         bvecs = [fn.load(vty, fn.gep(self.ty, b_base, fn.bin("add", brow, const("i64", v * w))), self.esize)
                  for v in range(nv)]
+        if copy_to is not None:  # (the store ports are idle in this loop)
+            row = fn.bin("mul", kk, const("i64", nr))
+            for v in range(nv):
+                fn.store(bvecs[v], fn.gep(self.ty, copy_to, fn.bin("add", row, const("i64", v * w))),
+                         min(64, w * self.esize))
         koff = fn.bin("mul", kk, sa2)
         # B's row PREFETCH_ROWS ahead into L1 (a prefetch past B's end does not fault):
         # 16 x 32x64x256, B rows 256 bytes apart, 105.8 -> 100.2 us; others within 3%
