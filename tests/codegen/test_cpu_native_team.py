@@ -163,3 +163,45 @@ def test_the_team_grows_with_set_num_threads(kernel):
         np.testing.assert_array_equal(_run(kernel, split, 100_003, 64, kn.get_num_threads()), 1)
     finally:
         kn.set_num_threads(before)
+
+
+def test_the_timeline_records_each_region(kernel):
+    """`start_trace`/`stop_trace`: one record per region (its units, the caller's share,
+    timestamps in order on CLOCK_MONOTONIC), one per wake of sleeping workers, nothing
+    once stopped; the regions' results are unchanged while tracing."""
+    native_pool._built()
+    assert native_team.stop_trace() == []  # never started
+    assert native_team.start_trace(capacity=16)
+    before = time.monotonic_ns()
+    np.testing.assert_array_equal(_run(kernel, native_pool.parallel_for(), 100_000, 64, 2), 1)
+    np.testing.assert_array_equal(_run(kernel, native_pool.parallel_claim(), 1000, 64, 2), 1)
+    regions = native_team.stop_trace()
+    after = time.monotonic_ns()
+    assert [r["kind"] for r in regions] == ["cut", "claim"]
+    assert [r["units"] for r in regions] == [2, 16]  # 1000 points claimed 64 at a time
+    for r in regions:
+        assert before <= r["start"] <= r["own_done"] <= r["end"] <= after
+        assert 0 <= r["by_caller"] <= r["units"]
+        # a worker's first claim, where one claimed, falls inside the region
+        assert r["first_claim"] == 0 or r["start"] <= r["first_claim"] <= r["end"]
+        if r["by_caller"] < r["units"]:  # a worker ran the rest
+            assert r["first_claim"] > 0
+    # the buffer holds at most `capacity` records; stopped, nothing more is recorded
+    assert native_team.start_trace(capacity=2)
+    for _ in range(5):
+        _run(kernel, native_pool.parallel_for(), 10_000, 64, 2)
+    assert len(native_team.stop_trace()) == 2
+    _run(kernel, native_pool.parallel_for(), 10_000, 64, 2)
+    assert native_team.stop_trace() == []
+
+
+def test_the_timeline_shows_a_wake_of_sleeping_workers():
+    native_pool._built()
+    team = native_team._state["team"]
+    deadline = time.monotonic() + 10
+    while _word(team, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the workers spin SPIN_US after their last region, then sleep
+    assert native_team.start_trace()
+    native_pool.wake()
+    regions = native_team.stop_trace()
+    assert [r["kind"] for r in regions] == ["wake"] and regions[0]["units"] == 0

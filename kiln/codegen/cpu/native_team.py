@@ -32,6 +32,12 @@ sleeping workers wake while the first launches run serial. One caller at a time 
 the team (a lock word); a second caller, concurrent on another Python thread, runs its
 region on its own thread.
 
+`start_trace()` / `stop_trace()` record a timeline of the regions (when published, when
+the caller's own units were done, when every unit was, how many units the caller ran,
+when a worker first claimed one) and of `wake()`s: what a step pays for sleeping
+workers (benchmarks/bench_wakeups.py). Off, it costs one load of a null pointer per
+region and per claimed unit.
+
 Linux only (futex; x86-64 and AArch64 syscall numbers); elsewhere `available()` is
 False and split launches use GNU OpenMP or kiln's Python pool. A child forked after the
 team started has no workers (threads do not survive `fork`): it starts a team of its own
@@ -59,10 +65,12 @@ SPIN_US = int(os.environ.get("KILN_TEAM_SPIN_US", "5000"))
 MAX_UNITS = (1 << 20) - 1  # the claim word holds 20-bit unit counts
 _FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 _PAUSE = {"x86_64": "call void @llvm.x86.sse2.pause()", "amd64": "call void @llvm.x86.sse2.pause()"}
-_WORDS = 80  # the team's memory, in i64 words (64 used, 64-byte aligned within)
+_WORDS = 80  # the team's memory, in i64 words (72 used, 64-byte aligned within)
+TRACE_WORDS = 7  # a timeline record: t0, t1, t2, units, caller's units, first claim, kind
+WAKE_KIND = 2  # a record's kind: 0 static cut, 1 claimed units, 2 a wake without a region
 
 # word offsets in the team's memory (each contended word on a cache line of its own)
-SEQ, SLEEPERS, CLAIM, DONE, FIELDS, STOP, OWNER = 0, 8, 16, 24, 32, 48, 56
+SEQ, SLEEPERS, CLAIM, DONE, FIELDS, STOP, OWNER, TRACE_CLAIM = 0, 8, 16, 24, 32, 48, 56, 64
 FN, BUFS, SIZES, TOTAL, UNIT, NUNITS, MODE, NTHREADS = range(FIELDS, FIELDS + 8)
 
 
@@ -111,6 +119,7 @@ def team_ir() -> str:
     pause = _PAUSE.get(machine, "")
     return f"""
 @kiln_team_ptr = internal global ptr null
+@kiln_team_trace = internal global ptr null
 @kiln_team_wait = private constant [2 x i64] [i64 0, i64 100000000]
 declare i64 @syscall(i64, ...)
 declare i32 @clock_gettime(i32, ptr)
@@ -126,6 +135,46 @@ entry:
   %a = mul i64 %s, 1000000000
   %r = add i64 %a, %ns
   ret i64 %r
+}}
+
+; the timeline (`trace`): append record [t0, t1, t2, units, caller's units, first worker
+; claim, kind] to the buffer [count, capacity, records...], while there is room
+define internal void @team_record(ptr %buf, i64 %t0, i64 %t1, i64 %t2, i64 %n, i64 %mine, i64 %claim,
+                                  i64 %kind) {{
+entry:
+  %count = load i64, ptr %buf
+  %pcap = getelementptr i64, ptr %buf, i64 1
+  %cap = load i64, ptr %pcap
+  %room = icmp slt i64 %count, %cap
+  br i1 %room, label %put, label %exit
+put:
+  %base0 = mul i64 %count, {TRACE_WORDS}
+  %base = add i64 %base0, 2
+  %p0 = getelementptr i64, ptr %buf, i64 %base
+  store i64 %t0, ptr %p0
+  %p1 = getelementptr i64, ptr %p0, i64 1
+  store i64 %t1, ptr %p1
+  %p2 = getelementptr i64, ptr %p0, i64 2
+  store i64 %t2, ptr %p2
+  %p3 = getelementptr i64, ptr %p0, i64 3
+  store i64 %n, ptr %p3
+  %p4 = getelementptr i64, ptr %p0, i64 4
+  store i64 %mine, ptr %p4
+  %p5 = getelementptr i64, ptr %p0, i64 5
+  store i64 %claim, ptr %p5
+  %p6 = getelementptr i64, ptr %p0, i64 6
+  store i64 %kind, ptr %p6
+  %c1 = add i64 %count, 1
+  store i64 %c1, ptr %buf
+  br label %exit
+exit:
+  ret void
+}}
+
+define void @kiln_team_set_trace(ptr %buf) {{
+entry:
+  store atomic ptr %buf, ptr @kiln_team_trace seq_cst, align 8
+  ret void
 }}
 
 ; run unit %i of the region now published (its fields are read after the unit's claim)
@@ -155,12 +204,14 @@ done:
   ret void
 }}
 
-; claim and run units of the region tagged %tag until none is left (or it is over)
-define internal void @team_work(ptr %t, i64 %tag) {{
+; claim and run units of the region tagged %tag until none is left (or it is over); the
+; units it ran. A worker (%worker) stamps its first claim of the region while tracing.
+define internal i64 @team_work(ptr %t, i64 %tag, i1 %worker) {{
 entry:
   %pc = {_w(CLAIM)}
   br label %head
 head:
+  %ran = phi i64 [ 0, %entry ], [ %ran1, %run ], [ %ran, %take ]
   %v = load atomic i64, ptr %pc acquire, align 8
   %vtag = lshr i64 %v, 40
   %mine = icmp eq i64 %vtag, %tag
@@ -175,12 +226,25 @@ take:
   %v1 = add i64 %v, 1
   %r = cmpxchg ptr %pc, i64 %v, i64 %v1 acq_rel acquire
   %ok = extractvalue {{ i64, i1 }} %r, 1
-  br i1 %ok, label %run, label %head
+  br i1 %ok, label %stamp, label %head
+stamp:
+  %tr = load atomic ptr, ptr @kiln_team_trace monotonic, align 8
+  %tracing = icmp ne ptr %tr, null
+  %first = icmp eq i64 %ran, 0
+  %w1 = and i1 %tracing, %worker
+  %w2 = and i1 %w1, %first
+  br i1 %w2, label %claimed, label %run
+claimed:
+  %pcl = {_w(TRACE_CLAIM)}
+  %tc = call i64 @team_now()
+  %xc = cmpxchg ptr %pcl, i64 0, i64 %tc monotonic monotonic
+  br label %run
 run:
   call void @team_unit(ptr %t, i64 %i)
+  %ran1 = add i64 %ran, 1
   br label %head
 exit:
-  ret void
+  ret i64 %ran
 }}
 
 ; a worker: wait for a new region (spin %spin_ns, then sleep on the futex), take part
@@ -258,7 +322,7 @@ got:
 work:
   %sz = zext i32 %sg to i64
   %tag = and i64 %sz, 16777215
-  call void @team_work(ptr %t, i64 %tag)
+  %wr = call i64 @team_work(ptr %t, i64 %tag, i1 true)
   br label %wait
 exit:
   ret void
@@ -306,6 +370,16 @@ lock:
   %got = extractvalue {{ i64, i1 }} %lk, 1
   br i1 %got, label %publish, label %serial
 publish:
+  %trace = load atomic ptr, ptr @kiln_team_trace monotonic, align 8
+  %tracing = icmp ne ptr %trace, null
+  br i1 %tracing, label %stamp0, label %fields
+stamp0:
+  %pcl = {_w(TRACE_CLAIM)}
+  store atomic i64 0, ptr %pcl monotonic, align 8
+  %ts0 = call i64 @team_now()
+  br label %fields
+fields:
+  %t0 = phi i64 [ 0, %publish ], [ %ts0, %stamp0 ]
   %pfn = {_w(FN)}
   store ptr %fn, ptr %pfn
   %pb = {_w(BUFS)}
@@ -343,15 +417,27 @@ wake:
   %w = call i64 (i64, ...) @syscall(i64 {futex}, ptr %pseq, i64 129, i64 2147483647)
   br label %work
 work:
-  call void @team_work(ptr %t, i64 %tag)
+  %mine = call i64 @team_work(ptr %t, i64 %tag, i1 false)
+  br i1 %tracing, label %stamp1, label %join
+stamp1:
+  %ts1 = call i64 @team_now()
   br label %join
 join:
+  %t1 = phi i64 [ 0, %work ], [ %ts1, %stamp1 ], [ %t1, %jrelax ]
   %d = load atomic i64, ptr %pd acquire, align 8
   %all = icmp uge i64 %d, %n
-  br i1 %all, label %unlock, label %jrelax
+  br i1 %all, label %joined, label %jrelax
 jrelax:
   {pause}
   br label %join
+joined:
+  br i1 %tracing, label %record, label %unlock
+record:
+  %ts2 = call i64 @team_now()
+  %pcl2 = {_w(TRACE_CLAIM)}
+  %claim = load atomic i64, ptr %pcl2 monotonic, align 8
+  call void @team_record(ptr %trace, i64 %t0, i64 %t1, i64 %ts2, i64 %n, i64 %mine, i64 %claim, i64 %mode)
+  br label %unlock
 unlock:
   store atomic i64 0, ptr %po release, align 8
   ret void
@@ -395,6 +481,12 @@ bump:
   store atomic i32 %s1, ptr %pseq seq_cst, align 8
   %w = call i64 (i64, ...) @syscall(i64 {futex}, ptr %pseq, i64 129, i64 2147483647)
   store atomic i64 0, ptr %po release, align 8
+  %trace = load atomic ptr, ptr @kiln_team_trace monotonic, align 8
+  %tracing = icmp ne ptr %trace, null
+  br i1 %tracing, label %record, label %exit
+record:
+  %tw = call i64 @team_now()
+  call void @team_record(ptr %trace, i64 %tw, i64 %tw, i64 %tw, i64 0, i64 0, i64 0, i64 {WAKE_KIND})
   br label %exit
 exit:
   ret void
@@ -473,7 +565,8 @@ def publish(engine, workers: int) -> Team:
             if team is None or team.pid != os.getpid():
                 team = Team(engine)
                 set_team = STOP_FN(engine.address("kiln_team_publish"))
-                _state.update(team=team, publish=set_team, wake=VOID_FN(engine.address("kiln_team_wake")))
+                _state.update(team=team, publish=set_team, wake=VOID_FN(engine.address("kiln_team_wake")),
+                              set_trace=STOP_FN(engine.address("kiln_team_set_trace")))
                 team.grow(workers)
                 set_team(team.address)
                 return team
@@ -488,6 +581,43 @@ def wake() -> None:
     fn = _state.get("wake")
     if fn is not None and _state["team"].pid == os.getpid():
         fn()
+
+
+def start_trace(capacity: int = 1 << 16) -> bool:
+    """Record a timeline of the team's regions from now on (a debugging and benchmarking
+    aid; `stop_trace` returns it): up to `capacity` records. False where this process has
+    no team (kiln's team unavailable, or no split glue built yet)."""
+    set_trace = _state.get("set_trace")
+    if set_trace is None or _state["team"].pid != os.getpid():
+        return False
+    buf = (ctypes.c_int64 * (2 + TRACE_WORDS * capacity))()
+    buf[1] = capacity
+    set_trace(None)
+    _state["trace"] = buf
+    set_trace(ctypes.addressof(buf))
+    return True
+
+
+def stop_trace() -> list[dict]:
+    """Stop recording; the timeline since `start_trace`, one dict per region (or wake):
+    `start`, `own_done`, `end` (CLOCK_MONOTONIC ns, as `time.monotonic_ns()`: the region
+    published, the caller's own units done, every unit done), `units`, `by_caller`,
+    `first_claim` (a worker's first claim, 0: none claimed), `kind` ("cut", "claim",
+    "wake": a prepared call's `wake()` of sleeping workers).
+
+    >>> native_team.start_trace(); step(); regions = native_team.stop_trace()
+    """
+    set_trace, buf = _state.get("set_trace"), _state.pop("trace", None)
+    if set_trace is None or buf is None:
+        return []
+    set_trace(None)
+    kinds = {0: "cut", 1: "claim", WAKE_KIND: "wake"}
+    out = []
+    for k in range(min(buf[0], buf[1])):
+        r = buf[2 + k * TRACE_WORDS: 2 + (k + 1) * TRACE_WORDS]
+        out.append({"start": r[0], "own_done": r[1], "end": r[2], "units": r[3], "by_caller": r[4],
+                    "first_claim": r[5], "kind": kinds.get(r[6], str(r[6]))})
+    return out
 
 
 def _after_fork_in_child() -> None:
