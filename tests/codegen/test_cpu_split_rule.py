@@ -418,3 +418,122 @@ def test_a_verdict_taken_on_one_pair_is_checked_once_more(two_threads, monkeypat
     assert s.verdict is True
     clock[0] += split_rule.REMEASURE_S
     assert s.decided() and s.next() == (2, True)  # kept: same load, confirmed
+
+
+def _pairs(s: Split, times: list[tuple[int, int]]) -> None:
+    """Report (split, serial) trial pairs to `s`, in the order it asks for them."""
+    for split_ns, serial_ns in times:
+        for n in (2, 1):
+            assert s.next() == (n, True)
+            s.report(n, split_ns if n > 1 else serial_ns)
+
+
+def test_a_large_claimed_split_measures_more_pairs_before_a_serial_verdict(two_threads, monkeypatch):
+    """A GEMM's claimed split whose serial call takes LARGE_NS or more: three unlucky
+    split trials (its worker's core held by another library's spinning threads) do not
+    give the serial verdict; a clean one among the next pairs splits it. A small launch,
+    or a loop kernel's, decides on three pairs as before."""
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: 0.0)
+    unlucky = [(140_000, 110_000)] * TRIALS
+    s = Split(True, 4, None)
+    assert s.next() == (1, False)  # the warm-up
+    _pairs(s, unlucky)
+    assert s.verdict is None  # measured on
+    assert s.next() == (2, True)
+    s.report(2, 60_000)  # a clean split: the verdict at once
+    assert s.verdict is True and s.next() == (2, True)
+    s = Split(True, 4, None)
+    s.next()
+    _pairs(s, unlucky + [(140_000, 110_000)] * (split_rule.LARGE_TRIALS - TRIALS))
+    assert s.verdict is False  # LARGE_TRIALS pairs, none a win: serial
+    s = Split(True, 4, None)
+    s.next()
+    _pairs(s, [(150_000, 110_000)])  # 1.36x: serial at once for a small launch, not here
+    assert s.verdict is None
+    for large, small in ((Split(True, 4, None), (110_000, 90_000)), (Split(False, 64, None), (140_000, 110_000))):
+        large.next()
+        _pairs(large, [small] * TRIALS)
+        assert large.verdict is False
+
+
+def test_a_large_launch_serial_verdict_is_measured_again_on_a_doubling_schedule(two_threads, monkeypatch):
+    """At the same load of other processes: a large claimed split's serial verdict is
+    measured again after RECHECK_S, after twice as long once that repeats it, and from
+    RECHECK_S again after a split verdict; a small launch's serial verdict is kept until
+    REMEASURE_S (and then only where the load changed)."""
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: 0.0)
+    clock = [1000.0]
+    monkeypatch.setattr(split_rule.time, "monotonic", lambda: clock[0])
+    lose = [(140_000, 110_000)] * split_rule.LARGE_TRIALS
+    s = Split(True, 4, None)
+    s.next()
+    _pairs(s, lose)
+    assert s.verdict is False
+    clock[0] += split_rule.RECHECK_S * 0.9
+    assert s.decided()
+    clock[0] += split_rule.RECHECK_S * 0.2
+    assert not s.decided()
+    _pairs(s, lose)  # no warm-up call; the same verdict: the next check twice as late
+    assert s.verdict is False
+    clock[0] += split_rule.RECHECK_S * 1.5
+    assert s.decided()
+    clock[0] += split_rule.RECHECK_S * 0.6
+    assert not s.decided()
+    _pairs(s, [(60_000, 110_000)] * TRIALS)
+    assert s.verdict is True
+    clock[0] += split_rule.RECHECK_S * 10
+    assert s.decided() and s.next() == (2, True)  # a split verdict: kept
+    small = Split(True, 4, None)
+    small.next()
+    _pairs(small, [(110_000, 90_000)] * TRIALS)
+    assert small.verdict is False
+    clock[0] += split_rule.REMEASURE_S * 0.9
+    assert small.decided() and small.next() == (1, False)
+
+
+def test_a_wait_for_a_core_backs_off_briefly_unless_other_processes_are_busy(two_threads, monkeypatch):
+    """A split that waited for a core while no other process keeps a CPU busy (another
+    library's threads spinning in this process, a burst): regions back off
+    SHORT_BACKOFF_S, doubled per repeated wait within RELAX_S, up to BACKOFF_S, and short
+    again after a quiet spell; where other processes are busy, BACKOFF_S at once."""
+    others = [0.0]
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: others[0])
+    clock = [5000.0]
+    monkeypatch.setattr(split_rule.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(threads, "_dynamic", True)
+    monkeypatch.setattr(threads, "others_busy_cpus", lambda: 0.0)
+    monkeypatch.setattr(threads, "_backoff_until", 0.0)
+    monkeypatch.setattr(split_rule, "_backoff", [split_rule.SHORT_BACKOFF_S, float("-inf")])
+    lengths = []
+    for _ in range(8):
+        lengths.append(split_rule.waited())
+        assert threads.parallel_threads() == 1
+        clock[0] += lengths[-1] + 0.01
+        assert threads.parallel_threads() == 2  # over: split again
+    short = split_rule.SHORT_BACKOFF_S
+    assert lengths[:3] == [short, 2 * short, 4 * short] and lengths[-1] == threads.BACKOFF_S
+    assert all(b == min(2 * a, threads.BACKOFF_S) for a, b in zip(lengths, lengths[1:]))
+    clock[0] += split_rule.RELAX_S + 0.1  # a quiet spell
+    assert split_rule.waited() == short
+    others[0] = 1.0  # another process holds a CPU: the core is taken for good
+    clock[0] += split_rule.RELAX_S + 1.0
+    assert split_rule.waited() == threads.BACKOFF_S
+
+
+def test_a_split_that_waited_reports_through_the_back_off_rule(two_threads, monkeypatch):
+    """Both places a wait is seen (a trial, a split after the verdict) back off through
+    `waited`."""
+    calls = []
+    monkeypatch.setattr(split_rule, "waited", lambda: calls.append(1))
+    s = Split(False, 1, 2)
+    s.next()  # the warm-up
+    _pairs(s, [(60_000, 50_000)])
+    assert s.next() == (2, True)
+    s.report(2, 3_000_000)  # a trial 60x the serial one
+    assert calls == [1]
+    s = Split(False, 1, 2)
+    _measure(s, serial_ns=100_000, split_ns=50_000)
+    assert s.next() == (2, True)
+    s.report(2, 2_700_000)
+    assert calls == [1, 1]

@@ -25,12 +25,18 @@ changes (`epoch()`). After `REMEASURE_S` it is measured again only if the CPU ti
 processes take changed by `LOAD_CHANGE` CPUs or more since it was taken (a verdict
 taken in a quiet minute holds while the machine stays as it was), or if it was taken
 on one pair and not yet confirmed (so a pair a load spike decided is not kept for
-ever), and then without a warm-up call. A launch that cannot be measured (no CPU idle for `UNTRIED` of its calls)
+ever), and then without a warm-up call; a serial verdict of a large claimed split
+(`LARGE_NS`: a GEMM's items or panels) is measured again sooner, on a doubling schedule
+from `RECHECK_S`, and its trials run to `LARGE_TRIALS` pairs before it is given (another
+library's threads spinning in this process after its calls take a trial's core for a
+moment). A launch that cannot be measured (no CPU idle for `UNTRIED` of its calls)
 runs serial for `RETRY_S`, then is tried again. A split call after the verdict is timed
-too: one `SLOW` times its best split (a thread waited for a core another process took,
-in a burst shorter than the load sampling) makes regions back off to one thread for a
-while (`threads.back_off`), and so does a split trial `SLOW` times the launch's best
-serial one (the other trials wait: a launch that cannot be measured runs serial). `kiln.runtime.threads.set_split_policy("always" | "never")`
+too: one `SLOW` times its best split (a thread waited for a core, taken by another process
+in a burst shorter than the load sampling, or by another library's threads spinning in
+this process) makes regions back off to one thread for a while (`waited`: long where
+other processes are busy, short and growing where they are not), and so does a split
+trial `SLOW` times the launch's best serial one (the other trials wait: a launch that
+cannot be measured runs serial). `kiln.runtime.threads.set_split_policy("always" | "never")`
 replaces the measurement by the model alone, or by no splits.
 
     >>> s = Split(claim=False, unit=64, max_threads=2)
@@ -42,7 +48,8 @@ from __future__ import annotations
 
 import time
 
-from kiln.runtime.threads import back_off, get_num_threads, others_busy_cpus, parallel_threads, split_policy
+from kiln.runtime.threads import (BACKOFF_S, back_off, get_num_threads, others_busy_cpus, parallel_threads,
+                                  split_policy)
 
 TRIALS = 3  # timed calls of each kind before the verdict, where the first pair leaves doubt
 WIN = 0.9  # split where its best time is below 0.9 x the best serial time
@@ -72,7 +79,51 @@ UNTRIED = 4  # calls that could not be measured (no idle CPU) before a serial ve
 SLOW = 3.0
 SLOW_NS = 200_000
 RETRY_S = 1.0  # a launch that could not be measured is tried again after this long
+# A claimed split (a GEMM's batch items or panels) whose serial call takes LARGE_NS or
+# more is one the model expects to win (a region costs 10-60 us). In a process that also
+# runs torch or OpenBLAS their workers spin ~1-20 ms after each of their calls, and a
+# trial whose worker finds its core taken by one runs no faster than serial: the batched
+# GEMM of bench_call.py (16 x 32x64x256, ~110 us serial) split 51-68 us at best and
+# 120-160 by median beside them, and kept a serial verdict taken on three unlucky
+# trials for the rest of the run. So such a launch measures up to LARGE_TRIALS pairs
+# before a serial verdict, and a serial verdict of it is measured again after
+# RECHECK_S, then after twice as long each time a new measurement repeats it (up to
+# REMEASURE_S), whatever the load of other processes.
+LARGE_NS = 100_000
+LARGE_TRIALS = 6
+RECHECK_S = 1.0
 RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3% or more
+# How long regions back off after a split that waited for a core. Where other processes
+# keep a CPU busy (LOAD_CHANGE or more over the last load window) the core is taken for
+# good: BACKOFF_S at once. Where they do not, what took it is this process's own: another
+# library's threads spinning after its calls (torch's OpenMP workers spin ~1-20 ms after
+# each torch call, OpenBLAS's too), a burst that ends soon: SHORT_BACKOFF_S, doubled for
+# each wait within RELAX_S of the back-off before, up to BACKOFF_S. (Beside torch 2t in
+# one process, 200 calls a turn, the batched GEMM's first split of each kiln turn waited
+# ~3 ms and the 0.5 s back-off kept every later turn serial: 120 us a call against 65.)
+SHORT_BACKOFF_S = 0.02
+RELAX_S = 1.0
+_backoff = [SHORT_BACKOFF_S, float("-inf")]  # the last back-off's length, and when it began
+
+
+def waited() -> float:
+    """A split waited for a core: regions back off (`threads.back_off`) for as long as
+    the cause calls for (above); returns that many seconds.
+
+    >>> waited()   # no other process busy, no wait just before: SHORT_BACKOFF_S
+    0.02
+    """
+    now = time.monotonic()
+    length, began = _backoff
+    if others_busy_cpus() >= LOAD_CHANGE:
+        length = BACKOFF_S
+    elif now - began < length + RELAX_S:
+        length = min(2 * length, BACKOFF_S)
+    else:
+        length = SHORT_BACKOFF_S
+    _backoff[:] = [length, now]
+    back_off(length)
+    return length
 
 
 def epoch() -> tuple:
@@ -106,7 +157,7 @@ class Split:
 
     __slots__ = ("claim", "unit", "max_threads", "sure", "win", "verdict", "_serial", "_split",
                  "_warm", "_untried", "_untried_at", "_generation", "_decided_at", "_load_at", "_best",
-                 "_quick", "_last")
+                 "_quick", "_last", "_recheck_s")
 
     def __init__(self, claim: bool, unit: int, max_threads: int | None, sure: bool = False,
                  win: float = WIN):
@@ -114,6 +165,7 @@ class Split:
         self.sure, self.win = sure, win
         self._last = None  # the verdict measured before the last reset
         self._decided_at = None
+        self._recheck_s = RECHECK_S  # when a large launch's serial verdict is measured again
         self._reset()
 
     def _reset(self, warm: bool = False) -> None:
@@ -136,12 +188,22 @@ class Split:
         yet confirmed, or the load other processes put on the machine changed by
         LOAD_CHANGE CPUs since? (Old, confirmed and taken under today's load: kept, for
         another REMEASURE_S.)"""
-        if self._decided_at is None or time.monotonic() - self._decided_at < REMEASURE_S:
+        if self._decided_at is None:
+            return False
+        age = time.monotonic() - self._decided_at
+        if self.verdict is False and age >= self._recheck_s and self._large():
+            return True  # a serial verdict the model doubts: measured again on schedule
+        if age < REMEASURE_S:
             return False
         if not self._quick and abs(others_busy_cpus() - self._load_at) < LOAD_CHANGE:
             self._decided_at = time.monotonic()
             return False
         return True
+
+    def _large(self) -> bool:
+        """Is this a claimed split whose serial call took LARGE_NS or more (one the model
+        expects to win, measured longer and its serial verdict again on schedule)?"""
+        return self.claim and bool(self._serial) and min(self._serial) >= LARGE_NS
 
     def _stale(self) -> bool:
         """Is the verdict to be measured anew: a new epoch, an unmeasured verdict over
@@ -195,7 +257,7 @@ class Split:
             best = self._best
             if threads > 1:
                 if best is not None and ns > SLOW * best and ns > best + SLOW_NS:
-                    back_off()
+                    waited()
                 elif best is None or ns < best:
                     self._best = ns
             return
@@ -204,17 +266,25 @@ class Split:
             self._best = ns if self._best is None else min(self._best, ns)
             serial = min(self._serial) if self._serial else None
             if serial is not None and ns > SLOW * serial and ns > serial + SLOW_NS:
-                back_off()  # a trial that waited for a core: no more trials for a while
+                waited()  # a trial that waited for a core: no more trials for a while
         else:
             self._serial.append(ns)
         quick = len(self._split) == 1 and len(self._serial) == 1
         if quick:
             verdict = decisive(self._serial[0], self._split[0])
+            if verdict is False and self._large():
+                verdict = None  # one unlucky pair does not make a large launch serial
         elif len(self._split) >= TRIALS and len(self._serial) >= TRIALS:
             verdict = min(self._split) < self.win * min(self._serial)
+            if not verdict and self._large() and len(self._serial) < LARGE_TRIALS:
+                return  # one clean split (its worker had a core) among a few more pairs
         else:
             return
         if verdict is not None:
+            # a large launch's serial verdict is measured again after RECHECK_S, and
+            # after twice as long each time it repeats the one before
+            self._recheck_s = RECHECK_S if verdict or self._last is not False else \
+                min(2 * self._recheck_s, REMEASURE_S)
             # one pair's verdict is measured again (one pair) after REMEASURE_S whatever
             # the load, unless it repeats the verdict measured before
             self.verdict, self._quick = verdict, quick and self._last is not verdict
