@@ -147,3 +147,40 @@ def test_the_glue_is_readied_on_its_own_thread_before_the_build(data, monkeypatc
             small.add(k)
         blob = small.finish(kernels)
         assert len(cache_elf.unpack_objects(blob)) == parts and ran == ([1] if parts > 1 else [])
+
+
+def test_quick_gil_handoffs_while_a_stream_is_open(data):
+    """Python's switch interval is SWITCH_INTERVAL_S from a stream's creation until its
+    finish() returns (build threads take the GIL between llvmlite calls without waiting
+    5 ms each), then what it was; a stream dropped unfinished (a lowering error) puts it
+    back too, and a lower interval the caller chose is kept."""
+    import gc
+    import sys
+
+    x, w = data
+    backend = CpuBackend(CpuOptions(threads=2))
+    program = compile_graph(kn.trace(many_kernels, x, w), "cpu", build=False).program
+    kernels = [backend.legalize(k) for k in program.kernels.values()]
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        stream = stream_build.StreamingBuild(backend)
+        assert sys.getswitchinterval() == pytest.approx(stream_build.SWITCH_INTERVAL_S, abs=2e-6)
+        inner = stream_build.StreamingBuild(backend)  # two open: the first finish keeps it low
+        for k in kernels:
+            stream.add(k)
+        blob = stream.finish(kernels)
+        assert sys.getswitchinterval() == pytest.approx(stream_build.SWITCH_INTERVAL_S, abs=2e-6)
+        del inner
+        gc.collect()
+        assert sys.getswitchinterval() == pytest.approx(0.005, abs=2e-6)
+        compiled = dict(zip(program.kernels, backend.load_object_code(kernels, blob)))
+        from kiln.runtime.executor import Executable
+
+        for got, want in zip(Executable(program, compiled).run([x, w], {}), oracle(x, w)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        sys.setswitchinterval(0.0001)  # already quicker: left alone
+        stream_build.StreamingBuild(backend).finish(kernels)
+        assert sys.getswitchinterval() == pytest.approx(0.0001, abs=2e-6)
+    finally:
+        sys.setswitchinterval(before)
