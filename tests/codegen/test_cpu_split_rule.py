@@ -457,10 +457,11 @@ def test_a_large_claimed_split_measures_more_pairs_before_a_serial_verdict(two_t
 
 
 def test_a_large_launch_serial_verdict_is_measured_again_on_a_doubling_schedule(two_threads, monkeypatch):
-    """At the same load of other processes: a large claimed split's serial verdict is
+    """While no other process holds a CPU: a large claimed split's serial verdict is
     measured again after RECHECK_S, after twice as long once that repeats it, and from
-    RECHECK_S again after a split verdict; a small launch's serial verdict is kept until
-    REMEASURE_S (and then only where the load changed)."""
+    RECHECK_S again after a split verdict; not while another process holds a CPU; a
+    small launch's serial verdict is kept until REMEASURE_S (and then only where the
+    load changed)."""
     monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: 0.0)
     clock = [1000.0]
     monkeypatch.setattr(split_rule.time, "monotonic", lambda: clock[0])
@@ -483,6 +484,13 @@ def test_a_large_launch_serial_verdict_is_measured_again_on_a_doubling_schedule(
     assert s.verdict is True
     clock[0] += split_rule.RECHECK_S * 10
     assert s.decided() and s.next() == (2, True)  # a split verdict: kept
+    busy = Split(True, 4, None)  # another process holds a CPU: the serial verdict stands
+    busy.next()
+    _pairs(busy, lose)
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: split_rule.LOAD_CHANGE)
+    clock[0] += split_rule.RECHECK_S * 1.5
+    assert busy.decided() and busy.next() == (1, False)
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: 0.0)
     small = Split(True, 4, None)
     small.next()
     _pairs(small, [(110_000, 90_000)] * TRIALS)

@@ -88,7 +88,7 @@ RETRY_S = 1.0  # a launch that could not be measured is tried again after this l
 # trials for the rest of the run. So such a launch measures up to LARGE_TRIALS pairs
 # before a serial verdict, and a serial verdict of it is measured again after
 # RECHECK_S, then after twice as long each time a new measurement repeats it (up to
-# REMEASURE_S), whatever the load of other processes.
+# REMEASURE_S), while other processes leave the CPUs idle (below LOAD_CHANGE).
 LARGE_NS = 100_000
 LARGE_TRIALS = 6
 RECHECK_S = 1.0
@@ -191,8 +191,11 @@ class Split:
         if self._decided_at is None:
             return False
         age = time.monotonic() - self._decided_at
-        if self.verdict is False and age >= self._recheck_s and self._large():
-            return True  # a serial verdict the model doubts: measured again on schedule
+        if self.verdict is False and age >= self._recheck_s and self._large() \
+                and others_busy_cpus() < LOAD_CHANGE:
+            # a serial verdict the model doubts, while no other process holds a CPU (one
+            # that does takes the core for good: the verdict stands): measured again
+            return True
         if age < REMEASURE_S:
             return False
         if not self._quick and abs(others_busy_cpus() - self._load_at) < LOAD_CHANGE:
