@@ -249,7 +249,7 @@ def _build(target, name: str, program, names: list, key: str | None, mode: str, 
         if cached is not None:
             return cached
     with working(f"kiln: compiling {name} ({len(names)} kernel{'' if len(names) == 1 else 's'})"), \
-            meanwhile(*([entry] if entry is not None else [])):
+            meanwhile(*([entry] if entry is not None else []), *_young_garbage()):
         compiled = compile_kernels(target, kernels, mode, objects, stream)
     if objects:
         text, legal, hints = entry.result()
@@ -258,6 +258,21 @@ def _build(target, name: str, program, names: list, key: str | None, mode: str, 
         else:
             artifact_cache.store(alone, objects[0])
     return compiled
+
+
+def _young_garbage() -> tuple:
+    """A task that collects the compile's garbage while LLVM's threads run, when the
+    collector comes back on after this compile (`paused_gc`): its first collection then
+    ran right after the compile, before the first step, on every object the compile had
+    made (the GPT step: 17 ms of CPU, 27k objects freed, with the build threads done and
+    the other core idle). Only young objects: what survives is what the collector would
+    have kept, one generation older."""
+    with _PAUSE_LOCK:
+        if _PAUSE["depth"] == 0 or not _PAUSE["reenable"]:
+            return ()  # the caller disabled the collector, or no pause is on
+    from kiln.codegen.build_overlap import Deferred
+
+    return (Deferred(lambda: gc.collect(0)),)
 
 
 def _entry(target, program, kernels: list) -> tuple:

@@ -61,3 +61,41 @@ def test_nested_and_threads_share_one_pause():
     t.join(30)
     assert not t.is_alive()
     assert states == [False, False, False] and gc.isenabled()
+
+
+def test_a_cold_build_collects_its_garbage_while_llvm_runs(monkeypatch, tmp_path):
+    """A cold compile whose LLVM modules build on threads collects the young garbage of the
+    compile on the compiling thread while they run (still paused: an explicit collection),
+    so the collection the collector would make right after the compile, before the first
+    step, is small; a user who turned the collector off gets no collection at all."""
+    from kiln.codegen.cpu import stream_build
+    from kiln.codegen.cpu.backend import CpuBackend
+
+    from tests.codegen.test_cpu_parallel_build import many_kernels, oracle
+
+    if CpuBackend().options.threads < 2:
+        pytest.skip("one kiln thread on this machine: LLVM builds on no thread of its own")
+    monkeypatch.setattr(stream_build, "CHUNK", 1)  # early modules: the build waits on threads
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 24)).astype(np.float32)
+    w = rng.standard_normal((24, 32)).astype(np.float32) / 5
+    seen = []
+
+    def watch(phase, info):
+        if phase == "stop":
+            builds = sum(t.name == "kiln-llvm" for t in threading.enumerate())
+            seen.append((gc.isenabled(), info["generation"], builds))
+
+    gc.callbacks.append(watch)
+    try:
+        for got, want in zip(kn.compile(many_kernels)(x, w), oracle(x, w)):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+        during = [s for s in seen if not s[0]]
+        assert during and during[0][1] == 0 and any(b for _, _, b in during)
+        seen.clear()
+        gc.disable()  # the user's choice: kiln collects nothing
+        monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "other"))  # a cold compile again
+        kn.compile(lambda a, b: many_kernels(a, b))(x, w)
+        assert seen == []
+    finally:
+        gc.callbacks.remove(watch)
