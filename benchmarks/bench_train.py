@@ -15,7 +15,8 @@ the optimizer eager, the usual recipe. The GPT is examples/nanogpt/model.py, run
 with its three import lines changed back (as tests/test_examples_nanogpt.py does).
 Peers are optional (`pip install torch==2.13.0`).
 Each implementation runs in its own process (their thread pools would fight in one); after
-set-up they are timed round-robin, a few steps of each in turn for 10 rounds, so the
+set-up and a warm-up alike (`warm_up`: 40 steps or 2 s, at least 0.3 s) they are timed
+round-robin, a few steps of each in turn for 10 rounds, so the
 machine's load falls on all alike; medians and minimums over the same rounds. First-call
 times include tracing and compiling with empty caches.
 """
@@ -244,6 +245,26 @@ def fresh_caches() -> None:
         os.environ[var] = os.path.join(root, var.lower())
 
 
+# every implementation is warmed up alike before the timed rounds (as bench_cpu.py's):
+# WARM_STEPS steps or WARM_MAX_S, and at least WARM_MIN_S. kiln's split rule times its
+# first calls serial and split (the GPT step: serial trials in ~9 of its first 40 calls);
+# with 3 warm-up steps those trials fell in the timed rounds, each right after a pause,
+# where the cold first step makes whichever variant it timed look slower
+WARM_STEPS, WARM_MIN_S, WARM_MAX_S = 40, 0.3, 2.0
+
+
+def warm_up(step) -> int:
+    """Run `step` until WARM_STEPS steps or WARM_MAX_S have passed, and WARM_MIN_S; the
+    steps run."""
+    start, n = time.perf_counter(), 0
+    while True:
+        step()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= WARM_MIN_S and (n >= WARM_STEPS or elapsed >= WARM_MAX_S):
+            return n
+
+
 def serve(impl: str, index: int, quick: bool) -> None:
     """A worker process holding one implementation of one workload: it sets up (first
     call timed), then answers `run N` on stdin with N step times (JSON, one line) and
@@ -266,8 +287,7 @@ def serve(impl: str, index: int, quick: bool) -> None:
 
         torch.set_num_threads(os.cpu_count() or 1)
         step, info["first call"] = setup_torch(model, x, y, use_compile=impl == "torch.compile")
-    for _ in range(3):
-        step()
+    warm_up(step)
     print(json.dumps(info), flush=True)
     for line in sys.stdin:
         cmd, _, count = line.strip().partition(" ")
