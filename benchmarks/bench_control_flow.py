@@ -20,6 +20,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import timings, write_section  # noqa: E402
+from report import write_section  # noqa: E402
 
 N = 1 << 20
 STEPS = 20
@@ -116,46 +117,118 @@ def torch_workloads():
     return newton, dispatch, lambda k: k
 
 
-def measure(make, repeat: int, convert=np.asarray, only: str | None = None) -> dict:
-    """Compile-and-first-call time and steady (median, minimum) of the workloads (or of
-    `only`)."""
+# every implementation is warmed up alike (kiln's split measurement, Inductor's and XLA's
+# first runs), then all are timed round-robin in the same minute: each turn runs its
+# implementation untimed for TURN_WARM_S (the previous one's threads spin on a while after
+# its calls), then times each call of a ~20 ms block one by one (bench_cpu.py's method)
+TURN_WARM_S = 0.12
+BLOCK_S = 0.02
+
+
+def prepare(make, convert=np.asarray, only: str | None = None) -> dict:
+    """{"first": compile + first calls (s), workload: a zero-argument call returning the
+    switch's branch index (or 0)}, each warmed up (at least 5 calls and 0.25 s)."""
     a, x = inputs()
     a, x = convert(a), convert(x)
     start = time.perf_counter()
     newton, dispatch, index = make()
-    result = {}
+    calls = {}
     if only in (None, "newton"):
         newton(a)
+        calls["newton"] = lambda: (newton(a), 0)[1]
     if only in (None, "switch"):
-        for k in range(4):
-            dispatch(index(k), x)
-    result["first"] = time.perf_counter() - start
-    cycle = iter(range(10 ** 9))
-    if only in (None, "newton"):
-        result["newton"] = timings(lambda: newton(a), repeat)
-    if only in (None, "switch"):
-        result["switch"] = timings(lambda: dispatch(index(next(cycle) % 4), x), 4 * repeat)
+        indexes = [index(k) for k in range(4)]
+        for i in indexes:
+            dispatch(i, x)
+        cycle = iter(range(10 ** 12))
+
+        def switch():
+            k = next(cycle) % 4
+            dispatch(indexes[k], x)
+            return k
+
+        calls["switch"] = switch
+    result = {"first": time.perf_counter() - start}
+    for key, fn in calls.items():
+        settle(fn, 5, 0.25)
+        result[key] = fn
     return result
+
+
+def settle(fn, min_calls: int, budget_s: float) -> None:
+    """Call `fn` at least `min_calls` times and until `budget_s` has passed (at most 400)."""
+    t0, n = time.perf_counter(), 0
+    while n < min_calls or (time.perf_counter() - t0 < budget_s and n < 400):
+        fn()
+        n += 1
+
+
+def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict:
+    """{name: [(branch, seconds), ...]}: every call timed, `rounds` rounds, each
+    implementation once per round in a shuffled order, a turn TURN_WARM_S untimed and then
+    a block of calls lasting about BLOCK_S (at least 4, a multiple of 4: every branch of
+    the switch alike)."""
+    times: dict = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            fn()
+            while time.perf_counter() - t0 < TURN_WARM_S:
+                fn()
+            block = time.perf_counter()
+            n = 0
+            while n < 4 or n % 4 or time.perf_counter() - block < BLOCK_S:
+                c0 = time.perf_counter()
+                branch = fn()
+                times[name].append((branch, time.perf_counter() - c0))
+                n += 1
+    return times
+
+
+def stats(calls: list) -> tuple[float, float]:
+    t = [dt for _, dt in calls]
+    return float(np.median(t)), float(np.min(t))
+
+
+def branch_stats(calls: list) -> list[tuple[float, float]]:
+    """(median, minimum) seconds per branch of the switch."""
+    return [stats([c for c in calls if c[0] == k]) for k in range(4)]
 
 
 def torch_in_child(repeat: int, limit: float) -> dict:
-    """torch.compile measured in child processes (one per workload), each killed after
-    `limit` seconds; a workload that does not finish is reported by a note."""
+    """torch.compile's Newton loop measured in a child process killed after `limit`
+    seconds (Dynamo unrolls the Python loop: its compile may take minutes); a workload that
+    does not finish is reported by a note. Timed alone, not in the rounds (a note says so)."""
     result: dict = {"first": 0.0}
-    for key in ("newton", "switch"):
-        try:
-            out = subprocess.run([sys.executable, __file__, "--torch-worker", key, "--repeat", str(repeat)],
-                                 capture_output=True, text=True, timeout=limit)
-        except subprocess.TimeoutExpired:
-            result[key] = f"not compiled in {limit:.0f} s"
-            continue
-        if out.returncode != 0:
-            result[key] = "failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:60]
-            continue
-        median, minimum, first = (float(v) for v in out.stdout.split()[-3:])
-        result[key] = (median, minimum)
-        result["first"] += first
+    key = "newton"
+    try:
+        out = subprocess.run([sys.executable, __file__, "--torch-worker", key, "--repeat", str(repeat)],
+                             capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        result[key] = f"not compiled in {limit:.0f} s"
+        return result
+    if out.returncode != 0:
+        result[key] = "failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:60]
+        return result
+    median, minimum, first = (float(v) for v in out.stdout.split()[-3:])
+    result[key] = (median, minimum)
+    result["first"] += first
     return result
+
+
+def torch_alone(key: str, repeat: int) -> tuple[float, float, float]:
+    """(median, minimum, compile + first call) of torch.compile's `key` in this process."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    prepared = prepare(torch_workloads, torch.from_numpy, only=key)
+    fn = prepared[key]
+    times = [dt for _, dt in interleaved({key: fn}, max(3, repeat // 5))[key]]
+    return float(np.median(times)), float(np.min(times)), prepared["first"]
 
 
 def guard_costs() -> dict:
@@ -188,7 +261,7 @@ def guard_costs() -> dict:
 # -- report ---------------------------------------------------------------------------------------
 
 
-def render(rows: dict, guards: dict, args) -> str:
+def render(rows: dict, branches: dict, guards: dict, args) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
     peers = [p for p in ("numpy", "jax.jit", "torch.compile") if p in rows]
@@ -197,11 +270,10 @@ def render(rows: dict, guards: dict, args) -> str:
         value = result[key]
         return value if isinstance(value, str) else f"{value[0] * 1e3:.2f} ({value[1] * 1e3:.2f})"
 
-    def ratio(key):
-        times = [rows[p][key] for p in peers if not isinstance(rows[p][key], str)]
+    def ratio(times, kiln):
+        times = [t for t in times if not isinstance(t, str)]
         if not times:
             return "-"
-        kiln = rows["kiln"][key]
         return (f"{min(t[0] for t in times) / kiln[0]:.2f}x "
                 f"({min(t[1] for t in times) / kiln[1]:.2f}x)")
 
@@ -213,6 +285,10 @@ def render(rows: dict, guards: dict, args) -> str:
              f"- workloads over 2^20 float32: `newton` = sqrt by {STEPS} Newton steps in a "
              "`while_loop` (numpy and torch run the Python loop); `switch` = a 4-way `switch` "
              "whose index cycles through the branches (numpy and torch dispatch in Python)",
+             f"- method: every implementation warmed up alike (5 calls and 0.25 s), then timed "
+             f"round-robin in one process, {args.rounds} rounds, each turn {TURN_WARM_S} s untimed, "
+             f"then every call of a ~{BLOCK_S * 1e3:.0f} ms block timed (torch.compile's Newton "
+             "loop, when it compiles at all, in a child process, alone)",
              f"- load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: all rows "
              "from the same run)",
              "", "Medians (minimums) in milliseconds, lower is better; last column: best peer's "
@@ -221,9 +297,21 @@ def render(rows: dict, guards: dict, args) -> str:
              "|---" * (len(peers) + 3) + "|"]
     for key in ("newton", "switch"):
         lines.append(f"| {key} | {cell(rows['kiln'], key)} | "
-                     + " | ".join(cell(rows[p], key) for p in peers) + f" | {ratio(key)} |")
+                     + " | ".join(cell(rows[p], key) for p in peers)
+                     + f" | {ratio([rows[p][key] for p in peers], rows['kiln'][key])} |")
     lines.append(f"| compile + first calls (s) | {rows['kiln']['first']:.2f} | "
                  + " | ".join(f"{rows[p]['first']:.2f}" for p in peers) + " | |")
+    names = ["v * 2 + 1", "exp(-v * v)", "sqrt(abs(v))", "tanh(v) * 3"]
+    lines += ["", "The switch per branch (the row above is the median of all four alike: the "
+              "middle of the mix), medians (minimums) in milliseconds:", "",
+              "| branch | " + " | ".join(["kiln", *[p for p in peers if p in branches]])
+              + " | best peer / kiln |", "|---" * (len([p for p in peers if p in branches]) + 3) + "|"]
+    for k, name in enumerate(names):
+        kiln = branches["kiln"][k]
+        others = [branches[p][k] for p in peers if p in branches]
+        lines.append(f"| {k}: {name} | " + " | ".join(f"{t[0] * 1e3:.3f} ({t[1] * 1e3:.3f})"
+                                                    for t in [kiln, *others])
+                     + f" | {ratio(others, kiln)} |")
     lines += ["", "Per-call cost of a compiled `x * w + 1` on a 4x8 input (microseconds):", "",
               "| static dims | dynamic dim B | dynamic, B changing every call | guards alone "
               "(cache key + bind B, check its range) | compiles |", "|---|---|---|---|---|",
@@ -234,32 +322,48 @@ def render(rows: dict, guards: dict, args) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--out", help="replace or append this benchmark's section in this file")
+    parser.add_argument("--rounds", type=int, help="round-robin rounds (default 7, --quick 3)")
     parser.add_argument("--torch-limit", type=float, default=90.0,
-                        help="seconds torch.compile may take for one workload (a child process)")
+                        help="seconds torch.compile may take for the Newton loop (a child process)")
     parser.add_argument("--torch-worker", choices=("newton", "switch"), help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=15, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torch_worker is not None:
+        print(*torch_alone(args.torch_worker, args.repeat))
+        return 0
+    args.rounds = args.rounds or (3 if args.quick else 7)
+    prepared = {"kiln": prepare(kiln_workloads), "numpy": prepare(numpy_workloads)}
+    try:
+        prepared["jax.jit"] = prepare(jax_workloads)
+    except ImportError:
+        pass
+    torch_newton = None
+    try:
         import torch
 
-        r = measure(torch_workloads, args.repeat, torch.from_numpy, only=args.torch_worker)
-        print(*r[args.torch_worker], r["first"])
-        return 0
-    repeat = 5 if args.quick else 15
-    rows = {"kiln": measure(kiln_workloads, repeat), "numpy": measure(numpy_workloads, repeat)}
-    try:
-        rows["jax.jit"] = measure(jax_workloads, repeat)
+        torch.set_num_threads(os.cpu_count() or 1)
+        # the switch compiles in seconds: in the rounds with the others; the Newton loop
+        # (Dynamo unrolls it, minutes) in a child process with a time limit
+        prepared["torch.compile"] = prepare(torch_workloads, torch.from_numpy, only="switch")
+        torch_newton = torch_in_child(15, args.torch_limit)
     except ImportError:
         pass
-    try:
-        import torch  # noqa: F401  (only to know that it is there, and its version)
-
-        rows["torch.compile"] = torch_in_child(repeat, args.torch_limit)
-    except ImportError:
-        pass
-    section = render(rows, guard_costs(), args)
+    rows, branches = {}, {}
+    for name, p in prepared.items():
+        rows[name] = {"first": p["first"]}
+    for key in ("newton", "switch"):
+        fns = {name: p[key] for name, p in prepared.items() if key in p}
+        times = interleaved(fns, args.rounds)
+        for name, calls in times.items():
+            rows[name][key] = stats(calls)
+            if key == "switch":
+                branches[name] = branch_stats(calls)
+    if torch_newton is not None:
+        rows["torch.compile"]["newton"] = torch_newton["newton"]
+        rows["torch.compile"]["first"] += torch_newton["first"]
+    section = render(rows, branches, guard_costs(), args)
     print(section)
     if args.out:
         write_section(args.out, "bench_control_flow", section)
