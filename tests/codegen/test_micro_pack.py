@@ -136,9 +136,12 @@ def test_each_layout_takes_its_packer():
     assert nn.count(fma) == mr * 2 + mr and wide.count(fma) == mr * 2  # one tile, in place or packed
     half = llvm_text(gemm(2, 8, 19, 24, d=dt.float16, tb=True))
     assert "llvm.masked" not in half
-    # more row blocks an item: a third tile, which also stores B (the misaligned copy)
+    # more row blocks an item: a third tile, which also stores B (the misaligned copy);
+    # a single product packs a misaligned B instead (no second tile)
     copying = llvm_text(gemm(2, 2 * mr, 2 * w * 2, 24))
     assert copying.count(fma) == mr * 2 * 2 and "ptrtoint" in copying
+    repacking = llvm_text(gemm(1, microkernel.REPACK_BLOCKS * mr, 2 * w * 2, 24))
+    assert repacking.count(fma) == mr * 2 and "ptrtoint" in repacking
 
 
 def test_k_not_a_multiple_of_the_transpose_block_keeps_panels_apart():
@@ -172,15 +175,18 @@ def run_ranges(ck, arrays, ranges, sizes=()):
 @pytest.mark.parametrize("offset,d", [(0, dt.float32), (1, dt.float32), (4, dt.float32), (1, dt.float64)])
 def test_misaligned_b_rows_copied_by_the_first_row_block(width, offset, d):
     """B of contiguous columns is read in place where its rows are 64-byte aligned; where
-    they are not, the first row block of an item copies it (aligned) as it reads it and
-    the item's later blocks read the copy: per batch item (an item stride of 7 x 33
-    floats alternates the items' alignment), with a partial and a narrow last panel, one
-    row block per item (nothing to copy for), and k = 1."""
+    they are not, the first row block of a batch item copies it (aligned) as it reads it
+    and the item's later blocks read the copy (per item: an item stride of 7 x 33 floats
+    alternates the items' alignment), and a single product's B is packed whole first
+    where REPACK_BLOCKS row blocks read it; with partial and narrow last panels, one row
+    block per item (nothing to copy for), and k = 1."""
     npd = d.np_dtype
     mr, nr, w = microkernel.tile(np.dtype(npd).itemsize)
     rng = np.random.default_rng(offset)
     tol = 1e-12 if d == dt.float64 else 1e-5
-    for batch, m, n, k in [(1, 4 * mr, 2 * nr, 9), (3, 3 * mr + 3, nr + 1, 7), (3, 2 * mr, 33, 7),
+    rows = microkernel.REPACK_BLOCKS * mr
+    for batch, m, n, k in [(1, 4 * mr, 2 * nr, 9), (1, rows, 2 * nr, 9), (1, rows + 3, nr + 1, 7),
+                           (3, 3 * mr + 3, nr + 1, 7), (3, 2 * mr, 33, 7),
                            (2, mr, nr, 5), (2, mr + 1, w + 2 * nr, 16), (2, 2 * mr, nr, 1)]:
         a = rng.uniform(-1, 1, (batch, m, k)).astype(npd)
         b = offset_copy(rng.uniform(-1, 1, (batch, k, n)).astype(npd), offset)
@@ -191,19 +197,26 @@ def test_misaligned_b_rows_copied_by_the_first_row_block(width, offset, d):
 
 @pytest.mark.parametrize("ranges", [[(0, 12)], [(0, 1), (1, 12)], [(0, 5), (5, 6), (6, 12)],
                                     [(11, 12), (3, 7), (0, 3), (7, 11)], [(k, k + 1) for k in range(12)]])
-def test_misaligned_copy_for_any_cut_of_the_row_blocks(ranges):
+@pytest.mark.parametrize("batch", [3, 1])
+def test_misaligned_copy_for_any_cut_of_the_row_blocks(ranges, batch):
     """Threads claim ranges of row blocks that start and end inside an item: a range
-    copies an item's misaligned B only where it runs two or more of its blocks, and a
-    block that starts a range mid-item reads B in place (the copy is that call's own);
-    every cut, in any order, gives the product of one whole call, bit for bit."""
+    copies a batch item's misaligned B only where it runs two or more of its blocks
+    (packs a single product's where it runs REPACK_BLOCKS), and a block that starts a
+    range mid-item reads B in place (the copy is that call's own); every cut, in any
+    order, gives the product of one whole call, bit for bit."""
     mr, nr, _ = microkernel.tile(4)
-    batch, m, n, k = 3, 4 * mr, 2 * nr + 3, 37  # 4 row blocks an item, 12 in all
+    # a batch: 4 row blocks an item, 12 in all; a single product: 24 (ranges doubled),
+    # some ranges of REPACK_BLOCKS or more, some fewer
+    scale = 1 if batch > 1 else 2
+    assert 24 > microkernel.REPACK_BLOCKS > 10
+    m, n, k = 12 * scale // batch * mr, 2 * nr + 3, 37
     ck = compiled(gemm(batch, m, n, k))
+    ranges = [(lo * scale, hi * scale) for lo, hi in ranges]
     rng = np.random.default_rng(7)
     a = rng.uniform(-1, 1, (batch, m, k)).astype(np.float32)
     b = offset_copy(rng.uniform(-1, 1, (batch, k, n)).astype(np.float32), 4)
     whole = np.full((batch, m, n), np.nan, np.float32)
-    run_ranges(ck, [a, b, whole], [(0, 12)])
+    run_ranges(ck, [a, b, whole], [(0, 12 * scale)])
     np.testing.assert_allclose(whole, product(a, b, False, False), rtol=1e-5, atol=1e-5)
     out = np.full((batch, m, n), np.nan, np.float32)
     run_ranges(ck, [a, b, out], ranges)

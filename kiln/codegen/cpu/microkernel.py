@@ -48,6 +48,9 @@ from kiln.ir import dtypes as dt
 MR = 6  # rows per register tile (16 vector registers: AVX2)
 MR_AVX512 = 8  # with 32 vector registers
 PREFETCH_ROWS = 8  # the tile's k loop prefetches B this many rows ahead
+# a single product's B whose rows are not 64-byte aligned is packed (aligned) where a call
+# runs at least this many of its row blocks (`MicroEmitter._repacks`)
+REPACK_BLOCKS = 16
 
 
 @lru_cache(maxsize=None)
@@ -115,12 +118,28 @@ class MicroEmitter(GemmEmitter):
 
     def _copies(self) -> bool:
         """May a B read in place be copied, aligned, while the first row block of an item
-        reads it (`_body`)? B read in place, and more than one row block per item (static
-        m > MR, or symbolic)."""
+        reads it (`_body`)? B read in place, a batch (a single product packs instead:
+        `_repacks`), more than one row block per item (static m > MR, or symbolic) and a
+        full panel to copy (static n >= NR, or symbolic). The copying tile is a second
+        copy of the k loop: ~+5 ms of LLVM time per kernel, so only where it can run."""
+        import sympy
+
+        g = self.g
+        m, n, batch = sympy.sympify(g.m), sympy.sympify(g.n), sympy.sympify(g.batch)
+        return self._direct_b() and batch != 1 and (not m.is_Integer or int(m) > self.mr) and \
+            (not n.is_Integer or int(n) >= self.nr)
+
+    def _repacks(self) -> bool:
+        """May a single product's B that could be read in place be packed whole instead
+        (aligned), where its rows are not 64-byte aligned and the call runs at least
+        REPACK_BLOCKS of its row blocks (static m >= REPACK_BLOCKS x MR, or symbolic)?
+        One thread, round-robin, us, B 16 bytes off: 512x64x192 79.9 in place, 70.3
+        packed; 128^3 28.9, 27.2. (A thread claiming one row block at a time reads it in
+        place: a copy for one block costs more than it saves.)"""
         import sympy
 
         m = sympy.sympify(self.g.m)
-        return self._direct_b() and (not m.is_Integer or int(m) > self.mr)
+        return self._direct_b() and not self._copies() and (not m.is_Integer or int(m) >= REPACK_BLOCKS * self.mr)
 
     def _body(self, fn: Fn) -> None:
         g, mr, nr = self.g, self.mr, self.nr
@@ -129,11 +148,11 @@ class MicroEmitter(GemmEmitter):
         esz = c(self.esize)
         npanels = fn.bin("sdiv", fn.bin("add", n, c(nr - 1)), c(nr))
         nblocks = fn.bin("sdiv", fn.bin("add", m, c(mr - 1)), c(mr))
-        direct, copies = self._direct_b(), self._copies()
+        direct, copies, repacks = self._direct_b(), self._copies(), self._repacks()
         # packed panels: all of them, or only the partial last one when B is read in place
-        # (all of them again where an item's misaligned rows are copied, `copies`)
+        # (all of them again where an item's misaligned rows are copied or packed)
         in_place_panels = fn.bin("sdiv", n, c(nr)) if direct else c(0)
-        packed = fn.bin("sub", npanels, in_place_panels) if direct and not copies else npanels
+        packed = fn.bin("sub", npanels, in_place_panels) if direct and not (copies or repacks) else npanels
         kpad = self._k_rows(fn, k)
         panel_size = fn.bin("mul", kpad, c(nr))
         # (64 bytes when nothing is packed: B read in place, n a multiple of NR)
@@ -158,31 +177,37 @@ class MicroEmitter(GemmEmitter):
         fn.cbr(fn.icmp("ne", bi, last_b), pack, after)
         fn.start_block(pack)
         no = const("i1", 0)
-        copy_now, origin = no, in_place_panels
-        if copies:
+        copy_now, origin, pack_from = no, in_place_panels, in_place_panels
+        if copies or repacks:
             # an item whose rows are not 64-byte aligned (numpy's larger arrays start 16
             # bytes past a page): vector loads of them split cache lines (16 x 32x64x256:
-            # 108 us against 92 aligned, one thread). Where another row block of the item
-            # follows in this call, this block's tiles store what they load into the pack
-            # buffer (aligned) and the following blocks read that copy
+            # 108 us against 92 aligned, one thread). A batch item: where another row
+            # block of it follows in this call, this block's tiles store what they load
+            # into the pack buffer (aligned) and the following blocks read that copy. A
+            # single product: packed whole first, where the call runs REPACK_BLOCKS of it
             addr = fn.cast("ptrtoint", fn.gep(self.ty, self.buffers[g.b][0], fn.bin("mul", bi, sb0)), "i64")
             off = fn.bin("and", fn.bin("or", addr, fn.bin("mul", sb1, esz)), c(63))
             item_end = fn.bin("mul", fn.bin("add", bi, c(1)), nblocks)
             stop = fn.select(fn.icmp("slt", end, item_end), end, item_end)
-            more = fn.icmp("sgt", fn.bin("sub", stop, p), c(1))
-            copy_now = fn.bin("and", fn.icmp("ne", off, c(0)), more)
-            origin = fn.select(copy_now, c(0), in_place_panels)
-        # the partial last panel (all panels where B is packed), at its place from `origin`
-        dst = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("sub", in_place_panels, origin), panel_size))
-        self._pack_b(fn, dst, bi, k, n, in_place_panels, npanels)
-        next_first = fn.select(copy_now, c(0), in_place_panels) if copies else in_place_panels
+            more = fn.icmp("sgt", fn.bin("sub", stop, p), c(1 if copies else REPACK_BLOCKS - 1))
+            now = fn.bin("and", fn.icmp("ne", off, c(0)), more)
+            origin = fn.select(now, c(0), in_place_panels)
+            if copies:
+                copy_now = now
+            else:
+                pack_from = origin
+        # the panels packed now (the partial last one; all where a single product's B is
+        # repacked), at their place from `origin`
+        dst = fn.gep(self.ty, pack_b, fn.bin("mul", fn.bin("sub", pack_from, origin), panel_size))
+        self._pack_b(fn, dst, bi, k, n, pack_from, npanels)
+        next_first = origin if copies or repacks else in_place_panels
         packed_at = fn.block
         fn.br(after)
         fn.start_block(after)
 
         def phi(ty, new, old):
             return fn.emit(f"phi {ty} [ {new.ref}, %{packed_at} ], [ {old.ref}, %{before} ]", ty)
-        first = phi("i64", in_place_panels, first_before)  # this block reads in place below it
+        first = phi("i64", pack_from, first_before)  # this block reads in place below it
         copying = phi("i1", copy_now, no)
         origin = phi("i64", origin, origin_before)
         carry_first = phi("i64", next_first, first_before)
