@@ -6,6 +6,8 @@ prepared call vs its general path vs torch eager).
     .venv/bin/python benchmarks/bench_call.py [--quick] [--no-peers] [--torch-compile] [--out FILE]
     .venv/bin/python benchmarks/bench_call.py --gemm-rows    # bench_gemm.py's small rows only
     .venv/bin/python benchmarks/bench_call.py --micro-rows   # kiln's micro-kernel per thread vs torch
+    .venv/bin/python benchmarks/bench_call.py --trees before=/tmp/base,after=. [--rounds 6]
+        # --gemm-rows of each tree in a fresh process, the trees round-robin (before/after)
 
 Every implementation of a row is timed round-robin in this one process, in a shuffled
 order per round (a shared machine's load and a library's spinning threads fall on all
@@ -273,6 +275,51 @@ def gemm_small_rows() -> str:
         or any(line.startswith(f"| {shape} ") for shape in shapes)))
 
 
+def tree_rounds(trees: list[tuple[str, str]], rounds: int) -> str:
+    """`--gemm-rows` of each kiln tree (its own bench_call.py, run from its root with the
+    root first on PYTHONPATH, a fresh process each time), the trees in a shuffled order
+    per round, `rounds` rounds: per row, variant and tree the median of the rounds'
+    medians and the least minimum, and per round the same-process ratio best peer / kiln
+    (torch, jax; by median, and by minimum in brackets)."""
+    import json
+    import subprocess
+
+    got: dict = {}  # (row, tree) -> list of {variant: (median, min)}
+    order = [name for name, _ in trees]
+    roots = dict(trees)
+    for r in range(rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            root = os.path.abspath(roots[name])
+            env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_call.py"), "--gemm-rows"],
+                                 cwd=root, env=env, capture_output=True, text=True, timeout=600)
+            if out.returncode != 0:
+                raise RuntimeError(f"{name}: bench_call.py --gemm-rows failed:\n{out.stderr[-2000:]}")
+            for line in out.stdout.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    times = {k: tuple(v) for k, v in row.items() if isinstance(v, list)}
+                    got.setdefault((row["workload"], name), []).append((times, row["load"]))
+            print(f"round {r + 1}: {name} done", flush=True)
+    lines = ["| row | tree | " + " | ".join(["kiln", "kiln 1t", "torch 1t", f"torch {os.cpu_count()}t", "jax.jit"])
+             + " | best peer / kiln per round, median (min) | load |", "|---|---|---|---|---|---|---|---|---|"]
+    for (row, name), samples in got.items():
+        cells = []
+        for v in ("kiln", "kiln 1t", "torch 1t", f"torch {os.cpu_count()}t", "jax.jit"):
+            meds = [t[v][0] for t, _ in samples if v in t]
+            mins = [t[v][1] for t, _ in samples if v in t]
+            cells.append("—" if not meds else f"{np.median(meds) * 1e3:.3f} ({min(mins) * 1e3:.3f})")
+        ratios = []
+        for t, _ in samples:
+            peers = [t[v] for v in t if v.startswith(("torch", "jax"))]
+            ratios.append(f"{min(p[0] for p in peers) / t['kiln'][0]:.2f} ({min(p[1] for p in peers) / t['kiln'][1]:.2f})")
+        loads = [load for _, load in samples]
+        lines.append(f"| {row} | {name} | " + " | ".join(cells) + f" | {', '.join(ratios)} | "
+                     f"{min(loads):.1f}-{max(loads):.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -285,7 +332,13 @@ def main() -> int:
                         help="only print bench_gemm.py's small rows, measured as it does")
     parser.add_argument("--micro-rows", action="store_true",
                         help="only print bench_micro_gemm.py's tables (the micro-kernel per thread)")
+    parser.add_argument("--trees", help="NAME=ROOT,...: --gemm-rows of each kiln tree, round-robin")
+    parser.add_argument("--rounds", type=int, default=6, help="with --trees: rounds")
     args = parser.parse_args()
+    if args.trees:
+        trees = [tuple(item.split("=", 1)) for item in args.trees.split(",")]
+        print(tree_rounds(trees, args.rounds))
+        return 0
     if args.micro_rows:
         import bench_micro_gemm
 

@@ -3,6 +3,8 @@
 
     .venv/bin/python benchmarks/bench_micro_gemm.py [--rounds 60] [--baseline TREE]
     .venv/bin/python benchmarks/bench_micro_gemm.py --gpt --baseline TREE   # the GPT step's GEMMs
+    .venv/bin/python benchmarks/bench_micro_gemm.py --b-offset 0,16 --shapes 0,4 --baseline TREE
+        # B placed 0 and 16 bytes past a 64-byte boundary (rows aligned / split), shapes 0 and 4
 
 One thread: the kernel as the CPU backend compiles it (`CpuBackend._plan(g, .., "micro")`),
 called with kn.set_num_threads(1) so that no launch is split, against torch.matmul(...,
@@ -91,7 +93,16 @@ def time_rounds(fns: dict, rounds: int) -> dict:
     return {name: (float(np.median(t)) * 1e6, float(np.min(t)) * 1e6) for name, t in times.items()}
 
 
-def one_thread(rounds: int, baseline: str | None) -> list[str]:
+def placed(x: np.ndarray, offset: int) -> np.ndarray:
+    """x copied to memory starting `offset` bytes past a 64-byte boundary."""
+    raw = np.empty(x.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    out = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
+
+
+def one_thread(rounds: int, baseline: str | None, offsets=(None,), shapes=None) -> list[str]:
     import torch
 
     from kiln.codegen.cpu import microkernel
@@ -109,10 +120,13 @@ def one_thread(rounds: int, baseline: str | None) -> list[str]:
     head = "| batch x m x n x k | layout | B off | " + " | ".join(list(modules) + ["torch 1t"]) + \
         " | torch / kiln |" + (" baseline / kiln |" if baseline else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for b, m, n, k, layout in SHAPES:
+    for (b, m, n, k, layout), offset in [(s, o) for i, s in enumerate(SHAPES) if shapes is None or i in shapes
+                                         for o in offsets]:
         g, a_shape, b_shape = gemm_kernel(b, m, n, k, layout)
         a = aligned(rng.standard_normal(a_shape).astype(np.float32))
         bm = rng.standard_normal(b_shape).astype(np.float32)
+        if offset is not None:
+            bm = placed(bm, offset)
         want = (a.transpose(0, 2, 1) if layout[0] == "T" else a).astype(np.float64) @ \
             (bm.transpose(0, 2, 1) if layout[1] == "T" else bm).astype(np.float64)
         fns = {}
@@ -235,7 +249,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--baseline", help="another kiln tree: its micro-kernel timed in the same rounds")
     ap.add_argument("--gpt", action="store_true", help="with --baseline: only the GPT step's own GEMMs")
+    ap.add_argument("--b-offset", help="comma-separated byte offsets of B past a 64-byte boundary "
+                                       "(default: where numpy puts it); one-thread table only")
+    ap.add_argument("--shapes", help="comma-separated indexes into SHAPES (default: all); one-thread table only")
     args = ap.parse_args()
+    if args.b_offset or args.shapes:
+        offsets = tuple(int(o) for o in args.b_offset.split(",")) if args.b_offset else (None,)
+        shapes = {int(i) for i in args.shapes.split(",")} if args.shapes else None
+        print("\n".join(one_thread(args.rounds, args.baseline, offsets, shapes)))
+        return 0
     if args.gpt and args.baseline:
         print("\n".join(gpt_step_kernels(args.rounds, args.baseline)))
         return 0
