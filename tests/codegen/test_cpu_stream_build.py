@@ -149,38 +149,26 @@ def test_the_glue_is_readied_on_its_own_thread_before_the_build(data, monkeypatc
         assert len(cache_elf.unpack_objects(blob)) == parts and ran == ([1] if parts > 1 else [])
 
 
-def test_quick_gil_handoffs_while_a_stream_is_open(data):
-    """Python's switch interval is SWITCH_INTERVAL_S from a stream's creation until its
-    finish() returns (build threads take the GIL between llvmlite calls without waiting
-    5 ms each), then what it was; a stream dropped unfinished (a lowering error) puts it
-    back too, and a lower interval the caller chose is kept."""
-    import gc
-    import sys
-
+def test_the_first_early_module_is_a_third_of_a_chunk(data, monkeypatch):
+    """LLVM starts once the emitted kernels reach CHUNK // FIRST_SHARE (the other core is
+    idle until then), later modules at CHUNK; the payload answers like numpy."""
     x, w = data
     backend = CpuBackend(CpuOptions(threads=2))
     program = compile_graph(kn.trace(many_kernels, x, w), "cpu", build=False).program
     kernels = [backend.legalize(k) for k in program.kernels.values()]
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        stream = stream_build.StreamingBuild(backend)
-        assert sys.getswitchinterval() == pytest.approx(stream_build.SWITCH_INTERVAL_S, abs=2e-6)
-        inner = stream_build.StreamingBuild(backend)  # two open: the first finish keeps it low
-        for k in kernels:
-            stream.add(k)
-        blob = stream.finish(kernels)
-        assert sys.getswitchinterval() == pytest.approx(stream_build.SWITCH_INTERVAL_S, abs=2e-6)
-        del inner
-        gc.collect()
-        assert sys.getswitchinterval() == pytest.approx(0.005, abs=2e-6)
-        compiled = dict(zip(program.kernels, backend.load_object_code(kernels, blob)))
-        from kiln.runtime.executor import Executable
+    probe = stream_build.StreamingBuild(backend)
+    probe.add(kernels[0])
+    first = probe.costs[0]
+    probe.finish(kernels[:1])
+    monkeypatch.setattr(stream_build, "CHUNK", first * stream_build.FIRST_SHARE)  # one kernel: a first module
+    stream = stream_build.StreamingBuild(backend)
+    stream.add(kernels[0])
+    assert len(stream.builds) == 1 and stream.sent == 1
+    for k in kernels[1:]:
+        stream.add(k)
+    blob = stream.finish(kernels)
+    from kiln.runtime.executor import Executable
 
-        for got, want in zip(Executable(program, compiled).run([x, w], {}), oracle(x, w)):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        sys.setswitchinterval(0.0001)  # already quicker: left alone
-        stream_build.StreamingBuild(backend).finish(kernels)
-        assert sys.getswitchinterval() == pytest.approx(0.0001, abs=2e-6)
-    finally:
-        sys.setswitchinterval(before)
+    compiled = dict(zip(program.kernels, backend.load_object_code(kernels, blob)))
+    for got, want in zip(Executable(program, compiled).run([x, w], {}), oracle(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

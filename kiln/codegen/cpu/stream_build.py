@@ -12,9 +12,6 @@ the lowering still runs; `finish` deals the rest over the backend's threads as t
 and so which module holds a kernel, depends on how fast the lowering runs beside them. A compile makes the stream before
 its graph passes, and the stream starts the process's split glue (native_pool.prepare,
 ~40 ms of LLVM, nearly all native) on a thread at once: the passes leave a core idle.
-While a stream is open, Python's switch interval is 0.2 ms (SWITCH_INTERVAL_S): the build
-threads take the GIL between their llvmlite calls without waiting 5 ms a time for the
-thread that lowers.
 
 What each kernel compiles to does not change: every kernel's functions and helpers stay
 internal to its module, so which module holds a kernel changes where code lies, not what
@@ -30,9 +27,7 @@ otherwise (a caller that fed other kernels) it builds them the plain way.
 
 from __future__ import annotations
 
-import sys
 import threading
-import weakref
 from typing import Callable, Sequence
 
 from kiln.codegen import cache_elf
@@ -50,14 +45,6 @@ CHUNK = 60_000
 # start the other core is idle (the GPT step: ~30 ms of lowering, sympy's first uses
 # included, for 60 K); a few kernels are enough to start LLVM on
 FIRST_SHARE = 3
-# Python's switch interval while a stream is open. A build thread needs the GIL between
-# its ~25 llvmlite calls (context, parse, target machine, pass builder, ...) and, while
-# the compiling thread runs Python (lowering, the program entry), waits up to the
-# default 5 ms for each: the GPT step's last two modules waited 60-180 ms before their
-# pass pipelines started (11-14 ms of their own CPU), an early module 15-18 ms (1-2 ms).
-# Held by a thread that wants it, the GIL now changes hands after 0.2 ms; uncontended,
-# nothing changes.
-SWITCH_INTERVAL_S = 0.0002
 GLUE_WAIT_S = 60.0  # the glue thread builds one small module: a bound, never reached
 # top-level nodes of a traced graph from which its graph passes outlast the glue's build
 # (the GPT step: 1128 nodes, ~0.1 s of passes); a smaller program does not pay for it
@@ -73,40 +60,12 @@ def _quietly(prepare: Callable[[], None]) -> None:
         pass
 
 
-_handoffs = threading.Lock()
-_open = [0, None]  # streams open, the switch interval they replaced
-
-
-def _quick_handoffs() -> Callable[[], None]:
-    """Lower Python's switch interval to SWITCH_INTERVAL_S until every stream that asked
-    has called the returned function (once each); a caller's own lower value is kept, and
-    a value someone set meanwhile is not undone."""
-    with _handoffs:
-        if _open[0] == 0:
-            _open[1] = sys.getswitchinterval()
-            if _open[1] > SWITCH_INTERVAL_S:
-                sys.setswitchinterval(SWITCH_INTERVAL_S)
-        _open[0] += 1
-        ours = min(_open[1], SWITCH_INTERVAL_S)
-
-    def restore() -> None:
-        with _handoffs:
-            _open[0] -= 1
-            if _open[0] == 0 and abs(sys.getswitchinterval() - ours) < 2e-6:
-                sys.setswitchinterval(_open[1])
-
-    return restore
-
-
 class StreamingBuild:
     """Kernels fed one by one (`add`), LLVM started on them early; `finish` -> payload."""
 
     def __init__(self, backend, prepare=None, graph_nodes: int = 0):
         self.backend = backend
         self.prepare = prepare
-        # quick GIL handoffs from now (the glue's thread may start below) until `finish`
-        # returns, or this stream is dropped unfinished (a lowering error)
-        self._restore = weakref.finalize(self, _quick_handoffs())
         # the process's split glue (native_pool.prepare: ~40 ms of LLVM at O1, nearly
         # all of it in native code) is built on a thread of its own from now on when the
         # graph is large (the stream is made before the graph passes, which then leave
@@ -157,12 +116,6 @@ class StreamingBuild:
     def finish(self, kernels: Sequence) -> bytes:
         """The object-code payload of `kernels` (legalized): the early modules and the rest
         dealt over the backend's threads, waited for (bounded), in that order."""
-        try:
-            return self._finish(kernels)
-        finally:
-            self._restore()  # the switch interval as it was (once: a finalizer)
-
-    def _finish(self, kernels: Sequence) -> bytes:
         from kiln.codegen.cpu.backend import _distinct
 
         o = self.backend.options
