@@ -15,8 +15,10 @@ miniature, written as LLVM IR with explicit vector types:
   or element by element (low-precision B);
 - a B item read in place whose rows are not 64-byte aligned (numpy's larger arrays start
   16 bytes past a page; vector loads that split cache lines cost 15-20%) is copied,
-  aligned, by the first row block of the item a call runs: its tiles store the B vectors
-  they load into the pack buffer, and the item's later row blocks read that copy;
+  aligned, in a batch by the first row block of the item a call runs (its tiles store the
+  B vectors they load into the pack buffer, and the item's later row blocks read that
+  copy), and packed whole first for a single product where a call runs REPACK_BLOCKS of
+  its row blocks;
 - a last panel of at most W columns (n = 65: one) gets one vector of accumulators per
   row instead of NR/W when B is read in place; the k loop prefetches B's rows
   PREFETCH_ROWS ahead;
