@@ -25,7 +25,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.runtime.program import Collective, Control, Program
-from kiln.runtime.threads import parallel_threads
+from kiln.runtime.threads import backing_off, get_num_threads, parallel_threads
 
 MAX_CARRIED_BYTES = 1 << 20
 _BUILD_AFTER = 2  # calls of one size binding before its capture is built
@@ -132,23 +132,35 @@ def one_thread(ops) -> list:
 
 @lru_cache(maxsize=None)
 def adaptive_launcher():
-    """The CPU launcher class whose native runs come in two versions when a launch is
-    large enough to split over threads: the split one runs while
-    `threads.parallel_threads()` allows more than one thread (other processes leave a
-    CPU idle), the one-thread one otherwise."""
+    """The CPU launcher class whose native runs come in versions when a launch is large
+    enough to split over threads: the split one runs while `threads.parallel_threads()`
+    allows more than one thread (other processes leave a CPU idle). Otherwise, on kiln's
+    native team, a quiet split one: its regions split as well (a team region never waits
+    for a worker that did not come: the caller runs every unit nobody claimed), and the
+    workers sleep right after each region instead of spinning, so they hold no core that
+    other processes want between calls. Without the team (libgomp, whose regions wait for
+    every thread), the one-thread version."""
     from kiln.codegen.cpu.launch_list import CpuLauncher
+    from kiln.codegen.cpu.native_pool import on_team
 
     class AdaptiveLauncher(CpuLauncher):
-        def compile(self, ops):
+        def compile(self, ops, quiet: bool = False):
             ops = list(ops)
             serial_ops = one_thread(ops)
             serial = super().compile(serial_ops)
             if serial_ops == ops:
                 return serial
             split = super().compile(ops)
+            # beside busy processes: split with quiet workers (kiln's team only)
+            quiet = super().compile(ops, quiet=True) if on_team() else serial
 
             def run(table: int) -> None:
-                (split if parallel_threads() > 1 else serial)(table)
+                if parallel_threads() > 1:
+                    split(table)
+                elif get_num_threads() > 1 and not backing_off():
+                    quiet(table)  # (a back-off: a split just waited for a core)
+                else:
+                    serial(table)
 
             return run
 

@@ -358,6 +358,11 @@ def back_off(seconds: float = BACKOFF_S) -> None:
     _backoff_until = time.monotonic() + seconds
 
 
+def backing_off() -> bool:
+    """Are parallel regions backing off now (`back_off`: a split just waited for a core)?"""
+    return bool(_backoff_until) and time.monotonic() < _backoff_until
+
+
 def set_dynamic_threads(enabled: bool) -> None:
     """Whether parallel regions give up threads while other processes keep CPUs busy
     (on by default; the environment variable KILN_DYNAMIC_THREADS=0 turns it off)."""

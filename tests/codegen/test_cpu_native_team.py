@@ -205,3 +205,40 @@ def test_the_timeline_shows_a_wake_of_sleeping_workers():
     native_pool.wake()
     regions = native_team.stop_trace()
     assert [r["kind"] for r in regions] == ["wake"] and regions[0]["units"] == 0
+
+
+def test_a_quiet_region_lets_its_workers_sleep_at_once(kernel):
+    """A region whose thread count carries QUIET_WORKERS is split as any other (every
+    point once), and its workers sleep right after it: here a team whose workers would
+    spin 10 minutes after an ordinary region has its worker asleep (a bounded wait) after
+    a quiet one, and the trace marks the region quiet."""
+    built = native_pool._built()
+    spare = native_team.Team(built["engine"])
+    spare.grow(1, spin_us=600_000_000)
+    publish = native_team.STOP_FN(built["engine"].address("kiln_team_publish"))
+    publish(spare.address)
+    try:
+        # ordinary regions until the new worker has taken part in one (it has started
+        # and spins its 10 minutes after each); the quiet regions then end that
+        deadline, joined = time.monotonic() + 10, False
+        while not joined and time.monotonic() < deadline:
+            assert native_team.start_trace()
+            _run(kernel, built["claim"], 100_000, 64, 2)
+            joined = native_team.stop_trace()[0]["by_caller"] < -(-100_000 // 64)
+        assert joined
+        assert native_team.start_trace()
+        quiet = 2 | native_team.QUIET_WORKERS
+        for mode in ("fn", "claim"):
+            np.testing.assert_array_equal(_run(kernel, built[mode], 100_000, 64, quiet), 1)
+        regions = native_team.stop_trace()
+        assert [r["quiet"] for r in regions] == [True, True]
+        assert [r["units"] for r in regions] == [2, -(-100_000 // 64)]  # 2 threads, not 65538
+        deadline = time.monotonic() + 10
+        while _word(spare, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _word(spare, native_team.SLEEPERS) == 1  # asleep long before its spin ends
+        # an ordinary region wakes it again; its results are right
+        np.testing.assert_array_equal(_run(kernel, built["fn"], 100_000, 64, 2), 1)
+    finally:
+        publish(native_team._state["team"].address)
+        assert spare.stop(timeout=10)

@@ -162,9 +162,10 @@ def test_concurrent_calls_stay_correct():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_large_branch_runs_split_only_while_cpus_are_idle(threads, monkeypatch):
-    """A branch large enough to split has a split and a one-thread version; which runs is
-    asked of threads.parallel_threads() (the CPUs other processes leave idle) per call."""
+def test_a_large_branch_asks_for_its_threads_each_call(threads, monkeypatch):
+    """A branch large enough to split has a split version and one for when other processes
+    keep CPUs busy (quiet workers on kiln's team, else one thread); which runs is asked of
+    threads.parallel_threads() (the CPUs other processes leave idle) per call."""
     from kiln.codegen.cpu.launch_list import openmp_runtime
 
     asked = []
@@ -176,3 +177,40 @@ def test_a_large_branch_runs_split_only_while_cpus_are_idle(threads, monkeypatch
                                    rtol=1e-5, atol=1e-6)
     # the first call runs the Python way, every later one natively and asks
     assert len(asked) == (7 if openmp_runtime() is not None else 0)
+
+
+def test_beside_busy_processes_a_large_branch_splits_with_quiet_workers(monkeypatch):
+    """While other processes keep CPUs busy (parallel_threads() is 1), a branch large
+    enough to split still splits on kiln's team, its workers sleeping right after each
+    region (a team region never waits for a worker that does not come); during a back-off
+    (a split just waited for a core), and at kn.set_num_threads(1), it runs on one thread."""
+    from kiln.codegen.cpu import native_pool, native_team
+    from kiln.runtime import threads
+
+    if not native_team.available():
+        pytest.skip("kiln's native team needs Linux (futex) on x86-64 or AArch64")
+    before = kn.get_num_threads()
+    kn.set_num_threads(2)
+    try:
+        monkeypatch.setattr(native_loops, "parallel_threads", lambda: 1)
+        g = kn.compile(four_way)
+        x = np.random.default_rng(7).standard_normal(1 << 20).astype(np.float32)
+
+        def regions(calls):
+            assert native_team.start_trace()
+            for k in calls:
+                np.testing.assert_allclose(g(np.array(k, np.int32), x).numpy(), reference(k, x),
+                                           rtol=1e-5, atol=1e-6)
+            return native_team.stop_trace()
+
+        regions([0])  # the first call of a size binding runs the Python way
+        assert native_pool.on_team()
+        seen = regions([1, 2, 3, 0])
+        assert len(seen) == 4 and all(r["quiet"] and r["units"] == 2 for r in seen)
+        monkeypatch.setattr(native_loops, "backing_off", lambda: True)
+        assert regions([1, 2]) == []
+        monkeypatch.setattr(native_loops, "backing_off", threads.backing_off)
+        kn.set_num_threads(1)
+        assert regions([3, 0]) == []
+    finally:
+        kn.set_num_threads(before)

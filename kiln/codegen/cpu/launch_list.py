@@ -25,7 +25,8 @@ import numpy as np
 
 from kiln.codegen.cpu import jit
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
-from kiln.codegen.cpu.native_pool import native_splits, openmp_runtime, parallel_for_address  # noqa: F401
+from kiln.codegen.cpu.native_pool import native_splits, on_team, openmp_runtime, parallel_for_address  # noqa: F401
+from kiln.codegen.cpu.native_team import QUIET_WORKERS
 from kiln.runtime.capture import Copy, Launcher, Loop, NativeLaunch, Swap, Switch
 
 _PLAN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -34,7 +35,8 @@ _INT_TYPES = {1: "i8", 2: "i16", 4: "i32", 8: "i64"}
 
 
 class _Emitter:
-    def __init__(self):
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet  # split launches ask kiln's team's workers to sleep right after
         self.lines: list[str] = []
         self.globals: list[str] = []
         self.n = 0
@@ -78,9 +80,10 @@ class _Emitter:
         self.emit(f"{fn} = inttoptr i64 {op.address} to ptr")
         if op.threads > 1:  # cut as the runtime cuts a split launch (native_pool.py)
             split = self.tmp()
+            threads = op.threads | (QUIET_WORKERS if self.quiet else 0)
             self.emit(f"{split} = inttoptr i64 {parallel_for_address()} to ptr")
             self.emit(f"call void {split}(ptr {fn}, ptr %args, ptr {sizes}, i64 {op.total}, "
-                      f"i64 {64 if op.total >= 1024 else 1}, i32 {op.threads})")
+                      f"i64 {64 if op.total >= 1024 else 1}, i32 {threads})")
             return
         self.emit(f"call void {fn}(ptr %args, ptr {sizes}, i64 0, i64 {op.total})")
 
@@ -160,8 +163,14 @@ class CpuLauncher(Launcher):
         self._keep.append(engine)
         return fntype(engine.address(name))
 
-    def compile(self, ops: Sequence):
-        em = _Emitter()
+    def compile(self, ops: Sequence, quiet: bool = False):
+        """`void plan(ptr table)` running `ops`; `quiet` (only where split launches run on
+        kiln's team, `native_pool.on_team()`): the team's workers sleep right after each
+        split region instead of spinning (native_team.QUIET_WORKERS)."""
+        if quiet and not on_team():
+            raise ValueError("quiet split launches need kiln's native team (libgomp would read "
+                             "the flag as a thread count)")
+        em = _Emitter(quiet)
         em.ops(ops)
         return self._build(em.module("plan", "ptr %table"), "plan", _PLAN_FN)
 

@@ -229,6 +229,11 @@ def parallel_claim_address() -> int:
     return _built()["claim_address"]
 
 
+def on_team() -> bool:
+    """Do split launches in this process run on kiln's native team (not libgomp)?"""
+    return parallel_for() is not None and bool(_built().get("team"))
+
+
 def usable() -> bool:
     """Can native code enter a split region in this process now (kiln's team, or
     libgomp loaded and not a child forked after a region ran)?"""

@@ -27,8 +27,10 @@ unit per thread, and `claim` mode is units of `unit` points (GEMM panels, batch 
 With no worker awake, the caller runs every unit itself: the region costs what the
 serial call costs, plus a few atomic operations. Workers spin `SPIN_US` after their
 last region (`pause`), then sleep on the futex (a bounded wait: 100 ms, then they check
-again); `wake()` at the start of a prepared call bumps the sequence number so that
-sleeping workers wake while the first launches run serial. One caller at a time holds
+again); after a quiet region (`threads | QUIET_WORKERS`: one run while other processes
+keep the CPUs busy) they sleep at once, holding no core between calls. `wake()` at the
+start of a prepared call bumps the sequence number so that sleeping workers wake while
+the first launches run serial. One caller at a time holds
 the team (a lock word); a second caller, concurrent on another Python thread, runs its
 region on its own thread.
 
@@ -65,12 +67,16 @@ SPIN_US = int(os.environ.get("KILN_TEAM_SPIN_US", "5000"))
 MAX_UNITS = (1 << 20) - 1  # the claim word holds 20-bit unit counts
 _FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 _PAUSE = {"x86_64": "call void @llvm.x86.sse2.pause()", "amd64": "call void @llvm.x86.sse2.pause()"}
-_WORDS = 80  # the team's memory, in i64 words (72 used, 64-byte aligned within)
-TRACE_WORDS = 7  # a timeline record: t0, t1, t2, units, caller's units, first claim, kind
+_WORDS = 96  # the team's memory, in i64 words (73 used, 64-byte aligned within)
+TRACE_WORDS = 8  # a timeline record: t0, t1, t2, units, caller's units, first claim, kind, quiet
 WAKE_KIND = 2  # a record's kind: 0 static cut, 1 claimed units, 2 a wake without a region
 
 # word offsets in the team's memory (each contended word on a cache line of its own)
-SEQ, SLEEPERS, CLAIM, DONE, FIELDS, STOP, OWNER, TRACE_CLAIM = 0, 8, 16, 24, 32, 48, 56, 64
+SEQ, SLEEPERS, CLAIM, DONE, FIELDS, STOP, OWNER, TRACE_CLAIM, QUIET = 0, 8, 16, 24, 32, 48, 56, 64, 72
+# a region's `threads` argument with this bit set: its workers sleep right after it instead
+# of spinning SPIN_US (a region run while other processes keep the CPUs busy, where a
+# spinning worker would hold a core they want; kiln/runtime/native_loops.py)
+QUIET_WORKERS = 1 << 16
 FN, BUFS, SIZES, TOTAL, UNIT, NUNITS, MODE, NTHREADS = range(FIELDS, FIELDS + 8)
 
 
@@ -138,9 +144,9 @@ entry:
 }}
 
 ; the timeline (`trace`): append record [t0, t1, t2, units, caller's units, first worker
-; claim, kind] to the buffer [count, capacity, records...], while there is room
+; claim, kind, quiet] to the buffer [count, capacity, records...], while there is room
 define internal void @team_record(ptr %buf, i64 %t0, i64 %t1, i64 %t2, i64 %n, i64 %mine, i64 %claim,
-                                  i64 %kind) {{
+                                  i64 %kind, i64 %quiet) {{
 entry:
   %count = load i64, ptr %buf
   %pcap = getelementptr i64, ptr %buf, i64 1
@@ -164,6 +170,8 @@ put:
   store i64 %claim, ptr %p5
   %p6 = getelementptr i64, ptr %p0, i64 6
   store i64 %kind, ptr %p6
+  %p7 = getelementptr i64, ptr %p0, i64 7
+  store i64 %quiet, ptr %p7
   %c1 = add i64 %count, 1
   store i64 %c1, ptr %buf
   br label %exit
@@ -254,6 +262,8 @@ entry:
   %lastp = alloca i32
   %t0p = alloca i64
   %kp = alloca i64
+  %spp = alloca i64
+  store i64 %spin_ns, ptr %spp
   %pseq = {_w(SEQ)}
   %pstop = {_w(STOP)}
   %psl = {_w(SLEEPERS)}
@@ -287,7 +297,8 @@ clock:
   %now = call i64 @team_now()
   %t0 = load i64, ptr %t0p
   %el = sub i64 %now, %t0
-  %long = icmp sgt i64 %el, %spin_ns
+  %spincur = load i64, ptr %spp
+  %long = icmp sgt i64 %el, %spincur
   br i1 %long, label %sleep, label %spin
 sleep:
   atomicrmw add ptr %psl, i64 1 seq_cst
@@ -315,6 +326,7 @@ sleep_again:
 got:
   %sg = load atomic i32, ptr %pseq acquire, align 8
   store i32 %sg, ptr %lastp
+  store i64 %spin_ns, ptr %spp
   %nt = load atomic i64, ptr %pnt monotonic, align 8
   %me = add i64 %index, 1
   %part = icmp slt i64 %me, %nt
@@ -323,6 +335,11 @@ work:
   %sz = zext i32 %sg to i64
   %tag = and i64 %sz, 16777215
   %wr = call i64 @team_work(ptr %t, i64 %tag, i1 true)
+  %pq = {_w(QUIET)}
+  %q = load atomic i64, ptr %pq monotonic, align 8
+  %hush = icmp ne i64 %q, 0
+  %after = select i1 %hush, i64 0, i64 %spin_ns
+  store i64 %after, ptr %spp
   br label %wait
 exit:
   ret void
@@ -335,13 +352,15 @@ define internal void @team_region(ptr %fn, ptr %bufs, ptr %sizes, i64 %total, i6
 entry:
   %t = load atomic ptr, ptr @kiln_team_ptr acquire, align 8
   %none = icmp eq ptr %t, null
-  %few = icmp sle i32 %threads, 1
+  %nthreads = and i32 %threads, 65535
+  %quiet32 = lshr i32 %threads, 16
+  %few = icmp sle i32 %nthreads, 1
   %empty = icmp sle i64 %total, 0
   %x1 = or i1 %none, %few
   %x2 = or i1 %x1, %empty
   br i1 %x2, label %serial, label %count
 count:
-  %nt = sext i32 %threads to i64
+  %nt = sext i32 %nthreads to i64
   ; claim mode: units of `unit`, coarsened (whole multiples) to at most MAX_UNITS
   %um1 = sub i64 %unit0, 1
   %tu = add i64 %total, %um1
@@ -396,6 +415,9 @@ fields:
   store i64 %mode, ptr %pm
   %pnt = {_w(NTHREADS)}
   store atomic i64 %nt, ptr %pnt monotonic, align 8
+  %pq = {_w(QUIET)}
+  %quiet = zext i32 %quiet32 to i64
+  store atomic i64 %quiet, ptr %pq monotonic, align 8
   %pd = {_w(DONE)}
   store atomic i64 0, ptr %pd monotonic, align 8
   %pseq = {_w(SEQ)}
@@ -436,7 +458,8 @@ record:
   %ts2 = call i64 @team_now()
   %pcl2 = {_w(TRACE_CLAIM)}
   %claim = load atomic i64, ptr %pcl2 monotonic, align 8
-  call void @team_record(ptr %trace, i64 %t0, i64 %t1, i64 %ts2, i64 %n, i64 %mine, i64 %claim, i64 %mode)
+  call void @team_record(ptr %trace, i64 %t0, i64 %t1, i64 %ts2, i64 %n, i64 %mine, i64 %claim, i64 %mode,
+                         i64 %quiet)
   br label %unlock
 unlock:
   store atomic i64 0, ptr %po release, align 8
@@ -486,7 +509,7 @@ bump:
   br i1 %tracing, label %record, label %exit
 record:
   %tw = call i64 @team_now()
-  call void @team_record(ptr %trace, i64 %tw, i64 %tw, i64 %tw, i64 0, i64 0, i64 0, i64 {WAKE_KIND})
+  call void @team_record(ptr %trace, i64 %tw, i64 %tw, i64 %tw, i64 0, i64 0, i64 0, i64 {WAKE_KIND}, i64 0)
   br label %exit
 exit:
   ret void
@@ -532,12 +555,14 @@ class Team:
         self.pid = os.getpid()
         self._lock = threading.Lock()
 
-    def grow(self, workers: int) -> None:
-        """Start workers until there are `workers` (a region's caller is one more thread)."""
+    def grow(self, workers: int, spin_us: int | None = None) -> None:
+        """Start workers until there are `workers` (a region's caller is one more thread),
+        each spinning `spin_us` (default SPIN_US) after a region that is not quiet."""
+        spin_ns = (SPIN_US if spin_us is None else spin_us) * 1000
         with self._lock:
             while len(self.threads) < workers:
                 index = len(self.threads)
-                t = threading.Thread(target=self._worker, args=(self.address, index, SPIN_US * 1000),
+                t = threading.Thread(target=self._worker, args=(self.address, index, spin_ns),
                                      name=f"kiln-team-{index}", daemon=True)
                 t.start()
                 self.threads.append(t)
@@ -603,7 +628,8 @@ def stop_trace() -> list[dict]:
     `start`, `own_done`, `end` (CLOCK_MONOTONIC ns, as `time.monotonic_ns()`: the region
     published, the caller's own units done, every unit done), `units`, `by_caller`,
     `first_claim` (a worker's first claim, 0: none claimed), `kind` ("cut", "claim",
-    "wake": a prepared call's `wake()` of sleeping workers).
+    "wake": a prepared call's `wake()` of sleeping workers), `quiet` (its workers sleep
+    right after it: QUIET_WORKERS).
 
     >>> native_team.start_trace(); step(); regions = native_team.stop_trace()
     """
@@ -616,7 +642,7 @@ def stop_trace() -> list[dict]:
     for k in range(min(buf[0], buf[1])):
         r = buf[2 + k * TRACE_WORDS: 2 + (k + 1) * TRACE_WORDS]
         out.append({"start": r[0], "own_done": r[1], "end": r[2], "units": r[3], "by_caller": r[4],
-                    "first_claim": r[5], "kind": kinds.get(r[6], str(r[6]))})
+                    "first_claim": r[5], "kind": kinds.get(r[6], str(r[6])), "quiet": bool(r[7])})
     return out
 
 
