@@ -146,19 +146,21 @@ def adaptive_launcher():
     class AdaptiveLauncher(CpuLauncher):
         def compile(self, ops, quiet: bool = False):
             ops = list(ops)
+            if quiet:  # the quiet split version alone
+                return super().compile(ops, quiet=True)
             serial_ops = one_thread(ops)
             serial = super().compile(serial_ops)
             if serial_ops == ops:
                 return serial
             split = super().compile(ops)
             # beside busy processes: split with quiet workers (kiln's team only)
-            quiet = super().compile(ops, quiet=True) if on_team() else serial
+            hushed = super().compile(ops, quiet=True) if on_team() else serial
 
             def run(table: int) -> None:
                 if parallel_threads() > 1:
                     split(table)
                 elif get_num_threads() > 1 and not backing_off():
-                    quiet(table)  # (a back-off: a split just waited for a core)
+                    hushed(table)  # (a back-off: a split just waited for a core)
                 else:
                     serial(table)
 
