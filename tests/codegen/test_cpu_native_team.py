@@ -111,13 +111,19 @@ def _word(team, k: int) -> int:
     return native_pool.ctypes.c_int64.from_address(team.address + 8 * k).value
 
 
+def _asleep(team, timeout: float = 10.0) -> int:
+    """The team's sleeping workers, once one sleeps or `timeout` has passed (the workers
+    spin after their last region, then sleep)."""
+    deadline = time.monotonic() + timeout
+    while _word(team, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _word(team, native_team.SLEEPERS)
+
+
 def test_wake_bumps_the_sequence_of_sleeping_workers():
     native_pool._built()
     team = native_team._state["team"]
-    deadline = time.monotonic() + 10
-    while _word(team, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the workers spin SPIN_US after their last region, then sleep
-    assert _word(team, native_team.SLEEPERS) > 0
+    assert _asleep(team) > 0
     seq = _word(team, native_team.SEQ) & 0xFFFFFFFF
     native_pool.wake()
     assert _word(team, native_team.SEQ) & 0xFFFFFFFF == (seq + 1) & 0xFFFFFFFF
@@ -197,10 +203,7 @@ def test_the_timeline_records_each_region(kernel):
 
 def test_the_timeline_shows_a_wake_of_sleeping_workers():
     native_pool._built()
-    team = native_team._state["team"]
-    deadline = time.monotonic() + 10
-    while _word(team, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the workers spin SPIN_US after their last region, then sleep
+    assert _asleep(native_team._state["team"]) > 0
     assert native_team.start_trace()
     native_pool.wake()
     regions = native_team.stop_trace()
@@ -233,10 +236,7 @@ def test_a_quiet_region_lets_its_workers_sleep_at_once(kernel):
         regions = native_team.stop_trace()
         assert [r["quiet"] for r in regions] == [True, True]
         assert [r["units"] for r in regions] == [2, -(-100_000 // 64)]  # 2 threads, not 65538
-        deadline = time.monotonic() + 10
-        while _word(spare, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _word(spare, native_team.SLEEPERS) == 1  # asleep long before its spin ends
+        assert _asleep(spare) == 1  # asleep long before its spin ends
         # an ordinary region wakes it again; its results are right
         np.testing.assert_array_equal(_run(kernel, built["fn"], 100_000, 64, 2), 1)
     finally:

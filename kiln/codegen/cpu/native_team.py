@@ -116,6 +116,15 @@ run:
   br label %done"""
 
 
+def _record_stores() -> str:
+    """IR lines storing `team_record`'s arguments, in order, from buf[%base] on."""
+    names = ("t0", "t1", "t2", "n", "mine", "claim", "kind", "quiet")
+    lines = ["  %p0 = getelementptr i64, ptr %buf, i64 %base"]
+    lines += [f"  %p{k} = getelementptr i64, ptr %p0, i64 {k}" for k in range(1, len(names))]
+    lines += [f"  store i64 %{name}, ptr %p{k}" for k, name in enumerate(names)]
+    return "\n".join(lines)
+
+
 def team_ir() -> str:
     """The team's LLVM IR: `kiln_team_worker`, `kiln_team_for`, `kiln_team_claim`,
     `kiln_team_wake` and `kiln_team_stop`, over the team whose address is in the global
@@ -156,22 +165,7 @@ entry:
 put:
   %base0 = mul i64 %count, {TRACE_WORDS}
   %base = add i64 %base0, 2
-  %p0 = getelementptr i64, ptr %buf, i64 %base
-  store i64 %t0, ptr %p0
-  %p1 = getelementptr i64, ptr %p0, i64 1
-  store i64 %t1, ptr %p1
-  %p2 = getelementptr i64, ptr %p0, i64 2
-  store i64 %t2, ptr %p2
-  %p3 = getelementptr i64, ptr %p0, i64 3
-  store i64 %n, ptr %p3
-  %p4 = getelementptr i64, ptr %p0, i64 4
-  store i64 %mine, ptr %p4
-  %p5 = getelementptr i64, ptr %p0, i64 5
-  store i64 %claim, ptr %p5
-  %p6 = getelementptr i64, ptr %p0, i64 6
-  store i64 %kind, ptr %p6
-  %p7 = getelementptr i64, ptr %p0, i64 7
-  store i64 %quiet, ptr %p7
+{_record_stores()}
   %c1 = add i64 %count, 1
   store i64 %c1, ptr %buf
   br label %exit
