@@ -13,7 +13,9 @@ round at the one-thread time is a round the rule ran serial). `--interleaved`: b
 method (one call of each implementation per round, shuffled: torch 1t/2t, numpy's OpenBLAS
 at its threads, jax.jit, whose threads all spin after their calls) with a `kiln split`
 variant, the same product compiled with every launch forced to split (its verdict `sure`),
-beside kiln at its default.
+beside kiln at its default, and `kiln aligned`: kiln at its default on operands copied to
+64-byte aligned memory (as `torch.tensor` copies them; numpy's arrays of 128 KB and more,
+and `kn.tensor`'s copies of them, start 16 bytes past a page).
 
 Run from a tree's root with the root first on PYTHONPATH to measure that tree; compare
 trees round-robin by alternating processes (the machine's load falls on both alike).
@@ -38,6 +40,15 @@ import kiln as kn  # noqa: E402
 def operands():
     rng = np.random.default_rng(0)
     return rng.standard_normal((16, 32, 256)).astype(np.float32), rng.standard_normal((16, 256, 64)).astype(np.float32)
+
+
+def placed(x: np.ndarray) -> np.ndarray:
+    """x copied to 64-byte aligned memory."""
+    raw = np.empty(x.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    out = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
 
 
 def turns(rounds: int) -> str:
@@ -103,8 +114,13 @@ def interleaved(rounds: int) -> str:
         split_rule.Split.__init__ = real_init
     real_round_robin = bench_gemm.round_robin
 
+    aligned = [kn.asarray(placed(x)) for x in args]
+    assert all(t.numpy().ctypes.data % 64 == 0 for t in aligned)
+    plain = kn.compile(kfn)
+
     def round_robin(fns, repeat, warmup=2):
-        return real_round_robin(dict(fns, **{"kiln split": lambda: forced(*targs)}), rounds, warmup)
+        more = {"kiln split": lambda: forced(*targs), "kiln aligned": lambda: plain(*aligned)}
+        return real_round_robin(dict(fns, **more), rounds, warmup)
 
     bench_gemm.round_robin, bench_gemm.rows = round_robin, lambda quick: iter([row])
     try:
