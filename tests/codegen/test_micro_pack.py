@@ -138,7 +138,7 @@ def test_each_layout_takes_its_packer():
     assert "llvm.masked" not in half
     # more row blocks an item: a third tile, which also stores B (the misaligned copy);
     # a single product packs a misaligned B instead (no second tile)
-    copying = llvm_text(gemm(2, 2 * mr, 2 * w * 2, 24))
+    copying = llvm_text(gemm(2, microkernel.COPY_BLOCKS * mr, 2 * w * 2, 24))
     assert copying.count(fma) == mr * 2 * 2 and "ptrtoint" in copying
     repacking = llvm_text(gemm(1, microkernel.REPACK_BLOCKS * mr, 2 * w * 2, 24))
     assert repacking.count(fma) == mr * 2 and "ptrtoint" in repacking
@@ -200,7 +200,7 @@ def test_misaligned_b_rows_copied_by_the_first_row_block(width, offset, d):
 @pytest.mark.parametrize("batch", [3, 1])
 def test_misaligned_copy_for_any_cut_of_the_row_blocks(ranges, batch):
     """Threads claim ranges of row blocks that start and end inside an item: a range
-    copies a batch item's misaligned B only where it runs two or more of its blocks
+    copies a batch item's misaligned B only where it runs COPY_BLOCKS or more of its blocks
     (packs a single product's where it runs REPACK_BLOCKS), and a block that starts a
     range mid-item reads B in place (the copy is that call's own); every cut, in any
     order, gives the product of one whole call, bit for bit."""
@@ -208,7 +208,7 @@ def test_misaligned_copy_for_any_cut_of_the_row_blocks(ranges, batch):
     # a batch: 4 row blocks an item, 12 in all; a single product: 24 (ranges doubled),
     # some ranges of REPACK_BLOCKS or more, some fewer
     scale = 1 if batch > 1 else 2
-    assert 24 > microkernel.REPACK_BLOCKS > 10
+    assert 24 > microkernel.REPACK_BLOCKS > 10 and 1 < microkernel.COPY_BLOCKS <= 4
     m, n, k = 12 * scale // batch * mr, 2 * nr + 3, 37
     ck = compiled(gemm(batch, m, n, k))
     ranges = [(lo * scale, hi * scale) for lo, hi in ranges]

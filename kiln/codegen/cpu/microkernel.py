@@ -53,6 +53,10 @@ PREFETCH_ROWS = 8  # the tile's k loop prefetches B this many rows ahead
 # a single product's B whose rows are not 64-byte aligned is packed (aligned) where a call
 # runs at least this many of its row blocks (`MicroEmitter._repacks`)
 REPACK_BLOCKS = 16
+# a batch item's is copied by its first row block where a call runs at least this many of
+# its blocks (`MicroEmitter._copies`): one thread, B 16 bytes off, 16 x 32x64x256 (4 blocks
+# an item) 101.4 us copied vs 106.0 read in place, 64 x 16x32x32 (2 blocks) 16.1 vs 15.4
+COPY_BLOCKS = 3
 
 
 @lru_cache(maxsize=None)
@@ -121,14 +125,15 @@ class MicroEmitter(GemmEmitter):
     def _copies(self) -> bool:
         """May a B read in place be copied, aligned, while the first row block of an item
         reads it (`_body`)? B read in place, a batch (a single product packs instead:
-        `_repacks`), more than one row block per item (static m > MR, or symbolic) and a
-        full panel to copy (static n >= NR, or symbolic). The copying tile is a second
-        copy of the k loop: ~+5 ms of LLVM time per kernel, so only where it can run."""
+        `_repacks`), at least COPY_BLOCKS row blocks per item (static m, or symbolic) and
+        a full panel to copy (static n >= NR, or symbolic). The copying tile is a second
+        copy of the k loop (~+11 ms of LLVM optimize and +4 ms codegen CPU for a kernel),
+        so only where it can run and pay."""
         import sympy
 
         g = self.g
         m, n, batch = sympy.sympify(g.m), sympy.sympify(g.n), sympy.sympify(g.batch)
-        return self._direct_b() and batch != 1 and (not m.is_Integer or int(m) > self.mr) and \
+        return self._direct_b() and batch != 1 and (not m.is_Integer or int(m) > (COPY_BLOCKS - 1) * self.mr) and \
             (not n.is_Integer or int(n) >= self.nr)
 
     def _repacks(self) -> bool:
@@ -183,15 +188,15 @@ class MicroEmitter(GemmEmitter):
         if copies or repacks:
             # an item whose rows are not 64-byte aligned (numpy's larger arrays start 16
             # bytes past a page): vector loads of them split cache lines (16 x 32x64x256:
-            # 108 us against 92 aligned, one thread). A batch item: where another row
-            # block of it follows in this call, this block's tiles store what they load
+            # 108 us against 92 aligned, one thread). A batch item: where COPY_BLOCKS row
+            # blocks of it or more follow in this call, this block's tiles store what they load
             # into the pack buffer (aligned) and the following blocks read that copy. A
             # single product: packed whole first, where the call runs REPACK_BLOCKS of it
             addr = fn.cast("ptrtoint", fn.gep(self.ty, self.buffers[g.b][0], fn.bin("mul", bi, sb0)), "i64")
             off = fn.bin("and", fn.bin("or", addr, fn.bin("mul", sb1, esz)), c(63))
             item_end = fn.bin("mul", fn.bin("add", bi, c(1)), nblocks)
             stop = fn.select(fn.icmp("slt", end, item_end), end, item_end)
-            more = fn.icmp("sgt", fn.bin("sub", stop, p), c(1 if copies else REPACK_BLOCKS - 1))
+            more = fn.icmp("sgt", fn.bin("sub", stop, p), c((COPY_BLOCKS if copies else REPACK_BLOCKS) - 1))
             now = fn.bin("and", fn.icmp("ne", off, c(0)), more)
             origin = fn.select(now, c(0), in_place_panels)
             if copies:
