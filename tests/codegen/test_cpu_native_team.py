@@ -242,3 +242,23 @@ def test_a_quiet_region_lets_its_workers_sleep_at_once(kernel):
     finally:
         publish(native_team._state["team"].address)
         assert spare.stop(timeout=10)
+
+
+def test_waking_steers_sleeping_workers_off_the_callers_cpu(kernel):
+    """wake() of sleeping workers first sets each worker's affinity to the caller's
+    allowed CPUs minus the one it runs on (a woken worker placed on its waker's CPU would
+    spin beside it); the regions after are right."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs this process may use")
+    native_pool._built()
+    team = native_team._state["team"]
+    native_team._state.pop("steered", None)
+    assert _asleep(team) > 0
+    native_pool.wake()
+    key = native_team._state.get("steered")
+    assert key is not None and key[0] == id(team)
+    cpu = key[1]
+    for t in team.threads:
+        assert os.sched_getaffinity(t.native_id) == allowed - {cpu}
+    np.testing.assert_array_equal(_run(kernel, native_pool.parallel_for(), 100_000, 64, 2), 1)

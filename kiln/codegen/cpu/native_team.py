@@ -596,10 +596,58 @@ def publish(engine, workers: int) -> Team:
 
 def wake() -> None:
     """Wake the team's sleeping workers now (a prepared call with split launches calls
-    this first: they are spinning by its first split region); nothing if none sleeps."""
+    this first: they are spinning by its first split region); nothing if none sleeps.
+    Sleeping workers are first steered off the caller's CPU (`steer`)."""
     fn = _state.get("wake")
-    if fn is not None and _state["team"].pid == os.getpid():
+    if fn is None:
+        return
+    team = _state["team"]
+    if team.pid == os.getpid():
+        if ctypes.c_int64.from_address(team.address + 8 * SLEEPERS).value > 0:
+            steer(team)
         fn()
+
+
+# A worker woken from its futex is often placed by the scheduler on the CPU its waker runs
+# on (the waker's cache is warm, the other CPU idle and its vCPU halted), where it spins
+# beside the caller until a load balance moves it: the small-GPT step after a 0.2 s pause
+# ran 9.5-9.7 ms with 23-32 of its regions joined by no worker and the worker's first claim
+# 0.8-3.9 ms after the wake, against 4.8-5.5 ms, no such region and 0.5-0.7 ms with the
+# workers kept off the caller's CPU (benchmarks/results/cpu.md, section `wakeups`)
+_getcpu: list = []  # [libc's sched_getcpu] or [None]
+
+
+def steer(team: Team) -> bool:
+    """Keep `team`'s workers off the CPU the calling thread runs on: each worker's
+    affinity becomes the caller's allowed CPUs minus that one (done again only when the
+    caller's CPU or the workers changed). False where it cannot (one allowed CPU, no
+    `sched_getcpu`, affinity refused: then nothing changes, for the rest of the process)."""
+    if not _getcpu:
+        try:
+            fn = ctypes.CDLL(None).sched_getcpu
+            fn.restype, fn.argtypes = ctypes.c_int, []
+        except (OSError, AttributeError):
+            fn = None
+        _getcpu.append(fn)
+    getcpu = _getcpu[0]
+    if getcpu is None or not team.threads:
+        return False
+    cpu = getcpu()
+    key = (id(team), cpu, len(team.threads))
+    if _state.get("steered") == key:
+        return True
+    try:
+        others = os.sched_getaffinity(0) - {cpu}
+        if cpu < 0 or not others:
+            return False
+        for t in team.threads:
+            if t.native_id is not None:
+                os.sched_setaffinity(t.native_id, others)
+    except (OSError, AttributeError):  # a container that refuses it: leave the workers be
+        _getcpu[0] = None
+        return False
+    _state["steered"] = key
+    return True
 
 
 def start_trace(capacity: int = 1 << 16) -> bool:
@@ -642,6 +690,7 @@ def stop_trace() -> list[dict]:
 
 def _after_fork_in_child() -> None:
     # the team's workers did not come along: regions run serial until a new team starts
+    _state.pop("steered", None)
     set_team = _state.get("publish")
     if set_team is not None:
         set_team(None)
