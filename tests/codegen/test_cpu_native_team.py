@@ -8,6 +8,7 @@ sleeping workers, stopping a team, and GNU OpenMP where the team is turned off."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -111,6 +112,34 @@ def _word(team, k: int) -> int:
     return native_pool.ctypes.c_int64.from_address(team.address + 8 * k).value
 
 
+@contextlib.contextmanager
+def _spare_team(kernel, spin_us: int):
+    """A published team of one worker spinning `spin_us` after a region, that has taken
+    part in a region (it runs, and no wake of an earlier test is still on its way to it);
+    the process's team is published again after."""
+    built = native_pool._built()
+    spare = native_team.Team(built["engine"])
+    spare.grow(1, spin_us=spin_us)
+    publish = native_team.STOP_FN(built["engine"].address("kiln_team_publish"))
+    publish(spare.address)
+    try:
+        deadline, joined = time.monotonic() + 10, False
+        while not joined and time.monotonic() < deadline:
+            assert native_team.start_trace()
+            _run(kernel, built["claim"], 100_000, 64, 2)
+            joined = native_team.stop_trace()[0]["by_caller"] < -(-100_000 // 64)
+        assert joined
+        saved = native_team._state["team"]
+        native_team._state["team"] = spare  # wake() and steer() act on it
+        try:
+            yield spare
+        finally:
+            native_team._state["team"] = saved
+    finally:
+        publish(native_team._state["team"].address)
+        assert spare.stop(timeout=10)
+
+
 def _asleep(team, timeout: float = 10.0) -> int:
     """The team's sleeping workers, once one sleeps or `timeout` has passed (the workers
     spin after their last region, then sleep)."""
@@ -120,13 +149,12 @@ def _asleep(team, timeout: float = 10.0) -> int:
     return _word(team, native_team.SLEEPERS)
 
 
-def test_wake_bumps_the_sequence_of_sleeping_workers():
-    native_pool._built()
-    team = native_team._state["team"]
-    assert _asleep(team) > 0
-    seq = _word(team, native_team.SEQ) & 0xFFFFFFFF
-    native_pool.wake()
-    assert _word(team, native_team.SEQ) & 0xFFFFFFFF == (seq + 1) & 0xFFFFFFFF
+def test_wake_bumps_the_sequence_of_sleeping_workers(kernel):
+    with _spare_team(kernel, spin_us=1000) as team:
+        assert _asleep(team) > 0
+        seq = _word(team, native_team.SEQ) & 0xFFFFFFFF
+        native_pool.wake()
+        assert _word(team, native_team.SEQ) & 0xFFFFFFFF == (seq + 1) & 0xFFFFFFFF
 
 
 def test_a_stopped_team_ends_its_threads(kernel):
@@ -201,34 +229,22 @@ def test_the_timeline_records_each_region(kernel):
     assert native_team.stop_trace() == []
 
 
-def test_the_timeline_shows_a_wake_of_sleeping_workers():
-    native_pool._built()
-    assert _asleep(native_team._state["team"]) > 0
-    assert native_team.start_trace()
-    native_pool.wake()
-    regions = native_team.stop_trace()
+def test_the_timeline_shows_a_wake_of_sleeping_workers(kernel):
+    with _spare_team(kernel, spin_us=1000) as team:
+        assert _asleep(team) > 0
+        assert native_team.start_trace()
+        native_pool.wake()
+        regions = native_team.stop_trace()
     assert [r["kind"] for r in regions] == ["wake"] and regions[0]["units"] == 0
 
 
 def test_a_quiet_region_lets_its_workers_sleep_at_once(kernel):
     """A region whose thread count carries QUIET_WORKERS is split as any other (every
-    point once), and its workers sleep right after it: here a team whose workers would
-    spin 10 minutes after an ordinary region has its worker asleep (a bounded wait) after
-    a quiet one, and the trace marks the region quiet."""
+    point once), and its workers sleep right after it: here a team whose worker would
+    spin 10 minutes after an ordinary region is asleep (a bounded wait) after a quiet
+    one, and the trace marks the region quiet."""
     built = native_pool._built()
-    spare = native_team.Team(built["engine"])
-    spare.grow(1, spin_us=600_000_000)
-    publish = native_team.STOP_FN(built["engine"].address("kiln_team_publish"))
-    publish(spare.address)
-    try:
-        # ordinary regions until the new worker has taken part in one (it has started
-        # and spins its 10 minutes after each); the quiet regions then end that
-        deadline, joined = time.monotonic() + 10, False
-        while not joined and time.monotonic() < deadline:
-            assert native_team.start_trace()
-            _run(kernel, built["claim"], 100_000, 64, 2)
-            joined = native_team.stop_trace()[0]["by_caller"] < -(-100_000 // 64)
-        assert joined
+    with _spare_team(kernel, spin_us=600_000_000) as spare:
         assert native_team.start_trace()
         quiet = 2 | native_team.QUIET_WORKERS
         for mode in ("fn", "claim"):
@@ -239,9 +255,6 @@ def test_a_quiet_region_lets_its_workers_sleep_at_once(kernel):
         assert _asleep(spare) == 1  # asleep long before its spin ends
         # an ordinary region wakes it again; its results are right
         np.testing.assert_array_equal(_run(kernel, built["fn"], 100_000, 64, 2), 1)
-    finally:
-        publish(native_team._state["team"].address)
-        assert spare.stop(timeout=10)
 
 
 def test_waking_steers_sleeping_workers_off_the_callers_cpu(kernel):
@@ -251,14 +264,12 @@ def test_waking_steers_sleeping_workers_off_the_callers_cpu(kernel):
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
         pytest.skip("needs two CPUs this process may use")
-    native_pool._built()
-    team = native_team._state["team"]
-    native_team._state.pop("steered", None)
-    assert _asleep(team) > 0
-    native_pool.wake()
-    key = native_team._state.get("steered")
-    assert key is not None and key[0] == id(team)
-    cpu = key[1]
-    for t in team.threads:
-        assert os.sched_getaffinity(t.native_id) == allowed - {cpu}
-    np.testing.assert_array_equal(_run(kernel, native_pool.parallel_for(), 100_000, 64, 2), 1)
+    built = native_pool._built()
+    with _spare_team(kernel, spin_us=1000) as team:
+        assert _asleep(team) > 0
+        native_pool.wake()
+        key = native_team._state.get("steered")
+        assert key is not None and key[0] == id(team)
+        for t in team.threads:
+            assert os.sched_getaffinity(t.native_id) == allowed - {key[1]}
+        np.testing.assert_array_equal(_run(kernel, built["fn"], 100_000, 64, 2), 1)
