@@ -54,10 +54,10 @@ class Tensor:
     def __init__(self, data, dtype=None, *, device=None, requires_grad: bool = False):
         from kiln.frontend.dispatch import to_array
 
-        from kiln.runtime.placement import place
+        from kiln.runtime.placement import host_copy, place
 
         dev = as_device(device)
-        array = np.array(to_array(data), copy=True)
+        array = host_copy(to_array(data), dtype is None and dev is CPU)
         if dtype is not None:
             array = _convert_array(array, dt.dtype(dtype))
         self._x = place(array, dev)
@@ -371,3 +371,4 @@ def _convert_array(array: np.ndarray, target: dt.DType) -> np.ndarray:
     from kiln.ir.emitter import EAGER
 
     return EAGER.convert(array, target)
+

@@ -77,14 +77,20 @@ class RawMemory:
             segment = _huge_page_segment(nbytes)
             if segment is not None:
                 return segment
-        array = np.empty(nbytes, np.uint8)
-        return array, array, array.ctypes.data
+        # a page-aligned start: malloc's large chunks begin 16 bytes past a page, and then
+        # every block (a multiple of 512 bytes in) split each 64-byte vector load and
+        # store over two cache lines; the slack is address space, never touched
+        array = np.empty(nbytes + SEGMENT_ALIGN, np.uint8)
+        skip = -array.ctypes.data % SEGMENT_ALIGN
+        view = array[skip:skip + nbytes]  # keeps `array` alive (numpy holds its base)
+        return view, view, view.ctypes.data
 
     def free(self, handle) -> None:
         del handle  # numpy gives the pages back when the last reference goes
 
 
 HUGE_PAGE = 2 << 20  # x86-64 and aarch64 (4 KiB base pages) transparent huge page size
+SEGMENT_ALIGN = 4096  # where a host segment starts (a page; every block is then 512-byte aligned)
 
 
 def _huge_pages_wanted() -> bool:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from kiln.runtime.caching_allocator import HUGE_PAGE, CachingAllocator, RawMemory
+from kiln.runtime.caching_allocator import HUGE_PAGE, SEGMENT_ALIGN, CachingAllocator, RawMemory
 
 linux_thp = pytest.mark.skipif(not (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")),
                                reason="transparent huge pages are a Linux madvise feature")
@@ -50,9 +50,10 @@ def test_hugepages_off_maps_plain_pages(setting, monkeypatch):
     else:
         monkeypatch.setenv("KILN_HOST_HUGEPAGES", setting)
     handle, view, address = RawMemory().alloc(HUGE_PAGE)
-    # kiln maps nothing itself: an ordinary np.empty (whose heap mapping may carry 'hg'
-    # anyway: numpy advises huge pages for its own large arrays, and malloc reuses them)
-    assert view.base is None and address == view.ctypes.data
+    # kiln maps nothing itself: a page-aligned view of an ordinary np.empty (whose heap
+    # mapping may carry 'hg' anyway: numpy advises huge pages for its own large arrays)
+    assert type(view.base) is np.ndarray and view.base.base is None and view.base.dtype == np.uint8
+    assert address == view.ctypes.data and address % SEGMENT_ALIGN == 0 and handle is view
     view[:] = 1
     assert int(view.sum()) == HUGE_PAGE
 
@@ -61,7 +62,19 @@ def test_small_requests_keep_plain_numpy_memory(monkeypatch):
     monkeypatch.setenv("KILN_HOST_HUGEPAGES", "1")
     handle, view, address = RawMemory().alloc(64 << 10)
     assert view.shape == (64 << 10,) and address == view.ctypes.data
-    assert view.base is None  # an ordinary np.empty
+    assert view.base.base is None and address % SEGMENT_ALIGN == 0  # a page of an ordinary np.empty
+
+
+def test_plain_segments_start_on_a_page_and_blocks_on_512_bytes():
+    """numpy's large arrays start 16 bytes past a page; a segment is moved to the page
+    (the slack is never touched), so every block is 512-byte aligned: no vector load or
+    store of a kernel splits a cache line at a row's start."""
+    allocator = CachingAllocator("cpu", RawMemory(), total_memory=1 << 30)
+    arrays = [allocator.array((n,), np.float32) for n in (100, 3000, 300_000, 3_000_000)]
+    for i, a in enumerate(arrays):
+        assert a.ctypes.data % 512 == 0
+        a[:] = i
+    assert [float(a.sum()) for a in arrays] == [0.0, 3000.0, 600_000.0, 9_000_000.0]
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])
