@@ -597,14 +597,15 @@ def publish(engine, workers: int) -> Team:
 def wake() -> None:
     """Wake the team's sleeping workers now (a prepared call with split launches calls
     this first: they are spinning by its first split region); nothing if none sleeps.
-    Sleeping workers are first steered off the caller's CPU (`steer`)."""
+    The workers are first steered off the caller's CPU (`steer`)."""
     fn = _state.get("wake")
     if fn is None:
         return
     team = _state["team"]
     if team.pid == os.getpid():
-        if ctypes.c_int64.from_address(team.address + 8 * SLEEPERS).value > 0:
-            steer(team)
+        # steered at every call, asleep or not: a caller that moved onto a worker's CPU
+        # would share it with a spinning worker held there (a sched_getcpu when it did not)
+        steer(team)
         fn()
 
 
