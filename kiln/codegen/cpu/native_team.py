@@ -30,7 +30,8 @@ last region (`pause`), then sleep on the futex (a bounded wait: 100 ms, then the
 again); after a quiet region (`threads | QUIET_WORKERS`: one run while other processes
 keep the CPUs busy) they sleep at once, holding no core between calls. `wake()` at the
 start of a prepared call bumps the sequence number so that sleeping workers wake while
-the first launches run serial. One caller at a time holds
+the first launches run serial, and first keeps the workers off the caller's CPU
+(`steer`: a woken worker placed on its waker's CPU spun there beside it). One caller at a time holds
 the team (a lock word); a second caller, concurrent on another Python thread, runs its
 region on its own thread.
 
