@@ -142,3 +142,22 @@ def test_an_mkl_already_threaded_in_the_process_is_refused(monkeypatch):
     first, second = r.stdout.strip().splitlines()[:2]
     assert first == "False openblas"  # auto falls back to OpenBLAS
     assert second.startswith("KilnDeviceError") and "threading layer 3" in second and "sequential" in second
+
+
+@needs_mkl
+def test_mkl_stays_out_of_the_global_symbol_namespace():
+    """Loaded globally before torch, MKL's symbols interposed the MKL torch links in, and
+    torch's matmul ran on MKL's sequential layer (half speed on two threads): kiln keeps
+    it local, and a GEMM compiled after still calls it."""
+    code = (
+        "import ctypes, numpy as np, kiln as kn\n"
+        "from kiln.codegen.cpu import blas\n"
+        "blas.load('mkl')\n"
+        "glob = ctypes.CDLL(None)\n"
+        "print([hasattr(glob, s) for s in ('MKL_Set_Threading_Layer', 'cblas_sgemm_64', 'mkl_serv_malloc')])\n"
+        "f = kn.compile(lambda x, w: x @ w)\n"
+        "x = np.random.rand(700, 600).astype(np.float32)\n"
+        "print(np.allclose(f(x, x.T).numpy(), x @ x.T, rtol=1e-4, atol=1e-3))\n")
+    r = _run(code, KILN_BLAS="mkl")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["[False, False, False]", "True"], r.stdout
