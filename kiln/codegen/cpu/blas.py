@@ -1,9 +1,10 @@
 """Which BLAS kiln's generated GEMMs call: Intel MKL where it is installed, else numpy's
 bundled OpenBLAS.
 
-Both are reached the same way: the library is loaded once into the process and into
-LLVM's symbol space, and the generated code calls its CBLAS entry points with 64-bit
-integers directly (no Python in the GEMM path). The entry points differ by name only:
+Both are reached the same way: the library is loaded once and its CBLAS entry points
+(64-bit integers) are known to LLVM, so generated code calls them directly (no Python in
+the GEMM path); OpenBLAS, numpy's, is in the global namespace already, MKL stays a local
+library whose entry points LLVM gets by address (see `_load`). They differ by name only:
 
     openblas   numpy.libs/libscipy_openblas64_*.so     scipy_cblas_sgemm64_, ...
     mkl        <prefix>/lib/libmkl_rt.so.N (PyPI mkl)  cblas_sgemm_64, ... (ILP64)
@@ -17,8 +18,9 @@ The choice: `KILN_BLAS=auto|mkl|openblas` for the process (default auto), or
 `CpuOptions(blas=...)` per compile; the resolved name is part of the options, so it is in
 every cache key (object code calls one library's symbols). `auto` takes MKL on an Intel
 CPU where `pip install 'kiln[mkl]'` (or the `mkl` wheel) put `libmkl_rt` in the
-environment: there its one-thread sgemm took 7-14% less time than OpenBLAS's on every
-product measured (benchmarks/results/cpu.md, section `blas_choice`). On other vendors
+environment: there its one-thread sgemm took 7-18% less time than OpenBLAS's on every
+product measured, and kiln's GEMM-bound programs ran 1.11-1.15x faster on it
+(benchmarks/results/cpu.md, section `blas_choice`). On other vendors
 MKL is not measured here, so auto keeps OpenBLAS; `KILN_BLAS=mkl` still forces it.
 """
 
