@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from kiln.codegen.cpu import jit, native_pool, native_team
+from kiln.codegen.cpu import jit, native_pool, native_team, native_team_ir
 
 pytestmark = pytest.mark.skipif(not native_team.available(),
                                 reason="kiln's native team needs Linux (futex) on x86-64 or AArch64")
@@ -144,17 +144,17 @@ def _asleep(team, timeout: float = 10.0) -> int:
     """The team's sleeping workers, once one sleeps or `timeout` has passed (the workers
     spin after their last region, then sleep)."""
     deadline = time.monotonic() + timeout
-    while _word(team, native_team.SLEEPERS) == 0 and time.monotonic() < deadline:
+    while _word(team, native_team_ir.SLEEPERS) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _word(team, native_team.SLEEPERS)
+    return _word(team, native_team_ir.SLEEPERS)
 
 
 def test_wake_bumps_the_sequence_of_sleeping_workers(kernel):
     with _spare_team(kernel, spin_us=1000) as team:
         assert _asleep(team) > 0
-        seq = _word(team, native_team.SEQ) & 0xFFFFFFFF
+        seq = _word(team, native_team_ir.SEQ) & 0xFFFFFFFF
         native_pool.wake()
-        assert _word(team, native_team.SEQ) & 0xFFFFFFFF == (seq + 1) & 0xFFFFFFFF
+        assert _word(team, native_team_ir.SEQ) & 0xFFFFFFFF == (seq + 1) & 0xFFFFFFFF
 
 
 def test_a_stopped_team_ends_its_threads(kernel):
@@ -246,7 +246,7 @@ def test_a_quiet_region_lets_its_workers_sleep_at_once(kernel):
     built = native_pool._built()
     with _spare_team(kernel, spin_us=600_000_000) as spare:
         assert native_team.start_trace()
-        quiet = 2 | native_team.QUIET_WORKERS
+        quiet = 2 | native_team_ir.QUIET_WORKERS
         for mode in ("fn", "claim"):
             np.testing.assert_array_equal(_run(kernel, built[mode], 100_000, 64, quiet), 1)
         regions = native_team.stop_trace()

@@ -26,7 +26,7 @@ import numpy as np
 from kiln.codegen.cpu import jit
 from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
 from kiln.codegen.cpu.native_pool import native_splits, on_team, openmp_runtime, parallel_for_address  # noqa: F401
-from kiln.codegen.cpu.native_team import QUIET_WORKERS
+from kiln.codegen.cpu.native_team_ir import QUIET_WORKERS
 from kiln.runtime.capture import Copy, Launcher, Loop, NativeLaunch, Swap, Switch
 
 _PLAN_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -166,7 +166,7 @@ class CpuLauncher(Launcher):
     def compile(self, ops: Sequence, quiet: bool = False):
         """`void plan(ptr table)` running `ops`; `quiet` (only where split launches run on
         kiln's team, `native_pool.on_team()`): the team's workers sleep right after each
-        split region instead of spinning (native_team.QUIET_WORKERS)."""
+        split region instead of spinning (native_team_ir.QUIET_WORKERS)."""
         if quiet and not on_team():
             raise ValueError("quiet split launches need kiln's native team (libgomp would read "
                              "the flag as a thread count)")

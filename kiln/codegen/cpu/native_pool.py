@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import llvmlite.binding as llvm
 
-from kiln.codegen.cpu import jit, native_team
+from kiln.codegen.cpu import jit, native_team, native_team_ir
 from kiln.runtime.threads import get_num_threads
 
 # parallel_for(kernel entry, bufs, sizes, total, align, threads)
@@ -85,8 +85,8 @@ entry:
   %nt32 = call i32 @omp_get_num_threads()
   %tid = sext i32 %tid32 to i64
   %nt = sext i32 %nt32 to i64
-{native_team.cut_ir("%nt")}
-{native_team.range_ir("%tid", "%cut")}
+{native_team_ir.cut_ir("%nt")}
+{native_team_ir.range_ir("%tid", "%cut")}
 done:
   ret void
 }}
@@ -140,7 +140,7 @@ def openmp_runtime() -> str | None:
 
 
 # the split glue this process builds: kiln's team where the host has one, else libgomp's
-_IR = native_team.team_ir() if native_team.available() else _GOMP_IR
+_IR = native_team_ir.team_ir() if native_team.available() else _GOMP_IR
 
 _lock = threading.Lock()
 _state: dict = {}  # "built": see `_built`
