@@ -20,7 +20,6 @@ import argparse
 import datetime
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu import TURN_WARM_S, settle, turns  # noqa: E402
 from report import write_section  # noqa: E402
 
 N = 1 << 20
@@ -119,9 +119,9 @@ def torch_workloads():
 
 # every implementation is warmed up alike (kiln's split measurement, Inductor's and XLA's
 # first runs), then all are timed round-robin in the same minute: each turn runs its
-# implementation untimed for TURN_WARM_S (the previous one's threads spin on a while after
-# its calls), then times each call of a ~20 ms block one by one (bench_cpu.py's method)
-TURN_WARM_S = 0.12
+# implementation untimed for bench_cpu.TURN_WARM_S (the previous one's threads spin on a
+# while after its calls), then times each call of a ~20 ms block one by one (bench_cpu.py's
+# method: its `turns`)
 BLOCK_S = 0.02
 
 
@@ -150,17 +150,9 @@ def prepare(make, convert=np.asarray, only: str | None = None) -> dict:
         calls["switch"] = switch
     result = {"first": time.perf_counter() - start}
     for key, fn in calls.items():
-        settle(fn, 5, 0.25)
+        settle(fn, 5, 0.25, max_calls=400)
         result[key] = fn
     return result
-
-
-def settle(fn, min_calls: int, budget_s: float) -> None:
-    """Call `fn` at least `min_calls` times and until `budget_s` has passed (at most 400)."""
-    t0, n = time.perf_counter(), 0
-    while n < min_calls or (time.perf_counter() - t0 < budget_s and n < 400):
-        fn()
-        n += 1
 
 
 def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict:
@@ -169,23 +161,16 @@ def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict:
     a block of calls lasting about BLOCK_S (at least 4, a multiple of 4: every branch of
     the switch alike)."""
     times: dict = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            fn = fns[name]
-            t0 = time.perf_counter()
-            fn()
-            while time.perf_counter() - t0 < TURN_WARM_S:
-                fn()
-            block = time.perf_counter()
-            n = 0
-            while n < 4 or n % 4 or time.perf_counter() - block < BLOCK_S:
-                c0 = time.perf_counter()
-                branch = fn()
-                times[name].append((branch, time.perf_counter() - c0))
-                n += 1
+
+    def block(name, fn):
+        start, n = time.perf_counter(), 0
+        while n < 4 or n % 4 or time.perf_counter() - start < BLOCK_S:
+            c0 = time.perf_counter()
+            branch = fn()
+            times[name].append((branch, time.perf_counter() - c0))
+            n += 1
+
+    turns(fns, rounds, block, seed)
     return times
 
 

@@ -242,12 +242,12 @@ def fresh_caches() -> None:
         os.environ[var] = os.path.join(root, var.lower())
 
 
-def settle(fn, min_calls: int, budget_s: float) -> int:
-    """Warm-up: call `fn` at least `min_calls` times and until `budget_s` has passed (the
-    same rule for every implementation: caches, allocator, kiln's split measurement,
-    Inductor's and XLA's first runs). Returns the number of calls made."""
+def settle(fn, min_calls: int, budget_s: float, max_calls: int = 200) -> int:
+    """Warm-up: call `fn` at least `min_calls` times and until `budget_s` has passed, at
+    most `max_calls` (the same rule for every implementation: caches, allocator, kiln's
+    split measurement, Inductor's and XLA's first runs). Returns the number of calls made."""
     t0, n = time.perf_counter(), 0
-    while n < min_calls or (time.perf_counter() - t0 < budget_s and n < 200):
+    while n < min_calls or (time.perf_counter() - t0 < budget_s and n < max_calls):
         fn()
         n += 1
     return n
@@ -273,21 +273,32 @@ def interleaved(fns: dict, rounds: int, seed: int = 0) -> dict:
         fn()
         calls[name] = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
     times: dict = {name: [] for name in fns}
+
+    def block(name, fn):
+        n = calls[name]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times[name].append((time.perf_counter() - t0) / n)
+
+    turns(fns, rounds, block, seed)
+    return {name: (float(np.median(v)), float(np.min(v))) for name, v in times.items()}
+
+
+def turns(fns: dict, rounds: int, timed, seed: int = 0) -> None:
+    """`rounds` rounds, every implementation once per round in a shuffled order: a turn
+    runs it untimed for TURN_WARM_S (at least one call), then `timed(name, fn)`."""
     order = list(fns)
     rng = random.Random(seed)
     for _ in range(rounds):
         rng.shuffle(order)
         for name in order:
-            fn, n = fns[name], calls[name]
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             while time.perf_counter() - t0 < TURN_WARM_S:
                 fn()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times[name].append((time.perf_counter() - t0) / n)
-    return {name: (float(np.median(v)), float(np.min(v))) for name, v in times.items()}
+            timed(name, fn)
 
 
 def main() -> int:

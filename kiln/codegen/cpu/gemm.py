@@ -32,7 +32,7 @@ from kiln.errors import KilnDTypeError, KilnShapeError
 from kiln.ir import dtypes as dt
 from kiln.ir.dtypes import DType
 
-from kiln.codegen.cpu import dtype_map
+from kiln.codegen.cpu import blas as providers, dtype_map
 from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS
 from kiln.codegen.cpu.index_emit import emit_index
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
@@ -130,8 +130,6 @@ class GemmEmitter:
         self.esize = 8 if self.acc == dt.float64 else 4
 
     def _declare(self, module: Module) -> None:
-        from kiln.codegen.cpu import blas as providers
-
         blas = providers.load(self.blas_name).gemm("d" if self.acc == dt.float64 else "s")
         module.declare(blas, f"declare void @{blas}(i32, i32, i32, i64, i64, i64, {self.acc_ty}, ptr, "
                              f"i64, ptr, i64, {self.acc_ty}, ptr, i64)")

@@ -25,6 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from kiln.codegen.cpu import blas
 from kiln.codegen.cpu.autotune import SPLIT_MACS, panel_tiles_for
 from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS
 
@@ -108,7 +109,6 @@ exit:
 def _tiles(dtype: np.dtype, provider: str):
     """(the jitted module, the tile function's address) for a complex dtype, calling BLAS
     `provider` (blas.py)."""
-    from kiln.codegen.cpu import blas
     from kiln.codegen.cpu.glue_cache import glue_module
 
     name, letter, scalar, esize = ENTRY[dtype]
@@ -145,8 +145,6 @@ def blas_matmul(a: np.ndarray, b: np.ndarray, threads: int | None = None,
     """a @ b by complex BLAS tiles over kiln's threads, or None when the operands are not
     same-dtype complex matrices BLAS can take as they are (the caller runs numpy's).
     `provider`: the BLAS (blas.py), None for the process's."""
-    from kiln.codegen.cpu import blas
-
     provider = provider or blas.default_name()
     if a.dtype != b.dtype or a.dtype not in ENTRY or a.ndim < 2 or b.ndim < 2 or not blas.available(provider):
         return None

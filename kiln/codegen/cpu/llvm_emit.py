@@ -328,12 +328,12 @@ def _long_rows(r: Reduce) -> bool:
 
 def _math_heavy(s: Store, loops: tuple) -> bool:
     """Whether a store computes a float32 transcendental (exp, tanh, erf, ...: mathlib's
-    polynomials) over rows (`loops`: the kernel's outer loops, then the store's) that
-    may reach LONG_MAP elements: arithmetic-bound, so
-    512-bit vectors do twice the work per instruction (`wide_attrs`). Same process, fresh
-    caches, 2^20 float32, two threads (2026-12-02): exp(-v*v) 0.32 -> 0.20 ms, tanh
-    0.37 -> 0.25, the exact-gelu chain over 2^24 18.8 -> 9.8; copies and sqrt, bound by
-    memory, unchanged (0.18 ms either way), so they keep LLVM's 256-bit choice."""
+    polynomials) over rows (`loops`: the kernel's outer loops, then the store's) that may
+    reach LONG_MAP elements: arithmetic-bound, so 512-bit vectors do twice the work per
+    instruction (`wide_attrs`). Same process, fresh caches, 2^20 float32, two threads
+    (2026-12-02): exp(-v*v) 0.32 -> 0.20 ms, tanh 0.37 -> 0.25, the exact-gelu chain over
+    2^24 18.8 -> 9.8; copies and sqrt, bound by memory, unchanged (0.18 ms either way),
+    so they keep LLVM's 256-bit choice."""
     if not loops:
         return False
     ext = sympy.sympify(loops[-1].extent)
