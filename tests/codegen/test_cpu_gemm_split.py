@@ -64,7 +64,10 @@ def test_panel_tiles_split_a_large_product_by_shape():
     assert autotune.panel_tiles_for(512, 4096, 1024, threads=2) == (512, 2048)
     assert autotune.panel_tiles_for(512, 1000, 1024, threads=2) == (512, 512)  # 16-column multiples
     assert autotune.panel_tiles_for(1024, 512, 512, threads=2) == (512, 0)
-    # four threads on a square product: a 2 x 2 grid (16M packed, 20M for 1 x 4)
+    # a square product on two threads: 2 row tiles (12M packed); 2 column tiles of 2048
+    # rows are 2 calls of 1024 rows each, packing their B columns twice (16M)
+    assert autotune.panel_tiles_for(2048, 2048, 2048, threads=2) == (1024, 0)
+    # four threads on a square product: a 2 x 2 grid (16M packed, 20M for 4 x 1, 24M for 1 x 4)
     assert autotune.panel_tiles_for(2048, 2048, 2048, threads=4) == (1024, 1024)
     # too narrow for one tile per thread either way: row panels of MIN_SPLIT_ROWS
     assert autotune.panel_tiles_for(100, 100, 1 << 20, threads=2) == (autotune.MIN_SPLIT_ROWS, 0)

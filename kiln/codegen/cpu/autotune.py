@@ -34,7 +34,7 @@ import sympy
 from kiln.codegen.kernel_ir import GemmKernel
 from kiln.ir.shapes import evaluate
 
-from kiln.codegen.cpu.gemm import blas_capable, panel_count
+from kiln.codegen.cpu.gemm import MERGED_ROWS, blas_capable, panel_count
 from kiln.codegen.cpu.microkernel import micro_capable, tile, vector_bits
 
 BLAS_CALL_S = 0.5e-6  # measured ~0.3 us per cblas call of a small product, plus ours
@@ -52,6 +52,7 @@ SPLIT_MACS = 1 << 23
 MIN_SPLIT_ROWS = 64
 MIN_SPLIT_COLS = 64
 CHUNKS_PER_THREAD = 1
+PANEL_ROWS = MERGED_ROWS  # most rows of a tile: the epilogue's panel (gemm.py)
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,12 @@ def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1,
     thread (`threads * CHUNKS_PER_THREAD`), which kiln's pool threads claim, each a
     one-thread BLAS call (compiled.py): OpenBLAS's own threads meet at a barrier per
     block and stall when one of them is descheduled; kiln's do not. Every call packs the
-    A rows and B columns it reads, so R x C tiles pack R*k*n + C*m*k elements: the grid
-    with the least is chosen (columns when n > m: an MLP's 512 x 4096 hidden layer),
-    tiles at least MIN_SPLIT_ROWS x MIN_SPLIT_COLS. Measured on 2 threads
+    A rows and B columns it reads, so R x C tiles pack R*k*n + C*m*k elements, R the
+    calls down a column: the row panels, at least one per 1024 rows (a column tile's
+    panels are calls of their own, each packing its B columns again): the grid with the
+    least is chosen (columns when n > m: an MLP's 512 x 4096 hidden layer; rows at
+    2048^3, whose column tiles would be 2 calls each), tiles at least MIN_SPLIT_ROWS x
+    MIN_SPLIT_COLS. Measured on 2 threads
     (benchmarks/results/cpu.md, gemm_partition): 4 row panels cost 10-31% more CPU time
     than one thread's single call, the best 2 tiles 3-8%.
 
@@ -105,12 +109,12 @@ def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1,
     guess would multiply at a larger size (every one re-packing the other operand).
     With m symbolic its panels keep 1024 rows (those of a large m are the parallelism)
     and only a static n is cut in columns."""
-    rows = min(1024, max(16, m))
+    rows = min(PANEL_ROWS, max(16, m))
     cols = 0
     tiles = threads * CHUNKS_PER_THREAD
     if threads > 1 and batch == 1 and m * n * k >= SPLIT_MACS:
         if not static[0]:
-            rows = 1024
+            rows = PANEL_ROWS
         best = None
         for r in range(1, tiles + 1):
             if tiles % r:
@@ -119,7 +123,7 @@ def panel_tiles_for(m: int, n: int, k: int, threads: int = 1, batch: int = 1,
             if r > 1 and (m < r * MIN_SPLIT_ROWS or not static[0]) \
                     or c > 1 and (n < c * MIN_SPLIT_COLS or not static[1]):
                 continue
-            packed = r * k * n + c * m * k
+            packed = max(r, -(-m // PANEL_ROWS)) * k * n + c * m * k
             if best is None or packed < best[0]:
                 best = (packed, r, c)
         if best is None:  # too narrow for a full grid: row panels of MIN_SPLIT_ROWS
