@@ -287,6 +287,59 @@ def reverse_reverse(b, node):
     return b.reverse(x, dims=both) if both else x
 
 
+
+def _ramp_along(value: Value, axis: int) -> bool:
+    """Whether `value` holds its own position along `axis` (v[..., i, ...] = i): an
+    integer `iota` over that dim, or a 1-D one broadcast along it."""
+    op = producer_op(value)
+    if op == "broadcast_in_dim":
+        inner = value.producer.operands[0]
+        return tuple(value.producer.attrs["broadcast_dimensions"]) == (axis,) \
+            and inner.type.rank == 1 and _ramp_along(inner, 0)
+    return op == "iota" and value.dtype.is_integer and \
+        int(value.producer.attrs.get("dimension") or 0) == axis
+
+
+def _static_within(inner, outer) -> bool:
+    return all(isinstance(i, int) and isinstance(o, int) and i <= o for i, o in zip(inner, outer))
+
+
+def take_ramp(b, node):
+    """take(x, iota(n), axis) -> slice(x, 0..n along axis), n static and at most x's dim
+    (a position embedding, `wpe(arange(t))`): a copy instead of a gather, whose
+    gradient is a pad instead of a scatter. Indices in range, so no K104 is lost."""
+    x, idx = node.operands
+    if idx.type.rank != 1 or not _ramp_along(idx, 0):
+        return None
+    axis = int(node.attrs["axis"]) % x.type.rank
+    if not _static_within((idx.shape[0],), (x.shape[axis],)):
+        return None
+    limit = tuple(idx.shape[0] if d == axis else n for d, n in enumerate(x.shape))
+    return b.slice(x, start=(0,) * x.type.rank, limit=limit)
+
+
+def scatter_ramp(b, node):
+    """scatter_along(zeros, ramp along axis, u, mode="add") -> zeros + u (its first
+    indices.shape entries, padded with zeros to x's shape): each position gets at most
+    one update, at its own place (take_ramp's gradient when autodiff ran first). x must
+    be +0.0 (or an integer/complex zero): +0.0 + u is what the scatter writes, -0.0
+    updates included, and the positions no update reaches hold +0.0 either way."""
+    x, idx, u = node.operands
+    axis = int(node.attrs["axis"]) % x.type.rank
+    if node.attrs.get("mode", "add") != "add" or x.dtype.is_bool or \
+            not _is_zero(x, sign=1) or not _ramp_along(idx, axis):
+        return None
+    if not (_static_within(idx.shape, x.shape) and _static_within(idx.shape, u.shape)):
+        return None
+    from kiln.ir.ops.shape import pad_zeros
+
+    part = u if tuple(u.shape) == tuple(idx.shape) else \
+        b.slice(u, start=(0,) * u.type.rank, limit=tuple(idx.shape))
+    if tuple(idx.shape) != tuple(x.shape):
+        part = pad_zeros(b, part, [0] * x.type.rank, [o - i for i, o in zip(idx.shape, x.shape)])
+    return b.add(x, part)
+
+
 PATTERNS: dict[str, tuple[Pattern, ...]] = {
     "add": (commute_constant, add_zero),
     "sub": (sub_zero,),
@@ -307,4 +360,6 @@ PATTERNS: dict[str, tuple[Pattern, ...]] = {
     "select": (select_same, select_constant),
     "slice": (slice_whole, full_reshaped),
     "reverse": (reverse_reverse, full_reshaped),
+    "take": (take_ramp,),
+    "scatter_along": (scatter_ramp,),
 }
