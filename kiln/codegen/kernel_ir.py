@@ -303,7 +303,8 @@ GEMM_VARS = ("gb", "gi", "gj")
 # never by graph-IR op names; "gemm" is `GemmKernel` (compiled by `build`), the others
 # are run by the backend's template implementation where it has one (TEMPLATE_OF_OP below
 # says which graph op each comes from) and by the op's numpy reference elsewhere.
-TEMPLATE_KINDS = ("gemm", "grouped_gemm", "grouped_gemm_dw", "attention", "random_bits")
+TEMPLATE_KINDS = ("gemm", "grouped_gemm", "grouped_gemm_dw", "attention", "random_bits",
+                  "scatter")
 
 # graph ops that lower to a template kind rather than a loop nest; a backend's
 # templates() is keyed by the kind, never by these op names
@@ -312,7 +313,9 @@ TEMPLATE_OF_OP = {"grouped_matmul": "grouped_gemm", "grouped_matmul_dw": "groupe
                   # a matmul left an extern step (the CPU's complex products: cpu/gemm_complex.py)
                   "matmul": "gemm",
                   # Threefry bits, two elements per counter (cpu/random_native.py)
-                  "random_bits": "random_bits"}
+                  "random_bits": "random_bits",
+                  # updates summed at positions given by data (cpu/scatter_native.py)
+                  "scatter_along": "scatter"}
 
 
 def template_externs(backend) -> dict:

@@ -143,11 +143,13 @@ class CpuBackend(Backend):
     def templates(self) -> dict:
         """An extern `matmul` (a complex product the `complex` pass kept whole) runs as
         complex BLAS tiles over kiln's threads (gemm_complex.py), others as numpy's;
-        `random_bits` as native Threefry over kiln's threads (random_native.py)."""
+        `random_bits` as native Threefry over kiln's threads (random_native.py),
+        `scatter_along`'s sums natively (scatter_native.py)."""
         from kiln.codegen.cpu.gemm_complex import run_matmul
         from kiln.codegen.cpu.random_native import run_random_bits
+        from kiln.codegen.cpu.scatter_native import run_scatter_along
 
-        return {"gemm": run_matmul, "random_bits": run_random_bits}
+        return {"gemm": run_matmul, "random_bits": run_random_bits, "scatter": run_scatter_along}
 
     # -- planning and emission --------------------------------------------------------
     def _plan(self, k: AnyKernel, taken: set, variant: str | bool | None = None) -> _Plan:
