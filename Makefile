@@ -11,7 +11,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test,mpi,opencl,checkpoint,mkl]'
+	$(PY) -m pip install --quiet -e '.[test,mpi,opencl,checkpoint,mkl,nccl]'
 	# headless Chromium and Graphviz for the `kiln report` tests (Debian packages), where apt
 	# is available and we are root; elsewhere those tests skip, naming the package
 	-command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
