@@ -296,8 +296,11 @@ def _ramp_along(value: Value, axis: int) -> bool:
         inner = value.producer.operands[0]
         return tuple(value.producer.attrs["broadcast_dimensions"]) == (axis,) \
             and inner.type.rank == 1 and _ramp_along(inner, 0)
-    return op == "iota" and value.dtype.is_integer and \
-        int(value.producer.attrs.get("dimension") or 0) == axis
+    if op != "iota" or not value.dtype.is_integer:
+        return False
+    dim = int(value.producer.attrs.get("dimension") or 0)
+    n = value.shape[dim]  # its last value must fit the dtype (a uint8 iota of 300 wraps)
+    return dim == axis and isinstance(n, int) and n - 1 <= np.iinfo(value.dtype.np_dtype).max
 
 
 def _static_within(inner, outer) -> bool:

@@ -260,6 +260,17 @@ graph @g(%x: f32[6, 4]) -> f32[8, 4]
   %1 = take(%x, %0) {axis=0} : f32[8, 4]
   return %1
 """),
+    "a uint8 iota past 256 wraps: no ramp, the take stays": ("""
+graph @g(%x: f32[400, 2]) -> f32[300, 2]
+  %0 = iota() {dimension=0, dtype=u8, shape=(300,)} : u8[300]
+  %1 = take(%x, %0) {axis=0} : f32[300, 2]
+  return %1
+""", """
+graph @g(%x: f32[400, 2]) -> f32[300, 2]
+  %0 = iota() {dimension=0, dtype=u8, shape=(300,)} : u8[300]
+  %1 = take(%x, %0) {axis=0} : f32[300, 2]
+  return %1
+"""),
     "scatter-add of a ramp into +0.0 is an add of the padded updates": ("""
 graph @g(%u: f32[3, 4]) -> f32[5, 4]
   %0 = full() {dtype=f32, shape=(5, 4), value=0.0} : f32[5, 4]
