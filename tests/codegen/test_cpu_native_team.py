@@ -229,6 +229,84 @@ def test_the_timeline_records_each_region(kernel):
     assert native_team.stop_trace() == []
 
 
+# fn(bufs, sizes, lo, hi): as @count, but the unit starting at 0 first spins 2 ms and
+# the one at 1 20 ms (CLOCK_MONOTONIC): the caller claims unit 0 first, a running worker
+# then claims unit 1, which keeps the caller waiting
+_SLOW_LAST_IR = """
+declare i32 @clock_gettime(i32, ptr)
+
+define internal i64 @now() {
+entry:
+  %ts = alloca [2 x i64]
+  call i32 @clock_gettime(i32 1, ptr %ts)
+  %s = load i64, ptr %ts
+  %pn = getelementptr i64, ptr %ts, i64 1
+  %ns = load i64, ptr %pn
+  %a = mul i64 %s, 1000000000
+  %r = add i64 %a, %ns
+  ret i64 %r
+}
+
+define void @slow_last(ptr %bufs, ptr %sizes, i64 %lo, i64 %hi) {
+entry:
+  %out = load ptr, ptr %bufs
+  %slow = icmp ult i64 %lo, 2
+  br i1 %slow, label %start, label %head
+start:
+  %t0 = call i64 @now()
+  %first = icmp eq i64 %lo, 0
+  %long = select i1 %first, i64 2000000, i64 20000000
+  %until = add i64 %t0, %long
+  br label %spin
+spin:
+  %t = call i64 @now()
+  %more_time = icmp slt i64 %t, %until
+  br i1 %more_time, label %spin, label %head
+head:
+  %i = phi i64 [ %lo, %entry ], [ %lo, %spin ], [ %i1, %body ]
+  %more = icmp slt i64 %i, %hi
+  br i1 %more, label %body, label %exit
+body:
+  %p = getelementptr i64, ptr %out, i64 %i
+  %v = load i64, ptr %p
+  %v1 = add i64 %v, 1
+  store i64 %v1, ptr %p
+  %i1 = add i64 %i, 1
+  br label %head
+exit:
+  ret void
+}
+"""
+
+
+def test_the_join_wait_counts_what_callers_waited_for_workers(kernel):
+    """`join_wait_ns` grows by what a region's caller waited, after its own units, for a
+    unit a worker claimed: ~20 ms where the worker ran the slow unit, little where the
+    caller ran it itself (it waited inside its own units, not for a worker)."""
+    slow = jit.glue_module(_SLOW_LAST_IR)
+    fn = slow.address("slow_last")
+    claim = native_pool._built()["claim"]
+    with _spare_team(kernel, spin_us=500_000):
+        seen = set()
+        for _ in range(50):  # (a worker without its core now and then: the caller runs both)
+            before = native_team.join_wait_ns()
+            assert native_team.start_trace()
+            np.testing.assert_array_equal(_run((slow, fn), claim, 2, 1, 2), 1)
+            region = native_team.stop_trace()[0]
+            waited = native_team.join_wait_ns() - before
+            tail = region["end"] - region["own_done"]
+            assert 0 <= waited <= tail  # measured inside the caller's join
+            if region["by_caller"] < 2 and tail >= 15_000_000:  # a worker ran the slow unit
+                assert waited >= tail // 2
+                seen.add("worker")
+            elif region["own_done"] - region["start"] >= 15_000_000:  # the caller ran it
+                assert waited < 15_000_000
+                seen.add("caller")
+            if "worker" in seen:
+                break
+        assert "worker" in seen
+
+
 def test_the_timeline_shows_a_wake_of_sleeping_workers(kernel):
     with _spare_team(kernel, spin_us=1000) as team:
         assert _asleep(team) > 0
@@ -273,3 +351,24 @@ def test_waking_steers_sleeping_workers_off_the_callers_cpu(kernel):
         for t in team.threads:
             assert os.sched_getaffinity(t.native_id) == allowed - {key[1]}
         np.testing.assert_array_equal(_run(kernel, built["fn"], 100_000, 64, 2), 1)
+
+
+def test_a_split_launch_from_python_steers_the_workers_first(kernel):
+    """A split launch called from Python (`parallel_claim()`/`parallel_for()`, not a
+    prepared call's `wake`) steers the workers off the caller's CPU too: a sleeping worker
+    its region wakes would otherwise land on the caller's CPU and hold it."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs this process may use")
+    with _spare_team(kernel, spin_us=1000) as team:
+        native_team._state.pop("steered", None)
+        for t in team.threads:  # as a worker started before any steering
+            os.sched_setaffinity(t.native_id, allowed)
+        for get in (native_pool.parallel_claim, native_pool.parallel_for):
+            split = get()
+            key = native_team._state.get("steered")
+            assert key is not None and key[0] == id(team)
+            for t in team.threads:
+                assert os.sched_getaffinity(t.native_id) == allowed - {key[1]}
+            np.testing.assert_array_equal(_run(kernel, split, 100_000, 64, 2), 1)
+            native_team._state.pop("steered", None)

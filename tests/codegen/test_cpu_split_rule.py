@@ -26,11 +26,14 @@ needs_gomp = pytest.mark.skipif(native_pool.parallel_for() is None,
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """2 threads, the measured policy, no other process's load counted."""
+    """2 threads, the measured policy, no other process's load counted; what a split's
+    regions waited for workers unknown (as on libgomp: a slow split is taken to have
+    waited for a core; `_waits` injects it)."""
     before, policy = kn.get_num_threads(), threads.split_policy()
     kn.set_num_threads(2)
     threads.set_split_policy("measure")
     monkeypatch.setattr(threads, "_dynamic", False)
+    monkeypatch.setattr(split_rule, "join_wait_ns", lambda: None)
     yield
     kn.set_num_threads(before)
     threads.set_split_policy(policy)
@@ -450,7 +453,8 @@ def test_a_large_claimed_split_measures_more_pairs_before_a_serial_verdict(two_t
     s.next()
     _pairs(s, [(150_000, 110_000)])  # 1.36x: serial at once for a small launch, not here
     assert s.verdict is None
-    for large, small in ((Split(True, 4, None), (110_000, 90_000)), (Split(False, 64, None), (140_000, 110_000))):
+    for large, small in ((Split(True, 4, None), (45_000, 40_000)),
+                         (Split(False, 64, None), (140_000, 110_000))):
         large.next()
         _pairs(large, [small] * TRIALS)
         assert large.verdict is False
@@ -493,7 +497,7 @@ def test_a_large_launch_serial_verdict_is_measured_again_on_a_doubling_schedule(
     monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: 0.0)
     small = Split(True, 4, None)
     small.next()
-    _pairs(small, [(110_000, 90_000)] * TRIALS)
+    _pairs(small, [(45_000, 40_000)] * TRIALS)
     assert small.verdict is False
     clock[0] += split_rule.REMEASURE_S * 0.9
     assert small.decided() and small.next() == (1, False)
@@ -527,6 +531,43 @@ def test_a_wait_for_a_core_backs_off_briefly_unless_other_processes_are_busy(two
     others[0] = 1.0  # another process holds a CPU: the core is taken for good
     clock[0] += split_rule.RELAX_S + 1.0
     assert split_rule.waited() == threads.BACKOFF_S
+
+
+def _waits(monkeypatch) -> list[int]:
+    """The team's running total of join waits, as the test sets it (ns)."""
+    total = [0]
+    monkeypatch.setattr(split_rule, "join_wait_ns", lambda: total[0])
+    return total
+
+
+def test_a_slow_split_whose_regions_did_not_wait_for_a_worker_does_not_back_off(two_threads, monkeypatch):
+    """On kiln's team a slow split call backs off only where its regions waited for a
+    worker's claimed units (a worker without a core); one that was slow on its caller's
+    side (the caller lost its own core: a serial call would have waited as long) keeps
+    splitting, after the verdict as in the trials."""
+    monkeypatch.setattr(threads, "_dynamic", True)
+    monkeypatch.setattr(threads, "others_busy_cpus", lambda: 0.0)
+    monkeypatch.setattr(threads, "_backoff_until", 0.0)
+    waits = _waits(monkeypatch)
+    s = Split(True, 1, 2)
+    assert s.next() == (1, False)  # the warm-up
+    assert s.next() == (2, True)
+    waits[0] += 10_000  # a worker's last unit ended a little after the caller's
+    s.report(2, 60_000)
+    assert s.next() == (1, True)
+    s.report(1, 100_000)
+    assert s.next() == (2, True)
+    s.report(2, 2_500_000)  # a trial 25x the serial time, but no region waited
+    assert threads.parallel_threads() == 2 and s.next() == (1, True)
+    _measure(s, serial_ns=100_000, split_ns=50_000)
+    assert s.verdict is True
+    for _ in range(5):
+        assert s.next() == (2, True)
+        s.report(2, 3_000_000)  # slow on the caller's side
+    assert threads.parallel_threads() == 2 and s.next() == (2, True)
+    waits[0] += 2_900_000  # this one waited a time slice for a worker's unit
+    s.report(2, 3_000_000)
+    assert threads.parallel_threads() == 1 and s.next() == (1, False)
 
 
 def test_a_split_that_waited_reports_through_the_back_off_rule(two_threads, monkeypatch):

@@ -207,7 +207,18 @@ def parallel_for():
     """The native `parallel_for` (see `PARALLEL_FN`): kiln's team's, or libgomp's; None
     without either, or in a child forked after libgomp's regions ran (see the module
     docstring)."""
-    return None if _forked else _built().get("fn")
+    return None if _forked else _steered(_built()).get("fn")
+
+
+def _steered(built: dict) -> dict:
+    """`built`, the team's workers first kept off the caller's CPU where they are kiln's
+    team (`native_team.steer`): a split launch called from Python (not a prepared call,
+    whose `wake` steers) woke a sleeping worker onto its caller's CPU, where it ran the
+    region's units and then spun while the caller waited for its CPU: the batched GEMM's
+    split trials took 2.3-6 ms (every unit run by the worker) against 0.1 ms serial."""
+    if built.get("team"):
+        native_team.steer_workers()
+    return built
 
 
 def parallel_for_address() -> int:
@@ -221,7 +232,7 @@ def parallel_claim():
     (as `parallel_for`): the threads claim `unit` points at a time from a shared atomic
     counter until [0, total) is done (a GEMM's panels or batch items: a thread that got
     its core late takes fewer)."""
-    return None if _forked else _built().get("claim")
+    return None if _forked else _steered(_built()).get("claim")
 
 
 def parallel_claim_address() -> int:

@@ -31,9 +31,14 @@ again); after a quiet region (`threads | QUIET_WORKERS`: one run while other pro
 keep the CPUs busy) they sleep at once, holding no core between calls. `wake()` at the
 start of a prepared call bumps the sequence number so that sleeping workers wake while
 the first launches run serial, and first keeps the workers off the caller's CPU
-(`steer`: a woken worker placed on its waker's CPU spun there beside it). One caller at a time holds
-the team (a lock word); a second caller, concurrent on another Python thread, runs its
-region on its own thread.
+(`steer`: a woken worker placed on its waker's CPU spun there beside it), as does a
+split launch called from Python (`steer_workers`, from native_pool's `parallel_for` and
+`parallel_claim`). One caller at a time holds the team (a lock word); a second caller,
+concurrent on another Python thread, runs its region on its own thread.
+
+`join_wait_ns()` is the time callers waited for workers' units (a running total), which
+tells a slow split call that waited for a worker without a core from one whose caller
+lost its own core (kiln/codegen/cpu/split_rule.py).
 
 `start_trace()` / `stop_trace()` record a timeline of the regions (when published, when
 the caller's own units were done, when every unit was, how many units the caller ran,
@@ -59,7 +64,7 @@ import platform
 import sys
 import threading
 
-from kiln.codegen.cpu.native_team_ir import _FUTEX, _WORDS, SPIN_US, TRACE_WORDS, WAKE_KIND
+from kiln.codegen.cpu.native_team_ir import _FUTEX, _WORDS, JOIN_WAIT, SPIN_US, TRACE_WORDS, WAKE_KIND
 
 
 def available() -> bool:
@@ -87,6 +92,7 @@ class Team:
         self.threads: list[threading.Thread] = []
         self.pid = os.getpid()
         self._lock = threading.Lock()
+        self.join_wait = ctypes.c_int64.from_address(self.address + 8 * JOIN_WAIT)
 
     def grow(self, workers: int, spin_us: int | None = None) -> None:
         """Start workers until there are `workers` (a region's caller is one more thread),
@@ -133,6 +139,19 @@ def publish(engine, workers: int) -> Team:
     return team
 
 
+def join_wait_ns() -> int | None:
+    """The nanoseconds this process's callers have waited, after running their own
+    units, for units the team's workers claimed (a running total: the difference over a
+    call is what its regions waited for workers; a worker that lost its core in the middle
+    of a unit shows as a time slice, a caller that lost its own core does not). None where
+    split regions do not run on a team of this process (libgomp, a forked child before its
+    first split): then nobody knows what a region waited for."""
+    team = _state.get("team")
+    if team is None or team.pid != os.getpid() or not team.threads:
+        return None
+    return team.join_wait.value
+
+
 def wake() -> None:
     """Wake the team's sleeping workers now (a prepared call with split launches calls
     this first: they are spinning by its first split region); nothing if none sleeps.
@@ -146,6 +165,14 @@ def wake() -> None:
         # would share it with a spinning worker held there (a sched_getcpu when it did not)
         steer(team)
         fn()
+
+
+def steer_workers() -> None:
+    """`steer` the process's team (where this process has one) before a split launch
+    called from Python: a sleeping worker its region wakes stays off the caller's CPU."""
+    team = _state.get("team")
+    if team is not None and team.pid == os.getpid():
+        steer(team)
 
 
 # A worker woken from its futex is often placed by the scheduler on the CPU its waker runs

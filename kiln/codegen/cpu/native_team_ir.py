@@ -21,12 +21,16 @@ SPIN_US = int(os.environ.get("KILN_TEAM_SPIN_US", "5000"))
 MAX_UNITS = (1 << 20) - 1  # the claim word holds 20-bit unit counts
 _FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 _PAUSE = {"x86_64": "call void @llvm.x86.sse2.pause()", "amd64": "call void @llvm.x86.sse2.pause()"}
-_WORDS = 96  # the team's memory, in i64 words (73 used, 64-byte aligned within)
+_WORDS = 96  # the team's memory, in i64 words (81 used, 64-byte aligned within)
 TRACE_WORDS = 8  # a timeline record: t0, t1, t2, units, caller's units, first claim, kind, quiet
 WAKE_KIND = 2  # a record's kind: 0 static cut, 1 claimed units, 2 a wake without a region
 
 # word offsets in the team's memory (each contended word on a cache line of its own)
 SEQ, SLEEPERS, CLAIM, DONE, FIELDS, STOP, OWNER, TRACE_CLAIM, QUIET = 0, 8, 16, 24, 32, 48, 56, 64, 72
+# the nanoseconds callers waited, after their own units, for units workers had claimed (a
+# running total since the team started: a worker that lost its core in the middle of a
+# unit shows here as a time slice, a caller that lost its own core does not)
+JOIN_WAIT = 80
 # a region's `threads` argument with this bit set: its workers sleep right after it instead
 # of spinning SPIN_US (a region run while other processes keep the CPUs busy, where a
 # spinning worker would hold a core they want; kiln/runtime/native_loops.py)
@@ -382,18 +386,33 @@ wake:
   br label %work
 work:
   %mine = call i64 @team_work(ptr %t, i64 %tag, i1 false)
-  br i1 %tracing, label %stamp1, label %join
+  br i1 %tracing, label %stamp1, label %join0
 stamp1:
   %ts1 = call i64 @team_now()
+  br label %join0
+join0:
+  %t1 = phi i64 [ 0, %work ], [ %ts1, %stamp1 ]
+  %d0 = load atomic i64, ptr %pd acquire, align 8
+  %all0 = icmp uge i64 %d0, %n
+  br i1 %all0, label %joined, label %wait0
+wait0:
+  %tw0 = call i64 @team_now()
   br label %join
 join:
-  %t1 = phi i64 [ 0, %work ], [ %ts1, %stamp1 ], [ %t1, %jrelax ]
   %d = load atomic i64, ptr %pd acquire, align 8
   %all = icmp uge i64 %d, %n
-  br i1 %all, label %joined, label %jrelax
+  br i1 %all, label %waited, label %jrelax
 jrelax:
   {pause}
   br label %join
+waited:
+  %tw1 = call i64 @team_now()
+  %dw = sub i64 %tw1, %tw0
+  %pjw = {_w(JOIN_WAIT)}
+  %jw = load atomic i64, ptr %pjw monotonic, align 8
+  %jw1 = add i64 %jw, %dw
+  store atomic i64 %jw1, ptr %pjw monotonic, align 8
+  br label %joined
 joined:
   br i1 %tracing, label %record, label %unlock
 record:

@@ -36,8 +36,11 @@ in a burst shorter than the load sampling, or by another library's threads spinn
 this process) makes regions back off to one thread for a while (`waited`: long where
 other processes are busy, short and growing where they are not), and so does a split
 trial `SLOW` times the launch's best serial one (the other trials wait: a launch that
-cannot be measured runs serial). `kiln.runtime.threads.set_split_policy("always" | "never")`
-replaces the measurement by the model alone, or by no splits.
+cannot be measured runs serial); on kiln's team only where the call's regions did wait
+`WORKER_WAIT_NS` for units a worker had claimed (`native_team.join_wait_ns`): a call
+that was slow because its caller lost its own core would have been as slow serial.
+`kiln.runtime.threads.set_split_policy("always" | "never")` replaces the measurement by
+the model alone, or by no splits.
 
     >>> s = Split(claim=False, unit=64, max_threads=2)
     >>> threads, timed = s.next()        # the call's thread count, and whether to time it
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import time
 
+from kiln.codegen.cpu.native_team import join_wait_ns
 from kiln.runtime.threads import (BACKOFF_S, back_off, get_num_threads, others_busy_cpus, parallel_threads,
                                   split_policy)
 
@@ -78,18 +82,28 @@ UNTRIED = 4  # calls that could not be measured (no idle CPU) before a serial ve
 # slower, waited for a core another process took: regions back off (threads.back_off)
 SLOW = 3.0
 SLOW_NS = 200_000
+# ... where the call's regions waited that long for units a worker had claimed (kiln's
+# team counts it: native_team.join_wait_ns). A slow split call whose regions did not wait
+# so was slow on its caller's side: the caller lost its own core (in a process where
+# torch's, OpenBLAS's and jax's threads spin after their calls, any call may wait a time
+# slice, a serial one alike), and backing off would not have helped it. Beside them the
+# batched GEMM of bench_call.py backed off after 1 in ~20 of its split calls and ran
+# serial most of the time, though its regions waited for a worker in 2 of 600.
+WORKER_WAIT_NS = SLOW_NS
 RETRY_S = 1.0  # a launch that could not be measured is tried again after this long
 # A claimed split (a GEMM's batch items or panels) whose serial call takes LARGE_NS or
-# more is one the model expects to win (a region costs 10-60 us). In a process that also
-# runs torch or OpenBLAS their workers spin ~1-20 ms after each of their calls, and a
+# more is one the model expects to win (a region costs 10-60 us; a claimed one whose
+# worker does not come costs its caller a few atomic operations more than serial). In a
+# process that also runs torch or OpenBLAS their workers spin ~1-20 ms after each of their calls, and a
 # trial whose worker finds its core taken by one runs no faster than serial: the batched
 # GEMM of bench_call.py (16 x 32x64x256, ~110 us serial) split 51-68 us at best and
 # 120-160 by median beside them, and kept a serial verdict taken on three unlucky
 # trials for the rest of the run. So such a launch measures up to LARGE_TRIALS pairs
 # before a serial verdict, and a serial verdict of it is measured again after
 # RECHECK_S, then after twice as long each time a new measurement repeats it (up to
-# REMEASURE_S), while other processes leave the CPUs idle (below LOAD_CHANGE).
-LARGE_NS = 100_000
+# REMEASURE_S), while other processes leave the CPUs idle (below LOAD_CHANGE). (With
+# its B aligned the same GEMM takes 85-95 us serial: 50 us keeps it among them.)
+LARGE_NS = 50_000
 LARGE_TRIALS = 6
 RECHECK_S = 1.0
 RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3% or more
@@ -157,7 +171,7 @@ class Split:
 
     __slots__ = ("claim", "unit", "max_threads", "sure", "win", "verdict", "_serial", "_split",
                  "_warm", "_untried", "_untried_at", "_generation", "_decided_at", "_load_at", "_best",
-                 "_quick", "_last", "_recheck_s")
+                 "_quick", "_last", "_recheck_s", "_wait0")
 
     def __init__(self, claim: bool, unit: int, max_threads: int | None, sure: bool = False,
                  win: float = WIN):
@@ -166,6 +180,7 @@ class Split:
         self._last = None  # the verdict measured before the last reset
         self._decided_at = None
         self._recheck_s = RECHECK_S  # when a large launch's serial verdict is measured again
+        self._wait0 = None  # the team's join wait when the timed split call began
         self._reset()
 
     def _reset(self, warm: bool = False) -> None:
@@ -231,6 +246,12 @@ class Split:
     def next(self) -> tuple[int, bool]:
         """(threads, timed) for the next call: threads 1 runs it serial; timed asks the
         caller to `report` the call's duration."""
+        threads, timed = self._next()
+        if timed and threads > 1:
+            self._wait0 = join_wait_ns()
+        return threads, timed
+
+    def _next(self) -> tuple[int, bool]:
         policy = split_policy()
         if policy == "never" or get_num_threads() <= 1:  # nothing to split: the verdict
             return 1, False  # measured at more threads is kept for when they are back
@@ -260,7 +281,8 @@ class Split:
             best = self._best
             if threads > 1:
                 if best is not None and ns > SLOW * best and ns > best + SLOW_NS:
-                    waited()
+                    if self._worker_waited():
+                        waited()
                 elif best is None or ns < best:
                     self._best = ns
             return
@@ -268,7 +290,8 @@ class Split:
             self._split.append(ns)
             self._best = ns if self._best is None else min(self._best, ns)
             serial = min(self._serial) if self._serial else None
-            if serial is not None and ns > SLOW * serial and ns > serial + SLOW_NS:
+            if serial is not None and ns > SLOW * serial and ns > serial + SLOW_NS \
+                    and self._worker_waited():
                 waited()  # a trial that waited for a core: no more trials for a while
         else:
             self._serial.append(ns)
@@ -292,6 +315,13 @@ class Split:
             # the load, unless it repeats the verdict measured before
             self.verdict, self._quick = verdict, quick and self._last is not verdict
             self._decided_at, self._load_at = time.monotonic(), others_busy_cpus()
+
+    def _worker_waited(self) -> bool:
+        """Did the split call just reported wait WORKER_WAIT_NS or more for units its
+        workers claimed (True too where nobody knows: libgomp, the Python pool)?"""
+        w0, self._wait0 = self._wait0, None
+        w1 = join_wait_ns() if w0 is not None else None
+        return w1 is None or w1 - w0 >= WORKER_WAIT_NS
 
     def decided(self) -> bool:
         """Is the launch's way of running fixed (a verdict, or a policy that needs none)?"""
