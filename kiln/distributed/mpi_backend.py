@@ -24,7 +24,9 @@ return `ERR_PROC_FAILED` (Open MPI reports a SIGKILL in tens of ms; while idle, 
 watcher's wildcard probe finds it); the backend names the rank from `Get_failed` and
 revokes, so peers blocked elsewhere (`ERR_REVOKED`) get out too, and read the reason
 the first rank posted in the store. A hung peer (SIGSTOP) is invisible to MPI: kiln's
-heartbeat declares it dead and aborts the group, which revokes here as well.
+heartbeat declares it dead and aborts the group, which revokes here as well. While a
+communicator is made from a group the watcher makes no MPI call (mpi_world.QUIET: Open
+MPI can lose the new communicator's first messages to another thread's progress).
 
 Mismatched calls. MPI cannot tell that ranks called different collectives: it may
 hang, fail or mix the bytes. Unless KILN_MPI_CHECK=0, each call first all-gathers its
@@ -259,29 +261,46 @@ class MpiBackend(Backend):
                 self._local_failure(CollectiveTimeout(
                     "%s (seq %d, group '%s') did not complete within its deadline"
                     % (ctx.op, ctx.seq, self.group)))
-            finished = self._poll(pending, now)
-            if not finished and call is None and self._error is None:
-                # found while idle, as the tcp backend finds a peer's EOF: MPI learns of a
-                # dead process only inside a call, and a wildcard probe is the cheapest
-                # (it fails with ERR_PROC_FAILED, after which Get_failed names the rank)
-                try:
-                    self.comm.Iprobe(self.MPI.ANY_SOURCE, _PROBE_TAG)
-                except self.MPI.Exception:
-                    pass
-                failed = self.failed_ranks()
-                if failed:
-                    self._local_failure(PeerFailure(
-                        failed[0], "rank %d of group '%s' died: MPI reported the process "
-                        "dead (ULFM)" % (failed[0], self.group), group=self.group))
-                elif self.comm.Is_revoked():
-                    self._local_failure(self._translate_revoked())
+            if not mpi_world.QUIET.watch():
+                continue  # a communicator is being made from a group: no MPI call now
+            try:
+                finished, failure = self._look(pending, now, call is None)
+            finally:
+                mpi_world.QUIET.watched()
+            for (_, done, _), error in finished:
+                done(error)
+            if failure is not None:
+                self._local_failure(failure)
             if not pending:
                 period = _WATCH_IDLE
             else:  # poll fast right after a completion, then back off
                 period = _WATCH_BUSY if finished else min(period * 2, _WATCH_BUSY_MAX)
 
-    def _poll(self, pending: list, now: float) -> bool:
-        finished = False
+    def _look(self, pending: list, now: float, idle: bool) -> tuple[list, BaseException | None]:
+        """The watcher's MPI calls of one round: the p2p requests that completed (taken
+        off the pending list, as (entry, error); their callbacks are the caller's) and,
+        while idle, a failure found by a probe."""
+        finished = self._poll(pending, now)
+        if finished or not idle or self._error is not None:
+            return finished, None
+        # found while idle, as the tcp backend finds a peer's EOF: MPI learns of a dead
+        # process only inside a call, and a wildcard probe is the cheapest (it fails with
+        # ERR_PROC_FAILED, after which Get_failed names the rank)
+        try:
+            self.comm.Iprobe(self.MPI.ANY_SOURCE, _PROBE_TAG)
+        except self.MPI.Exception:
+            pass
+        failed = self.failed_ranks()
+        if failed:
+            return finished, PeerFailure(failed[0], "rank %d of group '%s' died: MPI reported "
+                                         "the process dead (ULFM)" % (failed[0], self.group),
+                                         group=self.group)
+        if self.comm.Is_revoked():
+            return finished, self._translate_revoked()
+        return finished, None
+
+    def _poll(self, pending: list, now: float) -> list:
+        finished = []
         for entry in pending:
             req, done, ctx = entry
             try:
@@ -295,8 +314,7 @@ class MpiBackend(Backend):
                 with self._lock:
                     if entry in self._pending:
                         self._pending.remove(entry)
-                finished = True
-                done(error)
+                finished.append((entry, error))
         return finished
 
     def _translate_revoked(self) -> DistributedError:

@@ -21,6 +21,21 @@ runtime: replacements that rank 0 spawned (`MPI_Comm_spawn`, under `kiln launch
 publishes it in the store; the survivors `Accept` the joiners one at a time (in the
 view's order), each joiner `Connect`s when its turn is posted, and every merged
 process learns the others' uids; then the epoch's communicator is made as above.
+
+One thread in MPI while a communicator is made from a group. Open MPI 5.0's
+`MPI_Comm_create_from_group` ends with a barrier over the new communicator itself,
+whose first messages carry an extended CID; a message that another thread's progress
+(kiln's watchers: an idle probe, p2p tests) receives while the new communicator's PML
+state is being set up can be filed on ob1's "no such communicator yet" list just after
+that list was searched, and is never matched: both members wait in ompi_comm_activate
+for good (seen: 1 group in 8-130 hung, 2 members of a 3-rank job, more often under
+load; none in 2200 since). So `create_from_group` waits for the watchers to leave MPI and keeps them
+out while it runs (`QUIET`); a watcher makes no MPI call in such a round. (User calls
+on other groups at that moment are not held back: split while the others are idle.)
+
+A blocking MPI call runs on a helper thread under the caller's deadline (`bounded`);
+one still inside MPI at exit (its deadline passed, RendezvousError K210 raised) would
+crash MPI_Finalize, so the process then leaves without it (`free_communicators`).
 """
 
 from __future__ import annotations
@@ -35,7 +50,9 @@ import time
 
 import numpy as np
 
-from kiln.distributed.errors import MpiUnavailable, RendezvousError, StoreError
+from kiln.distributed.errors import (
+    DistributedError, MpiUnavailable, RendezvousError, StoreError,
+)
 from kiln.distributed.membership import View
 
 _MPI = None
@@ -51,6 +68,7 @@ _SPAWNING: list[threading.Thread] = []  # the threads that spawned replacements
 _CONFIG_BYTES = 1024
 _BACKENDS: list = []  # every MpiBackend of this process (closed at exit)
 _DYNAMIC: list = []  # the other communicators kiln made to admit joiners (freed at exit)
+_STUCK: list = []  # (thread, what) of bounded() calls still inside MPI past their deadline
 
 
 def load_mpi():
@@ -86,6 +104,9 @@ def free_communicators() -> None:
     MPI = _MPI
     if MPI is None or MPI.Is_finalized():
         return
+    stuck = [what for thread, what in _STUCK if thread.is_alive()]
+    if stuck:
+        _leave_without_finalize(stuck)
     parent = MPI.Comm.Get_parent()
     if not (_DYNAMIC or _SPAWNED or parent != MPI.COMM_NULL):
         return
@@ -108,6 +129,30 @@ def free_communicators() -> None:
             comm.Free()
         except MPI.Exception:
             pass  # freed already, or MPI refuses: Finalize copes with what is left
+
+
+def _leave_without_finalize(stuck: list[str]) -> None:
+    """End the process now, without MPI_Finalize: a helper thread is still inside a
+    blocking MPI call whose deadline passed (K210 was raised for it), and MPI_Finalize
+    beside it is erroneous (seen: Open MPI segfaulted). Under ULFM the other ranks see
+    a process that left; they finalize without it. The world group says its goodbye
+    first (the exit hook that would is later in line); exit hooks registered before MPI
+    was loaded do not run. Exit status 1 after an uncaught exception, else 0 (the status
+    of a SystemExit is not visible at exit)."""
+    from kiln.distributed import rendezvous
+
+    try:
+        rendezvous.destroy_process_group()
+    except DistributedError:
+        pass  # the goodbye is a courtesy: peers then see a process that left
+    print("kiln: leaving without MPI_Finalize: %s still inside MPI past its deadline"
+          % "; ".join(stuck), file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # closed: nothing to flush
+    os._exit(1 if getattr(sys, "last_value", None) is not None else 0)
 
 
 def _skip_finalize_fence() -> None:
@@ -222,6 +267,7 @@ def bounded(fn, deadline: float, what: str):
     thread.start()
     thread.join(max(deadline - time.monotonic(), 0.01))
     if thread.is_alive():
+        _STUCK.append((thread, what))
         raise RendezvousError("%s: not every member took part within the deadline" % what)
     if "error" in box:
         err = box["error"]
@@ -230,6 +276,84 @@ def bounded(fn, deadline: float, what: str):
                 from None
         raise err
     return box["value"]
+
+
+class _Quiet:
+    """Keeps kiln's watchers out of MPI while a communicator is made from a group (see
+    the module docstring): one maker at a time, and no watcher in MPI beside it. A maker
+    past its deadline (K210 raised, the thread maybe stuck in MPI) no longer holds
+    anything back, so a failed creation does not stop the watchers for good."""
+
+    _TICK = 0.05  # how often a waiting maker looks again (a maker's deadline passing)
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._maker: tuple[int, float] | None = None  # the running maker: (ticket, deadline)
+        self._tickets = 0
+        self._waiting = 0  # makers waiting for their turn (no watcher enters meanwhile)
+        self._watchers = 0  # watchers inside MPI now
+
+    def _making(self) -> bool:
+        return self._maker is not None and time.monotonic() < self._maker[1]
+
+    def make(self, deadline: float) -> int:
+        """Wait (until `deadline`) for the watchers to leave MPI and any other maker to
+        finish: the ticket to pass to `made`, or 0 if they did not in time."""
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._watchers or self._making():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return 0
+                    self._cond.wait(min(left, self._TICK))
+            finally:
+                self._waiting -= 1
+            self._tickets += 1
+            self._maker = (self._tickets, deadline)
+            return self._tickets
+
+    def made(self, ticket: int) -> None:
+        """The maker with `ticket` left MPI (a late one, past its deadline, clears
+        nothing of a later maker's)."""
+        with self._cond:
+            if self._maker is not None and self._maker[0] == ticket:
+                self._maker = None
+            self._cond.notify_all()
+
+    def watch(self) -> bool:
+        """A watcher may call MPI now (then `watched()` after): False while a maker runs."""
+        with self._cond:
+            if self._waiting or self._making():
+                return False
+            self._watchers += 1
+            return True
+
+    def watched(self) -> None:
+        with self._cond:
+            self._watchers -= 1
+            self._cond.notify_all()
+
+
+QUIET = _Quiet()
+
+
+def create_from_group(uids, tag: str, deadline: float, what: str):
+    """MPI_Comm_create_from_group of the processes `uids` (every one of them calls it
+    with the same tag), bounded by `deadline`, with no other kiln thread in MPI meanwhile
+    (QUIET: see the module docstring)."""
+    MPI = load_mpi()
+
+    def make():
+        ticket = QUIET.make(deadline)
+        if not ticket:
+            raise RendezvousError("%s: another communicator was still being made at the "
+                                  "deadline" % what)
+        try:
+            return MPI.Intracomm.Create_from_group(_group_of(uids), tag)
+        finally:
+            QUIET.made(ticket)
+    return bounded(make, deadline, what)
 
 
 def communicator(store, prefix: str, rank: int, world_size: int, token: str, timeout: float,
@@ -260,8 +384,7 @@ def communicator(store, prefix: str, rank: int, world_size: int, token: str, tim
                 _replace(store, token, len(view.removed))
         else:
             uids = _member_uids(store, prefix, rank, world_size, deadline)
-        comm = bounded(lambda: MPI.Intracomm.Create_from_group(_group_of(uids), prefix),
-                        deadline, "group '%s'" % prefix)
+        comm = create_from_group(uids, prefix, deadline, "group '%s'" % prefix)
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm
 
@@ -285,9 +408,8 @@ def _admit(store, prefix: str, view: View, me: int, deadline: float) -> None:
     port_key, turn = "%s/mpi/port" % prefix, "%s/mpi/turn/%%d" % prefix
     left = lambda: max(deadline - time.monotonic(), 0.01)  # noqa: E731
     if me in survivors:
-        comm = bounded(lambda: MPI.Intracomm.Create_from_group(_group_of(survivors),
-                                                                prefix + "/survivors"),
-                        deadline, "group '%s' (survivors)" % prefix)
+        comm = create_from_group(survivors, prefix + "/survivors", deadline,
+                                 "group '%s' (survivors)" % prefix)
         _DYNAMIC.append(comm)
         port = MPI.Open_port() if comm.Get_rank() == 0 else None
         if port is not None:
