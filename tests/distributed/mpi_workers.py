@@ -151,6 +151,38 @@ def every_collective(rank, world, addr, args):
 
 
 @scenario
+def many_splits(rank, world, addr, args):
+    """pg.split(color=rank >= 2) again and again while every earlier group's watcher
+    polls MPI: each sub-group's all_reduce against numpy (its members' ranks summed)."""
+    pg = join(rank, world, addr, timeout=60.0)
+    members = [r for r in range(world) if (r >= 2) == (rank >= 2)]
+    for i in range(args["splits"]):
+        sub = pg.split(color=int(rank >= 2), timeout=20)
+        x = np.full(5, rank + i, np.int64)
+        sub.all_reduce(x).wait(timeout=20)
+        assert np.all(x == sum(r + i for r in members)), (i, x, members)
+    return {"splits": args["splits"], "watchers": len(pg.children) + 1}
+
+
+@scenario
+def lonely_group(rank, world, addr, args):
+    """Rank 0 makes a 2-member group that rank 1 never joins: K210 at the deadline, the
+    MPI call left inside MPI; the process then leaves without MPI_Finalize."""
+    from kiln.distributed import mpi_world
+
+    pg = join(rank, world, addr)
+    if rank != 0:
+        return {"error": None}
+    pg.store.set("pg/lonely/e0/mpi/uid/1", "1")  # rank 1's identity, so only MPI waits
+    try:
+        mpi_world.communicator(pg.store, "pg/lonely/e0", 0, 2, os.environ["KILN_TOKEN"],
+                               args["timeout"], 0)
+    except dist.RendezvousError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+@scenario
 def killed(rank, world, addr, args):
     """workers.death, with the victim SIGKILLed instead of exiting with status 3: under
     mpirun a rank that exits with an error status ends the whole job (mpirun's policy);

@@ -37,6 +37,75 @@ def test_large_all_reduce_rides_kiln_ring_every_dtype_against_numpy(tmp_path):
     assert len({tuple(d["digests"]) for d in data}) == 1
 
 
+def test_sub_groups_made_while_the_watchers_poll(tmp_path):
+    """Open MPI's create-from-group barrier lost a message that another thread's
+    progress (a watcher's idle probe) received while the new communicator was set up:
+    1 group in 8-130 hung for good. 80 splits on 3 ranks, each sub-group checked."""
+    data = check_all_ok(run_mpi("many_splits", 3, tmp_path, args={"splits": 80},
+                                timeout=100))
+    assert all(d == {"splits": 80, "watchers": 81} for d in data)
+
+
+def test_watchers_stay_out_of_mpi_while_a_group_is_made():
+    """mpi_world.QUIET: a maker waits for the watcher inside MPI to leave, no watcher
+    enters while a maker waits or runs, and they may again once it is done."""
+    import threading
+    import time
+
+    from kiln.distributed.mpi_world import _Quiet
+
+    quiet = _Quiet()
+    assert quiet.watch()  # a watcher inside MPI
+    got = []
+    maker = threading.Thread(target=lambda: got.append(quiet.make(time.monotonic() + 60)))
+    maker.start()
+    end = time.monotonic() + 60
+    while not quiet._waiting and time.monotonic() < end:  # until the maker waits
+        time.sleep(0.001)
+    assert quiet._waiting and not quiet.watch() and got == []  # no watcher jumps the queue
+    quiet.watched()
+    maker.join(60)
+    assert got and got[0] > 0 and not quiet.watch()  # the maker runs: watchers stay out
+    quiet.made(got[0])
+    assert quiet.watch()
+    quiet.watched()
+
+
+def test_a_maker_past_its_deadline_holds_nothing_back():
+    """A creation stuck in MPI past its deadline (K210 raised) no longer keeps the
+    watchers out or the next maker waiting, and its late end clears nothing of the next
+    maker's; a maker that cannot get in by its deadline gets no ticket."""
+    import time
+
+    from kiln.distributed.mpi_world import _Quiet
+
+    quiet = _Quiet()
+    first = quiet.make(time.monotonic() + 0.05)
+    assert first and not quiet.watch()
+    time.sleep(0.1)  # past the first maker's deadline
+    second = quiet.make(time.monotonic() + 60)
+    assert second and second != first
+    quiet.made(first)  # the stuck call returned at last
+    assert not quiet.watch()  # the second maker still keeps the watchers out
+    quiet.made(second)
+    assert quiet.watch()  # a watcher inside MPI now ...
+    assert quiet.make(time.monotonic() + 0.05) == 0  # ... that never leaves: no ticket
+    quiet.watched()
+
+
+def test_a_group_a_member_never_joins_fails_with_k210_and_exits_cleanly(tmp_path):
+    """The MPI call that timed out is still inside MPI at exit: the rank leaves without
+    MPI_Finalize (which would crash beside it), with status 0, and the job ends."""
+    results = run_mpi("lonely_group", 2, tmp_path, args={"timeout": 2.0})
+    data = check_all_ok(results)
+    assert "K210" in data[0]["error"] and "pg/lonely/e0" in data[0]["error"], data[0]
+    assert data[1] == {"error": None}
+    output = results[0]["output"]
+    assert results[0]["returncode"] == 0, output[-3000:]
+    assert "leaving without MPI_Finalize: group 'pg/lonely/e0'" in output, output[-3000:]
+    assert "Segmentation fault" not in output and "signal 11" not in output, output[-3000:]
+
+
 def test_bad_input_splits_flight_recorder_and_sigusr1_dump(tmp_path):
     data = check_all_ok(run_mpi("basic", 4, tmp_path))
     errors = data[0]["errors"]
