@@ -4,6 +4,7 @@ split itself cost, while another library's threads spin after its calls?
 
     .venv/bin/python benchmarks/bench_batched_split.py --turns [--rounds 10]
     .venv/bin/python benchmarks/bench_batched_split.py --interleaved [--rounds 300]
+    .venv/bin/python benchmarks/bench_batched_split.py --diagnose
     PYTHONPATH=/tmp/base .venv/bin/python /tmp/base/benchmarks/...   # another tree: run its copy
 
 `--turns`: kiln as `kn.compile` calls it (default threads: the split rule decides), kiln
@@ -16,6 +17,13 @@ variant, the same product compiled with every launch forced to split (its verdic
 beside kiln at its default, and `kiln aligned`: kiln at its default on operands copied to
 64-byte aligned memory (as `torch.tensor` copies them; numpy's arrays of 128 KB and more,
 and `kn.tensor`'s copies of them, start 16 bytes past a page).
+
+`--diagnose`: bench_call.py `--gemm-rows`'s setting (bench_gemm's method, kiln at its
+default) once, traced: every timed call the split rule saw (its threads, its time, what
+its regions waited for workers: `native_team.join_wait_ns`), each with its regions
+(start after the call began, the caller's own part, the wait after it, units the caller
+ran of all, a worker's first claim), the back-offs, and over the whole run how many
+regions a worker joined and how soon.
 
 Run from a tree's root with the root first on PYTHONPATH to measure that tree; compare
 trees round-robin by alternating processes (the machine's load falls on both alike).
@@ -132,12 +140,64 @@ def interleaved(rounds: int) -> str:
         f"{res[k][0] * 1e6:.0f} ({res[k][1] * 1e6:.0f})" for k in names) + " |"
 
 
+def diagnose(shown: int = 40) -> str:
+    import bench_gemm
+    from kiln.codegen.cpu import native_pool, native_team, split_rule
+
+    reports, waits = [], []
+    real_report, real_waited = split_rule.Split.report, split_rule.waited
+
+    join_wait = getattr(native_team, "join_wait_ns", lambda: None)  # (a tree before it: None)
+
+    def report(self, threads, ns):
+        w0 = getattr(self, "_wait0", None)
+        real_report(self, threads, ns)
+        w1 = join_wait()
+        reports.append((threads, ns, time.monotonic_ns(), None if w0 is None or w1 is None else w1 - w0))
+
+    def waited():
+        waits.append(time.monotonic_ns())
+        return real_waited()
+
+    row = [r for r in bench_gemm.rows(False) if r[0].startswith("batched")]
+    real_rows = bench_gemm.rows
+    split_rule.Split.report, split_rule.waited, bench_gemm.rows = report, waited, lambda quick: iter(row)
+    try:
+        native_pool._built()
+        traced = native_team.start_trace()
+        res = bench_gemm.measure_rows(False, True)[0]
+        regions = native_team.stop_trace()
+    finally:
+        split_rule.Split.report, split_rule.waited, bench_gemm.rows = real_report, real_waited, real_rows
+    us = lambda ns: f"{ns / 1e3:.0f}"  # noqa: E731
+    lines = [f"load {os.getloadavg()[0]:.1f}; traced: {traced}; us per call, median (min): " + ", ".join(
+        f"{k} {v[0] * 1e6:.0f} ({v[1] * 1e6:.0f})" for k, v in res.items() if isinstance(v, tuple))]
+    for threads, ns, end, jw in reports[:shown]:
+        inside = [r for r in regions if r["kind"] != "wake" and end - ns <= r["start"] <= end]
+        parts = "; ".join(
+            f"+{us(r['start'] - end + ns)} own {us(r['own_done'] - r['start'])} wait {us(r['end'] - r['own_done'])} "
+            f"caller {r['by_caller']}/{r['units']} claim "
+            + (us(r["first_claim"] - r["start"]) if r["first_claim"] else "-") for r in inside)
+        lines.append(f"{'split' if threads > 1 else 'serial'} {us(ns)} us" + (
+            f", waited for workers {'?' if jw is None else us(jw)}: {parts}" if threads > 1 else ""))
+    claimed = [r for r in regions if r["kind"] == "claim"]
+    joined = [r["first_claim"] - r["start"] for r in claimed if r["first_claim"]]
+    lines.append(f"timed calls {len(reports)} (split {sum(r[0] > 1 for r in reports)}), back-offs {len(waits)}, "
+                 f"regions {len(claimed)}, joined by a worker {len(joined)}" + (
+                     f", its first claim after {np.median(joined) / 1e3:.1f} us (median)" if joined else ""))
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", action="store_true")
     ap.add_argument("--interleaved", action="store_true")
+    ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()
+    if args.diagnose:
+        print(diagnose())
+        return 0
     if args.turns or not args.interleaved:
         print("| load | kiln | kiln 1t | torch 2t | kiln per round |\n|---|---|---|---|---|")
         print(turns(args.rounds or 10))
