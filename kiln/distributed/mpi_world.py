@@ -25,13 +25,15 @@ process learns the others' uids; then the epoch's communicator is made as above.
 One thread in MPI while a communicator is made from a group. Open MPI 5.0's
 `MPI_Comm_create_from_group` ends with a barrier over the new communicator itself,
 whose first messages carry an extended CID; a message that another thread's progress
-(kiln's watchers: an idle probe, p2p tests) receives while the new communicator's PML
-state is being set up can be filed on ob1's "no such communicator yet" list just after
-that list was searched, and is never matched: both members wait in ompi_comm_activate
-for good (seen: 1 group in 8-130 hung, 2 members of a 3-rank job, more often under
-load; none in 2200 since). So `create_from_group` waits for the watchers to leave MPI and keeps them
-out while it runs (`QUIET`); a watcher makes no MPI call in such a round. (User calls
-on other groups at that moment are not held back: split while the others are idle.)
+receives while the new communicator's PML state is being set up can be filed on ob1's
+"no such communicator yet" list just after that list was searched, and is never
+matched: both members wait in ompi_comm_activate for good (seen: 1 group in 8-130
+hung, 2 members of a 3-rank job, more often under load; none in 2200 since). So
+`create_from_group` waits for kiln's background pollers to leave MPI and keeps them out
+while it runs (`QUIET`): the watchers (idle probe, p2p tests) and a replacement's wait
+for its release make no MPI call then. Not held back: user calls on other groups at
+that moment (split while the others are idle) and rank 0's spawn of replacements,
+which runs on its thread while the shrunk world's communicator is made.
 
 A blocking MPI call runs on a helper thread under the caller's deadline (`bounded`);
 one still inside MPI at exit (its deadline passed, RendezvousError K210 raised) would
@@ -511,6 +513,16 @@ def _release_children(timeout: float = 2.0) -> None:
                 pass  # that replacement is gone already
 
 
+def _test_quietly(req) -> bool:
+    """req.Test(), as a watcher does: not while a communicator is being made (False)."""
+    if not QUIET.watch():
+        return False
+    try:
+        return req.Test()
+    finally:
+        QUIET.watched()
+
+
 def _await_release(parent) -> None:
     """(A spawned replacement) leave quietly when the job ends before this process was
     admitted: finalize MPI (its parent's MPI_Finalize waits for it) and exit 0."""
@@ -518,7 +530,7 @@ def _await_release(parent) -> None:
     buf = np.zeros(1, np.uint8)
     try:
         req = parent.Irecv(buf, source=0, tag=_RELEASE_TAG)
-        while not req.Test():
+        while not _test_quietly(req):  # until the job ends (a daemon thread)
             time.sleep(0.05)
     except MPI.Exception:
         return  # the parent died: the group admits this process or it times out
