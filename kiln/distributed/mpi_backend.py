@@ -63,6 +63,7 @@ _WATCH_IDLE = 0.02  # the watcher's period with nothing to poll (deadlines, revo
 _WATCH_BUSY = 0.0005  # ... and its first period while p2p requests are pending
 _WATCH_BUSY_MAX = 0.005
 _PROBE_TAG = (1 << _TAG_BITS) - 1  # the idle probe's tag (it only looks)
+_SPLIT_TAGS = 1 << 20  # split k makes its group with MPI tag 2 + k % _SPLIT_TAGS
 
 
 def _bytes(buf: np.ndarray) -> np.ndarray:
@@ -134,6 +135,7 @@ class MpiBackend(Backend):
         self.check = os.environ.get("KILN_MPI_CHECK", "1") != "0"
         self._ops = mpi_world.ops()
         self._failure_handler = None
+        self._splits = 0  # split_backend calls so far (the same on every rank)
         self._error: BaseException | None = None  # why this rank revoked (or closed)
         self._revoked = False
         self._lock = threading.Lock()
@@ -156,6 +158,31 @@ class MpiBackend(Backend):
         dups = mpi_world.bounded(lambda: [comm.Dup() for _ in range(4)], deadline,
                                  "group '%s' (p2p communicators)" % prefix)
         return cls(comm, prefix, store, [comm] + dups[:3], dups[3])
+
+    def split_backend(self, prefix: str | None, members: list[int] | None,
+                      timeout: float) -> "MpiBackend | None":
+        """The backend of a sub-group made by `ProcessGroup.split`, which calls this on
+        every rank of this group (prefix None: in no sub-group), in the same order.
+
+        `MPI_Comm_create_group` over the members, on this group's ring communicator
+        (collective over the members only; its own messages travel there with tag
+        2 + split number, which no ring message uses), not `Create_from_group`: the new
+        communicator's CID is agreed over a communicator every member already has, so
+        no first message can arrive before this rank set the new one up, whatever other
+        threads do in MPI meanwhile (see mpi_world's module docstring)."""
+        self._splits += 1
+        if prefix is None:
+            return None
+        deadline = time.monotonic() + timeout
+        parent = self._ring.comm
+        group = parent.Get_group().Incl(members)
+        tag = 2 + self._splits % _SPLIT_TAGS
+        comm = mpi_world.bounded(lambda: parent.Create_group(group, tag), deadline,
+                                 "group '%s'" % prefix)
+        comm.Set_errhandler(self.MPI.ERRORS_RETURN)
+        dups = mpi_world.bounded(lambda: [comm.Dup() for _ in range(4)], deadline,
+                                 "group '%s' (p2p communicators)" % prefix)
+        return MpiBackend(comm, prefix, self.store, [comm] + dups[:3], dups[3])
 
     # -- running one call ------------------------------------------------------------
     def _run(self, ctx: CallContext, start) -> None:

@@ -12,8 +12,9 @@ made with `MPI_Comm_create_from_group` — collective over those members only. S
 epoch's communicator is formed by the survivors alone, whatever became of the others:
 a dead process (ULFM sees it), and a hung one (SIGSTOP: MPI does not see it, and a
 `Shrink` or any call on the old communicator would wait for it forever). Measured here:
-1-2 ms for 3 of 4 ranks after a SIGKILL. Sub-groups find their members' uids in the
-store (`<prefix>/mpi/uid/<rank>`).
+1-2 ms for 3 of 4 ranks after a SIGKILL. Sub-groups re-derived at a new epoch find
+their members' uids in the store (`<prefix>/mpi/uid/<rank>`); `split` makes its
+sub-groups on the parent's communicator instead (MpiBackend.split_backend).
 
 Grow. Joiners of epoch e are processes of another MPI job in the same Open MPI
 runtime: replacements that rank 0 spawned (`MPI_Comm_spawn`, under `kiln launch
@@ -28,11 +29,12 @@ whose first messages carry an extended CID; a message that another thread's prog
 receives while the new communicator's PML state is being set up can be filed on ob1's
 "no such communicator yet" list just after that list was searched, and is never
 matched: both members wait in ompi_comm_activate for good (seen: 1 group in 8-130
-hung, 2 members of a 3-rank job, more often under load; none in 2200 since). So
+hung, 2 members of a 3-rank job, more often under load; none in 2200 since; `split`
+no longer takes this path at all: see MpiBackend.split_backend). So
 `create_from_group` waits for kiln's background pollers to leave MPI and keeps them out
 while it runs (`QUIET`): the watchers (idle probe, p2p tests) and a replacement's wait
-for its release make no MPI call then. Not held back: user calls on other groups at
-that moment (split while the others are idle) and rank 0's spawn of replacements,
+for its release make no MPI call then. Not held back: user calls on other groups
+while a fault-tolerant group forms a new epoch, and rank 0's spawn of replacements,
 which runs on its thread while the shrunk world's communicator is made.
 
 A blocking MPI call runs on a helper thread under the caller's deadline (`bounded`);
