@@ -151,9 +151,13 @@ def every_collective(rank, world, addr, args):
 
 
 @scenario
-def many_splits(rank, world, addr, args):
-    """pg.split(color=rank >= 2) again and again while every earlier group's watcher
-    polls MPI: each sub-group's all_reduce against numpy (its members' ranks summed)."""
+def many_groups(rank, world, addr, args):
+    """Groups made again and again while every earlier group's watcher polls MPI:
+    pg.split(color=rank >= 2) (MPI_Comm_create_group on the parent), each sub-group's
+    all_reduce against numpy; then ranks 0 and 1 make 2-member groups from a group
+    (MPI_Comm_create_from_group, as a new epoch does), rank 2 waiting in a barrier."""
+    from kiln.distributed.mpi_backend import MpiBackend
+
     pg = join(rank, world, addr, timeout=60.0)
     members = [r for r in range(world) if (r >= 2) == (rank >= 2)]
     for i in range(args["splits"]):
@@ -161,7 +165,17 @@ def many_splits(rank, world, addr, args):
         x = np.full(5, rank + i, np.int64)
         sub.all_reduce(x).wait(timeout=20)
         assert np.all(x == sum(r + i for r in members)), (i, x, members)
-    return {"splits": args["splits"], "watchers": len(pg.children) + 1}
+    made = []
+    if rank < 2:
+        token = os.environ["KILN_TOKEN"]
+        for i in range(args["groups"]):
+            made.append(MpiBackend.rendezvous(pg.store, "pg/pair%d/e0" % i, rank, 2, token,
+                                              20.0, 0))
+            assert made[-1].world_size == 2 and made[-1].rank == rank
+    pg.barrier(timeout=60).wait(timeout=60)
+    for backend in made:
+        backend.close()
+    return {"splits": args["splits"], "groups": len(made), "children": len(pg.children)}
 
 
 @scenario

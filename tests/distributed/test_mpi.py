@@ -37,13 +37,15 @@ def test_large_all_reduce_rides_kiln_ring_every_dtype_against_numpy(tmp_path):
     assert len({tuple(d["digests"]) for d in data}) == 1
 
 
-def test_sub_groups_made_while_the_watchers_poll(tmp_path):
+def test_groups_made_while_the_watchers_poll(tmp_path):
     """Open MPI's create-from-group barrier lost a message that another thread's
     progress (a watcher's idle probe) received while the new communicator was set up:
-    1 group in 8-130 hung for good. 80 splits on 3 ranks, each sub-group checked."""
-    data = check_all_ok(run_mpi("many_splits", 3, tmp_path, args={"splits": 80},
-                                timeout=100))
-    assert all(d == {"splits": 80, "watchers": 81} for d in data)
+    1 group in 8-130 hung for good. 80 splits on 3 ranks, each sub-group checked, then
+    60 groups made from a group by 2 ranks, with every earlier group's watcher polling."""
+    data = check_all_ok(run_mpi("many_groups", 3, tmp_path,
+                                args={"splits": 80, "groups": 60}, timeout=100))
+    assert data == [{"splits": 80, "groups": 60, "children": 80}] * 2 + \
+        [{"splits": 80, "groups": 0, "children": 80}]
 
 
 def test_watchers_stay_out_of_mpi_while_a_group_is_made():
