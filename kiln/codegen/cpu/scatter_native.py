@@ -16,8 +16,10 @@ arithmetic exactly:
 
     wide    out.size <= 4 * updates + 65536: the reference sums in float64 per position
             (bincount, in C order from 0.0), then rounds x + sum once; here the sums go
-            to a float64 scratch in the same order and numpy does the same last step
-    direct  otherwise: np.add.at's sequential adds in the output dtype, in C order
+            to a float64 scratch (kept per thread) in the same order, and the function
+            ends with the same rounding of x + sum into the output
+    direct  otherwise: np.add.at's sequential adds in the output dtype, in C order, on
+            a copy of x the function makes first
 
 The native path takes float32/float64 `x` and `updates` and integer indices whose dims
 other than `axis` equal x's (the take gradient's case: indices broadcast along the
@@ -30,14 +32,20 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from functools import lru_cache
 
 import numpy as np
 
 FLOATS = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 _FN = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int64)
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int64)
+# a float64 scratch of up to this many elements is kept per thread for the wide sums
+# (allocated per call, its pages faulted in each time, it cost a small GPT's gradient
+# ~20 us of its ~60); a larger one is allocated for its call only
+KEEP_ACC = 1 << 20
+_SCRATCH = threading.local()
 
 
 def entry(ty: str, wide: bool) -> str:
@@ -45,27 +53,59 @@ def entry(ty: str, wide: bool) -> str:
 
 
 def _function(ty: str, wide: bool) -> str:
-    """i64 fn(out, acc, idx, upd, P, X, I, Q): x viewed as [P, X, Q], indices and updates
-    as [P, I, Q]; adds upd[p, i, q] at [p, idx[p, i, q], q] of `out` (direct, in `ty`) or
-    of the float64 `acc` (wide). Returns -1, or the C-order position of the first index
-    outside [-X, X) (nothing after it is added)."""
+    """i64 fn(out, acc, idx, upd, x, P, X, I, Q): x and out viewed as [P, X, Q], indices
+    and updates as [P, I, Q]. direct: out = x, then upd[p, i, q] added at [p, idx[p, i,
+    q], q] of out in `ty`. wide: the float64 `acc` (as large as x) zeroed, the updates
+    summed there in float64, then out = x + acc rounded once. Returns -1, or the C-order
+    position of the first index outside [-X, X) (out is then unfinished)."""
+    size = 4 if ty == "float" else 8
     if wide:
+        prologue = ["  %acc.bytes = mul i64 %n, 8",
+                    "  call void @llvm.memset.p0.i64(ptr %acc, i8 0, i64 %acc.bytes, i1 false)"]
         add = ["  %ap = getelementptr inbounds double, ptr %acc, i64 %o",
                "  %a = load double, ptr %ap, align 8",
                *(["  %ud = fpext float %u to double"] if ty == "float" else []),
                f"  %s = fadd double %a, {'%ud' if ty == 'float' else '%u'}",
                "  store double %s, ptr %ap, align 8"]
+        widen = ["  %xd = fpext float %xk to double"] if ty == "float" else []
+        narrow = ["  %rk = fptrunc double %sk to float"] if ty == "float" else []
+        finish = f"""  %has.n = icmp sgt i64 %n, 0
+  br i1 %has.n, label %fin, label %done
+
+fin:
+  %k = phi i64 [ 0, %ok ], [ %k.next, %fin ]
+  %xp = getelementptr inbounds {ty}, ptr %x, i64 %k
+  %xk = load {ty}, ptr %xp
+{chr(10).join(widen)}
+  %akp = getelementptr inbounds double, ptr %acc, i64 %k
+  %ak = load double, ptr %akp, align 8
+  %sk = fadd double {'%xd' if ty == 'float' else '%xk'}, %ak
+{chr(10).join(narrow)}
+  %op = getelementptr inbounds {ty}, ptr %out, i64 %k
+  store {ty} {'%rk' if ty == 'float' else '%sk'}, ptr %op
+  %k.next = add nuw nsw i64 %k, 1
+  %k.more = icmp slt i64 %k.next, %n
+  br i1 %k.more, label %fin, label %done, !llvm.loop !0
+
+done:
+  ret i64 -1"""
     else:
+        prologue = [f"  %out.bytes = mul i64 %n, {size}",
+                    "  call void @llvm.memcpy.p0.p0.i64(ptr %out, ptr %x, i64 %out.bytes, i1 false)"]
         add = [f"  %ap = getelementptr inbounds {ty}, ptr %out, i64 %o",
                f"  %a = load {ty}, ptr %ap",
                f"  %s = fadd {ty} %a, %u",
                f"  store {ty} %s, ptr %ap"]
+        finish = "  ret i64 -1"
     nl = "\n"
-    params = "ptr %out, ptr %acc, ptr %idx, ptr %upd, i64 %P, i64 %X, i64 %I, i64 %Q"
+    params = ("ptr noalias %out, ptr noalias %acc, ptr noalias %idx, ptr noalias %upd, "
+              "ptr noalias %x, i64 %P, i64 %X, i64 %I, i64 %Q")
     return f"""define i64 @{entry(ty, wide)}({params}) nounwind {{
 entry:
   %rows = mul i64 %P, %I
   %xq = mul i64 %X, %Q
+  %n = mul i64 %P, %xq
+{nl.join(prologue)}
   %has.rows = icmp sgt i64 %rows, 0
   %has.cols = icmp sgt i64 %Q, 0
   %go = and i1 %has.rows, %has.cols
@@ -106,7 +146,7 @@ row.end:
   br i1 %rows.more, label %row, label %ok
 
 ok:
-  ret i64 -1
+{finish}
 
 fail:
   ret i64 %e
@@ -115,7 +155,12 @@ fail:
 
 
 def module_text() -> str:
-    return "\n".join(_function(ty, wide) for ty in FLOATS.values() for wide in (True, False))
+    return "\n".join([
+        "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)",
+        "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)",
+        *(_function(ty, wide) for ty in FLOATS.values() for wide in (True, False)),
+        "!0 = distinct !{!0, !1}",
+        '!1 = !{!"llvm.loop.vectorize.enable", i1 true}'])
 
 
 @lru_cache(maxsize=None)
@@ -158,16 +203,25 @@ def scatter_add(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: i
     Q = math.prod(shape[axis + 1:])
     ty = FLOATS[x.dtype]
     wide = x.size <= 4 * src.size + 65536  # the reference's bincount regime
-    acc = np.zeros(x.shape, np.float64) if wide else None
-    out = None if wide else np.array(x, order="C", copy=True)
-    bad = -1
-    if src.size:
-        bad = _fn(ty, wide)(out.ctypes.data if out is not None else None,
-                            acc.ctypes.data if acc is not None else None,
-                            idx.ctypes.data, src.ctypes.data, P, X, I, Q)
+    base = np.ascontiguousarray(x)
+    out = np.empty(x.shape, x.dtype)
+    acc = _scratch(x.size) if wide else None
+    bad = _fn(ty, wide)(out.ctypes.data, acc.ctypes.data if acc is not None else None,
+                        idx.ctypes.data, src.ctypes.data, base.ctypes.data, P, X, I, Q)
     if bad >= 0:
         raise index_error("scatter_along", "index", int(idx.flat[bad]), X, negative=True)
-    return (x + acc).astype(x.dtype, copy=False) if wide else out
+    return out
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A float64 scratch of at least n elements (the function zeroes what it uses): this
+    thread's kept one where it is small enough (KEEP_ACC), else a new one."""
+    if n > KEEP_ACC:
+        return np.empty(n, np.float64)
+    acc = getattr(_SCRATCH, "acc", None)
+    if acc is None or acc.size < n:
+        acc = _SCRATCH.acc = np.empty(max(n, 4096), np.float64)
+    return acc
 
 
 def run_scatter_along(arrays, attrs) -> list:
