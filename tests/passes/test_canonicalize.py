@@ -15,6 +15,35 @@ def simplify(graph):
     return dce(canonicalize(graph))
 
 
+# graphs no pattern may change (before and expected alike)
+RAMP_PAST_THE_DIM = """
+graph @g(%x: f32[6, 4]) -> f32[8, 4]
+  %0 = iota() {dimension=0, dtype=i64, shape=(8,)} : i64[8]
+  %1 = take(%x, %0) {axis=0} : f32[8, 4]
+  return %1
+"""
+
+WRAPPING_IOTA = """
+graph @g(%x: f32[400, 2]) -> f32[300, 2]
+  %0 = iota() {dimension=0, dtype=u8, shape=(300,)} : u8[300]
+  %1 = take(%x, %0) {axis=0} : f32[300, 2]
+  return %1
+"""
+
+SCATTERS_KEPT = """
+graph @g(%x: f32[5, 4], %u: f32[3, 4]) -> (f32[5, 4], f32[5, 4], f32[5, 4], f32[5, 4])
+  %0 = full() {dtype=f32, shape=(5, 4), value=-0.0} : f32[5, 4]
+  %1 = iota() {dimension=0, dtype=i64, shape=(3, 4)} : i64[3, 4]
+  %2 = scatter_along(%0, %1, %u) {axis=0, mode="add"} : f32[5, 4]
+  %3 = scatter_along(%x, %1, %u) {axis=0, mode="add"} : f32[5, 4]
+  %4 = full() {dtype=f32, shape=(5, 4), value=0.0} : f32[5, 4]
+  %5 = scatter_along(%4, %1, %u) {axis=0, mode="set"} : f32[5, 4]
+  %6 = iota() {dimension=1, dtype=i64, shape=(3, 4)} : i64[3, 4]
+  %7 = scatter_along(%4, %6, %u) {axis=0, mode="add"} : f32[5, 4]
+  return %2, %3, %5, %7
+"""
+
+
 CASES = {
     "int add zero": ("""
 graph @g(%x: i32[4]) -> i32[4]
@@ -249,28 +278,8 @@ graph @g(%x: f32[6, 4]) -> f32[3, 4]
   %0 = slice(%x) {limit=(3, 4), start=(0, 0)} : f32[3, 4]
   return %0
 """),
-    "take of a ramp past the dim stays (K104 when it runs)": ("""
-graph @g(%x: f32[6, 4]) -> f32[8, 4]
-  %0 = iota() {dimension=0, dtype=i64, shape=(8,)} : i64[8]
-  %1 = take(%x, %0) {axis=0} : f32[8, 4]
-  return %1
-""", """
-graph @g(%x: f32[6, 4]) -> f32[8, 4]
-  %0 = iota() {dimension=0, dtype=i64, shape=(8,)} : i64[8]
-  %1 = take(%x, %0) {axis=0} : f32[8, 4]
-  return %1
-"""),
-    "a uint8 iota past 256 wraps: no ramp, the take stays": ("""
-graph @g(%x: f32[400, 2]) -> f32[300, 2]
-  %0 = iota() {dimension=0, dtype=u8, shape=(300,)} : u8[300]
-  %1 = take(%x, %0) {axis=0} : f32[300, 2]
-  return %1
-""", """
-graph @g(%x: f32[400, 2]) -> f32[300, 2]
-  %0 = iota() {dimension=0, dtype=u8, shape=(300,)} : u8[300]
-  %1 = take(%x, %0) {axis=0} : f32[300, 2]
-  return %1
-"""),
+    "take of a ramp past the dim stays (K104 when it runs)": (RAMP_PAST_THE_DIM, RAMP_PAST_THE_DIM),
+    "a uint8 iota past 256 wraps: no ramp, the take stays": (WRAPPING_IOTA, WRAPPING_IOTA),
     "scatter-add of a ramp into +0.0 is an add of the padded updates": ("""
 graph @g(%u: f32[3, 4]) -> f32[5, 4]
   %0 = full() {dtype=f32, shape=(5, 4), value=0.0} : f32[5, 4]
@@ -296,29 +305,7 @@ graph @g(%u: i32[4, 3]) -> i32[4, 3]
 graph @g(%u: i32[4, 3]) -> i32[4, 3]
   return %u
 """),
-    "scatters that are not a ramp into +0.0 stay": ("""
-graph @g(%x: f32[5, 4], %u: f32[3, 4]) -> (f32[5, 4], f32[5, 4], f32[5, 4], f32[5, 4])
-  %0 = full() {dtype=f32, shape=(5, 4), value=-0.0} : f32[5, 4]
-  %1 = iota() {dimension=0, dtype=i64, shape=(3, 4)} : i64[3, 4]
-  %2 = scatter_along(%0, %1, %u) {axis=0, mode="add"} : f32[5, 4]
-  %3 = scatter_along(%x, %1, %u) {axis=0, mode="add"} : f32[5, 4]
-  %4 = full() {dtype=f32, shape=(5, 4), value=0.0} : f32[5, 4]
-  %5 = scatter_along(%4, %1, %u) {axis=0, mode="set"} : f32[5, 4]
-  %6 = iota() {dimension=1, dtype=i64, shape=(3, 4)} : i64[3, 4]
-  %7 = scatter_along(%4, %6, %u) {axis=0, mode="add"} : f32[5, 4]
-  return %2, %3, %5, %7
-""", """
-graph @g(%x: f32[5, 4], %u: f32[3, 4]) -> (f32[5, 4], f32[5, 4], f32[5, 4], f32[5, 4])
-  %0 = full() {dtype=f32, shape=(5, 4), value=-0.0} : f32[5, 4]
-  %1 = iota() {dimension=0, dtype=i64, shape=(3, 4)} : i64[3, 4]
-  %2 = scatter_along(%0, %1, %u) {axis=0, mode="add"} : f32[5, 4]
-  %3 = scatter_along(%x, %1, %u) {axis=0, mode="add"} : f32[5, 4]
-  %4 = full() {dtype=f32, shape=(5, 4), value=0.0} : f32[5, 4]
-  %5 = scatter_along(%4, %1, %u) {axis=0, mode="set"} : f32[5, 4]
-  %6 = iota() {dimension=1, dtype=i64, shape=(3, 4)} : i64[3, 4]
-  %7 = scatter_along(%4, %6, %u) {axis=0, mode="add"} : f32[5, 4]
-  return %2, %3, %5, %7
-"""),
+    "scatters that are not a ramp into +0.0 stay": (SCATTERS_KEPT, SCATTERS_KEPT),
 }
 
 
