@@ -42,8 +42,9 @@ _FN = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_int64)
 # a float64 scratch of up to this many elements is kept per thread for the wide sums
-# (allocated per call, its pages faulted in each time, it cost a small GPT's gradient
-# ~20 us of its ~60); a larger one is allocated for its call only
+# (allocated per call, with numpy's temporaries for x + sums, its pages were faulted in
+# each time: a small GPT's gradient took ~100 us in its step, ~90 with this); a larger
+# one is allocated for its call only
 KEEP_ACC = 1 << 20
 _SCRATCH = threading.local()
 
