@@ -113,7 +113,8 @@ def test_concurrent_calls_stay_correct():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_loop_of_large_launches_splits_only_while_cpus_are_idle(threads, python_trips, monkeypatch):
+def test_a_loop_of_large_launches_splits_only_while_cpus_are_idle(threads, python_trips, monkeypatch,
+                                                                  split_always):
     """A native loop whose launches are large enough to split has a split and a
     one-thread version; which runs is asked of threads.parallel_threads() per call."""
     from kiln.codegen.cpu.launch_list import openmp_runtime

@@ -162,7 +162,7 @@ def test_concurrent_calls_stay_correct():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_large_branch_asks_for_its_threads_each_call(threads, monkeypatch):
+def test_a_large_branch_asks_for_its_threads_each_call(threads, monkeypatch, split_always):
     """A branch large enough to split has a split version and one for when other processes
     keep CPUs busy (quiet workers on kiln's team, else one thread); which runs is asked of
     threads.parallel_threads() (the CPUs other processes leave idle) per call."""
@@ -179,7 +179,7 @@ def test_a_large_branch_asks_for_its_threads_each_call(threads, monkeypatch):
     assert len(asked) == (7 if openmp_runtime() is not None else 0)
 
 
-def test_beside_busy_processes_a_large_branch_splits_with_quiet_workers(monkeypatch):
+def test_beside_busy_processes_a_large_branch_splits_with_quiet_workers(monkeypatch, split_always):
     """While other processes keep CPUs busy (parallel_threads() is 1), a branch large
     enough to split still splits on kiln's team, its workers sleeping right after each
     region (a team region never waits for a worker that does not come); during a back-off
