@@ -30,3 +30,20 @@ settings.load_profile("explore" if os.environ.get("KILN_HYPOTHESIS") == "explore
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
     yield
+
+
+@pytest.fixture
+def split_always():
+    """Two threads, and every launch the cost model calls large enough splits (policy
+    "always"): under the default "measure" the first calls' split trials decide, and on a
+    loaded machine they can decide serial, so that a test of what a split launch does
+    would find none."""
+    import kiln as kn
+    from kiln.runtime import threads
+
+    before, policy = kn.get_num_threads(), threads.split_policy()
+    kn.set_num_threads(2)
+    threads.set_split_policy("always")
+    yield
+    kn.set_num_threads(before)
+    threads.set_split_policy(policy)

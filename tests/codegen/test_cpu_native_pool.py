@@ -18,20 +18,9 @@ import pytest
 import kiln as kn
 from kiln.codegen.cpu import compiled as cc
 from kiln.codegen.cpu import native_pool, native_team
-from kiln.runtime import threads
 
 needs_gomp = pytest.mark.skipif(native_pool.parallel_for() is None,
                                 reason="needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
-
-
-@pytest.fixture
-def two_threads():
-    before, policy = kn.get_num_threads(), threads.split_policy()
-    kn.set_num_threads(2)
-    threads.set_split_policy("always")
-    yield
-    kn.set_num_threads(before)
-    threads.set_split_policy(policy)
 
 
 def split_runs(f) -> list[bool]:
@@ -75,7 +64,7 @@ def _check(f, n: int, seed: int) -> None:
 
 @needs_gomp
 @pytest.mark.parametrize("n", [(1 << 20) + 37, 200_003, 1 << 18])
-def test_split_launch_runs_natively_and_matches_numpy(n, two_threads, launches):
+def test_split_launch_runs_natively_and_matches_numpy(n, split_always, launches):
     f = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)
     for seed in range(2):  # the general path (the second call prepares the fast one)
         _check(f, n, seed)
@@ -86,7 +75,7 @@ def test_split_launch_runs_natively_and_matches_numpy(n, two_threads, launches):
     assert split_runs(f) == [True]
 
 
-def test_without_libgomp_the_pool_splits(monkeypatch, two_threads, launches):
+def test_without_libgomp_the_pool_splits(monkeypatch, split_always, launches):
     monkeypatch.setattr(native_pool, "parallel_for", lambda: None)
     monkeypatch.setattr(cc, "parallel_for", lambda: None)
     f = kn.compile(lambda x: kn.exp(x) * 2.0 + 1.0)
@@ -119,7 +108,7 @@ def _in_child(body) -> int:
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["after-openmp", "after-pool"])
-def test_a_forked_child_still_computes_split_launches(native, monkeypatch, two_threads):
+def test_a_forked_child_still_computes_split_launches(native, monkeypatch, split_always):
     if native and native_pool.parallel_for() is None:
         pytest.skip("needs libgomp (GNU OpenMP runtime, Debian package libgomp1)")
     if not native:
