@@ -30,6 +30,7 @@ import numpy as np
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER
 from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.ops.shape import pad_zeros
 from kiln.ir.shapes import dims_equal, shapes_equal
 from kiln.passes.rewrite import RewriteBuilder, producer_op, rebuild
 
@@ -334,8 +335,6 @@ def scatter_ramp(b, node):
         return None
     if not (_static_within(idx.shape, x.shape) and _static_within(idx.shape, u.shape)):
         return None
-    from kiln.ir.ops.shape import pad_zeros
-
     part = u if tuple(u.shape) == tuple(idx.shape) else \
         b.slice(u, start=(0,) * u.type.rank, limit=tuple(idx.shape))
     if tuple(idx.shape) != tuple(x.shape):
