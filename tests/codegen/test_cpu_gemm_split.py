@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 
-import kiln as kn
 
 from kiln.codegen.cpu import CpuBackend, CpuOptions
 from kiln.codegen.cpu import autotune
@@ -22,7 +21,6 @@ from kiln.ir.shapes import symbol
 from kiln.runtime.threads import blas_num_threads
 
 from tests.codegen.cpu_helpers import skip_if_no_blas
-from tests.codegen.test_cpu_native_pool import two_threads  # noqa: F401 (2 threads, policy "always")
 
 f32 = dt.float32
 gj = loop_var("gj")
@@ -83,7 +81,7 @@ def test_panel_tiles_split_a_large_product_by_shape():
 @skip_if_no_blas
 @pytest.mark.parametrize("native", [True, False], ids=["openmp", "pool"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True)])
-def test_split_gemm_matches_numpy(monkeypatch, two_threads, ta, tb, native):
+def test_split_gemm_matches_numpy(monkeypatch, split_always, ta, tb, native):
     # shrink the threshold so a test-sized product splits; 300 rows: a partial last panel
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
@@ -113,7 +111,7 @@ def test_split_gemm_matches_numpy(monkeypatch, two_threads, ta, tb, native):
 
 @skip_if_no_blas
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
-def test_split_gemm_is_bit_identical_to_one_call(monkeypatch, two_threads, ta, tb):
+def test_split_gemm_is_bit_identical_to_one_call(monkeypatch, split_always, ta, tb):
     """Tiles only cut m and n: every output sums k in BLAS's own order, so the split
     product equals one whole BLAS call (numpy's, one BLAS thread) bit for bit, in a 2-D
     grid with partial tiles too."""
@@ -147,7 +145,7 @@ def test_split_gemm_is_bit_identical_to_one_call(monkeypatch, two_threads, ta, t
 
 @skip_if_no_blas
 @pytest.mark.parametrize("dtype", [dt.bfloat16, dt.float16, dt.float64])
-def test_split_gemm_packed_operands_and_residual(monkeypatch, two_threads, dtype):
+def test_split_gemm_packed_operands_and_residual(monkeypatch, split_always, dtype):
     """Column tiles where BLAS cannot take the operands as they are (low precision: each
     tile packs its own columns of B) and an epilogue that reads the output (residual:
     the product goes through scratch), against numpy in float64."""
@@ -196,7 +194,7 @@ def test_an_unsplit_bare_product_is_one_call_of_every_row():
 
 
 @skip_if_no_blas
-def test_split_gemm_symbolic_rows(monkeypatch, two_threads):
+def test_split_gemm_symbolic_rows(monkeypatch, split_always):
     monkeypatch.setattr(autotune, "SPLIT_MACS", 1 << 10)
     monkeypatch.setattr(autotune, "MIN_SPLIT_ROWS", 16)
     monkeypatch.setattr(cc, "SPLIT_MACS", 1 << 10)

@@ -13,7 +13,6 @@ from kiln.codegen.cpu.gemm_complex import blas_matmul
 from kiln.runtime.threads import blas_single_thread
 
 from tests.codegen.cpu_helpers import skip_if_no_blas
-from tests.codegen.test_cpu_native_pool import two_threads  # noqa: F401 (2 threads, policy "always")
 
 pytestmark = skip_if_no_blas
 
@@ -40,7 +39,7 @@ PROVIDERS = [pytest.param(p, marks=pytest.mark.skipif(not blas.available(p), rea
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
 @pytest.mark.parametrize("m,n,k", [(200, 96, 130), (72, 300, 130), (129, 131, 257)])
-def test_tiles_match_one_blas_call_bit_for_bit(monkeypatch, two_threads, dtype, m, n, k, provider):
+def test_tiles_match_one_blas_call_bit_for_bit(monkeypatch, split_always, dtype, m, n, k, provider):
     """Tall (row tiles), wide (column tiles) and odd sizes (partial tiles), split over two
     threads: bit-identical to numpy's single call, and right against complex128."""
     from kiln.codegen.cpu import native_pool
@@ -63,7 +62,7 @@ def test_tiles_match_one_blas_call_bit_for_bit(monkeypatch, two_threads, dtype, 
 
 
 @pytest.mark.parametrize("ta,tb", [(True, False), (False, True), (True, True)])
-def test_transposed_views_are_read_in_place(two_threads, ta, tb):
+def test_transposed_views_are_read_in_place(split_always, ta, tb):
     a = _c(130, 200, seed=3) if ta else _c(200, 130, seed=3)
     b = _c(150, 130, seed=4) if tb else _c(130, 150, seed=4)
     x, y = (a.T if ta else a), (b.T if tb else b)
@@ -73,7 +72,7 @@ def test_transposed_views_are_read_in_place(two_threads, ta, tb):
                                       _one_call(np.ascontiguousarray(x), np.ascontiguousarray(y), "mkl"))
 
 
-def test_batches_and_a_batch_of_rows(two_threads):
+def test_batches_and_a_batch_of_rows(split_always):
     a, b = _c(3, 50, 60, seed=5), _c(3, 60, 70, seed=6)
     np.testing.assert_array_equal(blas_matmul(a, b, threads=2, provider="openblas"), _one_call(a, b))
     rows = _c(2, 3, 40, 60, seed=7)  # contiguous batch rows against one matrix: one GEMM
