@@ -76,6 +76,7 @@ class Executable:
         self._steps = [self._compile_step(i, step) for i, step in enumerate(program.steps)]
         self._timed: list | None = None  # the steps with profiler timing, made on first use
         self._transient_set = frozenset(self._transient)
+        self._view_roots = view_roots(program, self._transient_set) if self.side is None else {}
         self._uses_arena = bool(program.storage)
 
     # -- building the closures ----------------------------------------------------------
@@ -276,6 +277,14 @@ class Executable:
                 made[id(array)] = array
                 result.append(array)
                 continue
+            root = self._view_roots.get(slot)
+            if root is not None and id(env[root]) not in handed:
+                # a view (z.real's pairs as complex, a reshape) of a buffer allocated for
+                # this call that nothing else returns: the caller's own, not copied
+                handed.add(id(env[root]))
+                made[id(array)] = array
+                result.append(array)
+                continue
             # any other output must be the caller's own too: never an input, a constant,
             # or a view into memory the next call reuses
             copy = np.copy if self.side is None else self.side.copy  # on the program's device
@@ -375,6 +384,24 @@ def _first_writers(program: Program) -> dict[int, int]:
         for slot in written:
             first.setdefault(slot, index)
     return first
+
+
+def view_roots(program: Program, transient: frozenset) -> dict[int, int]:
+    """output slot -> the slot it views (through View steps only), for outputs that are
+    views of a buffer allocated fresh on every call (`transient`: a launch's first write)
+    that is not itself an output: such an output is the caller's own memory, and the run
+    returns it as it is instead of copying it (a complex result read as float32 pairs, a
+    reshape). Views of inputs, constants, arena storage or extern results are not here."""
+    source = {step.target: step.source for step in program.steps if isinstance(step, View)}
+    outputs = set(program.outputs)
+    roots = {}
+    for slot in program.outputs:
+        root, seen = slot, 0
+        while root in source and seen <= len(source):
+            root, seen = source[root], seen + 1
+        if root != slot and root in transient and root not in outputs:
+            roots[slot] = root
+    return roots
 
 
 def _fresh(result, operands: list):

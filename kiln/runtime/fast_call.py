@@ -92,7 +92,7 @@ class FastPlan:
     __slots__ = ("_parts", "_outputs", "_returns", "_n_inputs", "_n_objects", "_lock",
                  "_one_blas", "_executable", "_fixed", "_arena", "_arena_key", "_track", "_broken",
                  "_extern_returns", "_sizes", "_pending", "_watch", "_recheck", "_generation",
-                 "_run_split", "_sure", "__weakref__")
+                 "_run_split", "_sure", "_return_views", "__weakref__")
 
     @classmethod
     def build(cls, executable, sizes: dict) -> "FastPlan | None":
@@ -186,7 +186,8 @@ class FastPlan:
                 where[step.target] = ("fix", data)
                 typed[step.target] = ("fix", data)
             elif isinstance(step, View):
-                if step.source not in where or step.target in outputs:
+                if step.source not in where or (step.target in outputs and
+                                                step.target not in executable._view_roots):
                     raise _NotApplicable  # a returned view is copied by the general path
                 where[step.target] = where[step.source]
                 shape, dtype = shape_of(step.target), dtype_of(step.target)
@@ -209,7 +210,9 @@ class FastPlan:
                         view = base.view(np.uint8)[:nbytes_of(slot)].view(dtype_of(slot)).reshape(shape_of(slot))
                         self._fixed.append(view)
                         where[slot] = typed[slot] = ("fix", view)
-                    elif slot in outputs:
+                    elif slot in outputs or slot in executable._transient_set:
+                        # an output, or a buffer an output views (executor.view_roots):
+                        # allocated per call
                         k = self._new_object()
                         self._outputs.append((k, shape_of(slot), dtype_of(slot), nbytes_of(slot)))
                         where[slot] = ("obj", k)
@@ -221,10 +224,17 @@ class FastPlan:
                 self._extern(executable, program, step, sizes, where, typed, shape_of, dtype_of)
                 extern_results.update(step.outputs)
         self._returns = []
-        for slot in program.outputs:
-            kind = typed.get(slot)
-            if kind is None or kind[0] != "obj" or kind[2] is not None or kind[1] < self._n_inputs:
-                raise _NotApplicable  # an input, constant or view returned: the caller's copy
+        self._return_views = None  # [(index in the returns, getter)]: views of fresh buffers
+        fresh = {k for k, *_ in self._outputs}
+        returned = [typed.get(slot) for slot in program.outputs]
+        for slot, kind in zip(program.outputs, returned):
+            if kind is None or kind[0] != "obj" or kind[1] < self._n_inputs:
+                raise _NotApplicable  # an input or constant returned: the caller's copy
+            if kind[2] is not None:  # a view: the caller's own if its buffer is this call's
+                if slot not in executable._view_roots or kind[1] not in fresh or \
+                        sum(1 for other in returned if other[1] == kind[1]) > 1:
+                    raise _NotApplicable  # (a view of arena storage, or returned twice: copied)
+                self._return_views = (self._return_views or []) + [(len(self._returns), kind)]
             self._returns.append(kind[1])
         self._extern_returns = {typed[s][1] for s in program.outputs if s in extern_results}
         for part in self._parts:
@@ -355,9 +365,14 @@ class FastPlan:
             if not done:
                 return None
             if self._extern_returns:
-                return [objects[k] if k not in self._extern_returns or objects[k].flags.owndata
-                        else objects[k].copy() for k in self._returns]
-            return [objects[k] for k in self._returns]
+                out = [objects[k] if k not in self._extern_returns or objects[k].flags.owndata
+                       else objects[k].copy() for k in self._returns]
+            else:
+                out = [objects[k] for k in self._returns]
+            if self._return_views is not None:
+                for i, getter in self._return_views:
+                    out[i] = _typed(getter, objects)
+            return out
         finally:
             self._lock.release()
 

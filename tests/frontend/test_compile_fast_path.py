@@ -313,3 +313,58 @@ def test_a_program_the_plan_does_not_cover_is_judged_once(monkeypatch):
     for _ in range(6):
         np.testing.assert_allclose(f(np.array(True), x).numpy(), x * 2)
     assert len(seen) == 1 and list(f._fast.values()) == [False]
+
+
+def _c64(*shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+
+
+@pytest.mark.parametrize("n", [16, 1 << 15])  # np.empty'd outputs, and the caching allocator's
+def test_a_returned_view_of_a_buffer_made_for_the_call_is_handed_out_not_copied(n):
+    """A complex result is the kernel's float32 pairs read as complex64 (a View step):
+    the caller gets that memory itself (no copy of the output per call), on the general
+    path and the prepared one, and no two calls' results share memory."""
+    f = kn.compile(lambda z, w: kn.exp(z) * w + z * 0.5)
+    z, w = _c64(n, seed=1), _c64(n, seed=2)
+    kept = []
+    for i in range(4):
+        zi = z + np.complex64(i)
+        out = f(zi, w).numpy()
+        np.testing.assert_allclose(out, np.exp(zi) * w + zi * np.float32(0.5), rtol=2e-5, atol=2e-5)
+        assert out.dtype == np.complex64 and not out.flags.owndata
+        assert out.base is not None and out.base.nbytes == out.nbytes  # the buffer itself
+        kept.append((zi, out))
+    assert len(_prepared(f)) == 1  # calls 3 and 4 ran the prepared call
+    for i, (_, a) in enumerate(kept):
+        assert not any(np.shares_memory(a, b) for _, b in kept[i + 1:])
+    kept[0][1][:] = 0  # the caller's own: writing it changes no other result
+    for zi, out in kept[1:]:
+        np.testing.assert_allclose(out, np.exp(zi) * w + zi * np.float32(0.5), rtol=2e-5, atol=2e-5)
+    del kept, out
+    gc.collect()
+    base = kn.memory.memory_allocated("cpu")
+    held = f(z, w)
+    assert kn.memory.memory_allocated("cpu") - base == n * 8  # counted while it lives
+    del held
+    gc.collect()
+    assert kn.memory.memory_allocated("cpu") == base
+
+
+def test_two_views_of_one_buffer_returned_are_two_arrays():
+    f = kn.compile(lambda x: ((x * 2).reshape(16), (x * 2).reshape(2, 8)))
+    x = _rand(4, 4, seed=8)
+    for _ in range(3):
+        a, b = (t.numpy() for t in f(x))
+        np.testing.assert_array_equal(a, (x * 2).reshape(16))
+        np.testing.assert_array_equal(b, (x * 2).reshape(2, 8))
+        assert not np.shares_memory(a, b)
+
+
+def test_a_view_of_an_input_is_still_copied():
+    f = kn.compile(lambda z: kn.view_as_real(z))
+    z = _c64(6, seed=3)
+    for _ in range(3):
+        out = f(z).numpy()
+        np.testing.assert_array_equal(out, z.view(np.float32).reshape(6, 2))
+        assert not np.shares_memory(out, z)
