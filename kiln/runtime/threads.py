@@ -289,6 +289,13 @@ def threads_beside(others: float, threads: int, cpus: int) -> int:
     return max(1, min(threads, math.floor(cpus - others + 0.5)))
 
 
+@lru_cache(maxsize=None)
+def _online_cpus() -> int | None:
+    """os.cpu_count(), read once: it reads sysfs (~2 us), and this is on every split
+    launch's path."""
+    return os.cpu_count()
+
+
 def parallel_threads() -> int:
     """Threads kiln's next parallel region uses: `get_num_threads()`, fewer while other
     processes keep CPUs busy (see above; `set_dynamic_threads(False)` turns that off), and
@@ -298,7 +305,7 @@ def parallel_threads() -> int:
         return n
     if _backoff_until and time.monotonic() < _backoff_until:
         return 1
-    beside = threads_beside(others_busy_cpus(), n, os.cpu_count() or n)
+    beside = threads_beside(others_busy_cpus(), n, _online_cpus() or n)
     return n if beside < n and _idle_now() else beside
 
 

@@ -102,3 +102,41 @@ def test_compiled_complex_matmul_runs_the_tiles(monkeypatch):
     got = kn.compile(lambda x, y: (x @ y) * 2)(a, b).numpy()
     np.testing.assert_array_equal(got, _one_call(a, b, blas.default_name()) * np.complex64(2))
     assert calls == [(64, 48)]
+
+
+def test_a_signature_is_prepared_once_and_each_call_reads_its_own_operands(monkeypatch):
+    """The tile sizes and split are decided on a signature's first call; later calls of
+    it (new data, same shapes and strides) run them on their own operands."""
+    monkeypatch.setattr(gemm_complex, "_PREPARED", {})
+    for seed in range(3):
+        a, b = _c(40, 30, seed=seed), _c(30, 20, seed=seed + 10)
+        got = blas_matmul(a, b, threads=1)
+        np.testing.assert_allclose(got, a.astype(np.complex128) @ b, rtol=1e-5, atol=1e-5)
+        assert not np.shares_memory(got, a) and not np.shares_memory(got, b)
+    assert len(gemm_complex._PREPARED) == 1
+    a = _c(30, 40, seed=4)
+    np.testing.assert_allclose(blas_matmul(a.T, b, threads=1), a.T.astype(np.complex128) @ b, rtol=1e-5, atol=1e-5)
+    assert len(gemm_complex._PREPARED) == 2  # a transposed view: a signature of its own
+    monkeypatch.setattr(gemm_complex, "MAX_PREPARED", 2)
+    blas_matmul(_c(5, 6), _c(6, 7), threads=1)
+    assert len(gemm_complex._PREPARED) == 1  # the table was emptied, then this one kept
+
+
+def test_calls_of_one_signature_from_threads_are_right():
+    import threading
+
+    pairs = [(_c(48, 40, seed=s), _c(40, 36, seed=s + 20)) for s in range(4)]
+    errors = []
+
+    def work(a, b):
+        want = a.astype(np.complex128) @ b
+        for _ in range(30):
+            if not np.allclose(blas_matmul(a, b), want, rtol=1e-4, atol=1e-4):
+                errors.append(a.shape)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and errors == []

@@ -28,6 +28,7 @@ import numpy as np
 from kiln.codegen.cpu import blas
 from kiln.codegen.cpu.autotune import SPLIT_MACS, panel_tiles_for
 from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS
+from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
 
 ENTRY = {np.dtype(np.complex64): ("kiln_cgemm_tiles", "c", "float", 8),
          np.dtype(np.complex128): ("kiln_zgemm_tiles", "z", "double", 16)}
@@ -38,7 +39,9 @@ _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, c
 
 def _tile_function(name: str, blas: str, scalar: str, esize: int) -> str:
     """fn(bufs = [a, b, c], sizes, begin, end): tiles [begin, end) of batch x row panels
-    x column panels, tile p -> one BLAS call for its block of c (row-major, ldc = n)."""
+    x column panels, tile p -> one BLAS call for its block of c (row-major, ldc = n).
+    bufs holds the arrays' PyObject addresses (`id`), whose data pointers it reads, as a
+    prepared call's launches do (launch_list.py): no ctypes pointer objects per call."""
     loads = "".join(f"  %p{v} = getelementptr i64, ptr %sizes, i64 {i}\n  %{v} = load i64, ptr %p{v}\n"
                     for i, v in enumerate(SIZE_NAMES))
     loads += "  %ta = trunc i64 %ta64 to i32\n  %tb = trunc i64 %tb64 to i32\n"
@@ -49,11 +52,17 @@ declare void @{blas}(i32, i32, i32, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr,
 
 define void @{name}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind {{
 entry:
-  %pa = load ptr, ptr %bufs
+  %oa = load ptr, ptr %bufs
+  %da = getelementptr i8, ptr %oa, i64 {NUMPY_DATA_OFFSET}
+  %pa = load ptr, ptr %da
   %bb = getelementptr ptr, ptr %bufs, i64 1
-  %pb = load ptr, ptr %bb
+  %ob = load ptr, ptr %bb
+  %db = getelementptr i8, ptr %ob, i64 {NUMPY_DATA_OFFSET}
+  %pb = load ptr, ptr %db
   %bc = getelementptr ptr, ptr %bufs, i64 2
-  %pc = load ptr, ptr %bc
+  %oc = load ptr, ptr %bc
+  %dc = getelementptr i8, ptr %oc, i64 {NUMPY_DATA_OFFSET}
+  %pc = load ptr, ptr %dc
 {loads}  %mp1 = add i64 %m, %mp
   %mp2 = sub i64 %mp1, 1
   %npr = sdiv i64 %mp2, %mp
@@ -140,30 +149,89 @@ def _matrix_layout(x: np.ndarray):
     return lay + (x.strides[len(batch) - 1] // e if int(np.prod(batch)) > 1 else 0,)
 
 
+class _Call:
+    """A prepared product for one signature (shapes, strides, dtype, BLAS, threads): the
+    tile function's sizes and the split, decided once; a call allocates the output and
+    runs the tiles on the operands' memory."""
+
+    __slots__ = ("out_shape", "dtype", "sizes", "total", "address", "fn", "split", "one_blas")
+
+    def __init__(self, out_shape, dtype, sizes, total, address, split, one_blas):
+        self.out_shape, self.dtype, self.sizes, self.total = out_shape, dtype, sizes, total
+        self.address, self.fn, self.split, self.one_blas = address, _FN(address), split, one_blas
+
+    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = np.empty(self.out_shape, self.dtype)
+        bufs = _OBJECTS(id(a), id(b), id(out))  # a, b, out live until the call returns
+        claim = None
+        if self.split > 1:
+            from kiln.codegen.cpu.native_pool import parallel_claim
+
+            claim = parallel_claim()
+        if self.one_blas:  # numpy's OpenBLAS: one thread inside (MKL runs sequential)
+            from kiln.runtime.threads import blas_single_thread
+
+            with blas_single_thread():
+                self._run(claim, bufs)
+        else:
+            self._run(claim, bufs)
+        return out
+
+    def _run(self, claim, bufs) -> None:
+        if claim is not None:
+            claim(self.address, bufs, self.sizes, self.total, 1, self.split)
+        else:
+            self.fn(bufs, self.sizes, 0, self.total)
+
+
+_OBJECTS = ctypes.c_void_p * 3
+_PREPARED: dict = {}  # signature -> _Call, or False (BLAS cannot take the operands)
+MAX_PREPARED = 256  # signatures kept (then the table is emptied)
+
+
 def blas_matmul(a: np.ndarray, b: np.ndarray, threads: int | None = None,
                 provider: str | None = None) -> np.ndarray | None:
     """a @ b by complex BLAS tiles over kiln's threads, or None when the operands are not
     same-dtype complex matrices BLAS can take as they are (the caller runs numpy's).
-    `provider`: the BLAS (blas.py), None for the process's."""
-    provider = provider or blas.default_name()
-    if a.dtype != b.dtype or a.dtype not in ENTRY or a.ndim < 2 or b.ndim < 2 or not blas.available(provider):
+    `provider`: the BLAS (blas.py), None for the process's. What a signature needs is
+    decided on its first call (`_prepare`); later calls cost an allocation and the BLAS
+    calls (~1 us of Python: a 16 x 16 x 16 product in ~3 us)."""
+    if threads is None:
+        from kiln.runtime.threads import parallel_threads
+
+        threads = parallel_threads()
+    key = (a.shape, a.strides, a.dtype, b.shape, b.strides, b.dtype, provider, threads)
+    call = _PREPARED.get(key)
+    if call is None:
+        call = _prepare(a, b, threads, provider or blas.default_name())
+        if len(_PREPARED) >= MAX_PREPARED:
+            _PREPARED.clear()
+        _PREPARED[key] = call
+    if call is False:
         return None
-    if b.ndim > 2 and a.shape[:-2] != b.shape[:-2] or b.ndim > a.ndim or a.shape[-1] != b.shape[-2]:
-        return None  # broadcast batch dims: numpy's loop
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     if a.size == 0 or b.size == 0:  # nothing to multiply: an empty or all-zero product
-        return np.zeros(a.shape[:-2] + (m, n), a.dtype)
+        return np.zeros(call, a.dtype)
+    return call(a, b)
+
+
+def _prepare(a: np.ndarray, b: np.ndarray, threads: int, provider: str):
+    """The `_Call` for these operands' signature; False where BLAS cannot take them as
+    they are (the caller runs numpy's); the output's shape for an empty product."""
+    if a.dtype != b.dtype or a.dtype not in ENTRY or a.ndim < 2 or b.ndim < 2 or not blas.available(provider):
+        return False
+    if b.ndim > 2 and a.shape[:-2] != b.shape[:-2] or b.ndim > a.ndim or a.shape[-1] != b.shape[-2]:
+        return False  # broadcast batch dims: numpy's loop
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if a.size == 0 or b.size == 0:
+        return a.shape[:-2] + (m, n)
     la, lb = _matrix_layout(a), _matrix_layout(b)
     if la is None or lb is None:
-        return None
+        return False
     batch = int(np.prod(a.shape[:-2]))
-    out = np.empty(a.shape[:-2] + (m, n), a.dtype)
+    out_shape = a.shape[:-2] + (m, n)
     if b.ndim == 2 and la[0] is False and (a.ndim == 2 or la[2] == m * la[1] and la[1] == k):
         m, batch = m * batch, 1  # contiguous rows of a batch against one matrix: one GEMM
         la = (False, la[1], 0)
-    from kiln.runtime.threads import blas_single_thread, parallel_threads
-
-    threads = parallel_threads() if threads is None else threads
     macs = 4 * batch * m * n * k  # real multiply-adds (4M)
     # 4 real multiply-adds per complex one: k scaled, the packing comparison unchanged
     rows, cols = panel_tiles_for(m, n, 4 * k, threads if macs >= SPLIT_MACS else 1, batch)
@@ -175,19 +243,8 @@ def blas_matmul(a: np.ndarray, b: np.ndarray, threads: int | None = None,
     sizes = (ctypes.c_int64 * len(SIZE_NAMES))(m, n, k, la[1], lb[1], CBLAS_TRANS if la[0] else CBLAS_NO_TRANS,
                                        CBLAS_TRANS if lb[0] else CBLAS_NO_TRANS, rows, cols, npc,
                                        la[2], lb[2] if b.ndim > 2 else 0)
-    bufs = (ctypes.c_void_p * 3)(a.ctypes.data, b.ctypes.data, out.ctypes.data)
-    _, address = _tiles(a.dtype, provider)
-    with blas_single_thread():
-        claim = None
-        if threads > 1 and total > 1 and macs >= SPLIT_MACS:
-            from kiln.codegen.cpu.native_pool import parallel_claim
-
-            claim = parallel_claim()
-        if claim is not None:
-            claim(address, bufs, sizes, total, 1, min(threads, total))
-        else:
-            _FN(address)(bufs, sizes, 0, total)
-    return out
+    split = min(threads, total) if threads > 1 and total > 1 and macs >= SPLIT_MACS else 1
+    return _Call(out_shape, a.dtype, sizes, total, _tiles(a.dtype, provider)[1], split, provider != "mkl")
 
 
 def run_matmul(arrays, attrs) -> list:
