@@ -144,12 +144,15 @@ class CpuBackend(Backend):
         """An extern `matmul` (a complex product the `complex` pass kept whole) runs as
         complex BLAS tiles over kiln's threads (gemm_complex.py), others as numpy's;
         `random_bits` as native Threefry over kiln's threads (random_native.py),
-        `scatter_along`'s sums natively (scatter_native.py)."""
+        `scatter_along`'s sums natively (scatter_native.py), `convolution` as im2col
+        blocks and BLAS GEMMs over kiln's threads (conv_native.py)."""
+        from kiln.codegen.cpu.conv_native import run_convolution
         from kiln.codegen.cpu.gemm_complex import run_matmul
         from kiln.codegen.cpu.random_native import run_random_bits
         from kiln.codegen.cpu.scatter_native import run_scatter_along
 
-        return {"gemm": run_matmul, "random_bits": run_random_bits, "scatter": run_scatter_along}
+        return {"gemm": run_matmul, "random_bits": run_random_bits, "scatter": run_scatter_along,
+                "conv": run_convolution}
 
     # -- planning and emission --------------------------------------------------------
     def _plan(self, k: AnyKernel, taken: set, variant: str | bool | None = None) -> _Plan:
