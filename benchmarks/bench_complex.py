@@ -110,6 +110,7 @@ def main() -> int:
         rows.append(row)
         print(row, flush=True)
     table = render(rows, args, load_before)
+    table += "\n" + render_small(small_products(rng, torch, jax, args.rounds, args.quick))
     print(table)
     if args.out:
         write_section(args.out, "bench_complex", table)
@@ -139,6 +140,55 @@ def render(rows, args, load_before: float) -> str:
                          + f" | {jax_ratio} |")
         lines.append("")
     return "\n".join(lines)
+
+
+SMALL_SIZES = (16, 32, 64, 128)
+SMALL_CALLS = 200  # calls per timed block
+
+
+def small_products(rng, torch, jax, rounds: int, quick: bool) -> list[dict]:
+    """Per-call time of small complex64 products (n x n x n), where the call's fixed
+    cost decides: kiln.compile (below 32^3 multiply-adds the real form, above it cgemm
+    tiles), numpy, torch eager and jax.jit, in alternating rounds of SMALL_CALLS-call blocks."""
+    rows = []
+    for n in SMALL_SIZES[:2] if quick else SMALL_SIZES:
+        a, b = _cplx(rng, n, n), _cplx(rng, n, n)
+        want = a.astype(np.complex128) @ b.astype(np.complex128)
+        fn = kn.compile(gemm_k)
+        got = fn(a, b).numpy()
+        fns = {"kiln": lambda fn=fn: fn(a, b), "numpy": lambda: a @ b}
+        if torch is not None:
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            fns["torch eager"] = lambda: ta @ tb
+        if jax is not None:
+            jf, ja, jb = jax.jit(lambda x, y: x @ y), jax.numpy.asarray(a), jax.numpy.asarray(b)
+            fns["jax.jit"] = lambda: jf(ja, jb).block_until_ready()
+        blocks = {name: (lambda f=f: [f() for _ in range(SMALL_CALLS)]) for name, f in fns.items()}
+        rounds_t: dict[str, list] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, block in blocks.items():
+                rounds_t[name].append(timings(block, 3))
+        row = {"n": n, "rel err": float(np.max(np.abs(got - want)) / np.max(np.abs(want)))}
+        for name, ts in rounds_t.items():
+            row[name] = float(np.median([t[0] for t in ts])) / SMALL_CALLS
+            row[name + " min"] = min(t[1] for t in ts) / SMALL_CALLS
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def render_small(rows: list[dict]) -> str:
+    cols = [c for c in ("kiln", "numpy", "torch eager", "jax.jit") if rows and c in rows[0]]
+    lines = ["Small complex64 products, us per call (compiled call included), median (minimum) "
+             f"over the rounds of {SMALL_CALLS}-call blocks:", "",
+             "| n x n x n | " + " | ".join(cols) + " | kiln rel err | best peer / kiln |",
+             "|---" * (len(cols) + 3) + "|"]
+    for r in rows:
+        peers = [c for c in cols if c != "kiln"]
+        best = min(peers, key=lambda c: r[c])
+        lines.append(f"| {r['n']} | " + " | ".join(f"{r[c] * 1e6:.1f} ({r[c + ' min'] * 1e6:.1f})" for c in cols)
+                     + f" | {r['rel err']:.1e} | {r[best] / r['kiln']:.2f}x ({best}) |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
