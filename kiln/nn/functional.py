@@ -180,11 +180,31 @@ def cross_entropy(input, target, weight=None, ignore_index: int = -100, reductio
         raise KilnArgumentError(f"cross_entropy: label_smoothing must be in [0, 1], got "
                                 f"{label_smoothing}")
     class_dim = _class_dim("cross_entropy", input)
+    if not target.dtype.is_floating and not label_smoothing and input.dtype in (dt.float32, dt.float64):
+        # class indices: log_softmax's entry at the target, without log_softmax itself
+        return _indexed_loss("cross_entropy", input, target, weight, ignore_index, reduction, 0.0,
+                             pick=_pick_logits)
     logp = log_softmax_fn(input, dim=class_dim)
     if target.dtype.is_floating:
         return _soft_loss(logp, target, weight, reduction, label_smoothing, class_dim)
     return _indexed_loss("cross_entropy", logp, target, weight, ignore_index, reduction,
                          label_smoothing)
+
+
+def _pick_logits(x, target, class_dim: int):
+    """log_softmax(x)[n, target[n], d...] along the class dim with log_softmax's own
+    arithmetic, (x[t] - max) - log(sum(exp(x - max))), but no [N, C] value made: x[t] is
+    `_pick`'s masked sum (exact), and each of the three reductions reads x alone, so each
+    fuses with what it computes (a (4096, 1000) loss: 5 passes over the logits and 3
+    written intermediates before, 3 reads now). The max is a constant to the gradient
+    (the gradient of log_softmax does not depend on it): where(hit, g, 0) - softmax * g."""
+    from kiln.frontend.autodiff import stop_gradient
+    from kiln.frontend.functional import exp, log
+    from kiln.frontend.reductions import amax
+
+    top = stop_gradient(amax(x, dim=class_dim, keepdim=True))
+    total = exp(x - top).sum(dim=class_dim)
+    return (_pick(x, target, class_dim) - top.squeeze(class_dim)) - log(total)
 
 
 def _soft_loss(logp, target, weight, reduction, smoothing, class_dim):
@@ -203,7 +223,7 @@ def _soft_loss(logp, target, weight, reduction, smoothing, class_dim):
     return _reduce("cross_entropy", loss, reduction)
 
 
-def _indexed_loss(op, logp, target, weight, ignore_index, reduction, smoothing):
+def _indexed_loss(op, logp, target, weight, ignore_index, reduction, smoothing, pick=None):
     from kiln.frontend.dispatch import apply as _apply
     from kiln.frontend.functional import ne, to, where
     from kiln.frontend.shape_ops import index_select, reshape
@@ -228,7 +248,7 @@ def _indexed_loss(op, logp, target, weight, ignore_index, reduction, smoothing):
     valid = ne(target, ignore_index)
     safe = where(valid, target, 0)  # an ignored target still needs an in-range index
     keep = to(valid, logp.dtype)
-    picked = -_pick(logp, safe, class_dim)
+    picked = -(pick or _pick)(logp, safe, class_dim)  # (pick: from the logits themselves)
     if weight is not None:
         weight = to(_tensor(weight), logp.dtype)
         w_t = reshape(index_select(weight, 0, reshape(safe, (-1,))), tuple(safe.shape)) * keep

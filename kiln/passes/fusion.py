@@ -221,16 +221,16 @@ def plan_groups(region: Region) -> tuple[list[_Group], set[int]]:
         for k, g in enumerate(groups):
             for n in g.nodes(analysis, mat):
                 owners[id(n)].add(k)
-        for node in region.nodes:
-            if not analysis.fusible(node) or len(owners[id(node)]) < 2:
-                continue
-            r = node.results[0]
-            if id(r) in mat:
-                continue
-            # computed by several kernels: a reduction must then be stored, and an
-            # expensive pointwise value is stored rather than recomputed
-            if is_reduction(node) or node.op not in CHEAP:
-                grown.add(id(r))
+        shared = [node for node in region.nodes if analysis.fusible(node) and len(owners[id(node)]) >= 2
+                  and id(node.results[0]) not in mat]
+        # computed by several kernels: a reduction must then be stored, and an expensive
+        # pointwise value is stored rather than recomputed. Reductions first: a kernel
+        # that reads a reduction stored by another no longer computes the reduction's
+        # producers, so they are judged again on the next round (a loss's mean over
+        # row-reduced values made every producer of the row reductions look shared,
+        # and a (4096, 1000) cross entropy wrote three [4096, 1000] intermediates)
+        grown = {id(n.results[0]) for n in shared if is_reduction(n)} or \
+            {id(n.results[0]) for n in shared if n.op not in CHEAP}
         if not grown:
             break
         mat |= grown

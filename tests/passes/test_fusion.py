@@ -533,3 +533,25 @@ def test_materialized_set_counts_its_changes():
     mat.update({5})
     assert mat == {3, 4, 5} and isinstance(mat, _Materialized) and mat.version == start + 5
     assert type(mat - {3}) is set and mat.version == start + 5  # a copy changes nothing
+
+
+def test_row_reductions_under_a_mean_keep_their_producers_inline():
+    """A loss: three row reductions of x (max, sum of exp, a masked pick) feeding a mean.
+    The mean's kernel reads the row reductions, which are then stored; their producers
+    (exp, the one-hot select) stay inside the row kernel instead of being stored too
+    (before: three [N, C] intermediates written and read back)."""
+    from kiln.nn.functional import _pick_logits
+
+    def loss(x, t):
+        keep = (t != -100).to(kn.float32)
+        rows = -_pick_logits(x, kn.where(t != -100, t, 0), 1) * keep
+        return rows.sum() / keep.sum()
+
+    x = kn.randn(64, 40, seed=3)
+    t = kn.tensor(np.arange(64) % 40 - (np.arange(64) % 9 == 0) * (100 + np.arange(64) % 40))
+    fused = fuse(optimize(kn.trace(loss, x, t)))
+    kernels = [n for n in fused.body.nodes if n.op == "fused"]
+    wide = [v for n in kernels for v in n.results if tuple(v.shape) == (64, 40)]
+    assert kernels and wide == []  # no kernel stores a value of x's shape
+    got = run_graph(fused, x.numpy(), t.numpy())[0]
+    np.testing.assert_allclose(got, loss(x, t).numpy(), rtol=1e-6)
