@@ -31,7 +31,7 @@ def test_orders_are_numpys_stable_orders(descending):
     rng = np.random.default_rng(0)
     for x in _arrays(rng):
         for axis in range(-x.ndim, x.ndim):
-            values, idx = reduction.sort.reference(x, axis=axis, descending=descending)
+            values, idx = reduction.sort.reference(x, axis=axis, descending=descending, limit=None)
             if descending:
                 key = -x.astype(np.float64) if x.dtype.kind != "f" else -x
                 want = np.lexsort((key, ~np.isnan(key)), axis=axis % x.ndim)
@@ -40,3 +40,26 @@ def test_orders_are_numpys_stable_orders(descending):
             np.testing.assert_array_equal(idx, want, err_msg=f"{x.dtype} axis {axis}")
             np.testing.assert_array_equal(values, np.take_along_axis(x, want, axis=axis))
             assert idx.dtype == np.int64
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_a_limit_is_the_first_entries_of_the_full_order(descending):
+    """topk's `limit`: a partition of the keys, then a sort of the `limit` kept, gives
+    exactly the full stable order's first entries, for every limit from 0 to the size."""
+    rng = np.random.default_rng(1)
+    for x in _arrays(rng):
+        for axis in range(x.ndim):
+            full_v, full_i = reduction.sort.reference(x, axis=axis, descending=descending, limit=None)
+            for k in range(x.shape[axis] + 1):
+                v, i = reduction.sort.reference(x, axis=axis, descending=descending, limit=k)
+                np.testing.assert_array_equal(i, np.take(full_i, np.arange(k), axis=axis))
+                np.testing.assert_array_equal(v, np.take(full_v, np.arange(k), axis=axis))
+
+
+def test_a_limit_outside_the_dim_is_a_numbered_error():
+    import kiln as kn
+    from kiln.errors import KilnArgumentError
+
+    with pytest.raises(KilnArgumentError, match="sort: limit must be an int in"):
+        kn.trace(lambda x: kn.frontend.dispatch.apply("sort", x, axis=0, descending=False, limit=5),
+                 kn.ones(3))

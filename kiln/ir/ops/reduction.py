@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.errors import KilnArgumentError
 from kiln.ir import dtypes as dt
 from kiln.ir.ops.linalg import conj, upcast
 from kiln.ir.ops.rules import (
@@ -255,54 +256,101 @@ def _scan_sharding(spec):
     return found
 
 
-def _stable_argsort(data: np.ndarray, a: int) -> np.ndarray:
-    """np.argsort(data, axis=a, kind="stable"): for 32-bit floats, integers of up to 32
-    bits (unsigned: 16) and bools by one unstable sort of distinct uint64 keys (an order-preserving 32-bit image of the
-    value, NaN last and -0.0 equal to 0.0, above the index), whose order is the stable
-    one; 2x faster than numpy's stable argsort of float32 rows."""
-    n = data.shape[a]
+def _sort_image(data: np.ndarray):
+    """An order-preserving uint64 image of `data` of at most 32 bits (NaN largest, -0.0
+    equal to 0.0), or None where the dtype has none: 32-bit floats, integers of up to 32
+    bits (unsigned: 16) and bools."""
     if data.dtype == np.float32:
         f = np.where(np.isnan(data), np.float32(np.nan), data + np.float32(0.0)).astype(np.float32, copy=False)
         u = f.view(np.uint32).astype(np.uint64)
-        image = np.where(u >> np.uint64(31) != 0, u ^ np.uint64(0xFFFFFFFF), u | np.uint64(0x80000000))
-    elif data.dtype.kind == "b" or data.dtype.kind in "iu" and \
+        return np.where(u >> np.uint64(31) != 0, u ^ np.uint64(0xFFFFFFFF), u | np.uint64(0x80000000))
+    if data.dtype.kind == "b" or data.dtype.kind in "iu" and \
             data.dtype.itemsize <= (4 if data.dtype.kind == "i" else 2):
-        image = (data.astype(np.int64) + (1 << 31)).astype(np.uint64)
-    else:
+        return (data.astype(np.int64) + (1 << 31)).astype(np.uint64)
+    return None
+
+
+def _keys(image: np.ndarray, a: int) -> np.ndarray:
+    """Distinct uint64 keys: the image above each position's index along `a`, so that
+    their (any) sort is the stable order."""
+    shape = [1] * image.ndim
+    shape[a] = image.shape[a]
+    return (image << np.uint64(32)) | np.arange(image.shape[a], dtype=np.uint64).reshape(shape)
+
+
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+def _stable_argsort(data: np.ndarray, a: int) -> np.ndarray:
+    """np.argsort(data, axis=a, kind="stable"), where `_sort_image` has an image by one
+    unstable sort of distinct keys (2x faster than numpy's stable argsort of float32)."""
+    image = _sort_image(data)
+    if image is None:
         return np.argsort(data, axis=a, kind="stable")
-    shape = [1] * data.ndim
-    shape[a] = n
-    keys = (image << np.uint64(32)) | np.arange(n, dtype=np.uint64).reshape(shape)
-    return (np.sort(keys, axis=a) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    return (np.sort(_keys(image, a), axis=a) & _LOW32).astype(np.int64)
+
+
+def _stable_first(data: np.ndarray, a: int, descending: bool, limit: int) -> np.ndarray:
+    """The first `limit` positions of the stable order along `a` (ties in index order,
+    NaN largest): a partition of the keys, then a sort of those `limit` (topk's k of n
+    in O(n), not O(n log n))."""
+    image = _sort_image(data)
+    n = data.shape[a]
+    if image is None or limit >= n:
+        order = _stable_order(data, a, descending)
+        return np.take(order, np.arange(limit), axis=a)
+    if descending:
+        image = _LOW32 - image  # largest first, NaN first; the index stays ascending
+    keys = _keys(image, a)
+    if limit:
+        keys = np.take(np.partition(keys, limit - 1, axis=a), np.arange(limit), axis=a)
+    else:
+        keys = np.take(keys, np.arange(0), axis=a)
+    return (np.sort(keys, axis=a) & _LOW32).astype(np.int64)
+
+
+def _stable_order(data: np.ndarray, a: int, descending: bool) -> np.ndarray:
+    if descending:
+        # stable descending (ties in index order, NaN first): the ascending stable
+        # order of the reversed data, reversed (as np.lexsort of the negated keys
+        # gave, at half the time)
+        n = data.shape[a]
+        return (n - 1) - np.flip(_stable_argsort(np.flip(data, a), a), a)
+    return _stable_argsort(data, a)
 
 
 @defop("sort", family="reduction", kind=PRIMITIVE, num_operands=1,
-       attrs={"axis": -1, "descending": False})
+       attrs={"axis": -1, "descending": False, "limit": None})
 class sort:
     """Stable sort along axis: (values, int64 indices). NaN sorts as the largest value
-    (last ascending, first descending), as torch."""
+    (last ascending, first descending), as torch. `limit`: only the first `limit`
+    entries of that order (topk), found by a partition."""
 
-    def type(op, x, *, axis, descending):
+    def type(op, x, *, axis, descending, limit=None):
         check_dtype(op, x, REAL)
-        normalize_axis(op, axis, x.rank, "axis")
-        return x, x.with_dtype(dt.int64)
+        a = normalize_axis(op, axis, x.rank, "axis")
+        if limit is None:
+            return x, x.with_dtype(dt.int64)
+        size = x.shape[a] if x.rank else 1
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0 or \
+                not isinstance(size, int) or limit > size:
+            raise KilnArgumentError(f"{op}: limit must be an int in [0, {size}] (a static dim "
+                                    f"{a} of {x}), got {limit!r}")
+        shape = tuple(limit if i == a else d for i, d in enumerate(x.shape))
+        return x.with_shape(shape), x.with_shape(shape).with_dtype(dt.int64)
 
-    def reference(x, *, axis, descending):
+    def reference(x, *, axis, descending, limit=None):
         a = axis % max(x.ndim, 1)
         data = x.astype(np.float32) if x.dtype in LOW_PRECISION else x
         if x.ndim == 0:
             return x.copy(), np.zeros((), np.int64)
-        if descending:
-            # stable descending (ties in index order, NaN first): the ascending stable
-            # order of the reversed data, reversed (as np.lexsort of the negated keys
-            # gave, at half the time)
-            n = data.shape[a]
-            idx = (n - 1) - np.flip(_stable_argsort(np.flip(data, a), a), a)
+        if limit is None:
+            idx = _stable_order(data, a, descending)
         else:
-            idx = _stable_argsort(data, a)
+            idx = _stable_first(data, a, descending, int(limit))
         return np.take_along_axis(x, idx, axis=a), idx.astype(np.int64)
 
-    def vjp(b, cts, xs, ys, *, axis, descending):
+    def vjp(b, cts, xs, ys, *, axis, descending, limit=None):
         """The values' cotangent scattered back through the permutation (ties are
         distinct positions, so each keeps its own)."""
         ct, t = cts[0], b.type_of(xs[0])
