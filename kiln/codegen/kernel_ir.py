@@ -304,7 +304,7 @@ GEMM_VARS = ("gb", "gi", "gj")
 # are run by the backend's template implementation where it has one (TEMPLATE_OF_OP below
 # says which graph op each comes from) and by the op's numpy reference elsewhere.
 TEMPLATE_KINDS = ("gemm", "grouped_gemm", "grouped_gemm_dw", "attention", "random_bits",
-                  "scatter", "conv", "take", "take_along")
+                  "scatter", "conv", "take", "take_along", "scan")
 
 # graph ops that lower to a template kind rather than a loop nest; a backend's
 # templates() is keyed by the kind, never by these op names
@@ -319,7 +319,9 @@ TEMPLATE_OF_OP = {"grouped_matmul": "grouped_gemm", "grouped_matmul_dw": "groupe
                   # a sliding-window contraction (cpu/conv_native.py: im2col blocks + GEMM)
                   "convolution": "conv",
                   # slices and elements read at positions given by data (cpu/gather_native.py)
-                  "take": "take", "take_along": "take_along"}
+                  "take": "take", "take_along": "take_along",
+                  # a running sum along an axis (cpu/scan_native.py)
+                  "cumsum": "scan"}
 
 
 def template_externs(backend) -> dict:
