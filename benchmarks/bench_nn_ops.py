@@ -5,7 +5,8 @@ side by side in one process (bench_cpu's `interleaved` turns).
 
 Rows: pooling, batch norm (training statistics), nearest upsampling and cross entropy
 over class indices (forward, and the gradient with respect to the logits) at the sizes
-of a small ResNet batch and an ImageNet-sized classifier head. Each row's kiln result is
+of a small ResNet batch and an ImageNet-sized classifier head; sort, topk, gather, an
+embedding lookup and cumsum. Each row's kiln result is
 checked against torch's first.
 """
 
@@ -47,6 +48,17 @@ def rows(torch):
         (lambda z, t: T.cross_entropy(z, t)), (logits, target)
     yield "cross_entropy gradient, (4096, 1000)", kn.grad(lambda z, t: F.cross_entropy(z, t)), \
         "grad", (logits, target)
+    m = rng.standard_normal((1024, 1024)).astype(np.float32)
+    cols = rng.integers(0, 1024, (1024, 64))
+    table, tokens = rng.standard_normal((50000, 256)).astype(np.float32), rng.integers(0, 50000, (32, 128))
+    yield "sort along rows, (1024, 1024)", (lambda a: kn.sort(a, dim=1)[0]), (lambda a: torch.sort(a, dim=1)[0]), (m,)
+    yield "topk 10 along rows, (1024, 1024)", (lambda a: kn.topk(a, 10)[0]), (lambda a: torch.topk(a, 10)[0]), (m,)
+    yield "gather 64 of 1024 a row, (1024, 1024)", (lambda a, i: kn.gather(a, 1, i)), \
+        (lambda a, i: torch.gather(a, 1, i)), (m, cols)
+    yield "embedding, 32 x 128 tokens of (50000, 256)", (lambda e, t: F.embedding(t, e)), \
+        (lambda e, t: T.embedding(t, e)), (table, tokens)
+    yield "cumsum along rows, (1024, 1024)", (lambda a: kn.cumsum(a, dim=1)), (lambda a: torch.cumsum(a, 1)), (m,)
+    yield "cumsum along columns, (1024, 1024)", (lambda a: kn.cumsum(a, dim=0)), (lambda a: torch.cumsum(a, 0)), (m,)
 
 
 def main() -> int:

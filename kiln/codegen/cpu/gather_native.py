@@ -11,7 +11,8 @@ This module is the CPU backend's `take` and `take_along` template kinds
 (`CpuBackend.templates()`). With x viewed as [P, X, Q] around the indexed axis:
 
 - take: indices flat [I], out [P, I, Q]: out[p, i, :] = x[p, idx[i], :], one `memcpy` of
-  Q elements per (p, i) (any dtype: bytes are copied);
+  Q elements per (p, i) (any dtype: bytes are copied), or, for rows under SHORT_ROW
+  bytes (an upsampling's last dim), a loop of element copies;
 - take_along: indices [P, I, Q] (x's dims but the axis; smaller ones run the
   reference), out[p, i, q] = x[p, idx[p, i, q], q], copied as integers of the dtype's size.
 
@@ -34,6 +35,7 @@ from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
 # sizes[]: P, X, Q, I (the index count: take's all, take_along's along the axis), element bytes
 SIZE_NAMES = ("P", "X", "Q", "I", "E")
 SPLIT_BYTES = 1 << 20  # a gather writing fewer bytes runs on the caller's thread
+SHORT_ROW = 64  # take's rows of fewer bytes are copied element by element, not by memcpy
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _CHECK = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _OBJECTS = ctypes.c_void_p * 3
@@ -93,6 +95,28 @@ def module_text() -> str:
     module.functions.append(fn.define("define void @kiln_take(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) "
                                       "nounwind"))
 
+    for size, ty in INT_TYPES.items():  # take of short rows: elements of E bytes, no memcpy call
+        fn = Fn(module)
+        x, idx, out, s = header(fn)
+        loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), vectorize=False)
+        p, _ = loop.begin()  # the rows of one p: out[p, i, :] = x[p, idx[i], :]
+        xrow = fn.bin("mul", p, s["X"])
+        rows = CountedLoop(fn, i64(0), s["I"], vectorize=False)
+        i, _ = rows.begin()
+        k = wrapped(fn, s, fn.load("i64", fn.gep("i64", idx, i), 8))
+        src = fn.bin("mul", fn.bin("add", xrow, k), s["Q"])
+        dst = fn.bin("mul", fn.bin("add", fn.bin("mul", p, s["I"]), i), s["Q"])
+        cols = CountedLoop(fn, i64(0), s["Q"], vectorize=False)
+        q, _ = cols.begin()
+        fn.store(fn.load(ty, fn.gep(ty, x, fn.bin("add", src, q)), size), fn.gep(ty, out, fn.bin("add", dst, q)),
+                 size)
+        cols.end()
+        rows.end()
+        loop.end()
+        fn.stmt("ret void")
+        module.functions.append(fn.define(f"define void @kiln_take_small_{size}(ptr %bufs, ptr %sizes, "
+                                          "i64 %begin, i64 %end) nounwind"))
+
     for size, ty in INT_TYPES.items():  # take_along: element by element, E bytes each
         fn = Fn(module)
         x, idx, out, s = header(fn)
@@ -137,7 +161,8 @@ def _entries():
     from kiln.codegen.cpu.glue_cache import glue_module
 
     jitted = glue_module(module_text(), 2)
-    names = ["kiln_gather_check", "kiln_take"] + [f"kiln_take_along_{n}" for n in INT_TYPES]
+    names = ["kiln_gather_check", "kiln_take"] + [f"kiln_take_along_{n}" for n in INT_TYPES] + \
+        [f"kiln_take_small_{n}" for n in INT_TYPES]
     return jitted, {name: jitted.address(name) for name in names}
 
 
@@ -188,7 +213,10 @@ def take(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | None:
     total = P * idx.size
     if total and Q:
         sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, idx.size, x.itemsize)
-        _run("kiln_take", x, idx, out, sizes, total)
+        if Q * x.itemsize < SHORT_ROW and x.itemsize in INT_TYPES:  # a call per row costs more
+            _run(f"kiln_take_small_{x.itemsize}", x, idx, out, sizes, P)
+        else:
+            _run("kiln_take", x, idx, out, sizes, total)
     return out
 
 
