@@ -25,6 +25,7 @@ built once per machine (the glue cache keeps their object code).
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -168,8 +169,9 @@ def _entries():
 
 @lru_cache(maxsize=None)
 def _functions():
+    """(the index check, {name: (address, callable)})"""
     _, addresses = _entries()
-    return _CHECK(addresses["kiln_gather_check"]), addresses
+    return _CHECK(addresses["kiln_gather_check"]), {n: (a, _FN(a)) for n, a in addresses.items()}
 
 
 def _indices(indices: np.ndarray, size: int) -> np.ndarray | None:
@@ -181,8 +183,7 @@ def _indices(indices: np.ndarray, size: int) -> np.ndarray | None:
 
 
 def _run(name: str, x: np.ndarray, idx: np.ndarray, out: np.ndarray, sizes, total: int) -> None:
-    _, addresses = _functions()
-    address = addresses[name]
+    address, call = _functions()[1][name]
     bufs = _OBJECTS(id(x), id(idx), id(out))  # alive until the call returns
     region = None
     if out.nbytes >= SPLIT_BYTES and total > 1:
@@ -196,7 +197,7 @@ def _run(name: str, x: np.ndarray, idx: np.ndarray, out: np.ndarray, sizes, tota
     if region is not None:
         region(address, bufs, sizes, total, 1, min(threads, total))
     else:
-        _FN(address)(bufs, sizes, 0, total)
+        call(bufs, sizes, 0, total)
 
 
 def take(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | None:
@@ -208,7 +209,7 @@ def take(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | None:
     if idx is None:
         return None
     x = np.ascontiguousarray(x)
-    P, X, Q = int(np.prod(x.shape[:a], dtype=np.int64)), x.shape[a], int(np.prod(x.shape[a + 1:], dtype=np.int64))
+    P, X, Q = math.prod(x.shape[:a]), x.shape[a], math.prod(x.shape[a + 1:])
     out = np.empty(x.shape[:a] + indices.shape + x.shape[a + 1:], x.dtype)
     total = P * idx.size
     if total and Q:
@@ -233,7 +234,7 @@ def take_along(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | No
     if idx is None:
         return None
     x = np.ascontiguousarray(x)
-    P, X, Q = int(np.prod(x.shape[:a], dtype=np.int64)), x.shape[a], int(np.prod(x.shape[a + 1:], dtype=np.int64))
+    P, X, Q = math.prod(x.shape[:a]), x.shape[a], math.prod(x.shape[a + 1:])
     out = np.empty(indices.shape, x.dtype)
     if out.size:
         sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, indices.shape[a], x.itemsize)

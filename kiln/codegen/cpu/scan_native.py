@@ -15,6 +15,7 @@ Other dtypes (integers, whose reference widens; low precision) run the reference
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -84,7 +85,8 @@ def _entries():
     from kiln.codegen.cpu.glue_cache import glue_module
 
     jitted = glue_module(module_text(), 2)
-    return jitted, {dtype: jitted.address(entry(ty)) for dtype, ty in FLOATS.items()}
+    addresses = {dtype: jitted.address(entry(ty)) for dtype, ty in FLOATS.items()}
+    return jitted, {dtype: (a, _FN(a)) for dtype, a in addresses.items()}
 
 
 def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None:
@@ -95,13 +97,12 @@ def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None
     a = axis % x.ndim
     x = np.ascontiguousarray(x)
     out = np.empty_like(x)
-    P = int(np.prod(x.shape[:a], dtype=np.int64))
-    X, Q = x.shape[a], int(np.prod(x.shape[a + 1:], dtype=np.int64))
+    P, X, Q = math.prod(x.shape[:a]), x.shape[a], math.prod(x.shape[a + 1:])
     if out.size == 0:
         return out
     sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, int(bool(reverse)))
     bufs = _OBJECTS(id(x), id(out))  # alive until the call returns
-    address = _entries()[1][x.dtype]
+    address, call = _entries()[1][x.dtype]
     region = None
     if out.size >= SPLIT_ELEMS and P > 1:
         from kiln.runtime.threads import parallel_threads
@@ -114,7 +115,7 @@ def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None
     if region is not None:
         region(address, bufs, sizes, P, 1, threads)
     else:
-        _FN(address)(bufs, sizes, 0, P)
+        call(bufs, sizes, 0, P)
     return out
 
 
