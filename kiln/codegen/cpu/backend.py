@@ -146,17 +146,19 @@ class CpuBackend(Backend):
         `random_bits` as native Threefry over kiln's threads (random_native.py),
         `scatter_along`'s sums natively (scatter_native.py), `convolution` as im2col
         blocks and BLAS GEMMs over kiln's threads (conv_native.py), `take`/`take_along` as
-        native gathers (gather_native.py), `cumsum` as a native scan (scan_native.py)."""
+        native gathers (gather_native.py), `cumsum` as a native scan (scan_native.py), a
+        topk (`sort` with a small limit) as one native pass a line (topk_native.py)."""
         from kiln.codegen.cpu.conv_native import run_convolution
         from kiln.codegen.cpu.gather_native import run_take, run_take_along
         from kiln.codegen.cpu.gemm_complex import run_matmul
         from kiln.codegen.cpu.random_native import run_random_bits
         from kiln.codegen.cpu.scan_native import run_cumsum
+        from kiln.codegen.cpu.topk_native import run_sort
         from kiln.codegen.cpu.scatter_native import run_scatter_along
 
         return {"gemm": run_matmul, "random_bits": run_random_bits, "scatter": run_scatter_along,
                 "conv": run_convolution, "take": run_take, "take_along": run_take_along,
-                "scan": run_cumsum}
+                "scan": run_cumsum, "sort": run_sort}
 
     # -- planning and emission --------------------------------------------------------
     def _plan(self, k: AnyKernel, taken: set, variant: str | bool | None = None) -> _Plan:
