@@ -14,13 +14,18 @@ from kiln.ir.ops.shape import take, take_along
 DTYPES = [np.float32, np.float64, np.int8, np.int16, np.int64, bool, np.complex64, np.complex128]
 
 
+def _cases(dtype, seed):
+    """(x, axis) pairs: random shapes of rank 1-3, values of `dtype`."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        shape = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 4))))
+        yield rng, (rng.standard_normal(shape) * 5).astype(dtype), int(rng.integers(0, len(shape)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_take_matches_the_reference(dtype):
-    rng = np.random.default_rng(0)
-    for trial in range(40):
-        shape = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 4))))
-        x = (rng.standard_normal(shape) * 5).astype(dtype)
-        a = int(rng.integers(0, len(shape)))
+    for rng, x, a in _cases(dtype, 0):
+        shape = x.shape
         idx_shape = tuple(int(v) for v in rng.integers(0, 4, size=int(rng.integers(0, 3))))
         idx = rng.integers(-shape[a], shape[a], size=idx_shape)
         got = gather_native.take(x, idx, a)
@@ -31,11 +36,8 @@ def test_take_matches_the_reference(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_take_along_matches_the_reference(dtype):
-    rng = np.random.default_rng(1)
-    for trial in range(40):
-        shape = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 4))))
-        x = (rng.standard_normal(shape) * 5).astype(dtype)
-        a = int(rng.integers(0, len(shape)))
+    for trial, (rng, x, a) in enumerate(_cases(dtype, 1)):
+        shape = x.shape
         idx_shape = list(shape)
         idx_shape[a] = int(rng.integers(0, 7))
         idx = rng.integers(-shape[a], shape[a], size=tuple(idx_shape)).astype(np.int32 if trial % 2 else np.int64)

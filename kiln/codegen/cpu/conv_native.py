@@ -38,7 +38,7 @@ import numpy as np
 from kiln.codegen.cpu import blas
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
 from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS
-from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.codegen.cpu.llvm_emit import template_args
 
 FLOATS = {np.dtype(np.float32): ("float", "s"), np.dtype(np.float64): ("double", "d")}
 # sizes[]: per group channels, input rows and columns, per group outputs, kernel rows and
@@ -73,17 +73,7 @@ def module_text(ty: str, gemm: str) -> str:
     esize = 8 if ty == "double" else 4
     fn = Fn(module)
     i64 = lambda v: const("i64", v)  # noqa: E731
-    bufs = V("%bufs", "ptr")
-    data = []
-    for k in range(4):
-        slot = fn.gep("ptr", bufs, i64(k))
-        obj = fn.load("ptr", slot, 8)
-        field = fn.gep("i8", obj, i64(NUMPY_DATA_OFFSET))
-        data.append(fn.load("ptr", field, 8))
-    x, w, y, scratch = data
-    s = {}
-    for k, name in enumerate(SIZE_NAMES):
-        s[name] = fn.load("i64", fn.gep("i64", V("%sizes", "ptr"), i64(k)), 8)
+    (x, w, y, scratch), s = template_args(fn, 4, SIZE_NAMES)
     mul, add, sub = (lambda a, b: fn.bin("mul", a, b, "nsw")), (lambda a, b: fn.bin("add", a, b, "nsw")), \
         (lambda a, b: fn.bin("sub", a, b, "nsw"))
     sdiv = lambda a, b: fn.bin("sdiv", a, b)  # noqa: E731

@@ -31,7 +31,8 @@ from functools import lru_cache
 import numpy as np
 
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
-from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.codegen.cpu.llvm_emit import template_args
+from kiln.codegen.cpu.native_pool import run_range
 
 # sizes[]: P, X, Q, I (the index count: take's all, take_along's along the axis), element bytes
 SIZE_NAMES = ("P", "X", "Q", "I", "E")
@@ -41,11 +42,6 @@ _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, c
 _CHECK = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _OBJECTS = ctypes.c_void_p * 3
 INT_TYPES = {1: "i8", 2: "i16", 4: "i32", 8: "i64"}
-
-
-def _data(fn: Fn, bufs: V, k: int) -> V:
-    obj = fn.load("ptr", fn.gep("ptr", bufs, const("i64", k)), 8)
-    return fn.load("ptr", fn.gep("i8", obj, const("i64", NUMPY_DATA_OFFSET)), 8)
 
 
 def module_text() -> str:
@@ -72,10 +68,7 @@ def module_text() -> str:
     module.functions.append(fn.define("define i64 @kiln_gather_check(ptr %idx, i64 %n, i64 %X) nounwind"))
 
     def header(fn):
-        bufs = V("%bufs", "ptr")
-        x, idx, out = (_data(fn, bufs, k) for k in range(3))
-        s = {name: fn.load("i64", fn.gep("i64", V("%sizes", "ptr"), i64(k)), 8)
-             for k, name in enumerate(SIZE_NAMES)}
+        (x, idx, out), s = template_args(fn, 3, SIZE_NAMES)
         return x, idx, out, s
 
     def wrapped(fn, s, v):  # a negative index counts from the end
@@ -185,19 +178,7 @@ def _indices(indices: np.ndarray, size: int) -> np.ndarray | None:
 def _run(name: str, x: np.ndarray, idx: np.ndarray, out: np.ndarray, sizes, total: int) -> None:
     address, call = _functions()[1][name]
     bufs = _OBJECTS(id(x), id(idx), id(out))  # alive until the call returns
-    region = None
-    if out.nbytes >= SPLIT_BYTES and total > 1:
-        from kiln.runtime.threads import parallel_threads
-
-        threads = parallel_threads()
-        if threads > 1:
-            from kiln.codegen.cpu.native_pool import parallel_for
-
-            region = parallel_for()
-    if region is not None:
-        region(address, bufs, sizes, total, 1, min(threads, total))
-    else:
-        call(bufs, sizes, 0, total)
+    run_range(address, call, bufs, sizes, total, out.nbytes >= SPLIT_BYTES)
 
 
 def take(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | None:

@@ -45,6 +45,21 @@ MATH_HEAVY = frozenset(F32_FUNCS)
 NUMPY_DATA_OFFSET = 16  # offsetof(PyArrayObject_fields, data) on 64-bit CPython
 
 
+def template_args(fn, count: int, names: tuple) -> tuple[list, dict]:
+    """The arguments of a template module's `fn(ptr %bufs, ptr %sizes, i64 %begin, i64
+    %end)` (conv, gathers, scan, topk): the data pointers of the `count` array objects
+    in %bufs (their `id`s, read at NUMPY_DATA_OFFSET), and %sizes' words by `names`."""
+    from kiln.codegen.cpu.ir_builder import V, const
+
+    data = []
+    for k in range(count):
+        obj = fn.load("ptr", fn.gep("ptr", V("%bufs", "ptr"), const("i64", k)), 8)
+        data.append(fn.load("ptr", fn.gep("i8", obj, const("i64", NUMPY_DATA_OFFSET)), 8))
+    sizes = {name: fn.load("i64", fn.gep("i64", V("%sizes", "ptr"), const("i64", k)), 8)
+             for k, name in enumerate(names)}
+    return data, sizes
+
+
 class ExprEmitter:
     """Emits Kernel IR scalar expressions into the current block of `fn`, memoized
     within one block scope (LLVM's GVN/LICM take care of the rest)."""

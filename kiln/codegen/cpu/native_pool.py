@@ -235,6 +235,24 @@ def parallel_claim():
     return None if _forked else _steered(_built()).get("claim")
 
 
+def run_range(address: int, call, bufs, sizes, total: int, split: bool, unit: int = 1) -> None:
+    """Run a native `fn(bufs, sizes, begin, end)` (the template modules' ABI: scan, topk,
+    gathers) over [0, total): cut over kiln's threads where `split` (the caller judged the
+    work large enough) and more than one thread is free now, else on the caller's thread
+    by `call` (the function's ctypes object)."""
+    region = threads = None
+    if split and total > 1:
+        from kiln.runtime.threads import parallel_threads
+
+        threads = min(parallel_threads(), total)
+        if threads > 1:
+            region = parallel_for()
+    if region is not None:
+        region(address, bufs, sizes, total, unit, threads)
+    else:
+        call(bufs, sizes, 0, total)
+
+
 def parallel_claim_address() -> int:
     """`parallel_claim`'s address (a prepared call's trampoline); where `native_splits()`."""
     return _built()["claim_address"]

@@ -21,7 +21,8 @@ from functools import lru_cache
 import numpy as np
 
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
-from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.codegen.cpu.llvm_emit import template_args
+from kiln.codegen.cpu.native_pool import run_range
 
 FLOATS = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 SIZE_NAMES = ("P", "X", "Q", "REVERSE")
@@ -39,12 +40,7 @@ def _function(module: Module, ty: str) -> str:
     fn = Fn(module)
     size = 8 if ty == "double" else 4
     i64 = lambda v: const("i64", v)  # noqa: E731
-    data = []
-    for k in range(2):
-        obj = fn.load("ptr", fn.gep("ptr", V("%bufs", "ptr"), i64(k)), 8)
-        data.append(fn.load("ptr", fn.gep("i8", obj, i64(NUMPY_DATA_OFFSET)), 8))
-    x, out = data
-    s = {name: fn.load("i64", fn.gep("i64", V("%sizes", "ptr"), i64(k)), 8) for k, name in enumerate(SIZE_NAMES)}
+    (x, out), s = template_args(fn, 2, SIZE_NAMES)
     reverse = fn.icmp("ne", s["REVERSE"], i64(0))
     last = fn.bin("sub", s["X"], i64(1))
     lines = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), vectorize=False)
@@ -103,19 +99,7 @@ def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None
     sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, int(bool(reverse)))
     bufs = _OBJECTS(id(x), id(out))  # alive until the call returns
     address, call = _entries()[1][x.dtype]
-    region = None
-    if out.size >= SPLIT_ELEMS and P > 1:
-        from kiln.runtime.threads import parallel_threads
-
-        threads = min(parallel_threads(), P)
-        if threads > 1:
-            from kiln.codegen.cpu.native_pool import parallel_for
-
-            region = parallel_for()
-    if region is not None:
-        region(address, bufs, sizes, P, 1, threads)
-    else:
-        call(bufs, sizes, 0, P)
+    run_range(address, call, bufs, sizes, P, out.size >= SPLIT_ELEMS)
     return out
 
 

@@ -23,7 +23,8 @@ from functools import lru_cache
 import numpy as np
 
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
-from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.codegen.cpu.llvm_emit import template_args
+from kiln.codegen.cpu.native_pool import run_range
 
 MAX_LIMIT = 64  # larger limits run the reference's partition
 TYPES = {np.dtype(np.float32): ("float", "i32"), np.dtype(np.float64): ("double", "i64"),
@@ -62,12 +63,7 @@ def _function(module: Module, ty: str, bits: str) -> str:
     end) of x [P, X], the indices of the K best entries into out [P, K] (int64)."""
     fn = Fn(module)
     i64 = lambda v: const("i64", v)  # noqa: E731
-    data = []
-    for k in range(2):
-        obj = fn.load("ptr", fn.gep("ptr", V("%bufs", "ptr"), i64(k)), 8)
-        data.append(fn.load("ptr", fn.gep("i8", obj, i64(NUMPY_DATA_OFFSET)), 8))
-    x, out = data
-    s = {name: fn.load("i64", fn.gep("i64", V("%sizes", "ptr"), i64(k)), 8) for k, name in enumerate(SIZE_NAMES)}
+    (x, out), s = template_args(fn, 2, SIZE_NAMES)
     flip = fn.select(fn.icmp("ne", s["DESCENDING"], i64(0)), i64(-1), i64(0))
     keys = fn.emit(f"alloca i64, i64 {MAX_LIMIT}", "ptr")
     size = 8 if bits == "i64" else 4
@@ -141,19 +137,7 @@ def topk_indices(x: np.ndarray, axis: int, descending: bool, limit: int) -> np.n
     sizes = (ctypes.c_int64 * len(SIZE_NAMES))(X, limit, int(bool(descending)))
     bufs = _OBJECTS(id(x), id(out))  # alive until the call returns
     address, call = _entries()[1][x.dtype]
-    region = None
-    if x.size >= SPLIT_ELEMS and P > 1:
-        from kiln.runtime.threads import parallel_threads
-
-        threads = min(parallel_threads(), P)
-        if threads > 1:
-            from kiln.codegen.cpu.native_pool import parallel_for
-
-            region = parallel_for()
-    if region is not None:
-        region(address, bufs, sizes, P, 1, threads)
-    else:
-        call(bufs, sizes, 0, P)
+    run_range(address, call, bufs, sizes, P, x.size >= SPLIT_ELEMS)
     return out
 
 
