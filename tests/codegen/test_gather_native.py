@@ -22,6 +22,12 @@ def _cases(dtype, seed):
         yield rng, (rng.standard_normal(shape) * 5).astype(dtype), int(rng.integers(0, len(shape)))
 
 
+@pytest.fixture(autouse=True)
+def every_take_native(monkeypatch):
+    """Small takes run the reference (SMALL_TAKE): these tests' are taken natively."""
+    monkeypatch.setattr(gather_native, "SMALL_TAKE", 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_take_matches_the_reference(dtype):
     for rng, x, a in _cases(dtype, 0):

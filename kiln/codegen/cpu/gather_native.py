@@ -38,14 +38,20 @@ from kiln.codegen.cpu.native_pool import run_range
 SIZE_NAMES = ("P", "X", "Q", "I", "E")
 SPLIT_BYTES = 1 << 20  # a gather writing fewer bytes runs on the caller's thread
 SHORT_ROW = 64  # take's rows of fewer bytes are copied element by element, not by memcpy
+# a take of a smaller result runs the reference: np.take is as fast there (a small GPT's
+# embedding lookup, 128 KB: 9.9 us against 7.2), and a program that has none larger does
+# not build this module on its first step (a cold compile's first call)
+SMALL_TAKE = 256 << 10
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _CHECK = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _OBJECTS = ctypes.c_void_p * 3
 INT_TYPES = {1: "i8", 2: "i16", 4: "i32", 8: "i64"}
 
 
-def module_text() -> str:
-    """kiln_gather_check(idx, n, X) -> the first index out of [-X, X) or -1;
+def module_text(keep: tuple = ()) -> str:
+    """(only the functions named in `keep`, when given: each entry is built on its
+    first use, a module of its own, so a program pays LLVM only for what it runs)
+    kiln_gather_check(idx, n, X) -> the first index out of [-X, X) or -1;
     kiln_take(bufs = [x, idx, out], sizes, begin, end): rows [begin, end) of P * I;
     kiln_take_along_E(...): the [I, Q] blocks of p in [begin, end), E bytes an element."""
     module = Module()
@@ -145,45 +151,41 @@ def module_text() -> str:
         fn.stmt("ret void")
         module.functions.append(fn.define(f"define void @kiln_take_along_{size}(ptr %bufs, ptr %sizes, "
                                           "i64 %begin, i64 %end) nounwind"))
+    if keep:
+        module.functions = [f for f in module.functions if f.split("(", 1)[0].rsplit("@", 1)[1] in keep]
     return module.text()
 
 
 @lru_cache(maxsize=None)
-def _entries():
-    """(the jitted module, {name: address}), built once per process (the object code from
-    the glue cache when a process before built it on this machine)."""
+def _entry(name: str):
+    """(the jitted module, the function's address, a ctypes callable of it), its module
+    built once per process (the object code from the glue cache when a process before
+    built it on this machine)."""
     from kiln.codegen.cpu.glue_cache import glue_module
 
-    jitted = glue_module(module_text(), 2)
-    names = ["kiln_gather_check", "kiln_take"] + [f"kiln_take_along_{n}" for n in INT_TYPES] + \
-        [f"kiln_take_small_{n}" for n in INT_TYPES]
-    return jitted, {name: jitted.address(name) for name in names}
-
-
-@lru_cache(maxsize=None)
-def _functions():
-    """(the index check, {name: (address, callable)})"""
-    _, addresses = _entries()
-    return _CHECK(addresses["kiln_gather_check"]), {n: (a, _FN(a)) for n, a in addresses.items()}
+    jitted = glue_module(module_text((name,)), 2)
+    address = jitted.address(name)
+    return jitted, address, (_CHECK if name == "kiln_gather_check" else _FN)(address)
 
 
 def _indices(indices: np.ndarray, size: int) -> np.ndarray | None:
     """The indices as contiguous int64, or None when one is out of [-size, size) (the
     caller runs the reference, which raises its K104)."""
     idx = np.ascontiguousarray(indices, dtype=np.int64)
-    check, _ = _functions()
+    check = _entry("kiln_gather_check")[2]
     return None if check(idx.ctypes.data, idx.size, size) >= 0 else idx
 
 
 def _run(name: str, x: np.ndarray, idx: np.ndarray, out: np.ndarray, sizes, total: int) -> None:
-    address, call = _functions()[1][name]
+    _, address, call = _entry(name)
     bufs = _OBJECTS(id(x), id(idx), id(out))  # alive until the call returns
     run_range(address, call, bufs, sizes, total, out.nbytes >= SPLIT_BYTES)
 
 
 def take(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | None:
     """np.take(x, indices, axis) natively, or None (the caller runs the reference)."""
-    if x.ndim == 0 or indices.dtype.kind not in "iu" or x.dtype.hasobject:
+    if x.ndim == 0 or indices.dtype.kind not in "iu" or x.dtype.hasobject or \
+            x.itemsize * indices.size * x.size // max(x.shape[axis % x.ndim], 1) < SMALL_TAKE:
         return None
     a = axis % x.ndim
     idx = _indices(indices, x.shape[a])

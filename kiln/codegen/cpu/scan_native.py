@@ -69,20 +69,21 @@ def _function(module: Module, ty: str) -> str:
     return fn.define(f"define void @{entry(ty)}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind")
 
 
-def module_text() -> str:
+def module_text(ty: str) -> str:
     module = Module()
-    for ty in FLOATS.values():
-        module.functions.append(_function(module, ty))
+    module.functions.append(_function(module, ty))
     return module.text()
 
 
 @lru_cache(maxsize=None)
-def _entries():
+def _entry(dtype: np.dtype):
+    """(the jitted module, the address, a ctypes callable) of `dtype`'s scan, built on
+    its first use (the glue cache keeps the object code across processes)."""
     from kiln.codegen.cpu.glue_cache import glue_module
 
-    jitted = glue_module(module_text(), 2)
-    addresses = {dtype: jitted.address(entry(ty)) for dtype, ty in FLOATS.items()}
-    return jitted, {dtype: (a, _FN(a)) for dtype, a in addresses.items()}
+    jitted = glue_module(module_text(FLOATS[dtype]), 2)
+    address = jitted.address(entry(FLOATS[dtype]))
+    return jitted, address, _FN(address)
 
 
 def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None:
@@ -98,7 +99,7 @@ def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None
         return out
     sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, int(bool(reverse)))
     bufs = _OBJECTS(id(x), id(out))  # alive until the call returns
-    address, call = _entries()[1][x.dtype]
+    _, address, call = _entry(x.dtype)
     run_range(address, call, bufs, sizes, P, out.size >= SPLIT_ELEMS)
     return out
 

@@ -107,20 +107,21 @@ def _function(module: Module, ty: str, bits: str) -> str:
     return fn.define(f"define void @{entry(ty)}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind")
 
 
-def module_text() -> str:
+def module_text(ty: str, bits: str) -> str:
     module = Module()
-    for ty, bits in TYPES.values():
-        module.functions.append(_function(module, ty, bits))
+    module.functions.append(_function(module, ty, bits))
     return module.text()
 
 
 @lru_cache(maxsize=None)
-def _entries():
+def _entry(dtype: np.dtype):
+    """(the jitted module, the address, a ctypes callable) of `dtype`'s topk, built on
+    its first use (the glue cache keeps the object code across processes)."""
     from kiln.codegen.cpu.glue_cache import glue_module
 
-    jitted = glue_module(module_text(), 2)
-    return jitted, {dtype: (jitted.address(entry(ty)), _FN(jitted.address(entry(ty))))
-                    for dtype, (ty, _) in TYPES.items()}
+    jitted = glue_module(module_text(*TYPES[dtype]), 2)
+    address = jitted.address(entry(TYPES[dtype][0]))
+    return jitted, address, _FN(address)
 
 
 def topk_indices(x: np.ndarray, axis: int, descending: bool, limit: int) -> np.ndarray | None:
@@ -136,7 +137,7 @@ def topk_indices(x: np.ndarray, axis: int, descending: bool, limit: int) -> np.n
         return out
     sizes = (ctypes.c_int64 * len(SIZE_NAMES))(X, limit, int(bool(descending)))
     bufs = _OBJECTS(id(x), id(out))  # alive until the call returns
-    address, call = _entries()[1][x.dtype]
+    _, address, call = _entry(x.dtype)
     run_range(address, call, bufs, sizes, P, x.size >= SPLIT_ELEMS)
     return out
 
