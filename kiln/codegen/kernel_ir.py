@@ -304,7 +304,7 @@ GEMM_VARS = ("gb", "gi", "gj")
 # are run by the backend's template implementation where it has one (TEMPLATE_OF_OP below
 # says which graph op each comes from) and by the op's numpy reference elsewhere.
 TEMPLATE_KINDS = ("gemm", "grouped_gemm", "grouped_gemm_dw", "attention", "random_bits",
-                  "scatter", "conv", "take", "take_along", "scan", "sort")
+                  "scatter", "conv", "take", "take_along", "scan", "sort", "fft")
 
 # graph ops that lower to a template kind rather than a loop nest; a backend's
 # templates() is keyed by the kind, never by these op names
@@ -323,7 +323,9 @@ TEMPLATE_OF_OP = {"grouped_matmul": "grouped_gemm", "grouped_matmul_dw": "groupe
                   # a running sum along an axis (cpu/scan_native.py)
                   "cumsum": "scan",
                   # a sorted order, or its first entries (topk: cpu/topk_native.py)
-                  "sort": "sort"}
+                  "sort": "sort",
+                  # complex transforms along an axis (cpu/fft_native.py: MKL's DFTI)
+                  "fft": "fft"}
 
 
 def template_externs(backend) -> dict:

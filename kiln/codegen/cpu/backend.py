@@ -147,8 +147,10 @@ class CpuBackend(Backend):
         `scatter_along`'s sums natively (scatter_native.py), `convolution` as im2col
         blocks and BLAS GEMMs over kiln's threads (conv_native.py), `take`/`take_along` as
         native gathers (gather_native.py), `cumsum` as a native scan (scan_native.py), a
-        topk (`sort` with a small limit) as one native pass a line (topk_native.py)."""
+        topk (`sort` with a small limit) as one native pass a line (topk_native.py), `fft`
+        through MKL's DFTI where MKL is the BLAS (fft_native.py)."""
         from kiln.codegen.cpu.conv_native import run_convolution
+        from kiln.codegen.cpu.fft_native import run_fft
         from kiln.codegen.cpu.gather_native import run_take, run_take_along
         from kiln.codegen.cpu.gemm_complex import run_matmul
         from kiln.codegen.cpu.random_native import run_random_bits
@@ -158,7 +160,7 @@ class CpuBackend(Backend):
 
         return {"gemm": run_matmul, "random_bits": run_random_bits, "scatter": run_scatter_along,
                 "conv": run_convolution, "take": run_take, "take_along": run_take_along,
-                "scan": run_cumsum, "sort": run_sort}
+                "scan": run_cumsum, "sort": run_sort, "fft": run_fft}
 
     # -- planning and emission --------------------------------------------------------
     def _plan(self, k: AnyKernel, taken: set, variant: str | bool | None = None) -> _Plan:
