@@ -6,7 +6,7 @@ side by side in one process (bench_cpu's `interleaved` turns).
 Rows: pooling, batch norm (training statistics), nearest upsampling and cross entropy
 over class indices (forward, and the gradient with respect to the logits) at the sizes
 of a small ResNet batch and an ImageNet-sized classifier head; sort, topk, gather, an
-embedding lookup and cumsum. Each row's kiln result is
+embedding lookup, cumsum and a complex fft. Each row's kiln result is
 checked against torch's first.
 """
 
@@ -59,6 +59,8 @@ def rows(torch):
         (lambda e, t: T.embedding(t, e)), (table, tokens)
     yield "cumsum along rows, (1024, 1024)", (lambda a: kn.cumsum(a, dim=1)), (lambda a: torch.cumsum(a, 1)), (m,)
     yield "cumsum along columns, (1024, 1024)", (lambda a: kn.cumsum(a, dim=0)), (lambda a: torch.cumsum(a, 0)), (m,)
+    z = (rng.standard_normal((256, 1024)) + 1j * rng.standard_normal((256, 1024))).astype(np.complex64)
+    yield "fft of 256 x 1024 complex64 along rows", (lambda a: kn.fft.fft(a)), (lambda a: torch.fft.fft(a)), (z,)
 
 
 def main() -> int:
