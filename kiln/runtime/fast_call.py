@@ -232,7 +232,7 @@ class FastPlan:
                 raise _NotApplicable  # an input or constant returned: the caller's copy
             if kind[2] is not None:  # a view: the caller's own if its buffer is this call's
                 if slot not in executable._view_roots or kind[1] not in fresh or \
-                        sum(1 for other in returned if other[1] == kind[1]) > 1:
+                        sum(1 for other in returned if other is not None and other[1] == kind[1]) > 1:
                     raise _NotApplicable  # (a view of arena storage, or returned twice: copied)
                 self._return_views = (self._return_views or []) + [(len(self._returns), kind)]
             self._returns.append(kind[1])
