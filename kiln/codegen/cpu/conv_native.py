@@ -4,8 +4,8 @@ threads.
 `convolution` stays an extern step in compiled programs (no loop nest expresses a
 sliding window well), and its numpy reference (kiln/ir/ops/linalg.py, `conv_reference`)
 contracts a `sliding_window_view` with `np.einsum`: a (32, 64, 56, 56) x (64, 64, 3, 3)
-convolution took 180 ms there against torch's 21 ms, a (1, 3, 8, 8) one 119 us against
-5.5 (benchmarks/bench_conv.py). This module is the CPU backend's `conv` template kind
+convolution took 190-204 ms there against torch's 21-42 ms, a (1, 3, 8, 8) one 80-119 us
+against 6 (benchmarks/bench_conv.py). This module is the CPU backend's `conv` template kind
 (`CpuBackend.templates()`), for 1-d and 2-d convolutions of float32 or float64 operands:
 
 - the output of one batch item and group, [O/G, OH * OW] in row-major memory, is cut in
@@ -16,6 +16,10 @@ convolution took 180 ms there against torch's 21 ms, a (1, 3, 8, 8) one 119 us a
   numpy's OpenBLAS held at one thread) writing the output in place;
 - a 1 x 1 kernel at stride 1 without padding reads the input itself as the matrix (no
   copy); a 1-d convolution is a 2-d one of height 1;
+- a kernel wider than its output (a convolution's kernel gradient, whose "kernel" is the
+  cotangent) builds the matrix transposed, runs along kernel rows, and where its items
+  have few outputs puts a thread's items side by side as the columns of ONE GEMM (the
+  weights packed once, not once per item);
 - the blocks (batch items x groups x row blocks) are cut evenly over kiln's threads
   (`native_pool.parallel_for`, one range per thread, so a thread's scratch is the slot
   of its range's first block).
@@ -52,7 +56,7 @@ SIZE_NAMES = ("C", "H", "W", "O", "KH", "KW", "OH", "OW", "SH", "SW", "PH", "PW"
 BLOCK_ELEMS = 1 << 18  # an im2col block of at most ~this many elements (1 MB of float32: L2)
 MERGE_WIDTH = 64  # transposed items with fewer outputs than this are merged into one GEMM
 MERGE_ELEMS = 1 << 23  # ... when a range's scratch stays under this many elements (32 MB float32)
-SPLIT_FLOPS = 1 << 21  # a convolution of fewer multiply-adds runs on the caller's thread
+SPLIT_MACS = 1 << 21  # a convolution of fewer multiply-adds runs on the caller's thread
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _OBJECTS = ctypes.c_void_p * 4
 _SCRATCH = threading.local()  # per calling thread: {dtype: array} reused across calls
@@ -346,7 +350,7 @@ def _prepare(xs: tuple, dtype, ws: tuple, wdtype, strides, padding, dilation, gr
     bh = max(1, min(OH, BLOCK_ELEMS // max(1, ck * OW)))
     nb = -(-OH // bh) if OH > 0 else 0
     total = N * G * nb if ck and OW > 0 else 0
-    if N * O * OH * OW * ck < SPLIT_FLOPS:
+    if N * O * OH * OW * ck < SPLIT_MACS:
         threads = 1
     threads = max(1, min(threads, total))
     align = max(1, -(-total // threads))
