@@ -14,6 +14,20 @@ REFERENCE = registry.get("cumsum").reference
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lines_side_by_side_are_bit_for_bit_the_reference(split_always, monkeypatch, dtype):
+    """Contiguous lines run LANES at a time (then the rest one by one): every count of
+    lines around the group size, both directions, split and not."""
+    monkeypatch.setattr(scan_native, "SPLIT_ELEMS", 1)
+    rng = np.random.default_rng(3)
+    for lines in (1, 7, 8, 9, 16, 17, 33):
+        x = (rng.standard_normal((lines, 29)) * 100).astype(dtype)
+        for reverse in (False, True):
+            got = scan_native.cumsum(x, 1, reverse)
+            want = REFERENCE(x, axis=1, reverse=reverse)
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_bit_for_bit_the_reference(split_always, monkeypatch, dtype):
     monkeypatch.setattr(scan_native, "SPLIT_ELEMS", 1)
     rng = np.random.default_rng(0)

