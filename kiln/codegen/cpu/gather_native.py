@@ -176,10 +176,13 @@ def _indices(indices: np.ndarray, size: int) -> np.ndarray | None:
     return None if check(idx.ctypes.data, idx.size, size) >= 0 else idx
 
 
-def _run(name: str, x: np.ndarray, idx: np.ndarray, out: np.ndarray, sizes, total: int) -> None:
+def _run(name: str, x: np.ndarray, idx: np.ndarray, out: np.ndarray, sizes, total: int,
+         reads: int | None = None) -> None:
+    """`name` over [0, total), split over kiln's threads when the bytes it moves (the
+    output, and `reads`: what it reads, by default as much) reach SPLIT_BYTES."""
     _, address, call = _entry(name)
     bufs = _OBJECTS(id(x), id(idx), id(out))  # alive until the call returns
-    run_range(address, call, bufs, sizes, total, out.nbytes >= SPLIT_BYTES)
+    run_range(address, call, bufs, sizes, total, out.nbytes + (out.nbytes if reads is None else reads) >= SPLIT_BYTES)
 
 
 def take(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | None:
@@ -221,7 +224,9 @@ def take_along(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | No
     out = np.empty(indices.shape, x.dtype)
     if out.size:
         sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, indices.shape[a], x.itemsize)
-        _run(f"kiln_take_along_{x.itemsize}", x, idx, out, sizes, P)
+        # each element may read a cache line of its own (a gather of 64 of a 1024-wide
+        # row reads every line of it): 0.21 ms on one thread, 0.10 on two
+        _run(f"kiln_take_along_{x.itemsize}", x, idx, out, sizes, P, reads=min(x.nbytes, out.size * 64))
     return out
 
 
