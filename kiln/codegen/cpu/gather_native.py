@@ -101,6 +101,17 @@ def module_text(keep: tuple = ()) -> str:
         loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), vectorize=False)
         p, _ = loop.begin()  # the rows of one p: out[p, i, :] = x[p, idx[i], :]
         xrow = fn.bin("mul", p, s["X"])
+        single, several, next_p = fn.new_label("single"), fn.new_label("several"), fn.new_label("next_p")
+        fn.cbr(fn.icmp("eq", s["Q"], i64(1)), single, several)
+        fn.start_block(single)  # along the last dim (an upsampling's columns): one loop LLVM vectorizes
+        elems = CountedLoop(fn, i64(0), s["I"], vectorize=None)
+        i, _ = elems.begin()
+        k = wrapped(fn, s, fn.load("i64", fn.gep("i64", idx, i), 8))
+        fn.store(fn.load(ty, fn.gep(ty, x, fn.bin("add", xrow, k)), size),
+                 fn.gep(ty, out, fn.bin("add", fn.bin("mul", p, s["I"]), i)), size)
+        elems.end()
+        fn.br(next_p)
+        fn.start_block(several)
         rows = CountedLoop(fn, i64(0), s["I"], vectorize=False)
         i, _ = rows.begin()
         k = wrapped(fn, s, fn.load("i64", fn.gep("i64", idx, i), 8))
@@ -112,6 +123,8 @@ def module_text(keep: tuple = ()) -> str:
                  size)
         cols.end()
         rows.end()
+        fn.br(next_p)
+        fn.start_block(next_p)
         loop.end()
         fn.stmt("ret void")
         module.functions.append(fn.define(f"define void @kiln_take_small_{size}(ptr %bufs, ptr %sizes, "
