@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from functools import lru_cache
 
 import numpy as np
 
@@ -40,6 +41,7 @@ _lock = threading.Lock()
 _kept: dict = {}  # (n, count) -> (handle, lock)
 
 
+@lru_cache(maxsize=None)
 def _mkl():
     """MKL's library with the DFTI entry points typed, or None (MKL is not installed).
     It is used whichever BLAS the GEMMs call (on other vendors' CPUs `auto` keeps
@@ -53,13 +55,6 @@ def _mkl():
     return lib
 
 
-_LIB: list = []
-
-
-def _library():
-    if not _LIB:
-        _LIB.append(_mkl())
-    return _LIB[0]
 
 
 def _descriptor(lib, n: int, count: int, stride: int = 1):
@@ -99,7 +94,7 @@ def fft(x: np.ndarray, axis: int, inverse: bool, norm: str) -> np.ndarray | None
     None (the caller runs the reference)."""
     if x.dtype != np.complex64 or x.ndim == 0 or x.size < MIN_POINTS:
         return None
-    lib = _library()
+    lib = _mkl()
     if lib is None:
         return None
     a = axis % x.ndim

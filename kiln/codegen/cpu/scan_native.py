@@ -38,18 +38,27 @@ def entry(ty: str) -> str:
     return f"kiln_cumsum_{ty}"
 
 
-def _function(module: Module, ty: str) -> str:
-    """fn(bufs = [x, out] (array objects), sizes, begin, end): lines p in [begin, end)."""
+def i64(v) -> V:
+    return const("i64", v)
+
+
+def _preamble(module: Module):
+    """A function's start, shared by both scans: (fn, x, out, sizes, step_of), step_of(i)
+    the position of the i-th step of a line (counted from the end where `reverse`)."""
     fn = Fn(module)
-    size = 8 if ty == "double" else 4
-    i64 = lambda v: const("i64", v)  # noqa: E731
     (x, out), s = template_args(fn, 2, SIZE_NAMES)
     reverse = fn.icmp("ne", s["REVERSE"], i64(0))
     last = fn.bin("sub", s["X"], i64(1))
+    return fn, x, out, s, lambda i: fn.select(reverse, fn.bin("sub", last, i), i)
+
+
+def _function(module: Module, ty: str) -> str:
+    """fn(bufs = [x, out] (array objects), sizes, begin, end): lines p in [begin, end)."""
+    fn, x, out, s, step_of = _preamble(module)
+    size = 8 if ty == "double" else 4
     lines = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), vectorize=False)
     p, _ = lines.begin()
     base = fn.bin("mul", fn.bin("mul", p, s["X"]), s["Q"])
-    step_of = lambda i: fn.select(reverse, fn.bin("sub", last, i), i)  # noqa: E731
     first = fn.bin("add", base, fn.bin("mul", step_of(i64(0)), s["Q"]))
     copy = CountedLoop(fn, i64(0), s["Q"], vectorize=None)  # the first step as it is
     q, _ = copy.begin()
@@ -77,13 +86,8 @@ def _interleaved(module: Module, ty: str) -> str:
     [begin, end) of LANES lines each, their running sums side by side. One line's sum is a
     chain of dependent additions (4 cycles each); LANES chains at once keep the adder busy,
     and each line still adds in its own order (the reference's, bit for bit)."""
-    fn = Fn(module)
+    fn, x, out, s, step_of = _preamble(module)
     size = 8 if ty == "double" else 4
-    i64 = lambda v: const("i64", v)  # noqa: E731
-    (x, out), s = template_args(fn, 2, SIZE_NAMES)
-    reverse = fn.icmp("ne", s["REVERSE"], i64(0))
-    last = fn.bin("sub", s["X"], i64(1))
-    step_of = lambda i: fn.select(reverse, fn.bin("sub", last, i), i)  # noqa: E731
     groups = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), vectorize=False)
     g, _ = groups.begin()
     bases = [fn.bin("mul", fn.bin("add", fn.bin("mul", g, i64(LANES)), i64(lane)), s["X"]) for lane in range(LANES)]
