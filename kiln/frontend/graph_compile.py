@@ -180,7 +180,7 @@ def _compile_graph(graph: Graph, backend: str, mode: str, build: bool, device,
         # a cold build with a cache entry to make: LLVM may start on the first kernels
         # while the rest are lowered, and the backend may ready its native glue on another
         # thread while the graph passes run (cpu/stream_build.py)
-        stream = getattr(target, "stream_build", lambda _: None)(len(graph.body.nodes)) \
+        stream = getattr(target, "stream_build", lambda *_, **__: None)(len(graph.body.nodes), graph=graph) \
             if ready is not None and ready[1] is None and mode == "default" and device is None else None
         stages = {}
         pipeline = graph_pipeline(target)

@@ -140,3 +140,36 @@ def test_compiled_embedding_gradient_matches_eager_and_numpy():
     np.add.at(oracle, tokens.reshape(-1), weights.reshape(-1, 16).astype(np.float64))
     np.testing.assert_array_equal(compiled, eager)
     np.testing.assert_allclose(compiled, oracle, rtol=1e-5, atol=1e-5)
+
+
+def test_a_graphs_scatter_entries_are_built_ahead_and_only_the_ones_it_runs():
+    """Each float dtype and sum regime is an entry of its own, built on first use; a
+    cold compile builds the ones its graph's nodes will call on the glue thread
+    (`template_warmers`), so the first step finds them built."""
+    from kiln.codegen.cpu.backend import template_warmers
+
+    rng = np.random.default_rng(8)
+    table = rng.standard_normal((65, 16)).astype(np.float32)
+    tokens = rng.integers(0, 65, (8, 12))
+    weights = rng.standard_normal((8, 12, 16)).astype(np.float32)
+
+    def loss(t, ids, w):
+        return (F.embedding(ids, t) * w).sum()
+
+    graph = kn.trace(kn.grad(loss), table, tokens, weights)
+    assert [n.op for n in graph.body.nodes].count("scatter_along") == 1
+    scatter_native._entry.cache_clear()
+    warmers = template_warmers(graph)
+    assert len(warmers) == 1
+    warmers[0]()
+    assert scatter_native._entry.cache_info().currsize == 1  # float32, one regime only
+    text = scatter_native.module_text((scatter_native.entry("float", True),))
+    assert text.count("define i64 @") == 1
+    got = kn.compile(kn.grad(loss))(table, tokens, weights).numpy()
+    info = scatter_native._entry.cache_info()
+    assert info.currsize == 1 and info.hits >= 1  # the step ran the entry built ahead
+    oracle = np.zeros((65, 16), np.float64)
+    np.add.at(oracle, tokens.reshape(-1), weights.reshape(-1, 16).astype(np.float64))
+    np.testing.assert_allclose(got, oracle, rtol=1e-5, atol=1e-5)
+    # a graph without static operands or of another op yields nothing
+    assert template_warmers(kn.trace(lambda t: t * 2, table)) == []

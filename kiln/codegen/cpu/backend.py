@@ -110,6 +110,23 @@ def _symbol(name: str, taken: set) -> str:
     return symbol
 
 
+def template_warmers(graph) -> list:
+    """Callables building the native template entries `graph`'s nodes will call at run
+    time, in node order (each template module's `warmer(node)`; scatter_native's is the
+    one so far: the other templates' first use is cheap or not in a training step)."""
+    from kiln.codegen.cpu import scatter_native
+
+    found: list = []
+    stack = [graph.body]
+    while stack:
+        for node in stack.pop().nodes:
+            warm = scatter_native.warmer(node)
+            if warm is not None:
+                found.append(warm)
+            stack.extend(node.regions)
+    return found
+
+
 class CpuBackend(Backend):
     """LLVM backend for target "cpu". See the module docstring for the stages."""
 
@@ -293,14 +310,22 @@ class CpuBackend(Backend):
         with meanwhile(*glue):
             return build_objects(self._parts(plans), self._joined, self.options.opt_level, self.options.threads)
 
-    def stream_build(self, graph_nodes: int = 0) -> StreamingBuild | None:
+    def stream_build(self, graph_nodes: int = 0, graph=None) -> StreamingBuild | None:
         """A build fed kernels as they are lowered, LLVM started on the first ones while
         the rest are (stream_build.py); None for one thread (nothing to overlap with).
         `graph_nodes`: the traced graph's top-level nodes (a large one has the split glue
-        built on a thread while its graph passes run)."""
+        built on a thread while its graph passes run, and with it the native template
+        entries its nodes will call: `template_warmers`)."""
         if self.options.threads < 2:
             return None
-        return StreamingBuild(self, native_pool.prepare, graph_nodes)
+        warmers = template_warmers(graph) if graph is not None else []
+
+        def prepare() -> None:
+            native_pool.prepare()
+            for warm in warmers:
+                warm()
+
+        return StreamingBuild(self, prepare, graph_nodes)
 
     def load_built_object_code(self, kernels: Sequence[AnyKernel], blob: bytes,
                                hints: tuple | None = None) -> list[CompiledKernel]:

@@ -155,27 +155,52 @@ fail:
 """
 
 
-def module_text() -> str:
+def module_text(keep: tuple = ()) -> str:
+    """The module of the functions named in `keep` (every one when empty): each entry is
+    built on its first use, a module of its own, so a program pays LLVM only for the
+    dtype and sum mode it runs (the four together took ~60 ms of a cold GPT step's
+    first call, inside its first step)."""
     return "\n".join([
         "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)",
         "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)",
-        *(_function(ty, wide) for ty in FLOATS.values() for wide in (True, False)),
+        *(_function(ty, wide) for ty in FLOATS.values() for wide in (True, False)
+          if not keep or entry(ty, wide) in keep),
         "!0 = distinct !{!0, !1}",
         '!1 = !{!"llvm.loop.vectorize.enable", i1 true}'])
 
 
 @lru_cache(maxsize=None)
-def _jitted():
-    """The jitted module (object code from the glue cache when a process before built it
-    on this machine), kept for the process: its functions are called by address."""
+def _entry(ty: str, wide: bool):
+    """(the jitted module, a ctypes callable of its function), the module built once per
+    process (the object code from the glue cache when a process before built it on this
+    machine) and kept: the function is called by address."""
     from kiln.codegen.cpu.glue_cache import glue_module
 
-    return glue_module(module_text(), 2)
+    name = entry(ty, wide)
+    jitted = glue_module(module_text((name,)), 2)
+    return jitted, _FN(jitted.address(name))
 
 
-@lru_cache(maxsize=None)
 def _fn(ty: str, wide: bool):
-    return _FN(_jitted().address(entry(ty, wide)))
+    return _entry(ty, wide)[1]
+
+
+def warmer(node):
+    """A callable that builds the entry a `scatter_along` graph node will run, ahead of
+    the program's first call (a cold compile runs it on a thread while its graph passes
+    leave a core idle: ~25 ms of LLVM that was inside the first step); None where the
+    node's operands are not static or the reference will run."""
+    if node.op != "scatter_along" or node.attrs.get("mode", "add") != "add":
+        return None
+    x, indices, updates = (v.type for v in node.operands)
+    np_dtype = np.dtype(x.dtype.np_dtype) if x.dtype.np_dtype is not None else None
+    if np_dtype not in FLOATS or updates.dtype != x.dtype or not x.shape:
+        return None
+    if not all(isinstance(d, int) for d in (*x.shape, *indices.shape)):
+        return None
+    wide = math.prod(x.shape) <= 4 * math.prod(indices.shape) + 65536  # as scatter_add's
+    ty = FLOATS[np_dtype]
+    return lambda: _entry(ty, wide)
 
 
 def supports(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: int) -> bool:
