@@ -92,6 +92,7 @@ class Module:
 
 
 _METADATA_REF = re.compile(r"!(\d+)")
+_INT = re.compile(r"-?\d+")
 
 
 def _renumbered(text: str, offset: int) -> str:
@@ -262,7 +263,9 @@ class CountedLoop:
     `llvm.loop.unroll.disable`. Unrolling a loop around a vectorized loop (a column
     reduction's 16 x 32 row loops, fully unrolled) copies the inner loop with its vector
     body, remainder and epilogue each time: compile time and code size grow ~10x and the
-    run time does not improve (benchmarks/results/cpu.md, section llvm_build).
+    run time does not improve (benchmarks/results/cpu.md, section llvm_build). An
+    innermost vectorized loop with loop-carried values (a reduction) gets it too, unless
+    its trip count is a small literal, with an interleave of four unless given (`end`).
     """
 
     def __init__(self, fn: Fn, start: V, stop: V, carried: list[V] = (), vectorize: bool = True,
@@ -307,6 +310,14 @@ class CountedLoop:
         slow = sum(" fdiv " in line or "@llvm.sqrt." in line for line in body)
         return 4 if slow >= self.LONG_CHAIN else None
 
+    # a reduction loop with a literal trip count up to this is left to LLVM's full unrolling
+    TINY_TRIP = 8
+
+    def _tiny(self) -> bool:
+        """Whether the trip count is a literal of at most TINY_TRIP."""
+        a, b = self.start.ref, self.stop.ref
+        return bool(_INT.fullmatch(a) and _INT.fullmatch(b)) and int(b) - int(a) <= self.TINY_TRIP
+
     def end(self, next_values: list[V] = ()):
         fn = self.fn
         latch = fn.block
@@ -317,7 +328,16 @@ class CountedLoop:
             meta = ""  # no hint: LLVM's cost model decides, and says nothing when it declines
         else:
             vectorize = bool(self.vectorize) and innermost_simple
-            meta = fn.module.loop_metadata(vectorize, self._interleave(vectorize), unroll)
+            interleave = self._interleave(vectorize)
+            if vectorize and self.carried and not self._tiny():
+                # a reduction: LLVM fully unrolls a constant-trip loop before vectorizing,
+                # which turned a 64-long row sum into 64 dependent scalar adds (2x slower);
+                # unroll.disable also means one vector per iteration unless asked, so ask
+                # for the four accumulators its cost model gives reductions
+                unroll = False
+                if interleave is None:
+                    interleave = 4
+            meta = fn.module.loop_metadata(vectorize, interleave, unroll)
         fn.br(self.head, meta)
         phis = [f"  {self.i.ref} = phi i64 [ {self.start.ref}, %{self.pre} ], [ {nxt.ref}, %{latch} ]"]
         for p, init, new in zip(self.phis, self.carried, next_values):
