@@ -1,18 +1,25 @@
 """What the CPU backend hands LLVM, sized for a fast build: loops around loops are not
-unrolled (`llvm.loop.unroll.disable`), and a column kernel loads only the reductions an
-expression reads. Each is checked on the emitted or optimized IR and numerically."""
+unrolled (`llvm.loop.unroll.disable`), nor reductions of a constant length (which LLVM
+would unroll before vectorizing), a column kernel loads only the reductions an expression
+reads, and code generation runs without loop strength reduction. Each is checked on the
+emitted or optimized IR and numerically."""
 
 import re
 
 import numpy as np
+import pytest
 
-from kiln.codegen.cpu import CpuBackend
+import kiln as kn
+from kiln.codegen.cpu import CpuBackend, CpuOptions, jit
 from kiln.codegen.cpu.column_reduce import column_friendly
 from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, const
 from kiln.codegen.kernel_ir import (
     IN, OUT, BufferParam, Kernel, Load, Loop, Reduce, ReduceRef, Store, loop_var,
 )
 from kiln.ir import dtypes as dt
+
+from kiln.frontend.graph_compile import compile_graph
+from kiln.runtime.executor import Executable
 
 from tests.codegen.cpu_helpers import check
 from tests.codegen.ir_builders import op
@@ -230,3 +237,60 @@ def test_micro_gemm_text_is_weighted_in_the_build_cost():
         assert pb.module_cost(module, backend._joined) == pb.build_cost(text, weight) == \
             int(len(text) * weight) + pb.CHARS_PER_VECTOR_LOOP * text.count(pb.VECTOR_HINT) + pb.CHARS_PER_KERNEL
     assert 0 < pb.MICRO_TEXT_WEIGHT < 1
+
+
+def test_codegen_runs_without_lsr_and_sets_the_option_back():
+    """While kiln generates code, LLVM's -disable-lsr is on (counted over threads); after
+    the last build it is back to LLVM's default for other llvmlite users. A kernel with
+    many address streams (LSR's costly case) compiles to smaller code without it."""
+    import llvmlite.binding as llvm
+
+    rng = np.random.default_rng(1)
+    cols = [rng.standard_normal((8, 16, 64)).astype(np.float32) for _ in range(6)]
+    program = compile_graph(kn.trace(lambda *xs: [x.sum(dim=(0, 1)) for x in xs], *cols),
+                            "cpu", build=False).program
+    backend = CpuBackend(CpuOptions(threads=1))
+    ks = list(program.kernels.values())
+    blob = backend.object_code(ks)
+    assert jit._lsr_users == 0
+    compiled = dict(zip(program.kernels, backend.load_object_code(ks, blob)))
+    for got, x in zip(Executable(program, compiled).run(cols, {}), cols):
+        np.testing.assert_allclose(got, x.sum((0, 1)), rtol=1e-4, atol=1e-4)
+    text = backend._module_text([backend._plan(backend.legalize(k), set()) for k in ks])
+    sizes = []
+    for disable in (False, True):  # the option as a plain emit sees it, then kiln's scope
+        mod = jit.parse(text)
+        jit.optimize(mod)
+        if disable:
+            sizes.append(len(jit.object_code(mod)))
+        else:
+            sizes.append(len(jit.target_machine(3).emit_object(mod)))
+    assert sizes[1] < sizes[0]
+    assert jit._lsr_users == 0
+    llvm.set_option("kiln", "-disable-lsr=false")  # (what the scope leaves, stated)
+
+
+def test_the_lsr_scope_is_left_on_an_error():
+    with pytest.raises(RuntimeError):
+        with jit._no_codegen_lsr():
+            assert jit._lsr_users == 1
+            raise RuntimeError("boom")
+    assert jit._lsr_users == 0
+
+
+def test_a_row_sum_of_constant_length_is_vectorized_not_unrolled():
+    """LLVM fully unrolled a 64-long row sum before its vectorizer saw it (a chain of 64
+    dependent scalar adds, 2x slower); the loop now says `unroll.disable` with the
+    vectorizer's usual four accumulators."""
+    x = np.random.default_rng(2).standard_normal((512, 64)).astype(np.float32)
+    program = compile_graph(kn.trace(lambda t: (t * t).sum(-1), x), "cpu", build=False).program
+    backend = CpuBackend(CpuOptions(threads=1))
+    (kernel,) = [backend.legalize(k) for k in program.kernels.values()]
+    emitted = backend.render(kernel, "llvm")
+    assert re.search(r'"llvm.loop.interleave.count", i32 4', emitted)
+    optimized = backend.render(kernel, "optimized")
+    body = re.search(r"define [^@]*@[\w.]+\.body\(.*?\n}\n", optimized, re.S).group(0)
+    assert re.search(r"load <\d+ x float>", body)
+    assert len(re.findall(r"load float,", body)) < 16
+    out = kn.compile(lambda t: (t * t).sum(-1))(x)
+    np.testing.assert_allclose(out.numpy(), (x.astype(np.float64) ** 2).sum(-1), rtol=1e-5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Sequence
 
@@ -21,6 +22,39 @@ import llvmlite.binding as llvm
 
 
 _lock = threading.Lock()
+
+# LLVM's loop strength reduction (LSR) runs in code generation. On the small GPT training
+# step it was ~14% of all LLVM time (0.2 of ~1.45 CPU s, most of it on kernels with many
+# address streams: a 14-column reduction's code generation took 81 ms with it, 24 without),
+# and kiln's kernels, its register-tiled GEMMs included (they step their panel pointers
+# themselves), ran no slower without it (benchmarks/results/cpu.md, section
+# session10_lead). So kiln generates code with LSR off: `-disable-lsr`, an LLVM option of
+# the whole process, set only while kiln generates code (`_no_codegen_lsr`).
+CODEGEN_LSR = False  # True: LLVM's default (benchmarks compare the two)
+_lsr_lock = threading.Lock()
+_lsr_users = 0
+
+
+@contextmanager
+def _no_codegen_lsr():
+    """LLVM's code generation without LSR while any kiln build is inside (counted across
+    threads: the option is LLVM's, one per process; it is set back when the last leaves,
+    so other llvmlite users in the process, numba, keep LLVM's default)."""
+    global _lsr_users
+    if CODEGEN_LSR:
+        yield
+        return
+    with _lsr_lock:
+        if _lsr_users == 0:
+            llvm.set_option("kiln", "-disable-lsr=true")
+        _lsr_users += 1
+    try:
+        yield
+    finally:
+        with _lsr_lock:
+            _lsr_users -= 1
+            if _lsr_users == 0:
+                llvm.set_option("kiln", "-disable-lsr=false")
 
 
 @lru_cache(maxsize=None)
@@ -82,11 +116,13 @@ def _pipeline(mod, tm, opt_level: int):
 
 
 def assembly(mod, opt_level: int = 3) -> str:
-    return target_machine(opt_level).emit_assembly(mod)
+    with _no_codegen_lsr():
+        return target_machine(opt_level).emit_assembly(mod)
 
 
 def object_code(mod, opt_level: int = 3) -> bytes:
-    return target_machine(opt_level).emit_object(mod)
+    with _no_codegen_lsr():
+        return target_machine(opt_level).emit_object(mod)
 
 
 def _unlocked(name: str):
@@ -126,9 +162,10 @@ def _compile_alone(text: str, opt_level: int) -> bytes:
     run, emit = _unlocked("LLVMPY_RunNewModulePassManager"), _unlocked("LLVMPY_TargetMachineEmitToMemory")
     if run is None or emit is None:  # an llvmlite without the lock layer: its own calls
         pm.run(mod, pb)
-        return tm.emit_object(mod)
+        with _no_codegen_lsr():
+            return tm.emit_object(mod)
     run(pm, mod, pb)
-    with llvm.ffi.OutputString() as err:
+    with llvm.ffi.OutputString() as err, _no_codegen_lsr():
         buffer = emit(tm, mod, 1, err)
         if not buffer:
             raise RuntimeError(str(err))
@@ -195,10 +232,11 @@ class Jitted:
             base = mod if mod is not None else llvm.parse_assembly("")
             if mod is None:
                 base.triple = target_machine(opt_level).triple
-            self.engine = llvm.create_mcjit_compiler(base, _new_target_machine(opt_level))
-            for blob in objects:
-                self.engine.add_object_file(llvm.ObjectFileRef.from_data(blob))
-            self.engine.finalize_object()
+            with _no_codegen_lsr():  # a module given as IR is compiled here
+                self.engine = llvm.create_mcjit_compiler(base, _new_target_machine(opt_level))
+                for blob in objects:
+                    self.engine.add_object_file(llvm.ObjectFileRef.from_data(blob))
+                self.engine.finalize_object()
 
     def address(self, name: str) -> int:
         addr = self.engine.get_function_address(name)
