@@ -38,6 +38,7 @@ from kiln.codegen.cpu.ir_builder import Module, join_modules
 from kiln.codegen.cpu.llvm_emit import emit_kernel
 from kiln.codegen.cpu.microkernel import emit_micro_gemm, row_blocks
 from kiln.codegen.cpu.parallel_build import MICRO_TEXT_WEIGHT, Engines, build_objects
+from kiln.codegen.cpu.shared_bodies import share_module
 from kiln.codegen.cpu.stream_build import StreamingBuild
 from kiln.codegen.cpu import native_pool
 from kiln.codegen.build_overlap import Deferred, meanwhile
@@ -229,7 +230,7 @@ class CpuBackend(Backend):
             self._emit(module, p)
             if p.micro:
                 module.text_weight = MICRO_TEXT_WEIGHT
-            parts.append(module)
+            parts.append(share_module(module))
         return parts
 
     def _joined(self, parts: Sequence[Module]) -> str:

@@ -72,7 +72,9 @@ def build_objects(plans: Sequence, module_text: Callable[[Sequence], str], opt_l
     """One payload of object code for `plans` (`module_text(plans)` is the text of a module
     holding them; the backend passes kernels already emitted, so that this is a join)."""
     from kiln.codegen.cpu import jit
+    from kiln.codegen.cpu.shared_bodies import merge_twins
 
+    plans = merge_twins(list(plans))  # kernels that differ only in constants: one body
     groups = partition(plans, lambda p: module_cost(p, module_text), threads) \
         if threads > 1 and len(plans) > 1 else [list(plans)]
     if len(groups) == 1:  # one module: the plain build, in the process's LLVM context

@@ -34,6 +34,7 @@ from kiln.codegen import cache_elf
 from kiln.codegen.build_overlap import Deferred, meanwhile
 from kiln.codegen.cpu import jit
 from kiln.codegen.cpu.parallel_build import build_objects, module_cost, partition
+from kiln.codegen.cpu.shared_bodies import merge_twins
 
 # estimated build cost (characters of IR, parallel_build.module_cost) of an early module:
 # ~0.07 s of LLVM here. The GPT step (~850 K in all, ~1.2 s of LLVM) then starts two while
@@ -105,7 +106,7 @@ class StreamingBuild:
             while end < len(self.parts) and size < chunk:
                 size += self.costs[end]
                 end += 1
-            text = self.backend._joined(self.parts[self.sent:end])
+            text = self.backend._joined(merge_twins(self.parts[self.sent:end]))
             self.builds.append(jit.Build(text, self.backend.options.opt_level))
             self.sent, self.unsent = end, self.unsent - size
 
@@ -131,12 +132,13 @@ class StreamingBuild:
                     pass
             with meanwhile(*glue):
                 return self.backend.build_object_code(kernels)
-        rest = self.parts[self.sent:]
         with meanwhile(*glue):
             if not self.builds:  # a program smaller than a chunk: the plain build
                 return build_objects(self.parts, self.backend._joined, o.opt_level, o.threads)
-            size = dict(zip(map(id, rest), self.costs[self.sent:]))
-            groups = partition(rest, lambda p: size[id(p)], o.threads) if rest else []
+            size = dict(zip(map(id, self.parts[self.sent:]), self.costs[self.sent:]))
+            rest = merge_twins(self.parts[self.sent:])  # kernels that differ only in constants
+            groups = partition(rest, lambda p: size.get(id(p)) or module_cost(p, self.backend._joined),
+                               o.threads) if rest else []
             objects = jit.object_codes([self.backend._joined(g) for g in groups], o.opt_level,
                                        started=self.builds)
         return cache_elf.pack_objects(objects)
