@@ -173,16 +173,9 @@ def _parse_text(text: str):
             return False
         params.append((m.group(1), m.group(2)))
     body = text[head.end():]
-    values, starts, pieces, last = [], [], [], 0
-    for m in _LITERAL.finditer(body):
-        starts.append(m.start())
-        values.append(m.group())
-        pieces.append(body[last:m.start()])
-        last = m.end()
-    pieces.append(body[last:])
-    shape = (head.group(2), head.group(3), _LOOP_REF.sub("!llvm.loop !?", "#".join(pieces)))
+    shape = (head.group(2), head.group(3), _LOOP_REF.sub("!llvm.loop !?", _LITERAL.sub("#", body)))
     return {"name": head.group(1), "params": params, "attrs": head.group(3), "head": head.group(0),
-            "body": body, "values": values, "starts": starts, "shape": shape,
+            "body": body, "values": _LITERAL.findall(body), "shape": shape,
             "loop_refs": _LOOP_REF.findall(body)}
 
 
@@ -214,9 +207,10 @@ def _shared(group: list[dict]) -> tuple[str, list[str]] | None:
     """(the shared definition, each member's forwarding body), or None where a differing
     literal is not a plain i64 operand (or there are too many)."""
     first = group[0]
+    starts = [m.start() for m in _LITERAL.finditer(first["body"])]
     columns: dict = {}  # tuple of the members' values -> parameter index
     slots: dict = {}  # literal position -> parameter index
-    for k, start in enumerate(first["starts"]):
+    for k, start in enumerate(starts):
         column = tuple(g["values"][k] for g in group)
         if len(set(column)) == 1:
             continue
@@ -227,7 +221,7 @@ def _shared(group: list[dict]) -> tuple[str, list[str]] | None:
         return None
     name = first["name"] + ".shared"
     pieces, last = [], 0
-    for k, start in enumerate(first["starts"]):
+    for k, start in enumerate(starts):
         if k in slots:
             pieces.append(first["body"][last:start])
             pieces.append(f"%kiln.k{slots[k]}")

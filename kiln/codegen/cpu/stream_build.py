@@ -34,7 +34,7 @@ from kiln.codegen import cache_elf
 from kiln.codegen.build_overlap import Deferred, meanwhile
 from kiln.codegen.cpu import jit
 from kiln.codegen.cpu.parallel_build import build_objects, module_cost, partition
-from kiln.codegen.cpu.shared_bodies import merge_twins
+from kiln.codegen.cpu.shared_bodies import merge_twins, part_key
 
 # estimated build cost (characters of IR, parallel_build.module_cost) of an early module:
 # ~0.07 s of LLVM here. The GPT step (~850 K in all, ~1.2 s of LLVM) then starts two while
@@ -97,6 +97,7 @@ class StreamingBuild:
         self.first[key] = len(self.unique)
         self.unique.append(legal)
         (part,) = self.backend._parts([self.backend._plan(legal, self.taken)])
+        part_key(part)  # parsed now, between kernels, not all at once in `finish`
         self.parts.append(part)
         self.costs.append(module_cost(part, self.backend._joined))
         self.unsent += self.costs[-1]
@@ -139,6 +140,8 @@ class StreamingBuild:
             rest = merge_twins(self.parts[self.sent:])  # kernels that differ only in constants
             groups = partition(rest, lambda p: size.get(id(p)) or module_cost(p, self.backend._joined),
                                o.threads) if rest else []
-            objects = jit.object_codes([self.backend._joined(g) for g in groups], o.opt_level,
-                                       started=self.builds)
+            builds = list(self.builds)  # each module starts as soon as its text is joined
+            for g in groups:
+                builds.append(jit.Build(self.backend._joined(g), o.opt_level))
+            objects = jit.object_codes([], o.opt_level, started=builds)
         return cache_elf.pack_objects(objects)
