@@ -7,10 +7,12 @@ weight and of a [256, 64] one differ in the order of two extents. LLVM's pipelin
 code generation (most of a cold compile) then ran once per twin: the small GPT step's 53
 distinct kernels are 44 shapes of code.
 
-`share` groups a module's kernel bodies (`define internal void @*.body`) whose text is
-equal once every integer literal is blanked out (and their loop metadata nodes are equal),
-and where the members differ only in literals that are plain i64 operands of integer
-arithmetic, comparisons, selects, GEPs or phis. Such a group gets ONE function,
+`merge_twins` (over the one-kernel modules a build deals to its threads) and
+`share_module` (inside one module: a batch's members) group kernel bodies
+(`define internal void @*.body`) whose text is equal once every integer literal is
+blanked out (and their loop metadata nodes are equal), and where the members differ only
+in literals that are plain i64 operands of integer arithmetic, comparisons, selects,
+GEPs, phis or calls of non-intrinsics. Such a group gets ONE function,
 `@FIRST.body.shared`, whose extra trailing i64 parameters stand for the literals that
 differ (one parameter per distinct column of values), and each member's body becomes a
 call of it with its own constants. Everything else (types, vector constants, alignments,
@@ -80,18 +82,19 @@ def merge_twins(parts: list) -> list:
     for i, k in enumerate(keys):
         if k is not None:
             first.setdefault(k, []).append(i)
-    out, taken = [], set()
+    out, taken, apart = [], set(), set()
     for i, part in enumerate(parts):
         if i in taken:
             continue
         members = first.get(keys[i], [i]) if keys[i] is not None else [i]
-        if len(members) < 2:
+        if len(members) < 2 or keys[i] in apart:
             out.append(part)
             continue
         group = [parts[j] for j in members]
         parsed = [_parse(_body_of(g), _metadata_nodes(g.metadata)) for g in group]
         shared = _shared(parsed)
-        if shared is None:
+        if shared is None:  # they differ where a register cannot stand: each alone
+            apart.add(keys[i])
             out.append(part)
             continue
         taken.update(members)
@@ -144,22 +147,28 @@ def _node_text(ref: str, meta: dict, depth: int = 0) -> str:
 
 
 def _parse(text: str, meta: dict) -> dict | None:
-    """A kernel body's parts: header, literals (values and positions), and its key, the
+    """A kernel body's parts: header, parameters, its literals' values, and its key, the
     text with literals blanked and loop metadata resolved (None: not a kernel body)."""
+    global _parsed_chars
     cached = _PARSED.get(text)
     if cached is None:
         cached = _parse_text(text)
-        if len(_PARSED) >= _PARSED_MAX:
+        if _parsed_chars + len(text) > PARSED_CHARS:
             _PARSED.clear()
+            _parsed_chars = 0
         _PARSED[text] = cached
+        _parsed_chars += len(text)
     if cached is False:
         return None
     loops = "|".join(_node_text(r, meta) for r in cached["loop_refs"])
     return dict(cached, key=(cached["shape"], loops))
 
 
-_PARSED: dict = {}  # function text -> its parse (or False): a compile joins a kernel more than once
-_PARSED_MAX = 4096
+# function text -> its parse (or False): a build parses a kernel when it is fed and again
+# when twins merge; the texts kept are bounded (a parse holds ~3 copies of its text)
+_PARSED: dict = {}
+PARSED_CHARS = 4_000_000
+_parsed_chars = 0
 
 
 def _parse_text(text: str):
