@@ -122,10 +122,10 @@ def test_the_cpu_backend_runs_it_for_the_op():
     assert template_externs(CpuBackend())["scatter_along"] is scatter_native.run_scatter_along
 
 
-def test_compiled_embedding_gradient_matches_eager_and_numpy():
-    """The token-embedding gradient of a compiled step (take's vjp: a scatter-add of the
-    rows) against eager kiln and a numpy oracle."""
-    rng = np.random.default_rng(7)
+def _embedding_case(seed):
+    """(table, tokens, weights, the gradient of an embedding loss wrt the table, its
+    float64 oracle): take's vjp is a scatter-add of the weights' rows."""
+    rng = np.random.default_rng(seed)
     table = rng.standard_normal((65, 16)).astype(np.float32)
     tokens = rng.integers(0, 65, (8, 12))
     weights = rng.standard_normal((8, 12, 16)).astype(np.float32)
@@ -133,11 +133,17 @@ def test_compiled_embedding_gradient_matches_eager_and_numpy():
     def loss(t, ids, w):
         return (F.embedding(ids, t) * w).sum()
 
-    grad = kn.grad(loss)
-    compiled = kn.compile(grad)(table, tokens, weights).numpy()
-    eager = grad(kn.tensor(table), kn.tensor(tokens), kn.tensor(weights)).numpy()
     oracle = np.zeros((65, 16), np.float64)
     np.add.at(oracle, tokens.reshape(-1), weights.reshape(-1, 16).astype(np.float64))
+    return table, tokens, weights, kn.grad(loss), oracle
+
+
+def test_compiled_embedding_gradient_matches_eager_and_numpy():
+    """The token-embedding gradient of a compiled step (take's vjp: a scatter-add of the
+    rows) against eager kiln and a numpy oracle."""
+    table, tokens, weights, grad, oracle = _embedding_case(7)
+    compiled = kn.compile(grad)(table, tokens, weights).numpy()
+    eager = grad(kn.tensor(table), kn.tensor(tokens), kn.tensor(weights)).numpy()
     np.testing.assert_array_equal(compiled, eager)
     np.testing.assert_allclose(compiled, oracle, rtol=1e-5, atol=1e-5)
 
@@ -148,15 +154,8 @@ def test_a_graphs_scatter_entries_are_built_ahead_and_only_the_ones_it_runs():
     (`template_warmers`), so the first step finds them built."""
     from kiln.codegen.cpu.backend import template_warmers
 
-    rng = np.random.default_rng(8)
-    table = rng.standard_normal((65, 16)).astype(np.float32)
-    tokens = rng.integers(0, 65, (8, 12))
-    weights = rng.standard_normal((8, 12, 16)).astype(np.float32)
-
-    def loss(t, ids, w):
-        return (F.embedding(ids, t) * w).sum()
-
-    graph = kn.trace(kn.grad(loss), table, tokens, weights)
+    table, tokens, weights, grad, oracle = _embedding_case(8)
+    graph = kn.trace(grad, table, tokens, weights)
     assert [n.op for n in graph.body.nodes].count("scatter_along") == 1
     scatter_native._entry.cache_clear()
     warmers = template_warmers(graph)
@@ -165,11 +164,9 @@ def test_a_graphs_scatter_entries_are_built_ahead_and_only_the_ones_it_runs():
     assert scatter_native._entry.cache_info().currsize == 1  # float32, one regime only
     text = scatter_native.module_text((scatter_native.entry("float", True),))
     assert text.count("define i64 @") == 1
-    got = kn.compile(kn.grad(loss))(table, tokens, weights).numpy()
+    got = kn.compile(grad)(table, tokens, weights).numpy()
     info = scatter_native._entry.cache_info()
     assert info.currsize == 1 and info.hits >= 1  # the step ran the entry built ahead
-    oracle = np.zeros((65, 16), np.float64)
-    np.add.at(oracle, tokens.reshape(-1), weights.reshape(-1, 16).astype(np.float64))
     np.testing.assert_allclose(got, oracle, rtol=1e-5, atol=1e-5)
     # a graph without static operands or of another op yields nothing
     assert template_warmers(kn.trace(lambda t: t * 2, table)) == []
