@@ -35,7 +35,8 @@ _HEADER = re.compile(r"define internal void @([\w.]+)\((.*?)\) ([a-z \"\-]+)\{\n
 _PARAM = re.compile(r"(ptr|i64|i32|i8|i1|float|double)(?: [a-z]+)* (%[\w.]+)")
 _LOOP_REF = re.compile(r"!llvm\.loop !(\d+)")
 _META_REF = re.compile(r"!(\d+)")
-# lines whose i64 operands may be registers: integer arithmetic, icmp, select, GEP, phi
+# lines whose i64 operands may be registers: integer arithmetic, icmp, select, GEP, phi,
+# a call of a function that is not an intrinsic (whose arguments may be immediates only)
 _SAFE_LINE = re.compile(
     r"\s*%[\w.]+ = (?:(?:add|sub|mul|sdiv|udiv|srem|urem|shl|lshr|ashr|and|or|xor)"
     r"(?: nuw| nsw| exact| disjoint)* i64 |icmp [a-z]+ i64 |select i1 [^,]+, i64 "
@@ -92,7 +93,9 @@ def merge_twins(parts: list) -> list:
             continue
         group = [parts[j] for j in members]
         parsed = [_parse(_body_of(g), _metadata_nodes(g.metadata)) for g in group]
-        shared = _shared(parsed)
+        # the merged module keeps the first's metadata: another's functions must not use theirs
+        shared = None if any(_META_REF.search(f) for g in group[1:] for f in g.functions
+                             if not _is_body(f)) else _shared(parsed)
         if shared is None:  # they differ where a register cannot stand: each alone
             apart.add(keys[i])
             out.append(part)
