@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 
 # an integer literal token: not part of a name (%v64, @f_2, !3, i64, label7) nor a float
-_LITERAL = re.compile(r"(?<![\w.%@!#$\-])-?\d+(?![\w.])")
+_LITERAL = re.compile(r"(?<![\w.%@!#$\-])(-?\d+)(?![\w.])")  # split: text, literal, text...
 _HEADER = re.compile(r"define internal void @([\w.]+)\((.*?)\) ([a-z \"\-]+)\{\n")
 _PARAM = re.compile(r"(ptr|i64|i32|i8|i1|float|double)(?: [a-z]+)* (%[\w.]+)")
 _LOOP_REF = re.compile(r"!llvm\.loop !(\d+)")
@@ -185,9 +185,10 @@ def _parse_text(text: str):
             return False
         params.append((m.group(1), m.group(2)))
     body = text[head.end():]
-    shape = (head.group(2), head.group(3), _LOOP_REF.sub("!llvm.loop !?", _LITERAL.sub("#", body)))
+    pieces = _LITERAL.split(body)  # one pass: the text between literals, and the literals
+    shape = (head.group(2), head.group(3), _LOOP_REF.sub("!llvm.loop !?", "#".join(pieces[0::2])))
     return {"name": head.group(1), "params": params, "attrs": head.group(3), "head": head.group(0),
-            "body": body, "values": _LITERAL.findall(body), "shape": shape,
+            "body": body, "values": pieces[1::2], "shape": shape,
             "loop_refs": _LOOP_REF.findall(body)}
 
 
