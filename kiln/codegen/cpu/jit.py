@@ -26,11 +26,12 @@ _lock = threading.Lock()
 # LLVM's loop strength reduction (LSR) runs in code generation. On the small GPT training
 # step it was ~14% of all LLVM time (0.2 of ~1.45 CPU s, most of it on kernels with many
 # address streams: a 14-column reduction's code generation took 81 ms with it, 24 without),
-# and kiln's kernels, its register-tiled GEMMs included (they step their panel pointers
-# themselves), ran no slower without it (benchmarks/results/cpu.md, section
-# session10_lead). So kiln generates code with LSR off: `-disable-lsr`, an LLVM option of
-# the whole process, set only while kiln generates code (`_no_codegen_lsr`).
-CODEGEN_LSR = False  # True: LLVM's default (benchmarks compare the two)
+# while kiln's kernels ran within a few percent of their speed with it: the register-tiled
+# GEMMs (which step their panel pointers themselves) 0-2% slower, row reductions -4 to +5%
+# (benchmarks/bench_lsr.py; results/cpu.md, section session10_lead). So kiln generates
+# code with LSR off: `-disable-lsr`, an LLVM option of the whole process, set only while
+# kiln generates code (`_no_codegen_lsr`).
+CODEGEN_LSR = False  # True: LLVM's default (benchmarks/bench_lsr.py compares the two)
 _lsr_lock = threading.Lock()
 _lsr_users = 0
 

@@ -181,10 +181,6 @@ def _entry(ty: str, wide: bool):
     return jitted, _FN(jitted.address(name))
 
 
-def _fn(ty: str, wide: bool):
-    return _entry(ty, wide)[1]
-
-
 def warmer(node):
     """A callable that builds the entry a `scatter_along` graph node will run, ahead of
     the program's first call (a cold compile runs it on a thread while its graph passes
@@ -232,8 +228,8 @@ def scatter_add(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: i
     base = np.ascontiguousarray(x)
     out = np.empty(x.shape, x.dtype)
     acc = _scratch(x.size) if wide else None
-    bad = _fn(ty, wide)(out.ctypes.data, acc.ctypes.data if acc is not None else None,
-                        idx.ctypes.data, src.ctypes.data, base.ctypes.data, P, X, I, Q)
+    bad = _entry(ty, wide)[1](out.ctypes.data, acc.ctypes.data if acc is not None else None,
+                              idx.ctypes.data, src.ctypes.data, base.ctypes.data, P, X, I, Q)
     if bad >= 0:
         raise index_error("scatter_along", "index", int(idx.flat[bad]), X, negative=True)
     return out
