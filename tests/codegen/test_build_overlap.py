@@ -37,9 +37,18 @@ def test_a_deferred_runs_once_and_keeps_its_error_for_result():
     assert Deferred(lambda: 7).result() == 7  # never run by a build: run by result()
 
 
-def test_a_pending_task_runs_while_the_modules_compile():
+def test_a_pending_task_runs_while_the_modules_compile(monkeypatch):
+    # the builds wait (bounded) for the task before compiling: two tiny modules would
+    # otherwise be done before a loaded machine schedules the waiting thread again
+    compile_alone, released = jit._compile_alone, threading.Event()
+
+    def held(text, opt_level):
+        released.wait(30)
+        return compile_alone(text, opt_level)
+
+    monkeypatch.setattr(jit, "_compile_alone", held)
     seen = []
-    task = Deferred(lambda: seen.append(build_threads()) or "entry")
+    task = Deferred(lambda: seen.append(build_threads()) or released.set() or "entry")
     with meanwhile(task):
         objects = jit.object_codes([GOOD, GOOD.replace("@f", "@g")], 3)
     assert len(objects) == 2 and all(o[:4] == b"\x7fELF" for o in objects)

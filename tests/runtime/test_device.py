@@ -169,18 +169,30 @@ def test_cpu_eager_tensors_count_and_free():
 
 def test_compiled_buffers_come_from_the_cpu_allocator():
     f = kn.compile(lambda x: (x * 2).exp() + 1)
-    x = kn.randn(64, 64, seed=0)  # 16 KiB
+    x = kn.randn(64, 64, seed=0)  # 16 KiB: a small output, np.empty counted by the allocator
     f(x)  # compile; the first call's buffers settle in the cache
     gc.collect()
     base = kn.memory.memory_allocated()
     out = f(x)
-    assert kn.memory.memory_allocated() - base == 16384  # the output's block, while it lives
+    assert kn.memory.memory_allocated() - base == 16384  # the output's bytes, while it lives
     np.testing.assert_allclose(out.numpy(), np.exp(x.numpy() * 2) + 1, rtol=1e-5)
-    address = out.numpy().ctypes.data
     del out
     assert kn.memory.memory_allocated() == base
-    again = f(x)  # the dropped output's block is reused
-    assert again.numpy().ctypes.data == address
+    # past 1 MiB an output is a block of the caching allocator: a dropped one is the next
+    # call's (a small one's address is glibc's to choose, so it is not asserted)
+    big = kn.randn(1024, 512, seed=1)  # 2 MiB
+    f(big)
+    gc.collect()
+    base = kn.memory.memory_allocated()
+    out = f(big)
+    assert kn.memory.memory_allocated() - base == 2 << 20
+    address = out.numpy().ctypes.data
+    np.testing.assert_allclose(out.numpy(), np.exp(big.numpy() * 2) + 1, rtol=1e-5)
+    del out
+    assert kn.memory.memory_allocated() == base
+    reserved = kn.memory.memory_reserved()
+    again = f(big)  # the dropped output's block is reused
+    assert again.numpy().ctypes.data == address and kn.memory.memory_reserved() == reserved
 
 
 def test_runtime_memory_fraction_sets_the_cpu_allocator_limit():
