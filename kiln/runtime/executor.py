@@ -76,7 +76,9 @@ class Executable:
         self._steps = [self._compile_step(i, step) for i, step in enumerate(program.steps)]
         self._timed: list | None = None  # the steps with profiler timing, made on first use
         self._transient_set = frozenset(self._transient)
-        self._view_roots = view_roots(program, self._transient_set) if self.side is None else {}
+        self._extern_results = extern_results(program) if self.side is None else frozenset()
+        self._view_roots = view_roots(program, self._transient_set, self._extern_results) \
+            if self.side is None else {}
         self._uses_arena = bool(program.storage)
 
     # -- building the closures ----------------------------------------------------------
@@ -278,7 +280,8 @@ class Executable:
                 result.append(array)
                 continue
             root = self._view_roots.get(slot)
-            if root is not None and id(env[root]) not in handed:
+            if root is not None and id(env[root]) not in handed and \
+                    (root not in self._extern_results or env[root].flags.owndata):
                 # a view (z.real's pairs as complex, a reshape) of a buffer allocated for
                 # this call that nothing else returns: the caller's own, not copied
                 handed.add(id(env[root]))
@@ -386,12 +389,16 @@ def _first_writers(program: Program) -> dict[int, int]:
     return first
 
 
-def view_roots(program: Program, transient: frozenset) -> dict[int, int]:
+def view_roots(program: Program, transient: frozenset,
+               extern_results: frozenset = frozenset()) -> dict[int, int]:
     """output slot -> the slot it views (through View steps only), for outputs that are
-    views of a buffer allocated fresh on every call (`transient`: a launch's first write)
-    that is not itself an output: such an output is the caller's own memory, and the run
-    returns it as it is instead of copying it (a complex result read as float32 pairs, a
-    reshape). Views of inputs, constants, arena storage or extern results are not here."""
+    views of a buffer made fresh on every call that is not itself an output: `transient`
+    (a launch's first write), or an extern's result (`extern_results`: an embedding's
+    lookup reshaped to the tokens' shape). Such an output is the caller's own memory, and
+    the run returns it as it is instead of copying it (a complex result read as float32
+    pairs, a reshape); an extern's result only where it owns its data (checked per call:
+    `_fresh` made it memory of its own). Views of inputs, constants or arena storage are
+    not here."""
     source = {step.target: step.source for step in program.steps if isinstance(step, View)}
     outputs = set(program.outputs)
     roots = {}
@@ -399,9 +406,16 @@ def view_roots(program: Program, transient: frozenset) -> dict[int, int]:
         root, seen = slot, 0
         while root in source and seen <= len(source):
             root, seen = source[root], seen + 1
-        if root != slot and root in transient and root not in outputs:
+        if root != slot and (root in transient or root in extern_results) and root not in outputs:
             roots[slot] = root
     return roots
+
+
+def extern_results(program: Program) -> frozenset:
+    """Slots an extern step (not a collective) writes: arrays its reference made in
+    that call, which `_fresh` keeps from aliasing an operand."""
+    return frozenset(s for step in program.steps
+                     if isinstance(step, Extern) and not isinstance(step, Collective) for s in step.outputs)
 
 
 def _fresh(result, operands: list):

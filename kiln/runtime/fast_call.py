@@ -224,17 +224,19 @@ class FastPlan:
                 self._extern(executable, program, step, sizes, where, typed, shape_of, dtype_of)
                 extern_results.update(step.outputs)
         self._returns = []
-        self._return_views = None  # [(index in the returns, getter)]: views of fresh buffers
+        # [(index in the returns, getter, made by an extern?)]: views of this call's buffers
+        self._return_views = None
         fresh = {k for k, *_ in self._outputs}
+        made = {typed[s][1] for s in extern_results if typed.get(s, ("",))[0] == "obj"}
         returned = [typed.get(slot) for slot in program.outputs]
         for slot, kind in zip(program.outputs, returned):
             if kind is None or kind[0] != "obj" or kind[1] < self._n_inputs:
                 raise _NotApplicable  # an input or constant returned: the caller's copy
             if kind[2] is not None:  # a view: the caller's own if its buffer is this call's
-                if slot not in executable._view_roots or kind[1] not in fresh or \
+                if slot not in executable._view_roots or (kind[1] not in fresh and kind[1] not in made) or \
                         sum(1 for other in returned if other is not None and other[1] == kind[1]) > 1:
                     raise _NotApplicable  # (a view of arena storage, or returned twice: copied)
-                self._return_views = (self._return_views or []) + [(len(self._returns), kind)]
+                self._return_views = (self._return_views or []) + [(len(self._returns), kind, kind[1] in made)]
             self._returns.append(kind[1])
         self._extern_returns = {typed[s][1] for s in program.outputs if s in extern_results}
         for part in self._parts:
@@ -370,8 +372,10 @@ class FastPlan:
             else:
                 out = [objects[k] for k in self._returns]
             if self._return_views is not None:
-                for i, getter in self._return_views:
+                for i, getter, by_extern in self._return_views:
                     out[i] = _typed(getter, objects)
+                    if by_extern and not objects[getter[1]].flags.owndata:  # as the executor
+                        out[i] = out[i].copy()
             return out
         finally:
             self._lock.release()

@@ -1,7 +1,9 @@
 """The CPU's native `take` and `take_along` (kiln/codegen/cpu/gather_native.py) against
 the ops' numpy references over dtypes (bytes copied: floats, integers, bools, complex),
 axes, index shapes, negative indices and empty ones; an index out of range raises the
-reference's K104; compiled embeddings and torch.gather take them and match torch."""
+reference's K104 (the blocked check finds the first bad index, wherever it lies); compiled
+embeddings and torch.gather take them and match torch, and a compiled embedding hands its
+lookup to the caller reshaped, not copied."""
 
 import numpy as np
 import pytest
@@ -66,6 +68,22 @@ def test_an_index_out_of_range_is_the_references_error():
             run([x, idx], attrs)
 
 
+def test_the_check_finds_the_first_index_out_of_range():
+    check = gather_native._entry("kiln_gather_check")[2]
+    big = np.iinfo(np.int64)
+    for n in (1, 5, gather_native.CHECK_BLOCK - 1, gather_native.CHECK_BLOCK, 3 * gather_native.CHECK_BLOCK + 7):
+        idx = np.random.default_rng(n).integers(-10, 10, n)
+        assert check(idx.ctypes.data, n, 10) == -1  # [-X, X) all in range
+        for at in sorted({0, n // 2, n - 1}):
+            for value in (10, -11, big.max, big.min):
+                bad = idx.copy()
+                bad[at] = value
+                assert check(bad.ctypes.data, n, 10) == at, (n, at, value)
+                if at + 1 < n:  # the first of two is the one reported
+                    bad[-1] = -100
+                    assert check(bad.ctypes.data, n, 10) == at
+
+
 def test_split_gathers_match_on_two_threads(split_always, monkeypatch):
     monkeypatch.setattr(gather_native, "SPLIT_BYTES", 1)
     rng = np.random.default_rng(2)
@@ -92,3 +110,16 @@ def test_compiled_embedding_and_gather_match_torch():
                                                                     torch.from_numpy(table)).numpy())
         np.testing.assert_array_equal(gat(x, idx).numpy(),
                                       torch.gather(torch.from_numpy(x), 1, torch.from_numpy(idx)).numpy())
+
+
+def test_a_compiled_embedding_returns_its_lookup_uncopied():
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((300, 64)).astype(np.float32)
+    tokens, others = rng.integers(0, 300, (2, 8, 16))
+    emb = kn.compile(lambda e, t: kn.nn.functional.embedding(t, e))
+    for _ in range(3):  # the general path, then the prepared call
+        first, second = emb(table, tokens).numpy(), emb(table, others).numpy()
+        np.testing.assert_array_equal(first, table[tokens])  # not overwritten by the next call
+        np.testing.assert_array_equal(second, table[others])
+        # the take's own [128, 64] result, shown as [8, 16, 64]: no copy of it was made
+        assert not first.flags.owndata and first.base.shape == (128, 64)
