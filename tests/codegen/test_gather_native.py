@@ -93,6 +93,12 @@ def test_split_gathers_match_on_two_threads(split_always, monkeypatch):
     x = rng.standard_normal((40, 30, 3)).astype(np.float32)
     idx = rng.integers(0, 30, (40, 9, 3))
     np.testing.assert_array_equal(gather_native.take_along(x, idx, 1), take_along.reference(x, idx, axis=1))
+    for p in (0, 39):  # a bad index in the first or the last thread's rows: the reference's K104
+        bad = idx.copy()
+        bad[p, 4, 1] = 30
+        assert gather_native.take_along(x, bad, 1) is None
+        with pytest.raises(KilnIndexError, match="K104"):
+            gather_native.run_take_along([x, bad], {"axis": 1})
 
 
 def test_compiled_embedding_and_gather_match_torch():

@@ -16,9 +16,11 @@ This module is the CPU backend's `take` and `take_along` template kinds
 - take_along: indices [P, I, Q] (x's dims but the axis; smaller ones run the
   reference), out[p, i, q] = x[p, idx[p, i, q], q], copied as integers of the dtype's size.
 
-One LLVM function checks every index first (a block of CHECK_BLOCK at a time, vectorized)
-and returns the first out of range in C order, for which the reference is run to raise
-its K104; negative indices count from the end. Large gathers are cut over kiln's threads. The functions are
+take's indices are checked first by one LLVM function (a block of CHECK_BLOCK at a time,
+vectorized), which returns the first out of range in C order; take_along checks each p's
+indices (vectorized) on the thread that then gathers them, while they are in its cache,
+and flags a bad one. Either way the reference is then run to raise its K104; negative
+indices count from the end. Large gathers are cut over kiln's threads. The functions are
 built once per machine (the glue cache keeps their object code).
 """
 
@@ -34,7 +36,8 @@ from kiln.codegen.cpu.ir_builder import CountedLoop, Fn, Module, V, const
 from kiln.codegen.cpu.llvm_emit import template_args
 from kiln.codegen.cpu.native_pool import run_range
 
-# sizes[]: P, X, Q, I (the index count: take's all, take_along's along the axis), element bytes
+# sizes[]: P, X, Q, I (the index count: take's all, take_along's along the axis), element
+# bytes; take_along's has one more word, set to 1 where a p's indices had one out of range
 SIZE_NAMES = ("P", "X", "Q", "I", "E")
 SPLIT_BYTES = 1 << 20  # a gather writing fewer bytes runs on the caller's thread
 SHORT_ROW = 64  # take's rows of fewer bytes are copied element by element, not by memcpy
@@ -62,29 +65,20 @@ def module_text(keep: tuple = ()) -> str:
     i64 = lambda v: const("i64", v)  # noqa: E731
 
     fn = Fn(module)  # the check: blocks scanned vectorized, the first bad one element-wise
-    X, n = V("%X", "i64"), V("%n", "i64")
-    width = fn.bin("add", X, X)
-
-    def bad(j):  # j's index outside [-X, X): (v + X) mod 2^64 >= 2X, one unsigned compare
-        v = fn.load("i64", fn.gep("i64", V("%idx", "ptr"), j), 8)
-        return fn.icmp("uge", fn.bin("add", v, X), width)
-
+    X, n, idx = V("%X", "i64"), V("%n", "i64"), V("%idx", "ptr")
     blocks = CountedLoop(fn, i64(0), fn.bin("sdiv", fn.bin("add", n, i64(CHECK_BLOCK - 1)), i64(CHECK_BLOCK)),
                          vectorize=False)
     b, _ = blocks.begin()
     lo = fn.bin("mul", b, i64(CHECK_BLOCK))
     hi = fn.bin("add", lo, i64(CHECK_BLOCK))
     hi = fn.select(fn.icmp("slt", hi, n), hi, n)
-    scan = CountedLoop(fn, lo, hi, carried=[const("i8", 0)])
-    j, (seen,) = scan.begin()
-    (seen,) = scan.end([fn.bin("or", seen, fn.cast("zext", bad(j), "i8"))])
     found, clean = fn.new_label("found"), fn.new_label("clean")
-    fn.cbr(fn.icmp("ne", seen, const("i8", 0)), found, clean)
+    fn.cbr(_any_out_of_range(fn, idx, lo, hi, X), found, clean)
     fn.start_block(found)  # the block holds a bad index: which one comes first
     first = CountedLoop(fn, lo, hi, vectorize=False)
     j, _ = first.begin()
     hit, more = fn.new_label("hit"), fn.new_label("more")
-    fn.cbr(bad(j), hit, more)
+    fn.cbr(_out_of_range(fn, idx, j, X), hit, more)
     fn.start_block(hit)
     fn.stmt(f"ret i64 {j.ref}")
     fn.start_block(more)
@@ -159,6 +153,14 @@ def module_text(keep: tuple = ()) -> str:
         p, _ = outer.begin()
         xrow = fn.bin("mul", p, s["X"])
         last, blocks, next_p = fn.new_label("last"), fn.new_label("blocks"), fn.new_label("next_p")
+        flag, gather = fn.new_label("flag"), fn.new_label("gather")
+        per_p = fn.bin("mul", s["I"], s["Q"])  # p's indices, checked where this thread reads them
+        lo = fn.bin("mul", p, per_p)
+        fn.cbr(_any_out_of_range(fn, idx, lo, fn.bin("add", lo, per_p), s["X"]), flag, gather)
+        fn.start_block(flag)  # nothing read for p: the caller runs the reference (its K104)
+        fn.store(i64(1), fn.gep("i64", V("%sizes", "ptr"), i64(len(SIZE_NAMES))), 8)
+        fn.br(next_p)
+        fn.start_block(gather)
         fn.cbr(fn.icmp("eq", s["Q"], i64(1)), last, blocks)
         fn.start_block(last)  # along the last dim (torch.gather(x, -1, i)): one loop
         rows = CountedLoop(fn, i64(0), s["I"], vectorize=False)
@@ -189,6 +191,20 @@ def module_text(keep: tuple = ()) -> str:
     if keep:
         module.functions = [f for f in module.functions if f.split("(", 1)[0].rsplit("@", 1)[1] in keep]
     return module.text()
+
+
+def _out_of_range(fn, idx: V, j: V, X: V) -> V:
+    """Is idx[j] outside [-X, X)? (v + X) mod 2^64 >= 2X: one unsigned compare."""
+    v = fn.load("i64", fn.gep("i64", idx, j), 8)
+    return fn.icmp("uge", fn.bin("add", v, X), fn.bin("add", X, X))
+
+
+def _any_out_of_range(fn, idx: V, lo: V, hi: V, X: V) -> V:
+    """An i1: is any of idx[lo:hi] outside [-X, X)? A vectorized OR of the flags."""
+    scan = CountedLoop(fn, lo, hi, carried=[const("i8", 0)])
+    j, (seen,) = scan.begin()
+    (seen,) = scan.end([fn.bin("or", seen, fn.cast("zext", _out_of_range(fn, idx, j, X), "i8"))])
+    return fn.icmp("ne", seen, const("i8", 0))
 
 
 @lru_cache(maxsize=None)
@@ -251,17 +267,17 @@ def take_along(x: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | No
     a = axis % x.ndim
     if any(n != d for i, (n, d) in enumerate(zip(indices.shape, x.shape)) if i != a):
         return None
-    idx = _indices(indices, x.shape[a])
-    if idx is None:
-        return None
+    idx = np.ascontiguousarray(indices, dtype=np.int64)  # checked by the gather itself
     x = np.ascontiguousarray(x)
     P, X, Q = math.prod(x.shape[:a]), x.shape[a], math.prod(x.shape[a + 1:])
     out = np.empty(indices.shape, x.dtype)
     if out.size:
-        sizes = (ctypes.c_int64 * len(SIZE_NAMES))(P, X, Q, indices.shape[a], x.itemsize)
+        sizes = (ctypes.c_int64 * (len(SIZE_NAMES) + 1))(P, X, Q, indices.shape[a], x.itemsize, 0)
         # each element may read a cache line of its own (a gather of 64 of a 1024-wide
         # row reads every line of it): 0.21 ms on one thread, 0.10 on two
         _run(f"kiln_take_along_{x.itemsize}", x, idx, out, sizes, P, reads=min(x.nbytes, out.size * 64))
+        if sizes[len(SIZE_NAMES)]:  # an index out of range: the reference raises its K104
+            return None
     return out
 
 
