@@ -251,6 +251,18 @@ def _adaptive(op: str, n: int, x, output_size, reduce: str):
         else tuple(output_size)
     if len(sizes) != n:
         raise KilnArgumentError(f"{op}: output_size must be an int or {n} of them")
+    outs = [x.shape[axis] if out is None else out for axis, out in zip(range(2, 2 + n), sizes)]
+    if all(isinstance(d, int) and isinstance(o, int) and o > 0 and d % o == 0
+           for d, o in zip(x.shape[2:], outs)):
+        # equal bins on every axis: one reshape and ONE reduction over every bin's extent
+        # (a global pool is a row reduction of H*W, not a reduction over H then over W)
+        shape, dims = list(x.shape[:2]), []
+        for size, out in zip(x.shape[2:], outs):
+            shape += [size] if out == 1 else [out, size // out]
+            dims.append(len(shape) - 1)
+        r = x.reshape(*shape)
+        r = mean(r, dim=tuple(dims), keepdim=True) if reduce == "avg" else amax(r, dim=tuple(dims), keepdim=True)
+        return r.reshape(*x.shape[:2], *outs)
     for axis, out in zip(range(2, 2 + n), sizes):
         size = x.shape[axis]
         out = size if out is None else int(out)

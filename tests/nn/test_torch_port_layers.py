@@ -62,13 +62,16 @@ def test_pooling(kind, n, kw):
            compiled=n == 2)
 
 
-@pytest.mark.parametrize("n,size", [(1, 3), (2, (3, 2)), (2, 4), (3, 2)])
+# unequal bins (7 into 3), and equal bins on every axis (one reduction: a global pool,
+# 8 into 4, an axis kept by None or by its own size)
+@pytest.mark.parametrize("n,size", [(1, 3), (2, (3, 2)), (2, 4), (3, 2), (1, 1), (2, 1), (2, (1, 4)),
+                                    (2, (None, 2)), (3, (7, 2, 3)), (3, 1)])
 def test_adaptive_pooling(n, size):
     x = _x(2, 3, *([7, 8, 6][:n]))
     for kind in ("avg", "max"):
         name = f"adaptive_{kind}_pool{n}d"
         _check(lambda x: getattr(F, name)(x, size), lambda x: getattr(TF, name)(x, size), x,
-               compiled=n == 2 and size == (3, 2))
+               compiled=n == 2 and size in ((3, 2), 1, (1, 4)))
 
 
 def test_pool_modules():
