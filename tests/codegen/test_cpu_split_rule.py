@@ -533,6 +533,30 @@ def test_a_wait_for_a_core_backs_off_briefly_unless_other_processes_are_busy(two
     assert split_rule.waited() == threads.BACKOFF_S
 
 
+def test_a_split_that_ran_between_waits_keeps_the_back_off_short(two_threads, monkeypatch):
+    """Waits with splits that ran in between (another library's threads spinning once
+    per turn of a benchmark that alternates it with kiln, every ~0.13 s) each back off
+    SHORT_BACKOFF_S: the burst had ended. Back to back, the wait still doubles. Through
+    Split.report: a clean split after its verdict, and a trial no slower than SLOW x."""
+    clock = [7000.0]
+    monkeypatch.setattr(split_rule.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(split_rule, "others_busy_cpus", lambda: 0.0)
+    monkeypatch.setattr(split_rule, "back_off", lambda seconds: None)
+    monkeypatch.setattr(split_rule, "_backoff", [split_rule.SHORT_BACKOFF_S, float("-inf")])
+    short = split_rule.SHORT_BACKOFF_S
+    decided = split_rule.Split(claim=True, unit=1, max_threads=None)
+    decided.verdict, decided._best = True, 100_000
+    trial = split_rule.Split(claim=True, unit=1, max_threads=None)
+    trial._serial = [200_000]
+    for clean in (lambda: decided.report(2, 110_000), lambda: trial.report(2, 150_000)):
+        for _ in range(5):
+            assert split_rule.waited() == short
+            clock[0] += 0.13
+            clean()  # a split that did not wait: the next wait starts short again
+        assert split_rule.waited() == short and split_rule.waited() == 2 * short  # back to back
+        clean()
+
+
 def _waits(monkeypatch) -> list[int]:
     """The team's running total of join waits, as the test sets it (ns)."""
     total = [0]

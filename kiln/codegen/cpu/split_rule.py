@@ -112,9 +112,13 @@ RUN_WIN = 0.97  # a prepared call's whole run keeps its splits where they gain 3
 # good: BACKOFF_S at once. Where they do not, what took it is this process's own: another
 # library's threads spinning after its calls (torch's OpenMP workers spin ~1-20 ms after
 # each torch call, OpenBLAS's too), a burst that ends soon: SHORT_BACKOFF_S, doubled for
-# each wait within RELAX_S of the back-off before, up to BACKOFF_S. (Beside torch 2t in
-# one process, 200 calls a turn, the batched GEMM's first split of each kiln turn waited
-# ~3 ms and the 0.5 s back-off kept every later turn serial: 120 us a call against 65.)
+# each wait within RELAX_S of the back-off before, up to BACKOFF_S, unless a split ran
+# without waiting since (`split_ran`): the burst that caused the wait had ended. (Beside
+# torch 2t in one process, 200 calls a turn, the batched GEMM's first split of each kiln
+# turn waited ~3 ms and the 0.5 s back-off kept every later turn serial: 120 us a call
+# against 65. With the doubling alone, turns of ~0.13 s, torch's and kiln's in turn, still
+# grew each kiln turn's one wait into a back-off over the whole turn by the fifth turn: a
+# (32, 64, 56, 56) global average pool at 0.88 ms a call against 0.47 split.)
 SHORT_BACKOFF_S = 0.02
 RELAX_S = 1.0
 _backoff = [SHORT_BACKOFF_S, float("-inf")]  # the last back-off's length, and when it began
@@ -138,6 +142,13 @@ def waited() -> float:
     _backoff[:] = [length, now]
     back_off(length)
     return length
+
+
+def split_ran() -> None:
+    """A split ran without waiting for a core: whatever took one before has let go, so
+    the next wait backs off from SHORT_BACKOFF_S again instead of doubling."""
+    if _backoff[1] != float("-inf"):
+        _backoff[:] = [SHORT_BACKOFF_S, float("-inf")]
 
 
 def epoch() -> tuple:
@@ -283,8 +294,10 @@ class Split:
                 if best is not None and ns > SLOW * best and ns > best + SLOW_NS:
                     if self._worker_waited():
                         waited()
-                elif best is None or ns < best:
-                    self._best = ns
+                else:
+                    split_ran()
+                    if best is None or ns < best:
+                        self._best = ns
             return
         if threads > 1:
             self._split.append(ns)
@@ -293,6 +306,8 @@ class Split:
             if serial is not None and ns > SLOW * serial and ns > serial + SLOW_NS \
                     and self._worker_waited():
                 waited()  # a trial that waited for a core: no more trials for a while
+            elif serial is not None and ns <= SLOW * serial:
+                split_ran()
         else:
             self._serial.append(ns)
         quick = len(self._split) == 1 and len(self._serial) == 1
