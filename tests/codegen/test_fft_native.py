@@ -1,6 +1,7 @@
 """The CPU's fft through MKL's DFTI (kiln/codegen/cpu/fft_native.py) against the op's
 reference (pocketfft in complex128) over every axis, both directions and the three
-norms, and compiled transforms and their gradients against torch; small calls and other
+norms, and compiled transforms and their gradients against torch; rows cut into one unit
+per thread (their own descriptors, run on kiln's threads) match too; small calls and other
 dtypes run the reference."""
 
 import numpy as np
@@ -31,6 +32,29 @@ def test_matches_the_reference(monkeypatch, shape):
                 want = REFERENCE(x, axis=axis, inverse=inverse, norm=norm)
                 assert got is not None and got.dtype == np.complex64 and got.shape == want.shape
                 assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [2, 6, 7, 64])
+def test_rows_cut_over_threads_match_the_reference(monkeypatch, rows):
+    from kiln.runtime.threads import get_num_threads, set_num_threads
+
+    monkeypatch.setattr(fft_native, "MIN_POINTS", 1)
+    monkeypatch.setattr(fft_native, "SPLIT_POINTS", 1)
+    before = get_num_threads()
+    set_num_threads(2)
+    try:
+        units = fft_native._units(rows, 256)
+        assert units == (1 if rows % 2 else 2)  # an odd count: whole, on one thread
+        x = _c((rows, 256), 3)
+        for inverse in (False, True):
+            got = fft_native.fft(x, -1, inverse, "ortho")
+            want = REFERENCE(x, axis=1, inverse=inverse, norm="ortho")
+            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+        if units > 1:  # one committed descriptor per unit
+            assert all((256, rows // 2, 1, slot) in fft_native._kept for slot in range(units))
+    finally:
+        set_num_threads(before)
 
 
 def test_small_calls_and_other_dtypes_run_the_reference(monkeypatch):
