@@ -1,7 +1,8 @@
 """The CPU's native topk (kiln/codegen/cpu/topk_native.py): exactly the reference's first
 `limit` entries of the stable order (ties in index order, NaN largest, -0.0 equal to 0.0)
 over float32, float64, int32 and int64, both directions, every limit, one and two
-threads; what it does not take (other axes, large limits, other dtypes) runs the
+threads, in short lines and in lines of many blocks (whose masked pass keeps exactly the
+entries that can enter); what it does not take (other axes, large limits, other dtypes) runs the
 reference; compiled topk and its gradient match torch."""
 
 import numpy as np
@@ -36,6 +37,27 @@ def test_exactly_the_references_first_entries(split_always, monkeypatch, descend
             np.testing.assert_array_equal(got, want, err_msg=f"{x.dtype} {x.shape} k={k}")
             (v, i) = topk_native.run_sort([x], {"axis": x.ndim - 1, "descending": descending, "limit": k})
             np.testing.assert_array_equal(v, values)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_long_lines_keep_exactly_the_references_entries(descending):
+    """Lines of many BLOCKs: after the first, only a mask's candidates are considered."""
+    rng = np.random.default_rng(5)
+    n = 9 * topk_native.BLOCK + 13
+    lines = [rng.integers(-40, 40, size=(6, n)).astype(np.float32),  # many ties
+             rng.choice(SPECIAL, size=(3, n)),  # NaN, -0.0, infinities
+             np.sort(rng.standard_normal((2, n)), axis=1),  # every entry better (ascending values)
+             np.sort(rng.standard_normal((2, n)), axis=1)[:, ::-1].copy(),
+             rng.integers(-50, 50, size=(4, n)).astype(np.int32),
+             rng.integers(-2 ** 62, 2 ** 62, size=(3, n)).astype(np.int64)]
+    x = rng.standard_normal((4, n))
+    x[x > 1.5], x[x < -1.5] = np.nan, -0.0
+    lines.append(x)
+    for x in lines:
+        for k in (1, 2, 7, 10, topk_native.MAX_LIMIT):
+            got = topk_native.topk_indices(x, -1, descending, k)
+            _, want = reduction.sort.reference(x, axis=1, descending=descending, limit=k)
+            np.testing.assert_array_equal(got, want, err_msg=f"{x.dtype} k={k}")
 
 
 def test_what_it_does_not_take_runs_the_reference():
