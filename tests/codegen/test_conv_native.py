@@ -41,6 +41,10 @@ CASES = {
     "1-d": ((3, 4, 20), (6, 4, 5), (2,), ((2, 1),), (1,), 1),
     "transposed (kernel wider than output)": ((3, 4, 12, 12), (5, 4, 11, 10), (1, 1), ((1, 0), (0, 1)), (1, 1), 1),
     "transposed, strided, groups": ((2, 6, 15, 15), (6, 3, 7, 7), (2, 2), ((1, 2), (0, 1)), (2, 2), 2),
+    # stride 2 along rows of 21-40 outputs (the literal-stride copy's vector loop), its
+    # first and last taps in padding on the left and on the right
+    "downsampling, stride 2": ((2, 3, 20, 81), (4, 3, 3, 3), (2, 2), ((1, 1), (1, 2)), (1, 1), 1),
+    "stride 2, dilated": ((1, 2, 9, 47), (3, 2, 2, 3), (1, 2), ((0, 0), (2, 0)), (1, 3), 1),
 }
 
 

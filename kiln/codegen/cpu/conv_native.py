@@ -122,20 +122,33 @@ def module_text(ty: str, gemm: str) -> str:
         fn.start_block(whole)  # the common case: the run is inside, contiguous
         memcpy(dst, src, count)
         fn.br(done)
-        fn.start_block(edges)
-        memset(dst, lo)
-        memset(fn.gep(ty, dst, hi), sub(count, hi))
+        fn.start_block(edges)  # (a strided run inside the row has no edges: no memset calls)
+        for at, n in ((dst, lo), (fn.gep(ty, dst, hi), sub(count, hi))):
+            zero, after = fn.new_label("pad"), fn.new_label("padded")
+            fn.cbr(fn.icmp("sgt", n, i64(0)), zero, after)
+            fn.start_block(zero)
+            memset(at, n)
+            fn.br(after)
+            fn.start_block(after)
         unit_stride, strided = fn.new_label("contiguous"), fn.new_label("strided")
         fn.cbr(fn.icmp("eq", stride, i64(1)), unit_stride, strided)
         fn.start_block(unit_stride)
         memcpy(fn.gep(ty, dst, lo), fn.gep(ty, src, lo), sub(hi, lo))
         fn.br(done)
         fn.start_block(strided)
-        mid = CountedLoop(fn, lo, hi, vectorize=None)
-        t, _ = mid.begin()
-        fn.store(fn.load(ty, fn.gep(ty, src, mul(t, stride)), esize), fn.gep(ty, dst, t), esize)
-        mid.end()
-        fn.br(done)
+        # stride 2 (a downsampling convolution) as a literal: LLVM then loads two vectors
+        # and keeps every other lane; a runtime stride stays one element at a time
+        # (with the memsets below skipped at zero length: 3x3 stride 2, 64 -> 128 ch, 56x56,
+        # batch 32, one thread 31.2 -> 25.3 ms, its GEMMs ~18)
+        two, other = fn.new_label("stride2"), fn.new_label("stride_n")
+        fn.cbr(fn.icmp("eq", stride, i64(2)), two, other)
+        for label, step in ((two, i64(2)), (other, stride)):
+            fn.start_block(label)
+            mid = CountedLoop(fn, lo, hi, vectorize=None)
+            t, _ = mid.begin()
+            fn.store(fn.load(ty, fn.gep(ty, src, mul(t, step)), esize), fn.gep(ty, dst, t), esize)
+            mid.end()
+            fn.br(done)
 
     def row_of(xbase: V, c: V, ih: V) -> tuple[V, V]:
         """(channel c's input row ih, as a plain pointer, and whether ih is inside)"""
