@@ -138,7 +138,7 @@ def module_text(ty: str, gemm: str) -> str:
         fn.start_block(strided)
         # stride 2 (a downsampling convolution) as a literal: LLVM then loads two vectors
         # and keeps every other lane; a runtime stride stays one element at a time
-        # (with the memsets below skipped at zero length: 3x3 stride 2, 64 -> 128 ch, 56x56,
+        # (with the edges' zero-length memsets skipped: 3x3 stride 2, 64 -> 128 ch, 56x56,
         # batch 32, one thread 31.2 -> 25.3 ms, its GEMMs ~18)
         two, other = fn.new_label("stride2"), fn.new_label("stride_n")
         fn.cbr(fn.icmp("eq", stride, i64(2)), two, other)
