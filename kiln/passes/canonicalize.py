@@ -141,6 +141,13 @@ def div_one(b, node):
     return x if _is_one(y) else None
 
 
+def pow_one(b, node):
+    """x ** 1 -> x (the gradient of x ** 2 is 2 * x ** 1: one pow call an element, for
+    the value itself; a faithful pow returns x there, x exactly representable)."""
+    x, y = node.operands
+    return x if x.dtype.is_floating and _is_one(y) else None
+
+
 def idempotent(b, node):
     """max(x, x), min(x, x), and(x, x), or(x, x) -> x."""
     x, y = node.operands
@@ -347,6 +354,7 @@ PATTERNS: dict[str, tuple[Pattern, ...]] = {
     "sub": (sub_zero,),
     "mul": (commute_constant, mul_one, mul_zero),
     "div": (div_one,),
+    "pow": (pow_one,),
     "max": (commute_constant, idempotent),
     "min": (commute_constant, idempotent),
     "and": (commute_constant, idempotent),

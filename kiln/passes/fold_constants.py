@@ -9,7 +9,8 @@ operands is computed once on scalars and stays a `full`, at any size and for sym
 shapes too. Nodes with regions and collectives are never folded, nor is `random_bits` unless its key
 is itself a constant (its bits depend only on the key, so a constant key folds
 exactly). A node whose reference raises (an out-of-range `take` index, ...) is left
-for run time to report.
+for run time to report. A node with a `full` operand that does not fold goes through
+canonicalize's patterns again, since folding may have made the constant they need.
 
     %0 = iota() {dimension=0, dtype=i32, shape=(3,)} : i32[3]
     %1 = full() {dtype=i32, shape=(3,), value=2} : i32[3]        %0 = constant() {dtype=i32, name="k0", shape=(3,)} : i32[3]
@@ -27,6 +28,7 @@ from kiln.ir import registry
 from kiln.ir.emitter import EAGER
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.registry import COLLECTIVE, CONTROL, ELEMENTWISE
+from kiln.passes.canonicalize import canonicalize_node
 from kiln.passes.rewrite import RewriteBuilder, producer_op, rebuild
 
 MAX_FOLD_ELEMENTS = 2 ** 16
@@ -52,6 +54,10 @@ def fold_node(b: RewriteBuilder, node: Node):
     if registry.get(node.op).kind in (CONTROL, COLLECTIVE):
         return None  # a collective's value depends on the other ranks' operands
     if not all(producer_op(v) in LEAVES for v in node.operands):
+        # an operand folded into a constant here (2 - 1, the exponent in x ** 2's
+        # gradient) may let an algebraic pattern apply that canonicalize could not see
+        if any(producer_op(v) == "full" for v in node.operands):
+            return canonicalize_node(b, node)
         return None
     splats = fold_splats(b, node)
     if splats is not None:

@@ -306,6 +306,26 @@ graph @g(%u: i32[4, 3]) -> i32[4, 3]
   return %u
 """),
     "scatters that are not a ramp into +0.0 stay": (SCATTERS_KEPT, SCATTERS_KEPT),
+    "float pow one": ("""
+graph @g(%x: f32[4]) -> f32[4]
+  %0 = full() {dtype=f32, shape=(4,), value=1} : f32[4]
+  %1 = pow(%x, %0) : f32[4]
+  return %1
+""", """
+graph @g(%x: f32[4]) -> f32[4]
+  return %x
+"""),
+    "pow two stays": ("""
+graph @g(%x: f32[4]) -> f32[4]
+  %0 = full() {dtype=f32, shape=(4,), value=2} : f32[4]
+  %1 = pow(%x, %0) : f32[4]
+  return %1
+""", """
+graph @g(%x: f32[4]) -> f32[4]
+  %0 = full() {dtype=f32, shape=(4,), value=2} : f32[4]
+  %1 = pow(%x, %0) : f32[4]
+  return %1
+"""),
 }
 
 

@@ -31,6 +31,25 @@ graph @g(%x: f32[2, 3]) -> f32[2, 3]
 """)
 
 
+def test_a_constant_made_here_lets_an_algebraic_pattern_apply():
+    """The gradient of x ** 2 is 2 * x ** (2 - 1): the exponent folds to 1, then
+    canonicalize's x ** 1 -> x applies (no pow left to run per element)."""
+    assert_rewrites(fold, """
+graph @g(%x: f32[2, 3]) -> f32[2, 3]
+  %0 = full() {dtype=f32, shape=(2, 3), value=2} : f32[2, 3]
+  %1 = full() {dtype=f32, shape=(2, 3), value=1} : f32[2, 3]
+  %2 = sub(%0, %1) : f32[2, 3]
+  %3 = pow(%x, %2) : f32[2, 3]
+  %4 = mul(%3, %0) : f32[2, 3]
+  return %4
+""", """
+graph @g(%x: f32[2, 3]) -> f32[2, 3]
+  %0 = full() {dtype=f32, shape=(2, 3), value=2} : f32[2, 3]
+  %1 = mul(%x, %0) : f32[2, 3]
+  return %1
+""")
+
+
 def test_varying_result_becomes_a_constant():
     assert_rewrites(fold, """
 graph @g(%x: i32[3]) -> i32[3]
