@@ -142,8 +142,8 @@ def div_one(b, node):
 
 
 def pow_one(b, node):
-    """x ** 1 -> x (the gradient of x ** 2 is 2 * x ** 1: one pow call an element, for
-    the value itself; a faithful pow returns x there, x exactly representable)."""
+    """x ** 1 -> x, floats: pow(x, 1) is x exactly, NaN and infinities included (the
+    gradient of x ** 2 is 2 * x ** 1, otherwise a pow call per element for x itself)."""
     x, y = node.operands
     return x if x.dtype.is_floating and _is_one(y) else None
 

@@ -45,7 +45,7 @@ MIN_POINTS = 1 << 12  # a smaller call runs the reference (a descriptor's commit
 SPLIT_POINTS = 1 << 16  # a call along the last axis of fewer points runs whole on one thread
 
 _lock = threading.Lock()
-_kept: dict = {}  # (n, count) -> (handle, lock)
+_kept: dict = {}  # (n, count, stride, slot) -> (handle, lock)
 
 
 @lru_cache(maxsize=None)
@@ -169,7 +169,7 @@ entry:
   %ps = getelementptr i64, ptr %sizes, i64 3
   br label %head
 head:
-  %u = phi i64 [ %begin, %entry ], [ %next, %body ]
+  %u = phi i64 [ %begin, %entry ], [ %next, %done ]
   %more = icmp slt i64 %u, %end
   br i1 %more, label %body, label %exit
 body:
@@ -180,9 +180,11 @@ body:
   %oi = getelementptr i8, ptr %o, i64 %off
   %status = call i64 (ptr, ptr, ...) %fn(ptr %h, ptr %xi, ptr %oi)
   %bad = icmp ne i64 %status, 0
-  %was = load i64, ptr %ps
-  %now = select i1 %bad, i64 %status, i64 %was
-  store i64 %now, ptr %ps
+  br i1 %bad, label %fail, label %done
+fail:                                   ; only a failure is stored: no thread undoes another's
+  store i64 %status, ptr %ps
+  br label %done
+done:
   %next = add i64 %u, 1
   br label %head
 exit:
