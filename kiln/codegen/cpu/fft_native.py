@@ -28,7 +28,7 @@ from functools import lru_cache
 import numpy as np
 
 from kiln.codegen.cpu import blas
-from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.codegen.cpu.llvm_emit import array_data_ir
 
 # mkl_dfti.h
 DFTI_SINGLE_COMPLEX = 32  # DFTI_COMPLEX (domain)
@@ -154,14 +154,7 @@ def _units(count: int, n: int) -> int:
 _UNITS_TEXT = f"""
 define void @kiln_fft_units(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind {{
 entry:
-  %ox = load ptr, ptr %bufs
-  %dx = getelementptr i8, ptr %ox, i64 {NUMPY_DATA_OFFSET}
-  %x = load ptr, ptr %dx
-  %bo = getelementptr ptr, ptr %bufs, i64 1
-  %oo = load ptr, ptr %bo
-  %do = getelementptr i8, ptr %oo, i64 {NUMPY_DATA_OFFSET}
-  %o = load ptr, ptr %do
-  %fn = load ptr, ptr %sizes
+{array_data_ir(("x", "o"))}  %fn = load ptr, ptr %sizes
   %pb = getelementptr i64, ptr %sizes, i64 1
   %bytes = load i64, ptr %pb
   %ph = getelementptr i64, ptr %sizes, i64 2

@@ -28,7 +28,7 @@ import numpy as np
 from kiln.codegen.cpu import blas
 from kiln.codegen.cpu.autotune import SPLIT_MACS, panel_tiles_for
 from kiln.codegen.cpu.jit import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS
-from kiln.codegen.cpu.llvm_emit import NUMPY_DATA_OFFSET
+from kiln.codegen.cpu.llvm_emit import array_data_ir
 
 ENTRY = {np.dtype(np.complex64): ("kiln_cgemm_tiles", "c", "float", 8),
          np.dtype(np.complex128): ("kiln_zgemm_tiles", "z", "double", 16)}
@@ -52,18 +52,7 @@ declare void @{blas}(i32, i32, i32, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr,
 
 define void @{name}(ptr %bufs, ptr %sizes, i64 %begin, i64 %end) nounwind {{
 entry:
-  %oa = load ptr, ptr %bufs
-  %da = getelementptr i8, ptr %oa, i64 {NUMPY_DATA_OFFSET}
-  %pa = load ptr, ptr %da
-  %bb = getelementptr ptr, ptr %bufs, i64 1
-  %ob = load ptr, ptr %bb
-  %db = getelementptr i8, ptr %ob, i64 {NUMPY_DATA_OFFSET}
-  %pb = load ptr, ptr %db
-  %bc = getelementptr ptr, ptr %bufs, i64 2
-  %oc = load ptr, ptr %bc
-  %dc = getelementptr i8, ptr %oc, i64 {NUMPY_DATA_OFFSET}
-  %pc = load ptr, ptr %dc
-{loads}  %mp1 = add i64 %m, %mp
+{array_data_ir(("pa", "pb", "pc"))}{loads}  %mp1 = add i64 %m, %mp
   %mp2 = sub i64 %mp1, 1
   %npr = sdiv i64 %mp2, %mp
   %per = mul i64 %npr, %npc

@@ -45,6 +45,22 @@ MATH_HEAVY = frozenset(F32_FUNCS)
 NUMPY_DATA_OFFSET = 16  # offsetof(PyArrayObject_fields, data) on 64-bit CPython
 
 
+def array_data_ir(names: tuple) -> str:
+    """Hand-written IR lines of a template function's entry: the data pointers of the
+    array objects whose `id`s `%bufs` holds, in order, as `%name` (what `template_args`
+    emits through an Fn)."""
+    lines = []
+    for k, name in enumerate(names):
+        slot = "%bufs"
+        if k:
+            slot = f"%{name}.slot"
+            lines.append(f"  {slot} = getelementptr ptr, ptr %bufs, i64 {k}")
+        lines += [f"  %{name}.obj = load ptr, ptr {slot}",
+                  f"  %{name}.at = getelementptr i8, ptr %{name}.obj, i64 {NUMPY_DATA_OFFSET}",
+                  f"  %{name} = load ptr, ptr %{name}.at"]
+    return "\n".join(lines) + "\n"
+
+
 def template_args(fn, count: int, names: tuple) -> tuple[list, dict]:
     """The arguments of a template module's `fn(ptr %bufs, ptr %sizes, i64 %begin, i64
     %end)` (conv, gathers, scan, topk): the data pointers of the `count` array objects
