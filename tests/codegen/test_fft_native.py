@@ -57,6 +57,24 @@ def test_rows_cut_over_threads_match_the_reference(monkeypatch, rows):
         set_num_threads(before)
 
 
+@needs_mkl
+def test_a_descriptor_freed_after_it_was_found_is_never_used(monkeypatch):
+    """MAX_DESCRIPTORS evicts the oldest: a call that found a descriptor just before sees
+    it gone once it holds its lock (the handle emptied), and the reference runs."""
+    monkeypatch.setattr(fft_native, "MIN_POINTS", 1)
+    x = _c((4, 64), 4)
+    lib = fft_native._mkl()
+    handle, lock = fft_native._descriptor(lib, 64, 4, 1)
+    monkeypatch.setattr(fft_native, "MAX_DESCRIPTORS", 1)
+    fft_native._descriptor(lib, 32, 1, 1, slot=99)  # evicts the (64, 4) descriptor: freed
+    assert handle.value is None and (64, 4, 1, 0) not in fft_native._kept
+    monkeypatch.setattr(fft_native, "_descriptor", lambda *a, **k: (handle, lock))  # found before
+    assert fft_native.fft(x, -1, False, "backward") is None
+    (got,) = fft_native.run_fft([x], {"axis": 1, "inverse": False, "norm": "backward"})
+    want = REFERENCE(x, axis=1, inverse=False, norm="backward")
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
 def test_small_calls_and_other_dtypes_run_the_reference(monkeypatch):
     x = _c((4, 8), 1)
     assert fft_native.fft(x, 1, False, "backward") is None  # below MIN_POINTS

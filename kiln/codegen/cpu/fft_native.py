@@ -93,6 +93,7 @@ def _descriptor(lib, n: int, count: int, stride: int = 1, slot: int = 0):
                 old, old_lock = _kept.pop(old_key)
                 with old_lock:  # (a call still computing with it finishes first)
                     lib.DftiFreeDescriptor(ctypes.byref(old))
+                    old.value = None  # a call that found it before: sees it gone, not freed memory
         _kept[key] = found
     return found
 
@@ -126,6 +127,8 @@ def fft(x: np.ndarray, axis: int, inverse: bool, norm: str) -> np.ndarray | None
         handle, lock = found
         block = n * inner * x.itemsize
         with lock:
+            if handle.value is None:  # freed for a newer one since it was found: the reference
+                return None
             for k in range(outer if inner > 1 else 1):
                 if compute(handle, ctypes.c_void_p(x.ctypes.data + k * block),
                            ctypes.c_void_p(out.ctypes.data + k * block)) != 0:
@@ -200,20 +203,23 @@ def _units_entry():
 
 def _split_rows(lib, compute, x: np.ndarray, out: np.ndarray, n: int, count: int, units: int) -> bool:
     """`count` transforms of `n` points along x's rows into `out`, as `units` equal runs
-    on kiln's threads, each run's descriptor its own; False where MKL refused one."""
+    on kiln's threads, each run's descriptor its own; False where MKL refused one or one
+    was freed (for a newer one) between finding it and locking it."""
     from kiln.codegen.cpu.native_pool import run_range
 
     found = [_descriptor(lib, n, count // units, 1, slot) for slot in range(units)]
     if any(f is None for f in found):
         return False
     _, address, call = _units_entry()
-    handles = (ctypes.c_void_p * units)(*(handle.value for handle, _ in found))
-    sizes = (ctypes.c_int64 * 4)(ctypes.cast(compute, ctypes.c_void_p).value, count // units * n * x.itemsize,
-                                 ctypes.addressof(handles), 0)
     bufs = (ctypes.c_void_p * 2)(id(x), id(out))  # x, out, handles alive until it returns
     with contextlib.ExitStack() as held:  # in slot order: no descriptor freed while in use
         for _, lock in found:
             held.enter_context(lock)
+        if any(handle.value is None for handle, _ in found):  # one freed since: the reference
+            return False
+        handles = (ctypes.c_void_p * units)(*(handle.value for handle, _ in found))
+        sizes = (ctypes.c_int64 * 4)(ctypes.cast(compute, ctypes.c_void_p).value, count // units * n * x.itemsize,
+                                     ctypes.addressof(handles), 0)
         run_range(address, call, bufs, sizes, units, True)
     return sizes[3] == 0
 
