@@ -38,6 +38,7 @@ from kiln import memory_limits
 from kiln.errors import KilnError
 from kiln.ir import dtypes as dt
 from kiln.ir.emitter import EAGER, is_python_scalar
+from kiln.ir.ops import erf_reference
 from kiln.ir.quiet_numpy import _QUIET, _extobj_contextvar as _ERRSTATE, quiet_state
 from kiln.ir.shapes import broadcast_shapes
 from kiln.ir.types import TensorType
@@ -56,6 +57,17 @@ _SCALAR_OK = frozenset({"add", "sub", "mul", "div", "pow", "max", "min", "rem", 
 _SCALARS = (bool, int, float)  # the Python scalars the lean path takes (exact types)
 
 _new = object.__new__
+
+
+def _native_erf(x, name: str):
+    """erf/erfc of a large float array by the CPU's loop over libm (the references'
+    exact values), imported on the first call: kiln's import builds nothing."""
+    from kiln.codegen.cpu.special_native import compute
+
+    return compute(x, name)
+
+
+erf_reference.NATIVE = _native_erf
 _alike = EAGER._alike  # (op, dtype, shape, arity) -> plan; EAGER clears it in place
 
 # dispatch's thread-local state (defined here, where the hot path reads it): `stack` holds
