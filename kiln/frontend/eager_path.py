@@ -57,6 +57,7 @@ _SCALAR_OK = frozenset({"add", "sub", "mul", "div", "pow", "max", "min", "rem", 
 _SCALARS = (bool, int, float)  # the Python scalars the lean path takes (exact types)
 
 _new = object.__new__
+_alike = EAGER._alike  # (op, dtype, shape, arity) -> plan; EAGER clears it in place
 
 
 def _native_erf(x, name: str):
@@ -68,7 +69,6 @@ def _native_erf(x, name: str):
 
 
 erf_reference.NATIVE = _native_erf
-_alike = EAGER._alike  # (op, dtype, shape, arity) -> plan; EAGER clears it in place
 
 # dispatch's thread-local state (defined here, where the hot path reads it): `stack` holds
 # the active traces, `device` the device of the results dispatch.wrap makes

@@ -251,7 +251,7 @@ def _adaptive(op: str, n: int, x, output_size, reduce: str):
         else tuple(output_size)
     if len(sizes) != n:
         raise KilnArgumentError(f"{op}: output_size must be an int or {n} of them")
-    outs = [x.shape[axis] if out is None else out for axis, out in zip(range(2, 2 + n), sizes)]
+    outs = [x.shape[axis] if out is None else int(out) for axis, out in zip(range(2, 2 + n), sizes)]
     if all(isinstance(d, int) and isinstance(o, int) and o > 0 and d % o == 0
            for d, o in zip(x.shape[2:], outs)):
         # equal bins on every axis: one reshape and ONE reduction over every bin's extent

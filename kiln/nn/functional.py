@@ -151,7 +151,7 @@ def _pick(logp, target, class_dim: int):
     classes = logp.shape[class_dim]
     index = dt.int32 if isinstance(classes, int) and classes < 2 ** 31 else dt.int64
     # int32 where the classes fit (a target past them is check_index's error first):
-    # the compare runs on twice the lanes of int64 (a (4096, 1000) loss: 1.36 -> 1.2 ms)
+    # the compare runs on twice the lanes of int64 (a (4096, 1000) loss: 1.36 -> 1.29 ms)
     iota = reshape(arange(classes, dtype=index),
                    tuple(classes if i == class_dim else 1 for i in range(logp.ndim)))
     hit = eq(unsqueeze(to(target, index), class_dim), iota)

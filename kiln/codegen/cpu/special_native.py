@@ -6,10 +6,11 @@ math.erf itself; math.erf is the C library's `erf` (measured: equal on 201 K dou
 here). numpy has no erf, so the reference is float64 numpy (~60 passes, exact by a
 recheck of the values whose rounding is in doubt): 2^20 float32 values took 58 ms,
 torch 0.24 (benchmarks/bench_eager.py). This module is one loop per dtype and function
-that widens each element to double and calls libm's `erf`/`erfc`, a float64 result as
-the numpy path's: rounded by the caller, the value the reference defines, bit for bit
-(float64 inputs: math.erf itself), at libm's scalar speed, cut over kiln's threads. kiln/frontend/eager_path.py hands `compute` (imported on first use) to the
-reference module, which keeps its numpy path for small arrays and other dtypes.
+that widens each element to double and calls libm's `erf`/`erfc`. Its float64 result,
+as the numpy path's, is rounded by the caller to the value the reference defines, bit for
+bit (float64 inputs: math.erf itself), at libm's scalar speed, cut over kiln's threads.
+kiln/frontend/eager_path.py hands `compute` (imported on first use) to the reference
+module, which keeps its numpy path for small arrays and other dtypes.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ def entry(name: str, ty: str) -> str:
 
 
 def module_text(name: str, ty: str) -> str:
-    """fn(bufs = [x, out] (array objects), sizes = [n], begin, end): out[i] =
+    """fn(bufs = [x, out] (array objects), sizes (unread), begin, end): out[i] =
     name((double) x[i]) for i in [begin, end), out float64 as the numpy path's (the
     caller rounds once: to float32, or straight to float16 where it widened them)."""
     module = Module()
     module.declare(name, f"declare double @{name}(double) nounwind")
     fn = Fn(module)
-    (x, out), _ = template_args(fn, 2, ("N",))
+    (x, out), _ = template_args(fn, 2, ())
     size = 8 if ty == "double" else 4
     loop = CountedLoop(fn, V("%begin", "i64"), V("%end", "i64"), vectorize=False)
     i, _ = loop.begin()
@@ -76,7 +77,7 @@ def compute(x: np.ndarray, name: str) -> np.ndarray | None:
     x = np.ascontiguousarray(x)
     out = np.empty(x.shape, np.float64)
     _, address, call = _entry(name, x.dtype)
-    sizes = (ctypes.c_int64 * 1)(x.size)
+    sizes = (ctypes.c_int64 * 1)()  # the ABI's sizes: the loop reads none
     bufs = _OBJECTS(id(x), id(out))  # alive until the call returns
     run_range(address, call, bufs, sizes, x.size, x.size >= SPLIT_ELEMS)
     return out
